@@ -1,0 +1,26 @@
+"""zero_fx graph passes: each ``fn(gm: GraphModule, plan: ShardPlan) -> GraphModule``.
+
+Passes never import the runtime (``zero_fx``); they read the plan and node
+metadata only. See README.md in this folder for what every graph between
+passes satisfies.
+"""
+
+from .annotate_phases import annotate_phases
+from .check_invariants import InvariantError, check_invariants
+from .gather_params import gather_params
+from .pipeline import PASS_ORDER, NamedPass, build_pipeline, run_pipeline
+from .recompute_param_views import recompute_param_views
+from .reduce_grads import reduce_grads
+
+__all__ = [
+    "PASS_ORDER",
+    "InvariantError",
+    "NamedPass",
+    "annotate_phases",
+    "build_pipeline",
+    "check_invariants",
+    "gather_params",
+    "recompute_param_views",
+    "reduce_grads",
+    "run_pipeline",
+]

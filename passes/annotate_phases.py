@@ -1,0 +1,52 @@
+"""annotate_phases: mark every node as forward or backward."""
+
+from __future__ import annotations
+
+from torch.fx import GraphModule
+
+from .predicates import PHASE_META, Phase, grad_slots, is_gradient_seed
+
+
+def annotate_phases(gm: GraphModule, plan=None) -> GraphModule:
+    """Set ``node.meta["zero_phase"]`` on every node.
+
+    Requires: a captured step graph (forward, then the backward that autograd
+    started from ``ones_like(loss)``).
+    Ensures: a node is BACKWARD iff it is reachable from a gradient seed; every
+    other node is FORWARD. A node computed late but depending only on forward
+    values (e.g. ``t(t(weight))``) counts as forward: that is what lets
+    ``recompute_param_views`` find it.
+    Does nothing to the graph's code; a graph with no seed is all forward.
+    """
+    seeds = _gradient_seeds(gm)
+    backward = set()
+    for node in gm.graph.nodes:
+        if node in seeds or any(arg in backward for arg in node.all_input_nodes):
+            backward.add(node)
+    for node in gm.graph.nodes:
+        node.meta[PHASE_META] = Phase.BACKWARD if node in backward else Phase.FORWARD
+    return gm
+
+
+def _gradient_seeds(gm: GraphModule) -> set:
+    """``ones_like`` of a scalar that some gradient output depends on.
+
+    A forward ``ones_like`` (a mask, say) is not a seed: it is either not
+    scalar or feeds no gradient except through the loss.
+    """
+    output = gm.graph.output_node()
+    outs = output.args[0]
+    grads = [outs[i] for i in grad_slots(gm) if outs[i] is not None]
+    ancestors, stack = set(), list(grads)
+    while stack:
+        node = stack.pop()
+        if node in ancestors:
+            continue
+        ancestors.add(node)
+        stack.extend(node.all_input_nodes)
+    return {
+        node
+        for node in ancestors
+        if is_gradient_seed(node)
+        and getattr(node.meta.get("val"), "ndim", None) == 0
+    }

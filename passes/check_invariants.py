@@ -1,0 +1,49 @@
+"""check_invariants: the graph keeps the promises in passes/README.md, or we stop."""
+
+from __future__ import annotations
+
+from torch.fx import GraphModule
+
+from .predicates import Phase, gathered_param, is_collective, is_wait, phase_of
+
+
+class InvariantError(AssertionError):
+    """A pass produced a graph that breaks an invariant: a zero_fx bug, please report it."""
+
+
+def check_invariants(gm: GraphModule, plan) -> GraphModule:
+    """Raise ``InvariantError`` if the graph breaks an invariant; never changes it.
+
+    Checks: every collective has exactly one wait; in stage 3, nothing that
+    depends only on a forward-gathered parameter is read by a backward node
+    (the full parameter is released at the end of its forward region).
+    """
+    for node in gm.graph.nodes:
+        if is_collective(node):
+            waits = [u for u in node.users if is_wait(u)]
+            if len(waits) != 1 or len(node.users) != 1:
+                raise InvariantError(
+                    f"collective {node.name} must have exactly one user, a wait; has {list(node.users)}"
+                )
+    if plan.stage == 3:
+        _check_release(gm)
+    return gm
+
+
+def _check_release(gm: GraphModule) -> None:
+    forward_full = set()  # forward values that are (views of) a forward-gathered parameter
+    for node in gm.graph.nodes:
+        gathered = gathered_param(node)
+        if gathered is not None and gathered[1] is Phase.FORWARD:
+            forward_full.add(node)
+        elif phase_of(node) is Phase.FORWARD and node.all_input_nodes and all(
+            i in forward_full for i in node.all_input_nodes
+        ):
+            forward_full.add(node)
+        elif phase_of(node) is Phase.BACKWARD and node.op != "output":
+            leaked = [i for i in node.all_input_nodes if i in forward_full]
+            if leaked:
+                raise InvariantError(
+                    f"backward node {node.name} reads {leaked[0].name}, a forward-gathered "
+                    "parameter: the full parameter would stay alive across the step"
+                )

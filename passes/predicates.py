@@ -1,0 +1,75 @@
+"""Node predicates shared by every pass. Passes are specialised by these, never copied."""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import torch
+from torch.fx import Node
+
+_c10d = torch.ops._c10d_functional
+
+PARAM_META = "zero_param"
+"""Placeholder meta key: the parameter's name in the shard plan."""
+PHASE_META = "zero_phase"
+"""Node meta key: the node's ``Phase`` (set by ``annotate_phases``, kept by every pass)."""
+GATHERED_META = "zero_gathered"
+"""Node meta key on the node that yields a gathered full parameter: ``(name, Phase)``."""
+GRAD_SLOTS_META = "zero_grad_slots"
+"""GraphModule meta key: ``{output index: parameter name}`` for the gradient outputs."""
+
+
+class Phase(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+def is_param_input(node: Node) -> bool:
+    return node.op == "placeholder" and PARAM_META in node.meta
+
+
+def param_name(node: Node) -> str:
+    return node.meta[PARAM_META]
+
+
+def phase_of(node: Node) -> Phase:
+    return node.meta.get(PHASE_META, Phase.FORWARD)
+
+
+def _target_is(node: Node, *ops) -> bool:
+    return node.op == "call_function" and node.target in ops
+
+
+def is_all_gather(node: Node) -> bool:
+    return _target_is(node, _c10d.all_gather_into_tensor.default)
+
+
+def is_reduce_scatter(node: Node) -> bool:
+    return _target_is(node, _c10d.reduce_scatter_tensor.default)
+
+
+def is_all_reduce(node: Node) -> bool:
+    return _target_is(node, _c10d.all_reduce.default)
+
+
+def is_collective(node: Node) -> bool:
+    return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node)
+
+
+def is_wait(node: Node) -> bool:
+    return _target_is(node, _c10d.wait_tensor.default)
+
+
+def is_gradient_seed(node: Node) -> bool:
+    """The ``ones_like(loss)`` that autograd starts the backward from."""
+    return _target_is(node, torch.ops.aten.ones_like.default)
+
+
+def gathered_param(node: Node) -> Optional[tuple[str, Phase]]:
+    """``(name, phase)`` if ``node`` yields a gathered full parameter, else None."""
+    return node.meta.get(GATHERED_META)
+
+
+def grad_slots(gm: torch.fx.GraphModule) -> dict[int, str]:
+    return gm.meta.get(GRAD_SLOTS_META, {})

@@ -1,0 +1,55 @@
+"""Insert tensor code into a graph: trace it with make_fx, copy its nodes in.
+
+Passes write what they insert as ordinary tensor code (``gather_full``,
+``reduce_grad_shard``); ``splice`` traces it on the fake values of the nodes it
+will read, so every inserted node carries a correct ``meta["val"]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx import Graph, Node
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .predicates import PHASE_META, Phase
+
+
+def splice(
+    graph: Graph,
+    fn: Callable[..., torch.Tensor],
+    inputs: Sequence[Node],
+    *,
+    before: Node,
+    phase: Phase,
+) -> Node:
+    """Insert ``fn(*inputs)`` before ``before``; return the node of its (single) result.
+
+    Every inserted node is tagged with ``phase``.
+    """
+    vals = [n.meta["val"] for n in inputs]
+    # Trace in the graph's own fake mode, not in whatever tracing context
+    # (dynamo's, when we run inside a backend) happens to surround the pass.
+    with torch._guards.tracing(None), unset_fake_temporarily():
+        fake_mode = detect_fake_mode(vals)
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            sub = make_fx(fn, tracing_mode="real" if fake_mode is not None else "fake")(*vals)
+    env: dict[Node, Node] = {}
+    placeholders = iter(inputs)
+    result = None
+    with graph.inserting_before(before):
+        for node in sub.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(placeholders)
+            elif node.op == "output":
+                (result,) = torch.utils._pytree.tree_leaves(node.args[0])
+                result = env[result]
+            else:
+                new = graph.node_copy(node, lambda n: env[n])
+                new.meta[PHASE_META] = phase
+                env[node] = new
+    return result

@@ -1,0 +1,52 @@
+"""Small models for the parity grid, built the same way on every rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from examples.gpt import GPT, GPTConfig
+
+VOCAB = 64
+SEQ = 16
+FEATURES = 12
+
+
+class MLP(nn.Module):
+    # 13 and 7 are odd on purpose: parameters that do not split evenly force padding.
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FEATURES, 13), nn.GELU(), nn.LayerNorm(13), nn.Linear(13, 7))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if name == "mlp":
+        return MLP()
+    if name == "gpt":
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32))
+    raise ValueError(name)
+
+
+def global_batch(name: str, step: int, size: int = 8):
+    """The global batch of one step: the same on every rank (each takes its slice)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    if name == "mlp":
+        return torch.randn(size, FEATURES, generator=g), torch.randn(size, 7, generator=g)
+    x = torch.randint(0, VOCAB, (size, SEQ), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def loss_fn(name: str, model: nn.Module, x, y):
+    out = model(x)
+    if name == "mlp":
+        return F.mse_loss(out, y)
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

@@ -1,0 +1,46 @@
+"""Run a function on N spawned CPU ranks over gloo and collect what each returns."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def run_ranks(world_size: int, fn, *args):
+    """``fn(rank, world_size, *args)`` on each rank (in-process, no group, for world size 1)."""
+    if world_size == 1:
+        return [fn(0, 1, *args)]
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank_main, args=(world_size, tmp, fn, args), nprocs=world_size,
+                           join=True, start_method="spawn")
+        results = []
+        for rank in range(world_size):
+            result = torch.load(os.path.join(tmp, f"rank{rank}.pt"), weights_only=False)
+            if isinstance(result, _RankFailure):
+                raise RuntimeError(f"rank {rank} failed:\n{result.text}")
+            results.append(result)
+        return results
+
+
+class _RankFailure:
+    def __init__(self, text):
+        self.text = text
+
+
+def _rank_main(rank, world_size, tmp, fn, args):
+    # a rank that fails makes its peers' collectives time out instead of hanging the suite
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    try:
+        result = fn(rank, world_size, *args)
+    except Exception:
+        result = _RankFailure(traceback.format_exc())
+    finally:
+        torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+    dist.destroy_process_group()

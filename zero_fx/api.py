@@ -1,0 +1,232 @@
+"""``zero_compile``: the public entry point."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch.fx import GraphModule
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from .capture import CaptureError, capture_step_graph
+from .config import ZeroConfig, describe_backend
+from .lower import lower
+from .passes import build_pipeline, run_pipeline
+from .passes.predicates import grad_slots
+from .plan import ShardPlan, plan_for_module
+from .process_group import current_world
+from .sharded_state import ShardedState
+
+log = logging.getLogger("zero_fx")
+
+
+def zero_compile(
+    fn: Optional[Callable] = None,
+    *,
+    stage: int = 3,
+    backend: Any = "inductor",
+    model: Optional[torch.nn.Module] = None,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    disable_passes: Sequence[str] = (),
+    elementwise_optimizer: Optional[bool] = None,
+):
+    """Compile a whole training step (forward, ``loss.backward()``, ``opt.step()``) with ZeRO.
+
+    Use as ``@zero_compile`` or ``@zero_compile(stage=3, backend="aot_eager")``::
+
+        @zero_compile(stage=3)
+        def train_step(model, opt, x, y):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+    On the first call the model's parameters are sharded over the default
+    process group (or a world of one if none is initialised): each rank keeps
+    a flat 1/N slice of every parameter, the optimizer is rebound to those
+    slices, and the full parameters' storage is freed. The step is captured as
+    one graph, rewritten to gather each parameter where it is used and to
+    reduce-scatter its gradient, and compiled.
+
+    Args:
+        stage: ZeRO stage (only 3 in this release).
+        backend: "inductor" (default), "aot_eager", "eager", or a callable
+            ``compiler(gm, example_inputs) -> callable`` for the rewritten graph.
+        model, optimizer: name them when the step closes over them instead of
+            taking them as arguments.
+        disable_passes: names of zero_fx passes to skip, for debugging.
+        elementwise_optimizer: declare that an optimizer zero_fx does not know
+            updates each element independently.
+
+    The step must call ``loss.backward()`` once, ``opt.step()`` once and
+    ``opt.zero_grad()``; the optimizer steps after the compiled graph, on the
+    shards. Returned tensors are detached (the backward has already run).
+    """
+    config = ZeroConfig(
+        stage=stage,
+        backend=backend,
+        disable_passes=disable_passes,
+        elementwise_optimizer=elementwise_optimizer,
+    )
+
+    def wrap(step_fn: Callable) -> "CompiledStep":
+        return CompiledStep(step_fn, config, model=model, optimizer=optimizer)
+
+    return wrap(fn) if fn is not None else wrap
+
+
+class CompiledStep:
+    """A training step compiled by ``zero_compile``. Call it like the original function."""
+
+    def __init__(self, fn: Callable, config: ZeroConfig, *,
+                 model: Optional[torch.nn.Module], optimizer: Optional[torch.optim.Optimizer]):
+        functools.update_wrapper(self, fn)
+        self.config = config
+        self._fn = fn
+        self._model = model
+        self._optimizer = optimizer
+        self.state: Optional[ShardedState] = None
+        self.plan: Optional[ShardPlan] = None
+        self.graphs: list[GraphModule] = []
+        """The rewritten graph of each compilation, for inspection."""
+        self.compile_seconds: list[float] = []
+        """Wall time of each compilation: capture, passes and lowering."""
+        self._optimizer_calls: list[str] = []
+        self._compiled = torch.compile(self._traced_step, backend=self._compile_graph,
+                                       fullgraph=True, dynamic=False)
+
+    # -- the call --------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        model, optimizer = self._find_model_and_optimizer(args, kwargs)
+        if self.state is None:
+            self._shard(model, optimizer)
+        elif model is not self.state.model or optimizer is not self.state.optimizer:
+            raise ValueError("this compiled step was first called with another model or optimizer; "
+                             "decorate a separate function for each model")
+        self._optimizer_calls.clear()
+        with _optimizer_calls_deferred(optimizer, self._record_step, self._record_zero_grad), \
+                torch._dynamo.config.patch(trace_autograd_ops=True):
+            try:
+                out = self._compiled(*args, **kwargs)
+            except torch._dynamo.exc.Unsupported as err:
+                raise CaptureError(
+                    "zero_fx captures the whole step as one graph, and dynamo could not: "
+                    f"{err}\nMove the unsupported code out of the decorated step."
+                ) from err
+        self._run_deferred_optimizer_calls()
+        return out
+
+    def _traced_step(self, *args, **kwargs):
+        out = self._fn(*args, **kwargs)
+        # The backward has consumed the graph; what is returned is a value, not a node.
+        return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+
+    # Same function objects on every call, so dynamo's guards on them hold.
+    def _record_step(self, *args, **kwargs):
+        self._optimizer_calls.append("step")
+
+    def _record_zero_grad(self, *args, **kwargs):
+        self._optimizer_calls.append("zero_grad")
+
+    def _run_deferred_optimizer_calls(self) -> None:
+        calls = self._optimizer_calls
+        if calls.count("step") != 1:
+            raise CaptureError(
+                f"the step called opt.step() {calls.count('step')} times; zero_fx needs exactly one"
+            )
+        if "zero_grad" not in calls:
+            raise CaptureError(
+                "the step never calls opt.zero_grad(); zero_fx does not accumulate gradients "
+                "across calls yet, so call opt.zero_grad() before backward or after opt.step()"
+            )
+        self.state.optimizer.step()
+        self.state.zero_grad()
+
+    # -- first call: find, plan, shard ---------------------------------------
+    def _find_model_and_optimizer(self, args, kwargs):
+        leaves = tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(
+            x, (torch.nn.Module, torch.optim.Optimizer)))
+        model = self._model or _the_one(leaves, torch.nn.Module, "model", "model=")
+        optimizer = self._optimizer or _the_one(leaves, torch.optim.Optimizer, "optimizer", "optimizer=")
+        return model, optimizer
+
+    def _shard(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        world = current_world()
+        self.plan = plan_for_module(model, world_size=world.size, rank=world.rank,
+                                    stage=self.config.stage, group_name=world.group_name)
+        self.state = ShardedState(model, optimizer, self.plan, world,
+                                  elementwise_optimizer=self.config.elementwise_optimizer)
+        self._pipeline = build_pipeline(self.plan, disable=self.config.disable_passes)
+        log.info("zero_fx: stage %d over %d rank(s): %d parameters, %d elements (%d padding), "
+                 "%d elements per rank", self.plan.stage, world.size, len(self.plan.params),
+                 self.plan.total_numel, self.plan.padding_numel, self.plan.shard_numel)
+
+    # -- the dynamo backend ------------------------------------------------------
+    def _compile_graph(self, dynamo_gm: GraphModule, example_inputs: list):
+        start = time.perf_counter()
+        names = [self.state.param_name(t) if isinstance(t, torch.Tensor) else None
+                 for t in example_inputs]
+        gm = capture_step_graph(dynamo_gm, example_inputs, names)
+        gm = run_pipeline(gm, self._pipeline)
+        lowering_inputs = [self.state.shard_input(n) if n else t for n, t in zip(names, example_inputs)]
+        compiled = lower(gm, lowering_inputs, self.config.backend)
+        self.graphs.append(gm)
+        self.compile_seconds.append(time.perf_counter() - start)
+        log.info("zero_fx: compiled the step with %s in %.1f s",
+                 describe_backend(self.config.backend), self.compile_seconds[-1])
+        return _StepRunner(compiled, names, grad_slots(gm), self.state)
+
+    # -- inspection -------------------------------------------------------------
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """The model's parameters gathered from every rank (call on all ranks)."""
+        if self.state is None:
+            raise RuntimeError("the step has not run yet, so nothing is sharded")
+        return self.state.full_parameters()
+
+
+class _StepRunner:
+    """What dynamo calls: feeds shards for parameters, hands gradient shards to the state."""
+
+    def __init__(self, compiled, param_names, slots, state: ShardedState):
+        self.compiled = compiled
+        self.param_names = param_names
+        self.slots = slots
+        self.state = state
+
+    def __call__(self, *args):
+        inputs = [self.state.shard_input(n) if n else a for n, a in zip(self.param_names, args)]
+        outs = list(self.compiled(*inputs))
+        for index, name in self.slots.items():
+            if outs[index] is not None:
+                self.state.accumulate_grad(name, outs[index])
+            outs[index] = None  # dynamo assigns this to the full parameter's .grad
+        return outs
+
+
+def _the_one(leaves, cls, what: str, keyword: str):
+    found = [x for x in leaves if isinstance(x, cls)]
+    unique = list({id(x): x for x in found}.values())
+    if len(unique) == 1:
+        return unique[0]
+    if not unique:
+        raise ValueError(f"no {what} among the step's arguments; pass it as an argument or name "
+                         f"it with @zero_compile({keyword}...)")
+    raise ValueError(f"{len(unique)} different {what}s among the step's arguments; name the one "
+                     f"to shard with @zero_compile({keyword}...)")
+
+
+@contextlib.contextmanager
+def _optimizer_calls_deferred(optimizer, step, zero_grad):
+    """Inside the traced step ``opt.step()`` and ``opt.zero_grad()`` only record that they ran."""
+    saved = {k: optimizer.__dict__[k] for k in ("step", "zero_grad") if k in optimizer.__dict__}
+    optimizer.step, optimizer.zero_grad = step, zero_grad
+    try:
+        yield
+    finally:
+        del optimizer.step, optimizer.zero_grad
+        optimizer.__dict__.update(saved)

@@ -1,0 +1,103 @@
+"""Capture: dynamo's graph of the step -> one aten graph of forward + backward.
+
+[Note: capturing the step]
+With ``trace_autograd_ops``, dynamo records ``loss.backward()`` as
+``torch.autograd.grad`` plus, for each parameter, ``empty_like(p).copy_(g)``
+returned as a graph output that dynamo then assigns to ``p.grad``. zero_fx
+swaps ``opt.step`` and ``opt.zero_grad`` for no-ops during the trace (they run
+on the shards after the graph), and detaches what the step returns, so the
+whole step is a single graph. ``make_fx`` traces that graph on fake tensors,
+which runs the autograd engine and records the backward as plain aten ops
+after the forward. Finally each ``copy_(empty_like(p), g)`` output is replaced
+by ``g`` itself and recorded as the gradient of ``p``: the graph is then
+functional, with parameters as placeholders and gradients as outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch.fx import GraphModule
+from torch.fx.node import map_aggregate
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .passes.predicates import GRAD_SLOTS_META, PARAM_META
+
+aten = torch.ops.aten
+
+
+class CaptureError(RuntimeError):
+    """The training step does not have the shape zero_fx can shard."""
+
+
+def capture_step_graph(
+    dynamo_gm: GraphModule, example_inputs: Sequence, param_names: Sequence[Optional[str]]
+) -> GraphModule:
+    """One functional aten graph of the step, parameters tagged, gradients as outputs.
+
+    ``param_names[i]`` is the plan name of graph input ``i`` if it is a model
+    parameter, else None.
+    """
+    # A fresh fake mode with static shapes, outside dynamo's tracing context:
+    # anything our passes compute on shapes must not become a dynamo guard.
+    with torch._guards.tracing(None), unset_fake_temporarily():
+        fake_mode = FakeTensorMode()
+        fakes = [fake_mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
+                 for t in example_inputs]
+        with fake_mode:
+            gm = make_fx(dynamo_gm, tracing_mode="real")(*fakes)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, param_names):
+        if name is not None:
+            node.meta[PARAM_META] = name
+    _fold_static_sizes(gm)
+    gm.meta[GRAD_SLOTS_META] = _gradients_as_outputs(gm)
+    if not gm.meta[GRAD_SLOTS_META]:
+        raise CaptureError(
+            "the step computed no parameter gradient: call loss.backward() inside the "
+            "function decorated with @zero_compile"
+        )
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _gradients_as_outputs(gm: GraphModule) -> dict[int, str]:
+    """Replace ``copy_(empty_like(param), grad)`` outputs by ``grad``; map output index -> name."""
+    output = gm.graph.output_node()
+    outs = list(output.args[0])
+    slots: dict[int, str] = {}
+    for index, out in enumerate(outs):
+        if not (isinstance(out, torch.fx.Node) and out.target == aten.copy_.default):
+            continue
+        dest, grad = out.args[0], out.args[1]
+        if dest.target != aten.empty_like.default or PARAM_META not in dest.args[0].meta:
+            continue
+        name = dest.args[0].meta[PARAM_META]
+        if name in slots.values():
+            raise CaptureError(f"parameter {name} received two gradient outputs; zero_fx "
+                               "supports one loss.backward() per step")
+        slots[index] = name
+        outs[index] = grad
+        output.args = (tuple(outs),)
+        gm.graph.erase_node(out)
+        gm.graph.erase_node(dest)
+    return slots
+
+
+def _fold_static_sizes(gm: GraphModule) -> None:
+    """Replace ``sym_size`` nodes whose value is a plain int by that int.
+
+    Left in place, a backward ``sym_size(weight)`` would count as a use of the
+    parameter and cost a gather just to read a shape.
+    """
+    for node in list(gm.graph.nodes):
+        if node.target == aten.sym_size.int and isinstance(node.meta.get("val"), int):
+            size = node.meta["val"]
+            for user in list(node.users):
+                user.args = map_aggregate(user.args, lambda a: size if a is node else a)
+                user.kwargs = map_aggregate(user.kwargs, lambda a: size if a is node else a)
+            gm.graph.erase_node(node)

@@ -1,0 +1,38 @@
+"""Lowering: compile the rewritten graph with the backend the user chose."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx import GraphModule
+
+
+def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend) -> Callable:
+    """A callable running ``gm``: "eager" runs it as is; "aot_eager" and "inductor"
+    trace it again through AOTAutograd; a callable backend gets it directly.
+
+    [Note: no CSE across phases]
+    In stage 3 the forward and the backward gather the same shard with two
+    identical functional all-gathers. Common-subexpression elimination would
+    merge them into one, keeping the full parameter alive from the forward to
+    the end of the backward: AOTAutograd's CSE is switched off while lowering.
+    """
+    if callable(backend) and not isinstance(backend, str):
+        return backend(gm, list(example_inputs))
+    if backend == "eager":
+        return gm
+    # Outside dynamo's tracing context: the shards are not dynamo's inputs, and
+    # its shape environment would make their sizes symbols without a source.
+    with torch._guards.tracing(None), unset_fake_temporarily(), \
+            torch._functorch.config.patch(cse=False):
+        if backend == "aot_eager":
+            from torch._dynamo.backends.debugging import aot_eager
+
+            return aot_eager(gm, list(example_inputs))
+        if backend == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, list(example_inputs))
+    raise ValueError(f"unknown backend {backend!r}")

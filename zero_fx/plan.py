@@ -1,0 +1,163 @@
+"""The shard plan: where every element of every parameter lives. Pure data.
+
+[Note: flat layout]
+Each parameter is flattened and padded with zeros to a multiple of the world
+size N, so that it splits into N equal, contiguous shards: rank r owns the
+flat elements ``[r * shard_numel, (r + 1) * shard_numel)``. This is the layout
+``all_gather_into_tensor`` produces (rank-major concatenation), so gathering a
+parameter is one collective followed by a slice and a view, and reducing its
+gradient is a pad followed by one ``reduce_scatter_tensor``.
+
+Sharding per parameter, not one flat buffer over the whole model, is what
+lets stage 3 gather each parameter right before its first use and release it
+after its last; a bucket (several parameters in one launch) is a list of
+parameters, not a different layout.
+
+Each rank also keeps its shards back to back in one conceptual flat buffer;
+``ParamLayout.shard_offset`` is a parameter's position there, which is what a
+checkpoint or a bucket needs.
+
+The plan holds no tensors, so a model built on the meta device can be planned
+without memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Where one parameter's elements live."""
+
+    name: str
+    """Fully qualified name in the model (the first name, for tied parameters)."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    numel: int
+    """Elements of the unpadded parameter."""
+    shard_numel: int
+    """Elements each rank holds: ceil(numel / N); the last rank's tail is padding."""
+    shard_offset: int
+    """Start of this parameter's shard in a rank's flat shard buffer."""
+    world_size: int
+    requires_grad: bool = True
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+    def owned_range(self, rank: int) -> tuple[int, int]:
+        """The unpadded flat elements ``[start, stop)`` that ``rank`` owns (may be empty)."""
+        start = min(rank * self.shard_numel, self.numel)
+        stop = min((rank + 1) * self.shard_numel, self.numel)
+        return start, stop
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """The whole model's layout for one world size and stage. Computed once."""
+
+    world_size: int
+    rank: int
+    stage: int
+    group_name: str
+    """Process group the collectives run on ("" when world_size == 1)."""
+    params: tuple[ParamLayout, ...]
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements in one rank's flat shard buffer (same on every rank)."""
+        return sum(p.shard_numel for p in self.params)
+
+    @property
+    def total_numel(self) -> int:
+        """Ψ: elements in the unsharded model."""
+        return sum(p.numel for p in self.params)
+
+    @property
+    def padding_numel(self) -> int:
+        return sum(p.padding for p in self.params)
+
+    def layout(self, name: str) -> ParamLayout:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no parameter named {name!r} in the shard plan") from None
+
+    @property
+    def _by_name(self) -> Mapping[str, ParamLayout]:
+        cache = self.__dict__.get("_by_name_cache")
+        if cache is None:
+            cache = {p.name: p for p in self.params}
+            object.__setattr__(self, "_by_name_cache", cache)
+        return cache
+
+
+def make_plan(
+    named_shapes: Iterable[tuple[str, Sequence[int], torch.dtype, bool]],
+    *,
+    world_size: int,
+    rank: int = 0,
+    stage: int = 3,
+    group_name: str = "",
+) -> ShardPlan:
+    """Lay out parameters ``(name, shape, dtype, requires_grad)`` over ``world_size`` ranks.
+
+    The order of ``named_shapes`` is the order of the flat shard buffer; pass
+    ``model.named_parameters()`` order so that every rank agrees.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the world of {world_size} ranks")
+    layouts = []
+    offset = 0
+    seen = set()
+    for name, shape, dtype, requires_grad in named_shapes:
+        if name in seen:
+            raise ValueError(f"parameter {name!r} appears twice in the plan")
+        seen.add(name)
+        numel = math.prod(shape)
+        shard_numel = -(-numel // world_size)  # ceil
+        layouts.append(
+            ParamLayout(
+                name=name,
+                shape=tuple(int(s) for s in shape),
+                dtype=dtype,
+                numel=numel,
+                shard_numel=shard_numel,
+                shard_offset=offset,
+                requires_grad=requires_grad,
+                world_size=world_size,
+            )
+        )
+        offset += shard_numel
+    return ShardPlan(
+        world_size=world_size,
+        rank=rank,
+        stage=stage,
+        group_name=group_name,
+        params=tuple(layouts),
+    )
+
+
+def plan_for_module(
+    module: torch.nn.Module, *, world_size: int, rank: int = 0, stage: int = 3, group_name: str = ""
+) -> ShardPlan:
+    """Plan ``module``'s unique parameters (tied parameters appear once, by their first name)."""
+    return make_plan(
+        ((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()),
+        world_size=world_size,
+        rank=rank,
+        stage=stage,
+        group_name=group_name,
+    )

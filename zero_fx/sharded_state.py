@@ -1,0 +1,110 @@
+"""Each rank's share of the model: parameter shards, their gradients, and the optimizer on them."""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+
+from .passes.gather_params import gather_full
+from .optimizer import check_elementwise, rebind_to_shards
+from .plan import ParamLayout, ShardPlan
+from .process_group import World
+
+
+def cut_shard(full: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
+    """This rank's flat, padded slice of a parameter-shaped tensor (a fresh copy)."""
+    flat = full.detach().reshape(-1)
+    start, stop = layout.owned_range(rank)
+    shard = flat.new_zeros(layout.shard_numel)
+    shard[: stop - start] = flat[start:stop]
+    return shard
+
+
+class ShardedState:
+    """The model and optimizer after sharding.
+
+    [Note: freed parameters]
+    The model keeps its ``nn.Parameter`` objects, with their shapes and
+    dtypes, but their storage is resized to zero bytes: dynamo still traces
+    the model through them, while the values live in ``shards`` (one flat
+    ``nn.Parameter`` per parameter, which the optimizer now steps on). Reading
+    a freed parameter outside the compiled step fails; use
+    ``full_parameters()``.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 plan: ShardPlan, world: World, *, elementwise_optimizer: Optional[bool] = None):
+        check_elementwise(optimizer, elementwise_optimizer)
+        self.model = model
+        self.optimizer = optimizer
+        self.plan = plan
+        self.world = world
+        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
+        self._name_of = {id(p): name for name, p in self.params.items()}
+        self._check_optimizer_params()
+        self.shards: dict[str, torch.nn.Parameter] = {}
+        for name, param in self.params.items():
+            layout = plan.layout(name)
+            shard = torch.nn.Parameter(cut_shard(param, layout, world.rank),
+                                       requires_grad=param.requires_grad)
+            self.shards[name] = shard
+        rebind_to_shards(
+            optimizer,
+            {param: self.shards[name] for name, param in self.params.items()},
+            lambda param, tensor: cut_shard(tensor, plan.layout(self._name_of[id(param)]), world.rank),
+        )
+        for param in self.params.values():
+            param.grad = None
+            param.untyped_storage().resize_(0)
+
+    def _check_optimizer_params(self) -> None:
+        foreign = [
+            tuple(p.shape)
+            for group in self.optimizer.param_groups
+            for p in group["params"]
+            if id(p) not in self._name_of
+        ]
+        if foreign:
+            raise ValueError(
+                f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of the model "
+                f"(shapes {foreign[:3]}{'...' if len(foreign) > 3 else ''}); zero_fx shards the "
+                "model's parameters, so build the optimizer from model.parameters()"
+            )
+
+    def param_name(self, tensor: torch.Tensor) -> Optional[str]:
+        """The plan name of a model parameter, or None for any other tensor."""
+        return self._name_of.get(id(tensor))
+
+    def shard_input(self, name: str) -> torch.Tensor:
+        """What the compiled graph reads for parameter ``name``: its shard, outside autograd."""
+        return self.shards[name].detach()
+
+    def accumulate_grad(self, name: str, grad_shard: torch.Tensor) -> None:
+        shard = self.shards[name]
+        shard.grad = grad_shard if shard.grad is None else shard.grad + grad_shard
+
+    def zero_grad(self) -> None:
+        for shard in self.shards.values():
+            shard.grad = None
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, gathered from all ranks (a collective: call it on every rank)."""
+        return {name: self._gather(name, shard.detach()) for name, shard in self.shards.items()}
+
+    def _gather(self, name: str, shard: torch.Tensor) -> torch.Tensor:
+        layout = self.plan.layout(name)
+        full = gather_full(shard, numel=layout.numel, shape=layout.shape,
+                           world_size=self.world.size, group_name=self.world.group_name)
+        return full.clone()
+
+    def held_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor this rank holds for the model: shards, their grads, optimizer state,
+        and the (freed) full parameters."""
+        yield from self.params.values()
+        for shard in self.shards.values():
+            yield shard
+            if shard.grad is not None:
+                yield shard.grad
+        for state in self.optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
