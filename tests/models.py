@@ -28,7 +28,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
     if name == "mlp":
         return MLP()
     if name == "gpt":
-        return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32))
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32,
+                             bias=False))
     raise ValueError(name)
 
 
@@ -48,5 +49,9 @@ def loss_fn(name: str, model: nn.Module, x, y):
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
-def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, kind: str = "adamw") -> torch.optim.Optimizer:
+    # AdamW is nearly blind to the scale of the gradient (m / sqrt(v)), so a
+    # gradient that is N times too large passes an AdamW parity test; SGD is not.
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

@@ -13,9 +13,9 @@ from training import parity_errors, reference_run, zero_fx_run
 TOLERANCE = 1e-5
 
 
-def assert_parity(world_size, model_name, backend):
-    results = zero_fx_run(world_size, model_name, backend)
-    errors = parity_errors(results, reference_run(model_name))
+def assert_parity(world_size, model_name, backend, optimizer="adamw"):
+    results = zero_fx_run(world_size, model_name, backend, optimizer)
+    errors = parity_errors(results, reference_run(model_name, optimizer))
     worst = max(errors, key=errors.get)
     assert errors[worst] < TOLERANCE, f"{worst}: relative error {errors[worst]:.2e}"
 
@@ -31,8 +31,14 @@ def test_parity_inductor_gpt_two_ranks():
     assert_parity(2, "gpt", "inductor")
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parity_sgd_momentum(world_size):
+    """SGD sees the gradient's scale, which AdamW normalises away: this checks the 1/N."""
+    assert_parity(world_size, "gpt", "aot_eager", "sgd")
+
+
 def test_parity_catches_a_missing_divide():
     """The grid bites: a reduce pass that forgets to divide by N breaks parity."""
-    results = zero_fx_run(2, "mlp", "aot_eager", broken="skip_divide")
-    errors = parity_errors(results, reference_run("mlp"))
+    results = zero_fx_run(2, "mlp", "aot_eager", "sgd", broken="skip_divide")
+    errors = parity_errors(results, reference_run("mlp", "sgd"))
     assert max(errors.values()) > 1e-3

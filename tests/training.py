@@ -15,14 +15,17 @@ from zero_fx import zero_compile
 STEPS = 5
 
 
-def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, broken: str = ""):
+def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, optimizer: str,
+                 broken: str = ""):
     """Train STEPS steps with @zero_compile(stage=3) on this rank's slice of each global batch."""
     if broken == "skip_divide":  # a deliberately broken reduce pass, to prove the parity test bites
-        import zero_fx.passes.reduce_grads as reduce_grads
+        import sys
 
-        reduce_grads._average = lambda summed, world_size: summed
+        import zero_fx.passes  # noqa: F401  (the module, not the function of the same name)
+
+        sys.modules["zero_fx.passes.reduce_grads"]._average = lambda summed, world_size: summed
     model = models.build(model_name)
-    opt = models.make_optimizer(model)
+    opt = models.make_optimizer(model, optimizer)
 
     @zero_compile(stage=3, backend=backend)
     def train_step(model, opt, x, y):
@@ -38,10 +41,11 @@ def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, brok
         per_rank = x.shape[0] // world_size
         local = slice(rank * per_rank, (rank + 1) * per_rank)
         losses.append(train_step(model, opt, x[local], y[local]).item())
+    memory = _held_memory(model, train_step)  # before full_parameters() gathers copies
     return {
         "losses": losses,
         "params": train_step.full_parameters(),
-        "memory": _held_memory(model, train_step),
+        "memory": memory,
         "compile_seconds": train_step.compile_seconds,
     }
 
@@ -49,13 +53,20 @@ def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, brok
 def _held_memory(model, train_step) -> dict:
     """What this rank holds after a step, measured on the tensors themselves."""
     gc.collect()
-    storages = {}
+    param_shapes = {tuple(p.shape) for p in model.parameters()}
+    # shards and optimizer state are full-shaped at world size 1; they are not what we look for
+    sharded = {t.untyped_storage().data_ptr() for t in train_step.state.held_tensors()}
+    storages, full_size_alive = {}, []
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not isinstance(obj, torch._subclasses.FakeTensor):
-            if obj.device.type == "meta":
-                continue
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+        if not isinstance(obj, torch.Tensor) or isinstance(obj, torch._subclasses.FakeTensor):
+            continue
+        if obj.device.type == "meta":
+            continue
+        storage = obj.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        if (tuple(obj.shape) in param_shapes and storage.data_ptr() not in sharded
+                and storage.nbytes() >= obj.numel() * obj.element_size()):
+            full_size_alive.append(tuple(obj.shape))
     state = train_step.state
     return {
         "full_param_storage_bytes": sum(p.untyped_storage().nbytes() for p in model.parameters()),
@@ -67,19 +78,23 @@ def _held_memory(model, train_step) -> dict:
             if isinstance(v, torch.Tensor)
         ),
         "all_live_tensor_bytes": sum(storages.values()),
+        "full_size_parameters_alive": full_size_alive,
+        "unsharded_numel": train_step.plan.total_numel,
+        "shard_numel": train_step.plan.shard_numel,
     }
 
 
 @functools.lru_cache(maxsize=None)
-def zero_fx_run(world_size: int, model_name: str, backend: str, broken: str = ""):
-    return run_ranks(world_size, zero_fx_rank, model_name, backend, broken)
+def zero_fx_run(world_size: int, model_name: str, backend: str, optimizer: str = "adamw",
+                broken: str = ""):
+    return run_ranks(world_size, zero_fx_rank, model_name, backend, optimizer, broken)
 
 
 @functools.lru_cache(maxsize=None)
-def reference_run(model_name: str):
+def reference_run(model_name: str, optimizer: str = "adamw"):
     """Plain single-process PyTorch on the whole global batch."""
     model = models.build(model_name)
-    opt = models.make_optimizer(model)
+    opt = models.make_optimizer(model, optimizer)
     losses = []
     for step in range(STEPS):
         x, y = models.global_batch(model_name, step)

@@ -1,0 +1,137 @@
+"""The public entry point at world size 1: decorator forms, backends, and clear errors."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zero_fx import CaptureError, zero_compile
+
+
+def tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+
+
+def batch():
+    return torch.randn(3, 4), torch.randn(3, 2)
+
+
+def standard_step(model, opt, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_bare_decorator_and_backends_match_eager_pytorch(backend):
+    model, ref = tiny(), tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    step = zero_compile(standard_step, backend=backend)
+    for _ in range(3):
+        x, y = batch()
+        assert torch.allclose(step(model, opt, x, y), standard_step(ref, ref_opt, x, y))
+    full = step.full_parameters()
+    for name, p in ref.named_parameters():
+        assert torch.allclose(full[name], p, rtol=1e-6, atol=1e-7), name
+
+
+def test_callable_backend_receives_the_rewritten_graph():
+    seen = []
+
+    def compiler(gm, example_inputs):
+        seen.append(gm)
+        return gm
+
+    model = tiny()
+    opt = torch.optim.AdamW(model.parameters())
+    zero_compile(backend=compiler)(standard_step)(model, opt, *batch())
+    assert len(seen) == 1 and any(n.op == "placeholder" for n in seen[0].graph.nodes)
+
+
+def test_model_and_optimizer_named_when_closed_over():
+    model = tiny()
+    opt = torch.optim.AdamW(model.parameters())
+
+    @zero_compile(backend="eager", model=model, optimizer=opt)
+    def step(x, y):
+        return standard_step(model, opt, x, y)
+
+    step(*batch())
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+
+
+def test_closed_over_model_without_naming_it_is_an_error():
+    model = tiny()
+    opt = torch.optim.AdamW(model.parameters())
+    step = zero_compile(lambda x, y: standard_step(model, opt, x, y), backend="eager")
+    with pytest.raises(ValueError, match="no model among the step's arguments"):
+        step(*batch())
+
+
+def test_two_models_are_ambiguous():
+    a, b = tiny(), tiny()
+    opt = torch.optim.AdamW(a.parameters())
+    step = zero_compile(lambda a, b, opt, x, y: standard_step(a, opt, x, y), backend="eager")
+    with pytest.raises(ValueError, match="2 different models"):
+        step(a, b, opt, *batch())
+
+
+def test_non_elementwise_optimizer_says_why():
+    model = tiny()
+    opt = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(TypeError, match="LBFGS.*line search"):
+        zero_compile(standard_step, backend="eager")(model, opt, *batch())
+
+
+def test_unknown_optimizer_can_be_declared_elementwise():
+    class MySGD(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.sub_(group["lr"] * p.grad)
+
+    model = tiny()
+    with pytest.raises(TypeError, match="elementwise_optimizer=True"):
+        zero_compile(standard_step, backend="eager")(model, MySGD(model.parameters()), *batch())
+    model = tiny()
+    zero_compile(standard_step, backend="eager", elementwise_optimizer=True)(
+        model, MySGD(model.parameters()), *batch())
+
+
+def test_step_without_backward_is_an_error():
+    def forward_only(model, opt, x, y):
+        return F.mse_loss(model(x), y)
+
+    model = tiny()
+    with pytest.raises(Exception, match="loss.backward"):
+        zero_compile(forward_only, backend="eager")(model, torch.optim.AdamW(model.parameters()), *batch())
+
+
+def test_step_without_zero_grad_is_an_error():
+    def no_zero_grad(model, opt, x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    model = tiny()
+    with pytest.raises(CaptureError, match="zero_grad"):
+        zero_compile(no_zero_grad, backend="eager")(model, torch.optim.AdamW(model.parameters()), *batch())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"stage": 5}, "stage must be 0, 1, 2 or 3"),
+    ({"backend": "tensorrt"}, "backend must be one of"),
+])
+def test_bad_configuration(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        zero_compile(standard_step, **kwargs)

@@ -1,0 +1,110 @@
+"""Each pass on a tiny hand-built step graph (linear layer + loss + autograd.grad), by op counts."""
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from zero_fx import make_plan
+from zero_fx.passes import (InvariantError, annotate_phases, check_invariants, gather_params,
+                            recompute_param_views, reduce_grads)
+from zero_fx.passes.predicates import (GRAD_SLOTS_META, PARAM_META, Phase, is_all_gather,
+                                       is_reduce_scatter, is_wait, phase_of)
+
+aten = torch.ops.aten
+WORLD = 2
+
+
+def two_layer_step(w, b, v, x):
+    hidden = torch.relu(torch.nn.functional.linear(x, w, b))
+    loss = torch.nn.functional.linear(hidden, v).square().mean()
+    gw, gb, gv = torch.autograd.grad(loss, [w, b, v])
+    return loss.detach(), gw, gb, gv
+
+
+def step_graph():
+    w = torch.randn(5, 3, requires_grad=True)  # 15 elements: padded to 16 over 2 ranks
+    b = torch.randn(5, requires_grad=True)
+    v = torch.randn(2, 5, requires_grad=True)
+    gm = make_fx(two_layer_step, tracing_mode="fake")(w, b, v, torch.randn(4, 3))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, "wbv"):
+        node.meta[PARAM_META] = name
+    gm.meta[GRAD_SLOTS_META] = {1: "w", 2: "b", 3: "v"}
+    plan = make_plan([("w", (5, 3), torch.float32, True), ("b", (5,), torch.float32, True),
+                      ("v", (2, 5), torch.float32, True)], world_size=WORLD, group_name="test")
+    return gm, plan
+
+
+def count(gm, predicate):
+    return sum(1 for n in gm.graph.nodes if predicate(n))
+
+
+def rewritten(*passes):
+    gm, plan = step_graph()
+    for p in passes:
+        gm = p(gm, plan)
+    return gm, plan
+
+
+class TestAnnotatePhases:
+    def test_backward_starts_at_the_seed(self):
+        gm, _ = rewritten(annotate_phases)
+        seed = next(n for n in gm.graph.nodes if n.target == aten.ones_like.default)
+        assert phase_of(seed) is Phase.BACKWARD
+        assert all(phase_of(u) is Phase.BACKWARD for u in seed.users)
+        linear = next(n for n in gm.graph.nodes if n.target == aten.addmm.default)
+        assert phase_of(linear) is Phase.FORWARD
+
+
+class TestRecomputeParamViews:
+    def test_backward_reads_no_forward_view_of_a_parameter(self):
+        gm, _ = rewritten(annotate_phases, recompute_param_views)
+        for node in gm.graph.nodes:
+            if phase_of(node) is Phase.BACKWARD:
+                for arg in node.all_input_nodes:
+                    if arg.op == "call_function" and phase_of(arg) is Phase.FORWARD:
+                        assert any(a.op != "placeholder" or PARAM_META not in a.meta
+                                   for a in arg.all_input_nodes), f"{node} reads {arg}"
+
+    def test_does_nothing_below_stage_3(self):
+        gm, plan = step_graph()
+        plan = type(plan)(**{**plan.__dict__, "stage": 2})
+        before = count(gm, lambda n: True)
+        annotate_phases(gm, plan)
+        recompute_param_views(gm, plan)
+        assert count(gm, lambda n: True) == before
+
+
+class TestGatherParams:
+    def test_stage3_gathers_each_parameter_once_per_phase(self):
+        gm, _ = rewritten(annotate_phases, recompute_param_views, gather_params)
+        gathers = [n for n in gm.graph.nodes if is_all_gather(n)]
+        # w, b, v are read in the forward; v again in the backward (to reach w's gradient)
+        assert sorted(phase_of(n).value for n in gathers) == ["backward"] + ["forward"] * 3
+        assert count(gm, is_wait) == len(gathers)
+
+    def test_parameters_enter_as_shards(self):
+        gm, _ = rewritten(annotate_phases, recompute_param_views, gather_params)
+        w, b, v = [n for n in gm.graph.nodes if n.op == "placeholder"][:3]
+        assert tuple(w.meta["val"].shape) == (8,)  # ceil(15 / 2)
+        assert tuple(b.meta["val"].shape) == (3,)
+        assert tuple(v.meta["val"].shape) == (5,)
+
+
+class TestReduceGrads:
+    def test_each_gradient_becomes_one_reduce_scatter_of_its_shard(self):
+        gm, _ = rewritten(annotate_phases, recompute_param_views, gather_params, reduce_grads)
+        assert count(gm, is_reduce_scatter) == 3
+        outs = gm.graph.output_node().args[0]
+        assert [tuple(o.meta["val"].shape) for o in outs[1:]] == [(8,), (3,), (5,)]
+        assert all(o.target == aten.div.Tensor for o in outs[1:])  # SUM, then / N
+
+
+class TestCheckInvariants:
+    def test_passes_on_the_full_pipeline(self):
+        rewritten(annotate_phases, recompute_param_views, gather_params, reduce_grads, check_invariants)
+
+    def test_catches_a_full_parameter_kept_for_the_backward(self):
+        gm, plan = rewritten(annotate_phases, gather_params)  # no recompute: backward reads t(v)
+        with pytest.raises(InvariantError, match="forward-gathered"):
+            check_invariants(gm, plan)

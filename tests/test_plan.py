@@ -1,0 +1,64 @@
+"""Property tests of the flat layout: every element owned once, equal shards, lossless round trip."""
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zero_fx import make_plan
+from zero_fx.sharded_state import cut_shard
+
+shapes = st.lists(st.lists(st.integers(1, 9), min_size=0, max_size=3).map(tuple), min_size=1, max_size=6)
+
+
+def plan_of(param_shapes, world_size):
+    return make_plan(((f"p{i}", s, torch.float32, True) for i, s in enumerate(param_shapes)),
+                     world_size=world_size)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes, st.integers(1, 16))
+def test_every_element_is_owned_by_exactly_one_rank(param_shapes, world_size):
+    for layout in plan_of(param_shapes, world_size).params:
+        owners = [0] * layout.numel
+        for rank in range(world_size):
+            start, stop = layout.owned_range(rank)
+            for i in range(start, stop):
+                owners[i] += 1
+        assert owners == [1] * layout.numel
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes, st.integers(1, 16))
+def test_shards_are_equal_and_offsets_contiguous(param_shapes, world_size):
+    plan = plan_of(param_shapes, world_size)
+    offset = 0
+    for layout, shape in zip(plan.params, param_shapes):
+        assert layout.numel == math.prod(shape)
+        assert layout.shard_numel * world_size >= layout.numel > (layout.shard_numel - 1) * world_size
+        assert layout.shard_offset == offset
+        offset += layout.shard_numel
+    assert plan.shard_numel == offset
+    assert plan.total_numel + plan.padding_numel == plan.shard_numel * world_size
+
+
+@settings(max_examples=100, deadline=None)
+@given(shapes, st.integers(1, 16))
+def test_reassembling_the_shards_gives_the_parameters(param_shapes, world_size):
+    plan = plan_of(param_shapes, world_size)
+    for layout, shape in zip(plan.params, param_shapes):
+        full = torch.randn(shape)
+        shards = [cut_shard(full, layout, rank) for rank in range(world_size)]
+        assert all(s.numel() == layout.shard_numel for s in shards)
+        assert torch.equal(torch.cat(shards)[: layout.numel].view(shape), full)
+        assert torch.count_nonzero(torch.cat(shards)[layout.numel:]) == 0  # padding is zeros
+
+
+def test_bad_world_sizes_are_rejected():
+    import pytest
+
+    with pytest.raises(ValueError, match="world_size"):
+        make_plan([("w", (2,), torch.float32, True)], world_size=0)
+    with pytest.raises(ValueError, match="rank 3"):
+        make_plan([("w", (2,), torch.float32, True)], world_size=2, rank=3)
