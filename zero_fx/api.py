@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 import time
+import types
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -97,7 +98,11 @@ class CompiledStep:
         self.compile_seconds: list[float] = []
         """Wall time of each compilation: capture, passes and lowering."""
         self._optimizer_calls: list[str] = []
-        self._compiled = torch.compile(self._traced_step, backend=self._compile_graph,
+        # Dynamo caches compiled frames per code object: each compiled step gets
+        # its own copy of `_traced_step`, or steps would share (and exhaust)
+        # one cache and recompile whenever another step ran in between.
+        traced = types.MethodType(_with_own_code(CompiledStep._traced_step), self)
+        self._compiled = torch.compile(traced, backend=self._compile_graph,
                                        fullgraph=True, dynamic=False)
 
     # -- the call --------------------------------------------------------------
@@ -206,6 +211,11 @@ class _StepRunner:
                 self.state.accumulate_grad(name, outs[index])
             outs[index] = None  # dynamo assigns this to the full parameter's .grad
         return outs
+
+
+def _with_own_code(fn):
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                              fn.__defaults__, fn.__closure__)
 
 
 def _the_one(leaves, cls, what: str, keyword: str):
