@@ -156,8 +156,10 @@ class CompiledStep:
     def _find_model_and_optimizer(self, args, kwargs):
         leaves = tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(
             x, (torch.nn.Module, torch.optim.Optimizer)))
-        model = self._model or _the_one(leaves, torch.nn.Module, "model", "model=")
-        optimizer = self._optimizer or _the_one(leaves, torch.optim.Optimizer, "optimizer", "optimizer=")
+        model = self._model if self._model is not None else _the_one(
+            leaves, torch.nn.Module, "model", "model=")
+        optimizer = self._optimizer if self._optimizer is not None else _the_one(
+            leaves, torch.optim.Optimizer, "optimizer", "optimizer=")
         return model, optimizer
 
     def _shard(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
