@@ -19,6 +19,17 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .predicates import PHASE_META, Phase
 
 
+@contextlib.contextmanager
+def outside_dynamo_tracing():
+    """Leave the tracing context and fake mode of a surrounding dynamo backend call.
+
+    Inside them, shape computations on our own (static) fake tensors would be
+    recorded as dynamo guards on symbols that have no source.
+    """
+    with torch._guards.tracing(None), unset_fake_temporarily():
+        yield
+
+
 def splice(
     graph: Graph,
     fn: Callable[..., torch.Tensor],
@@ -34,7 +45,7 @@ def splice(
     vals = [n.meta["val"] for n in inputs]
     # Trace in the graph's own fake mode, not in whatever tracing context
     # (dynamo's, when we run inside a backend) happens to surround the pass.
-    with torch._guards.tracing(None), unset_fake_temporarily():
+    with outside_dynamo_tracing():
         fake_mode = detect_fake_mode(vals)
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
             sub = make_fx(fn, tracing_mode="real" if fake_mode is not None else "fake")(*vals)

@@ -180,8 +180,7 @@ class CompiledStep:
                  for t in example_inputs]
         gm = capture_step_graph(dynamo_gm, example_inputs, names)
         gm = run_pipeline(gm, self._pipeline)
-        lowering_inputs = [self.state.shard_input(n) if n else t for n, t in zip(names, example_inputs)]
-        compiled = lower(gm, lowering_inputs, self.config.backend)
+        compiled = lower(gm, self.state.graph_inputs(names, example_inputs), self.config.backend)
         self.graphs.append(gm)
         self.compile_seconds.append(time.perf_counter() - start)
         log.info("zero_fx: compiled the step with %s in %.1f s",
@@ -206,8 +205,7 @@ class _StepRunner:
         self.state = state
 
     def __call__(self, *args):
-        inputs = [self.state.shard_input(n) if n else a for n, a in zip(self.param_names, args)]
-        outs = list(self.compiled(*inputs))
+        outs = list(self.compiled(*self.state.graph_inputs(self.param_names, args)))
         for index, name in self.slots.items():
             if outs[index] is not None:
                 self.state.accumulate_grad(name, outs[index])

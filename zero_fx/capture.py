@@ -20,10 +20,11 @@ from typing import Optional, Sequence
 import torch
 from torch.fx import GraphModule
 from torch.fx.node import map_aggregate
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .passes.predicates import GRAD_SLOTS_META, PARAM_META
+from .passes.splice import outside_dynamo_tracing
 
 aten = torch.ops.aten
 
@@ -42,7 +43,7 @@ def capture_step_graph(
     """
     # A fresh fake mode with static shapes, outside dynamo's tracing context:
     # anything our passes compute on shapes must not become a dynamo guard.
-    with torch._guards.tracing(None), unset_fake_temporarily():
+    with outside_dynamo_tracing():
         fake_mode = FakeTensorMode()
         fakes = [fake_mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
                  for t in example_inputs]

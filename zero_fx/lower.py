@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule
+
+from .passes.splice import outside_dynamo_tracing
 
 
 def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend) -> Callable:
@@ -25,8 +26,7 @@ def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend) -> C
         return gm
     # Outside dynamo's tracing context: the shards are not dynamo's inputs, and
     # its shape environment would make their sizes symbols without a source.
-    with torch._guards.tracing(None), unset_fake_temporarily(), \
-            torch._functorch.config.patch(cse=False):
+    with outside_dynamo_tracing(), torch._functorch.config.patch(cse=False):
         if backend == "aot_eager":
             from torch._dynamo.backends.debugging import aot_eager
 

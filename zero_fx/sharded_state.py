@@ -80,6 +80,10 @@ class ShardedState:
         """What the compiled graph reads for parameter ``name``: its shard, outside autograd."""
         return self.shards[name].detach()
 
+    def graph_inputs(self, param_names, args) -> list:
+        """The compiled graph's inputs: shards where ``param_names`` names a parameter, else ``args``."""
+        return [self.shard_input(n) if n else a for n, a in zip(param_names, args)]
+
     def accumulate_grad(self, name: str, grad_shard: torch.Tensor) -> None:
         shard = self.shards[name]
         shard.grad = grad_shard if shard.grad is None else shard.grad + grad_shard
