@@ -43,4 +43,7 @@ def _rank_main(rank, world_size, tmp, fn, args):
         result = _RankFailure(traceback.format_exc())
     finally:
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+    # no rank tears gloo down while a peer may still be finishing its last collective
+    # (seen once: a rank aborting with SIGABRT at exit)
+    dist.barrier()
     dist.destroy_process_group()
