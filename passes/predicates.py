@@ -16,6 +16,9 @@ PHASE_META = "zero_phase"
 """Node meta key: the node's ``Phase`` (set by ``annotate_phases``, kept by every pass)."""
 GATHERED_META = "zero_gathered"
 """Node meta key on the node that yields a gathered full parameter: ``(name, Phase)``."""
+CARRIES_META = "zero_carries"
+"""Node meta key on inserted communication code: the names of the parameters
+whose elements it moves (one bucket), in order."""
 GRAD_SLOTS_META = "zero_grad_slots"
 """GraphModule meta key: ``{output index: parameter name}`` for the gradient outputs."""
 
@@ -69,6 +72,11 @@ def is_gradient_seed(node: Node) -> bool:
 def gathered_param(node: Node) -> Optional[tuple[str, Phase]]:
     """``(name, phase)`` if ``node`` yields a gathered full parameter, else None."""
     return node.meta.get(GATHERED_META)
+
+
+def carried_params(node: Node) -> tuple[str, ...]:
+    """The parameters whose elements a collective moves (its bucket); () if untagged."""
+    return node.meta.get(CARRIES_META, ())
 
 
 def grad_slots(gm: torch.fx.GraphModule) -> dict[int, str]:

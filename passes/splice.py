@@ -8,7 +8,7 @@ will read, so every inserted node carries a correct ``meta["val"]``.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch._guards import detect_fake_mode
@@ -37,10 +37,11 @@ def splice(
     *,
     before: Node,
     phase: Phase,
+    meta: Mapping[str, Any] = {},
 ) -> Node:
     """Insert ``fn(*inputs)`` before ``before``; return the node of its (single) result.
 
-    Every inserted node is tagged with ``phase``.
+    Every inserted node is tagged with ``phase`` and the entries of ``meta``.
     """
     vals = [n.meta["val"] for n in inputs]
     # Trace in the graph's own fake mode, not in whatever tracing context
@@ -62,5 +63,6 @@ def splice(
             else:
                 new = graph.node_copy(node, lambda n: env[n])
                 new.meta[PHASE_META] = phase
+                new.meta.update(meta)
                 env[node] = new
     return result

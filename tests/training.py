@@ -16,8 +16,8 @@ STEPS = 5
 
 
 def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, optimizer: str,
-                 broken: str = ""):
-    """Train STEPS steps with @zero_compile(stage=3) on this rank's slice of each global batch."""
+                 stage: int = 3, broken: str = ""):
+    """Train STEPS steps with @zero_compile(stage=...) on this rank's slice of each global batch."""
     if broken == "skip_divide":  # a deliberately broken reduce pass, to prove the parity test bites
         import sys
 
@@ -27,7 +27,7 @@ def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, opti
     model = models.build(model_name)
     opt = models.make_optimizer(model, optimizer)
 
-    @zero_compile(stage=3, backend=backend)
+    @zero_compile(stage=stage, backend=backend)
     def train_step(model, opt, x, y):
         loss = models.loss_fn(model_name, model, x, y)
         loss.backward()
@@ -86,8 +86,8 @@ def _held_memory(model, train_step) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def zero_fx_run(world_size: int, model_name: str, backend: str, optimizer: str = "adamw",
-                broken: str = ""):
-    return run_ranks(world_size, zero_fx_rank, model_name, backend, optimizer, broken)
+                stage: int = 3, broken: str = ""):
+    return run_ranks(world_size, zero_fx_rank, model_name, backend, optimizer, stage, broken)
 
 
 @functools.lru_cache(maxsize=None)

@@ -47,15 +47,17 @@ def zero_compile(
             opt.zero_grad()
             return loss
 
-    On the first call the model's parameters are sharded over the default
-    process group (or a world of one if none is initialised): each rank keeps
-    a flat 1/N slice of every parameter, the optimizer is rebound to those
-    slices, and the full parameters' storage is freed. The step is captured as
-    one graph, rewritten to gather each parameter where it is used and to
-    reduce-scatter its gradient, and compiled.
+    On the first call (stages 1-3) the model's parameters are sharded over the
+    default process group (or a world of one if none is initialised): each
+    rank keeps a flat 1/N slice of every parameter, the optimizer is rebound
+    to those slices, and the full parameters' storage is freed. The step is
+    captured as one graph, rewritten to gather each parameter where it is used
+    and to reduce-scatter its gradient, and compiled. Stage 0 keeps the model
+    and optimizer as they are and all-reduces gradients.
 
     Args:
-        stage: ZeRO stage (only 3 in this release).
+        stage: ZeRO stage: 0 = DDP (gradients all-reduced, nothing sharded),
+            1 = optimizer states sharded, 2 = + gradients, 3 = + parameters.
         backend: "inductor" (default), "aot_eager", "eager", or a callable
             ``compiler(gm, example_inputs) -> callable`` for the rewritten graph.
         model, optimizer: name them when the step closes over them instead of
@@ -149,6 +151,7 @@ class CompiledStep:
                 "the step never calls opt.zero_grad(); zero_fx does not accumulate gradients "
                 "across calls yet, so call opt.zero_grad() before backward or after opt.step()"
             )
+        self.state.commit_grads()
         self.state.optimizer.step()
         self.state.zero_grad()
 
@@ -169,9 +172,14 @@ class CompiledStep:
         self.state = ShardedState(model, optimizer, self.plan, world,
                                   elementwise_optimizer=self.config.elementwise_optimizer)
         self._pipeline = build_pipeline(self.plan, disable=self.config.disable_passes)
-        log.info("zero_fx: stage %d over %d rank(s): %d parameters, %d elements (%d padding), "
-                 "%d elements per rank", self.plan.stage, world.size, len(self.plan.params),
-                 self.plan.total_numel, self.plan.padding_numel, self.plan.shard_numel)
+        if self.plan.replicated:
+            log.info("zero_fx: stage 0 over %d rank(s): %d parameters, %d elements, replicated",
+                     world.size, len(self.plan.params), self.plan.total_numel)
+        else:
+            log.info("zero_fx: stage %d over %d rank(s): %d parameters, %d elements "
+                     "(%d padding), %d elements per rank", self.plan.stage, world.size,
+                     len(self.plan.params), self.plan.total_numel, self.plan.padding_numel,
+                     self.plan.shard_numel)
 
     # -- the dynamo backend ------------------------------------------------------
     def _compile_graph(self, dynamo_gm: GraphModule, example_inputs: list):
@@ -208,7 +216,7 @@ class _StepRunner:
         outs = list(self.compiled(*self.state.graph_inputs(self.param_names, args)))
         for index, name in self.slots.items():
             if outs[index] is not None:
-                self.state.accumulate_grad(name, outs[index])
+                self.state.receive_grad(name, outs[index])
             outs[index] = None  # dynamo assigns this to the full parameter's .grad
         return outs
 

@@ -35,10 +35,6 @@ class ZeroConfig:
                 f"stage must be 0, 1, 2 or 3 (0 = DDP, 1 = optimizer states, 2 = + gradients, "
                 f"3 = + parameters); got {self.stage!r}"
             )
-        if self.stage != 3:
-            raise NotImplementedError(
-                f"stage={self.stage} is not implemented yet; this release shards with stage=3 only"
-            )
         if isinstance(self.backend, str) and self.backend not in NAMED_BACKENDS:
             raise ValueError(
                 f"backend must be one of {NAMED_BACKENDS} or a callable compiler(gm, example_inputs); "

@@ -74,6 +74,11 @@ class ShardPlan:
     params: tuple[ParamLayout, ...]
 
     @property
+    def replicated(self) -> bool:
+        """Stage 0 (DDP): every rank holds whole parameters, gradients and optimizer state."""
+        return self.stage == 0
+
+    @property
     def shard_numel(self) -> int:
         """Elements in one rank's flat shard buffer (same on every rank)."""
         return sum(p.shard_numel for p in self.params)

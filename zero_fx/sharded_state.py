@@ -24,6 +24,10 @@ def cut_shard(full: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tenso
 class ShardedState:
     """The model and optimizer after sharding.
 
+    ``shards[name]`` is what the optimizer steps on for parameter ``name``: in
+    stages 1-3 a flat 1/N slice (the fp32 master), in stage 0 (replicated, as
+    in DDP) the model's own parameter, untouched.
+
     [Note: freed parameters]
     The model keeps its ``nn.Parameter`` objects, with their shapes and
     dtypes, but their storage is resized to zero bytes: dynamo still traces
@@ -35,7 +39,8 @@ class ShardedState:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  plan: ShardPlan, world: World, *, elementwise_optimizer: Optional[bool] = None):
-        check_elementwise(optimizer, elementwise_optimizer)
+        if not plan.replicated:
+            check_elementwise(optimizer, elementwise_optimizer)
         self.model = model
         self.optimizer = optimizer
         self.plan = plan
@@ -44,6 +49,10 @@ class ShardedState:
         self._name_of = {id(p): name for name, p in self.params.items()}
         self._check_optimizer_params()
         self.shards: dict[str, torch.nn.Parameter] = {}
+        self._received: dict[str, torch.Tensor] = {}
+        if plan.replicated:
+            self.shards.update(self.params)
+            return
         for name, param in self.params.items():
             layout = plan.layout(name)
             shard = torch.nn.Parameter(cut_shard(param, layout, world.rank),
@@ -84,9 +93,21 @@ class ShardedState:
         """The compiled graph's inputs: shards where ``param_names`` names a parameter, else ``args``."""
         return [self.shard_input(n) if n else a for n, a in zip(param_names, args)]
 
-    def accumulate_grad(self, name: str, grad_shard: torch.Tensor) -> None:
-        shard = self.shards[name]
-        shard.grad = grad_shard if shard.grad is None else shard.grad + grad_shard
+    def receive_grad(self, name: str, grad_shard: torch.Tensor) -> None:
+        """Hold a gradient the graph returned until ``commit_grads``.
+
+        Not written to ``.grad`` at once: after the graph returns, dynamo sets
+        each traced parameter's ``.grad`` to what the graph returned in its slot
+        (None), and in stage 0 the shard *is* the traced parameter.
+        """
+        self._received[name] = grad_shard
+
+    def commit_grads(self) -> None:
+        """Add the received gradients to the shards' ``.grad``, for the optimizer."""
+        for name, grad in self._received.items():
+            shard = self.shards[name]
+            shard.grad = grad if shard.grad is None else shard.grad + grad
+        self._received.clear()
 
     def zero_grad(self) -> None:
         for shard in self.shards.values():
@@ -97,6 +118,8 @@ class ShardedState:
         return {name: self._gather(name, shard.detach()) for name, shard in self.shards.items()}
 
     def _gather(self, name: str, shard: torch.Tensor) -> torch.Tensor:
+        if self.plan.replicated:
+            return shard.clone()
         layout = self.plan.layout(name)
         full = gather_full(shard, numel=layout.numel, shape=layout.shape,
                            world_size=self.world.size, group_name=self.world.group_name)
@@ -104,7 +127,14 @@ class ShardedState:
 
     def held_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor this rank holds for the model: shards, their grads, optimizer state,
-        and the (freed) full parameters."""
+        and the (freed, in stages 1-3) full parameters; each once."""
+        seen = set()
+        for tensor in self._all_held():
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield tensor
+
+    def _all_held(self) -> Iterator[torch.Tensor]:
         yield from self.params.values()
         for shard in self.shards.values():
             yield shard
