@@ -7,13 +7,15 @@ import functools
 import logging
 import time
 import types
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch.fx import GraphModule
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .capture import CaptureError, capture_step_graph
+from .collective_counter import CollectiveCounter
 from .config import ZeroConfig, describe_backend
 from .lower import lower
 from .passes import build_pipeline, run_pipeline
@@ -21,6 +23,7 @@ from .passes.predicates import grad_slots
 from .plan import ShardPlan, plan_for_module
 from .process_group import current_world
 from .sharded_state import ShardedState
+from .traffic import TrafficReport, traffic_report
 
 log = logging.getLogger("zero_fx")
 
@@ -47,13 +50,17 @@ def zero_compile(
             opt.zero_grad()
             return loss
 
-    On the first call (stages 1-3) the model's parameters are sharded over the
-    default process group (or a world of one if none is initialised): each
-    rank keeps a flat 1/N slice of every parameter, the optimizer is rebound
-    to those slices, and the full parameters' storage is freed. The step is
-    captured as one graph, rewritten to gather each parameter where it is used
-    and to reduce-scatter its gradient, and compiled. Stage 0 keeps the model
-    and optimizer as they are and all-reduces gradients.
+    On the first call the model is sharded over the default process group (or
+    a world of one if none is initialised) and the step is captured as one
+    graph, rewritten with the stage's collectives, and compiled:
+
+    - stage 0 keeps model and optimizer as they are and all-reduces gradients;
+    - stages 1-2 keep whole parameters; the optimizer is rebound to flat 1/N
+      slices; gradients are reduce-scattered (stage 1 at the end of backward,
+      stage 2 as each is produced); the updated slices are all-gathered back
+      into the parameters after the optimizer step;
+    - stage 3 also frees the parameters' storage: each is all-gathered right
+      before its forward use and again before its backward use.
 
     Args:
         stage: ZeRO stage: 0 = DDP (gradients all-reduced, nothing sharded),
@@ -100,6 +107,7 @@ class CompiledStep:
         self.compile_seconds: list[float] = []
         """Wall time of each compilation: capture, passes and lowering."""
         self._optimizer_calls: list[str] = []
+        self._observers: list[TorchDispatchMode] = []
         # Dynamo caches compiled frames per code object: each compiled step gets
         # its own copy of `_traced_step`, or steps would share (and exhaust)
         # one cache and recompile whenever another step ran in between.
@@ -151,9 +159,11 @@ class CompiledStep:
                 "the step never calls opt.zero_grad(); zero_fx does not accumulate gradients "
                 "across calls yet, so call opt.zero_grad() before backward or after opt.step()"
             )
-        self.state.commit_grads()
-        self.state.optimizer.step()
-        self.state.zero_grad()
+        with _entered(self._observers):
+            self.state.commit_grads()
+            self.state.optimizer.step()
+            self.state.zero_grad()
+            self.state.refresh_parameters()
 
     # -- first call: find, plan, shard ---------------------------------------
     def _find_model_and_optimizer(self, args, kwargs):
@@ -193,9 +203,35 @@ class CompiledStep:
         self.compile_seconds.append(time.perf_counter() - start)
         log.info("zero_fx: compiled the step with %s in %.1f s",
                  describe_backend(self.config.backend), self.compile_seconds[-1])
-        return _StepRunner(compiled, names, grad_slots(gm), self.state)
+        return _StepRunner(compiled, names, grad_slots(gm), self.state, self._observers)
 
     # -- inspection -------------------------------------------------------------
+    @contextlib.contextmanager
+    def observing(self, mode: TorchDispatchMode) -> Iterator[TorchDispatchMode]:
+        """Run the step's tensor work (the compiled graph, then the optimizer) under ``mode``.
+
+        Dynamo will not run compiled code under a Python dispatch mode, so a
+        mode entered around the call would never see the graph; this enters it
+        inside, around the graph and around the optimizer step. It sees what
+        dispatches through Python: everything under aot_eager and eager; under
+        Inductor, only what the generated code calls as fallback kernels.
+        """
+        self._observers.append(mode)
+        try:
+            yield mode
+        finally:
+            self._observers.remove(mode)
+
+    def counting_collectives(self) -> "contextlib.AbstractContextManager[CollectiveCounter]":
+        """``with step.counting_collectives() as counted: step(...)``, then read ``counted.numel``."""
+        return self.observing(CollectiveCounter())
+
+    def traffic(self) -> TrafficReport:
+        """The collectives one call of the step issues (the latest compilation); print it for a table."""
+        if not self.graphs:
+            raise RuntimeError("the step has not been compiled yet; call it once first")
+        return traffic_report(self.graphs[-1], self.plan)
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """The model's parameters gathered from every rank (call on all ranks)."""
         if self.state is None:
@@ -206,14 +242,18 @@ class CompiledStep:
 class _StepRunner:
     """What dynamo calls: feeds shards for parameters, hands gradient shards to the state."""
 
-    def __init__(self, compiled, param_names, slots, state: ShardedState):
+    def __init__(self, compiled, param_names, slots, state: ShardedState, observers: list):
         self.compiled = compiled
         self.param_names = param_names
         self.slots = slots
         self.state = state
+        self.observers = observers
+        """Dispatch modes to run the graph under (the CompiledStep's list, which it edits)."""
 
     def __call__(self, *args):
-        outs = list(self.compiled(*self.state.graph_inputs(self.param_names, args)))
+        inputs = self.state.graph_inputs(self.param_names, args)
+        with _entered(self.observers):
+            outs = list(self.compiled(*inputs))
         for index, name in self.slots.items():
             if outs[index] is not None:
                 self.state.receive_grad(name, outs[index])
@@ -236,6 +276,14 @@ def _the_one(leaves, cls, what: str, keyword: str):
                          f"it with @zero_compile({keyword}...)")
     raise ValueError(f"{len(unique)} different {what}s among the step's arguments; name the one "
                      f"to shard with @zero_compile({keyword}...)")
+
+
+@contextlib.contextmanager
+def _entered(modes: list):
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        yield
 
 
 @contextlib.contextmanager

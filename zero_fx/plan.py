@@ -79,6 +79,12 @@ class ShardPlan:
         return self.stage == 0
 
     @property
+    def params_sharded(self) -> bool:
+        """Stage 3: parameters live as shards and are gathered where used; in stages
+        0-2 every rank keeps whole parameters."""
+        return self.stage == 3
+
+    @property
     def shard_numel(self) -> int:
         """Elements in one rank's flat shard buffer (same on every rank)."""
         return sum(p.shard_numel for p in self.params)

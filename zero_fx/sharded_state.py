@@ -28,9 +28,20 @@ class ShardedState:
     stages 1-3 a flat 1/N slice (the fp32 master), in stage 0 (replicated, as
     in DDP) the model's own parameter, untouched.
 
+    [Note: stages 1 and 2 keep whole parameters]
+    As in DeepSpeed's ZeRO-1/2, every rank keeps the model's whole parameters:
+    the graph reads them as they are, only the optimizer (and, in stage 2, the
+    gradients) are sharded. After the optimizer has stepped on the shards,
+    ``refresh_parameters`` all-gathers each updated shard into its parameter:
+    the one all-gather of Ψ per step that these stages cost. The model stays
+    usable outside the step (evaluation, ``state_dict``), and the peak is the
+    table's row: whole parameters plus, at the end of a stage-1 backward, whole
+    gradients. Gathering inside the next step's graph instead would free each
+    parameter after its last backward use and blur stages 1 and 2 together.
+
     [Note: freed parameters]
-    The model keeps its ``nn.Parameter`` objects, with their shapes and
-    dtypes, but their storage is resized to zero bytes: dynamo still traces
+    In stage 3 the model keeps its ``nn.Parameter`` objects, with their shapes
+    and dtypes, but their storage is resized to zero bytes: dynamo still traces
     the model through them, while the values live in ``shards`` (one flat
     ``nn.Parameter`` per parameter, which the optimizer now steps on). Reading
     a freed parameter outside the compiled step fails; use
@@ -65,7 +76,8 @@ class ShardedState:
         )
         for param in self.params.values():
             param.grad = None
-            param.untyped_storage().resize_(0)
+            if plan.params_sharded:
+                param.untyped_storage().resize_(0)
 
     def _check_optimizer_params(self) -> None:
         foreign = [
@@ -86,8 +98,11 @@ class ShardedState:
         return self._name_of.get(id(tensor))
 
     def shard_input(self, name: str) -> torch.Tensor:
-        """What the compiled graph reads for parameter ``name``: its shard, outside autograd."""
-        return self.shards[name].detach()
+        """What the compiled graph reads for parameter ``name``, outside autograd: its shard
+        in stage 3, the whole parameter otherwise."""
+        if self.plan.params_sharded:
+            return self.shards[name].detach()
+        return self.params[name].detach()
 
     def graph_inputs(self, param_names, args) -> list:
         """The compiled graph's inputs: shards where ``param_names`` names a parameter, else ``args``."""
@@ -109,25 +124,38 @@ class ShardedState:
             shard.grad = grad if shard.grad is None else shard.grad + grad
         self._received.clear()
 
+    @torch.no_grad()
+    def refresh_parameters(self) -> None:
+        """Stages 1-2: all-gather each updated shard into the whole parameter (one per parameter).
+
+        A no-op in stage 0 (the optimizer stepped on the parameters) and stage 3
+        (the next step gathers where it uses them).
+        """
+        if self.plan.replicated or self.plan.params_sharded:
+            return
+        for name, param in self.params.items():
+            param.copy_(self._gather(name, self.shards[name].detach(), copy=False))
+
     def zero_grad(self) -> None:
         for shard in self.shards.values():
             shard.grad = None
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter, gathered from all ranks (a collective: call it on every rank)."""
+        """A copy of every parameter; in stage 3 gathered from all ranks (a collective:
+        call it on every rank)."""
+        if not self.plan.params_sharded:
+            return {name: param.detach().clone() for name, param in self.params.items()}
         return {name: self._gather(name, shard.detach()) for name, shard in self.shards.items()}
 
-    def _gather(self, name: str, shard: torch.Tensor) -> torch.Tensor:
-        if self.plan.replicated:
-            return shard.clone()
+    def _gather(self, name: str, shard: torch.Tensor, *, copy: bool = True) -> torch.Tensor:
         layout = self.plan.layout(name)
         full = gather_full(shard, numel=layout.numel, shape=layout.shape,
                            world_size=self.world.size, group_name=self.world.group_name)
-        return full.clone()
+        return full.clone() if copy else full
 
     def held_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor this rank holds for the model: shards, their grads, optimizer state,
-        and the (freed, in stages 1-3) full parameters; each once."""
+        and the model's parameters (freed in stage 3); each once."""
         seen = set()
         for tensor in self._all_held():
             if id(tensor) not in seen:

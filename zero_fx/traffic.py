@@ -1,0 +1,157 @@
+"""The traffic report: every collective a compiled step issues, read off its rewritten graph.
+
+[Note: counting traffic]
+A collective's ``numel`` is the size of the whole buffer it works on: the
+gathered output of an all-gather, the input of a reduce-scatter, the tensor of
+an all-reduce. Summed over a step and divided by Ψ (the model's parameter
+count) this gives the multiples the ZeRO table speaks of: stage 0 all-reduces
+Ψ, stages 1-2 reduce-scatter Ψ and all-gather Ψ, stage 3 all-gathers 2Ψ and
+reduce-scatters Ψ (plus padding; see [Note: flat layout] in plan.py).
+What a rank puts on the wire is a different number: over a ring, an all-gather
+or reduce-scatter of B bytes sends (N-1)/N·B per rank, an all-reduce twice that
+(it is a reduce-scatter followed by an all-gather). ``wire_bytes`` reports it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .passes.predicates import (
+    carried_params,
+    is_all_gather,
+    is_all_reduce,
+    is_collective,
+    is_reduce_scatter,
+    is_wait,
+    phase_of,
+)
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of the step, as the rewritten graph issues it."""
+
+    kind: str
+    """"all_gather", "reduce_scatter" or "all_reduce"."""
+    dtype: torch.dtype
+    numel: int
+    """Elements of the whole buffer (see [Note: counting traffic])."""
+    bucket: tuple[str, ...]
+    """The parameters whose elements it moves."""
+    phase: str
+    """The part of the step that issues it: "forward", "backward", or
+    "after step" (stages 1-2: the updated shards gathered back into the
+    parameters, eagerly, after the optimizer; see [Note: stages 1 and 2 keep
+    whole parameters] in sharded_state.py)."""
+    issued_at: Optional[int]
+    """Position of the collective among the graph's nodes (None: outside the graph)."""
+    waited_at: Optional[int]
+    """Position of its wait; everything between may overlap with it."""
+    node: str
+    """The collective's node in the graph ("" outside it)."""
+
+    @property
+    def bytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class TrafficReport:
+    """Per-step collectives of one compiled graph, with totals per kind."""
+
+    stage: int
+    world_size: int
+    psi: int
+    """Ψ: parameters in the model (unpadded)."""
+    collectives: tuple[Collective, ...]
+
+    def numel_by_kind(self) -> dict[str, int]:
+        totals = Counter({kind: 0 for kind in KINDS})
+        for c in self.collectives:
+            totals[c.kind] += c.numel
+        return dict(totals)
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        totals = Counter({kind: 0 for kind in KINDS})
+        for c in self.collectives:
+            totals[c.kind] += c.bytes
+        return dict(totals)
+
+    def psi_by_kind(self) -> dict[str, float]:
+        """Elements per kind as a multiple of Ψ (padding makes it a little above the table)."""
+        return {kind: numel / self.psi for kind, numel in self.numel_by_kind().items()}
+
+    def wire_bytes(self) -> int:
+        """Bytes each rank sends per step over a ring (see [Note: counting traffic])."""
+        n = self.world_size
+        if n == 1:
+            return 0
+        ring = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
+        return sum(ring[c.kind] * c.bytes * (n - 1) // n for c in self.collectives)
+
+    def __str__(self) -> str:
+        lines = [f"zero_fx traffic per step: stage {self.stage}, {self.world_size} rank(s), "
+                 f"Ψ = {self.psi:,} parameters"]
+        if not self.collectives:
+            lines.append("  no collectives (one rank)")
+        else:
+            lines.append(f"  {'#':>3}  {'kind':<14} {'dtype':<8} {'elements':>11}  {'phase':<10} "
+                         f"{'issued':>6} {'waited':>6}  bucket")
+            for i, c in enumerate(self.collectives):
+                lines.append(f"  {i:>3}  {c.kind:<14} {str(c.dtype).removeprefix('torch.'):<8} "
+                             f"{c.numel:>11,}  {c.phase:<10} {_position(c.issued_at):>6} "
+                             f"{_position(c.waited_at):>6}  {', '.join(c.bucket)}")
+        psi = self.psi_by_kind()
+        lines.append("  totals: " + "; ".join(
+            f"{kind} {numel:,} elements = {psi[kind]:.3f} Ψ ({self.bytes_by_kind()[kind]:,} B)"
+            for kind, numel in self.numel_by_kind().items() if numel))
+        lines.append(f"  on the wire (ring), per rank: {self.wire_bytes():,} B")
+        return "\n".join(lines)
+
+
+def traffic_report(gm: GraphModule, plan) -> TrafficReport:
+    """The collectives one step runs, in issue order: those of ``gm`` (a graph our
+    passes rewrote for ``plan``), then, in stages 1-2, the gathers after the optimizer."""
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    collectives = [_describe(node, position) for node in gm.graph.nodes if is_collective(node)]
+    if plan.world_size > 1 and not plan.replicated and not plan.params_sharded:
+        collectives += [
+            Collective(kind="all_gather", dtype=layout.dtype, numel=layout.padded_numel,
+                       bucket=(layout.name,), phase="after step", issued_at=None,
+                       waited_at=None, node="")
+            for layout in plan.params
+        ]
+    return TrafficReport(stage=plan.stage, world_size=plan.world_size, psi=plan.total_numel,
+                         collectives=tuple(collectives))
+
+
+def _position(index: Optional[int]) -> str:
+    return "-" if index is None else str(index)
+
+
+def _describe(node: Node, position: dict[Node, int]) -> Collective:
+    if is_all_gather(node):
+        kind, buffer = "all_gather", node.meta["val"]
+    elif is_reduce_scatter(node):
+        kind, buffer = "reduce_scatter", node.args[0].meta["val"]
+    else:
+        assert is_all_reduce(node), node
+        kind, buffer = "all_reduce", node.meta["val"]
+    waits = [u for u in node.users if is_wait(u)]
+    return Collective(
+        kind=kind,
+        dtype=buffer.dtype,
+        numel=buffer.numel(),
+        bucket=carried_params(node),
+        phase=phase_of(node).value,
+        issued_at=position[node],
+        waited_at=position[waits[0]] if waits else -1,
+        node=node.name,
+    )
