@@ -1,4 +1,4 @@
-"""Parity: zero_fx stage 3 on 1, 2 and 4 gloo ranks matches single-process training.
+"""Parity: zero_fx stages 0-3 on 1, 2 and 4 gloo ranks match single-process training.
 
 Each rank trains on its slice of the same global batch; the mean of the ranks'
 losses and the gathered parameters must match plain PyTorch on the whole
@@ -11,10 +11,11 @@ import pytest
 from training import parity_errors, reference_run, zero_fx_run
 
 TOLERANCE = 1e-5
+STAGES = [0, 1, 2, 3]
 
 
-def assert_parity(world_size, model_name, backend, optimizer="adamw"):
-    results = zero_fx_run(world_size, model_name, backend, optimizer)
+def assert_parity(world_size, model_name, backend, optimizer="adamw", stage=3):
+    results = zero_fx_run(world_size, model_name, backend, optimizer, stage)
     errors = parity_errors(results, reference_run(model_name, optimizer))
     worst = max(errors, key=errors.get)
     assert errors[worst] < TOLERANCE, f"{worst}: relative error {errors[worst]:.2e}"
@@ -22,8 +23,9 @@ def assert_parity(world_size, model_name, backend, optimizer="adamw"):
 
 @pytest.mark.parametrize("model_name", ["mlp", "gpt"])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_parity_aot_eager(world_size, model_name):
-    assert_parity(world_size, model_name, "aot_eager")
+@pytest.mark.parametrize("stage", STAGES)
+def test_parity_aot_eager(stage, world_size, model_name):
+    assert_parity(world_size, model_name, "aot_eager", stage=stage)
 
 
 @pytest.mark.inductor
@@ -31,10 +33,10 @@ def test_parity_inductor_gpt_two_ranks():
     assert_parity(2, "gpt", "inductor")
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_parity_sgd_momentum(world_size):
+@pytest.mark.parametrize("stage", STAGES)
+def test_parity_sgd_momentum(stage):
     """SGD sees the gradient's scale, which AdamW normalises away: this checks the 1/N."""
-    assert_parity(world_size, "gpt", "aot_eager", "sgd")
+    assert_parity(2, "gpt", "aot_eager", "sgd", stage)
 
 
 def test_parity_catches_a_missing_divide():

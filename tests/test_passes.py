@@ -8,7 +8,7 @@ from zero_fx import make_plan
 from zero_fx.passes import (InvariantError, annotate_phases, check_invariants, gather_params,
                             recompute_param_views, reduce_grads)
 from zero_fx.passes.predicates import (GRAD_SLOTS_META, PARAM_META, Phase, is_all_gather,
-                                       is_reduce_scatter, is_wait, phase_of)
+                                       is_all_reduce, is_reduce_scatter, is_wait, phase_of)
 
 aten = torch.ops.aten
 WORLD = 2
@@ -21,7 +21,7 @@ def two_layer_step(w, b, v, x):
     return loss.detach(), gw, gb, gv
 
 
-def step_graph():
+def step_graph(stage=3):
     w = torch.randn(5, 3, requires_grad=True)  # 15 elements: padded to 16 over 2 ranks
     b = torch.randn(5, requires_grad=True)
     v = torch.randn(2, 5, requires_grad=True)
@@ -31,7 +31,8 @@ def step_graph():
         node.meta[PARAM_META] = name
     gm.meta[GRAD_SLOTS_META] = {1: "w", 2: "b", 3: "v"}
     plan = make_plan([("w", (5, 3), torch.float32, True), ("b", (5,), torch.float32, True),
-                      ("v", (2, 5), torch.float32, True)], world_size=WORLD, group_name="test")
+                      ("v", (2, 5), torch.float32, True)], world_size=WORLD, stage=stage,
+                     group_name="test")
     return gm, plan
 
 
@@ -39,8 +40,8 @@ def count(gm, predicate):
     return sum(1 for n in gm.graph.nodes if predicate(n))
 
 
-def rewritten(*passes):
-    gm, plan = step_graph()
+def rewritten(*passes, stage=3):
+    gm, plan = step_graph(stage)
     for p in passes:
         gm = p(gm, plan)
     return gm, plan
@@ -98,6 +99,43 @@ class TestReduceGrads:
         outs = gm.graph.output_node().args[0]
         assert [tuple(o.meta["val"].shape) for o in outs[1:]] == [(8,), (3,), (5,)]
         assert all(o.target == aten.div.Tensor for o in outs[1:])  # SUM, then / N
+
+
+class TestStages:
+    """Where each stage puts its collectives (the same pipeline, read by stage)."""
+
+    ALL = (annotate_phases, recompute_param_views, gather_params, reduce_grads, check_invariants)
+    REDUCE_CODE = {aten.view.default, aten.constant_pad_nd.default, aten.div.Tensor}
+
+    def test_stage0_all_reduces_whole_gradients(self):
+        gm, _ = rewritten(*self.ALL, stage=0)
+        assert count(gm, is_all_reduce) == 3
+        assert count(gm, is_reduce_scatter) == count(gm, is_all_gather) == 0
+        outs = gm.graph.output_node().args[0]
+        assert [tuple(o.meta["val"].shape) for o in outs[1:]] == [(5, 3), (5,), (2, 5)]
+
+    @pytest.mark.parametrize("stage", [0, 1, 2])
+    def test_below_stage3_parameters_enter_whole(self, stage):
+        gm, _ = rewritten(*self.ALL, stage=stage)
+        assert count(gm, is_all_gather) == 0
+        w = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        assert tuple(w.meta["val"].shape) == (5, 3)
+
+    def test_stage1_reduces_after_the_whole_backward(self):
+        gm, _ = rewritten(*self.ALL, stage=1)
+        nodes = list(gm.graph.nodes)
+        first = next(i for i, n in enumerate(nodes) if is_reduce_scatter(n))
+        after = nodes[first:-1]
+        assert count(gm, is_reduce_scatter) == 3
+        assert all(is_reduce_scatter(n) or is_wait(n) or n.target in self.REDUCE_CODE
+                   for n in after), [n.target for n in after]
+
+    def test_stage2_reduces_during_the_backward(self):
+        gm, _ = rewritten(*self.ALL, stage=2)
+        nodes = list(gm.graph.nodes)
+        first = next(i for i, n in enumerate(nodes) if is_reduce_scatter(n))
+        assert any(n.target == aten.mm.default for n in nodes[first:]), \
+            "the first reduce-scatter waits for the whole backward"
 
 
 class TestCheckInvariants:

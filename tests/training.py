@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
+import weakref
 
 import torch
 
 import models
 from ranks import run_ranks
 from zero_fx import zero_compile
+from zero_fx.live_memory import LiveTensorBytes
 
 STEPS = 5
 
@@ -24,6 +25,8 @@ def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, opti
         import zero_fx.passes  # noqa: F401  (the module, not the function of the same name)
 
         sys.modules["zero_fx.passes.reduce_grads"]._average = lambda summed, world_size: summed
+    # world size 1 runs in the test process, next to earlier runs' results
+    alive_before = _live_tensors()
     model = models.build(model_name)
     opt = models.make_optimizer(model, optimizer)
 
@@ -40,31 +43,42 @@ def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, opti
         x, y = models.global_batch(model_name, step)
         per_rank = x.shape[0] // world_size
         local = slice(rank * per_rank, (rank + 1) * per_rank)
-        losses.append(train_step(model, opt, x[local], y[local]).item())
-    memory = _held_memory(model, train_step)  # before full_parameters() gathers copies
+        with train_step.counting_collectives() as counted:  # the last step's count is kept
+            losses.append(train_step(model, opt, x[local], y[local]).item())
+    memory = _held_memory(model, train_step, alive_before)  # before full_parameters() gathers copies
     return {
         "losses": losses,
         "params": train_step.full_parameters(),
         "memory": memory,
         "compile_seconds": train_step.compile_seconds,
+        "traffic": train_step.traffic(),
+        "counted": {"numel": dict(counted.numel), "launches": dict(counted.launches)},
     }
 
 
-def _held_memory(model, train_step) -> dict:
-    """What this rank holds after a step, measured on the tensors themselves."""
+def _live_tensors() -> dict:
+    gc.collect()
+    return {id(obj): weakref.ref(obj) for obj in gc.get_objects() if isinstance(obj, torch.Tensor)}
+
+
+def _held_memory(model, train_step, alive_before: dict) -> dict:
+    """What this rank holds after a step, measured on the tensors themselves
+    (those alive before the run began excluded)."""
     gc.collect()
     param_shapes = {tuple(p.shape) for p in model.parameters()}
     # shards and optimizer state are full-shaped at world size 1; they are not what we look for
-    sharded = {t.untyped_storage().data_ptr() for t in train_step.state.held_tensors()}
+    # (nor, in stages 0-2, are the model's parameters)
+    held = {t.untyped_storage().data_ptr() for t in train_step.state.held_tensors()}
     storages, full_size_alive = {}, []
     for obj in gc.get_objects():
         if not isinstance(obj, torch.Tensor) or isinstance(obj, torch._subclasses.FakeTensor):
             continue
-        if obj.device.type == "meta":
+        earlier = alive_before.get(id(obj))
+        if obj.device.type == "meta" or (earlier is not None and earlier() is obj):
             continue
         storage = obj.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
-        if (tuple(obj.shape) in param_shapes and storage.data_ptr() not in sharded
+        if (tuple(obj.shape) in param_shapes and storage.data_ptr() not in held
                 and storage.nbytes() >= obj.numel() * obj.element_size()):
             full_size_alive.append(tuple(obj.shape))
     state = train_step.state
@@ -119,3 +133,35 @@ def parity_errors(results: list, reference: dict) -> dict:
         for rank, r in enumerate(results):
             errors[f"{name}@rank{rank}"] = relative_error(r["params"][name], expected)
     return errors
+
+
+def peak_memory_rank(rank: int, world_size: int, stages, width: int, depth: int):
+    """Per stage: peak live tensor bytes during the second step (the first compiles and
+    creates the optimizer state) of a deep bias-free MLP, and its parameter count."""
+    peaks = {}
+    for stage in stages:
+        model = models.build_deep_mlp(width, depth)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        @zero_compile(stage=stage, backend="aot_eager")
+        def train_step(model, opt, x):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        x = torch.randn(2, width)
+        train_step(model, opt, x)
+        gc.collect()
+        probe = LiveTensorBytes(list(train_step.state.held_tensors()) + [x])
+        with train_step.observing(probe):
+            train_step(model, opt, x)
+        peaks[stage] = probe.peak
+    return {"peaks": peaks, "psi": sum(p.numel() for p in model.parameters()),
+            "largest_param_bytes": max(p.numel() * p.element_size() for p in model.parameters())}
+
+
+@functools.lru_cache(maxsize=None)
+def peak_memory_run(world_size: int, stages: tuple, width: int, depth: int):
+    return run_ranks(world_size, peak_memory_rank, stages, width, depth)

@@ -1,0 +1,69 @@
+"""Traffic: what the collectives move per step, counted as they run, equals the report and the table.
+
+The count comes from ``CollectiveCounter``, a dispatch mode around the
+compiled graph and the optimizer step, on the last of 5 steps of the parity
+runs (GPT, aot_eager). The table's multiples of Ψ are in zero_fx/table.py;
+every all-gather and reduce-scatter works on padded parameters (Ψ + padding),
+an all-reduce on the parameters as they are.
+"""
+
+from collections import Counter
+
+import pytest
+
+import models
+from training import zero_fx_run
+from zero_fx import plan_for_module
+from zero_fx.table import TRAFFIC_IN_PSI
+from zero_fx.traffic import KINDS
+
+# In stage 3 the backward re-gathers only the parameters its gradient formulas
+# read; the GPT's position embedding is an embedding: its gradient is a
+# scatter of the incoming gradient, which never reads the table.
+NOT_READ_BY_BACKWARD = {"wpe.weight"}
+
+
+def expected_numel(stage: int, world_size: int) -> dict:
+    plan = plan_for_module(models.build("gpt"), world_size=world_size, stage=stage)
+    padded = plan.total_numel + plan.padding_numel
+    expected = {kind: 0 for kind in KINDS}
+    for kind, multiple in TRAFFIC_IN_PSI[stage].items():
+        expected[kind] = multiple * (plan.total_numel if kind == "all_reduce" else padded)
+    if stage == 3:
+        expected["all_gather"] -= sum(plan.layout(n).padded_numel for n in NOT_READ_BY_BACKWARD)
+    return expected
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_counted_traffic_equals_report_and_table(stage, world_size):
+    for rank, result in enumerate(zero_fx_run(world_size, "gpt", "aot_eager", "adamw", stage)):
+        report, counted = result["traffic"], result["counted"]
+        assert counted["numel"] == report.numel_by_kind(), f"rank {rank}: counted != report"
+        launches = Counter({kind: 0 for kind in KINDS}) + Counter(c.kind for c in report.collectives)
+        assert counted["launches"] == {k: launches[k] for k in KINDS}, f"rank {rank}"
+        assert report.numel_by_kind() == expected_numel(stage, world_size), f"rank {rank}"
+
+
+def test_stage3_backward_regathers_all_but_what_it_never_reads():
+    report = zero_fx_run(2, "gpt", "aot_eager", "adamw", 3)[0]["traffic"]
+    names = {n for n, _ in models.build("gpt").named_parameters()}
+    backward = {c.bucket[0] for c in report.collectives
+                if c.kind == "all_gather" and c.phase == "backward"}
+    assert backward == names - NOT_READ_BY_BACKWARD
+
+
+def test_the_report_shows_psi_multiples_and_positions():
+    report = zero_fx_run(2, "gpt", "aot_eager", "adamw", 1)[0]["traffic"]
+    text = str(report)
+    assert "stage 1, 2 rank(s)" in text and "reduce_scatter" in text and "after step" in text
+    assert report.psi_by_kind()["all_reduce"] == 0
+    assert 1.0 <= report.psi_by_kind()["reduce_scatter"] < 1.01  # padding only
+    reduces = [c for c in report.collectives if c.kind == "reduce_scatter"]
+    assert all(c.issued_at < c.waited_at for c in reduces)
+
+
+def test_one_rank_moves_nothing():
+    for stage in (0, 3):
+        report = zero_fx_run(1, "gpt", "aot_eager", "adamw", stage)[0]["traffic"]
+        assert report.collectives == () and report.wire_bytes() == 0
