@@ -1,4 +1,4 @@
-"""Train a small GPT on a synthetic corpus with ZeRO stage 3.
+"""Train a small GPT on a synthetic corpus with ZeRO (stage 3 unless --stage says otherwise).
 
     torchrun --nproc_per_node 2 examples/train_gpt.py        # 2 CPU ranks over gloo
     python examples/train_gpt.py                             # one process, world size 1
@@ -22,7 +22,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--batch-size", type=int, default=8, help="global batch, split over ranks")
 parser.add_argument("--backend", default="inductor", help="inductor | aot_eager | eager")
-parser.add_argument("--stage", type=int, default=3)
+parser.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3],
+                    help="0 = DDP, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters")
 args = parser.parse_args()
 
 # -- distributed setup (torchrun sets the environment; without it, world size 1) --
@@ -82,16 +83,15 @@ for step in range(args.steps):
     log(f"step {step + 1:3d}/{args.steps}  loss {loss.item():.4f}  {1e3 * times[-1]:8.1f} ms")
 
 # -- summary -------------------------------------------------------------------------
-state = train_step.state
-held = sum(s.numel() * s.element_size() for s in state.shards.values())
-held += sum(v.numel() * v.element_size() for st in state.optimizer.state.values()
-            for v in st.values() if isinstance(v, torch.Tensor))
+storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in train_step.state.held_tensors()}
+held = sum(storages.values())
 steady = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
 log(f"\ndone: final loss {loss.item():.4f}")
 log(f"compile (capture + passes + {args.backend}): {sum(train_step.compile_seconds):.1f} s; "
     f"median step after the first: {1e3 * steady:.1f} ms")
-log(f"rank 0 holds {held / 2**20:.2f} MiB of parameters + optimizer state "
-    f"(unsharded: {3 * 4 * num_params / 2**20:.2f} MiB; 1/{world} of it is "
-    f"{3 * 4 * num_params / world / 2**20:.2f} MiB)")
+log(f"rank 0 holds {held / 2**20:.2f} MiB of parameters, shards and optimizer state between "
+    f"steps (stage 0 would hold {3 * 4 * num_params / 2**20:.2f} MiB)")
+log(f"traffic per step: {train_step.traffic().summary()}")
 if dist.is_initialized():
     dist.destroy_process_group()

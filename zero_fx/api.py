@@ -214,7 +214,8 @@ class CompiledStep:
         mode entered around the call would never see the graph; this enters it
         inside, around the graph and around the optimizer step. It sees what
         dispatches through Python: everything under aot_eager and eager; under
-        Inductor, only what the generated code calls as fallback kernels.
+        Inductor, the optimizer and the eager gathers after it, not the graph
+        (its generated code calls collectives and allocates directly).
         """
         self._observers.append(mode)
         try:

@@ -108,12 +108,16 @@ class TrafficReport:
                 lines.append(f"  {i:>3}  {c.kind:<14} {str(c.dtype).removeprefix('torch.'):<8} "
                              f"{c.numel:>11,}  {c.phase:<10} {_position(c.issued_at):>6} "
                              f"{_position(c.waited_at):>6}  {', '.join(c.bucket)}")
-        psi = self.psi_by_kind()
-        lines.append("  totals: " + "; ".join(
-            f"{kind} {numel:,} elements = {psi[kind]:.3f} Ψ ({self.bytes_by_kind()[kind]:,} B)"
-            for kind, numel in self.numel_by_kind().items() if numel))
-        lines.append(f"  on the wire (ring), per rank: {self.wire_bytes():,} B")
+        lines.append("  " + self.summary())
         return "\n".join(lines)
+
+    def summary(self) -> str:
+        """The totals in one line: per kind, elements, multiple of Ψ and bytes; wire bytes."""
+        psi, nbytes = self.psi_by_kind(), self.bytes_by_kind()
+        kinds = [f"{kind} {numel:,} elements = {psi[kind]:.3f} Ψ ({nbytes[kind]:,} B)"
+                 for kind, numel in self.numel_by_kind().items() if numel]
+        return (f"totals: {'; '.join(kinds) or 'nothing'}; "
+                f"on the wire (ring) per rank: {self.wire_bytes():,} B")
 
 
 def traffic_report(gm: GraphModule, plan) -> TrafficReport:
