@@ -9,6 +9,7 @@ from zero_fx.passes import (InvariantError, annotate_phases, check_invariants, g
                             recompute_param_views, reduce_grads)
 from zero_fx.passes.predicates import (GRAD_SLOTS_META, PARAM_META, Phase, is_all_gather,
                                        is_all_reduce, is_reduce_scatter, is_wait, phase_of)
+from zero_fx.traffic import traffic_report
 
 aten = torch.ops.aten
 WORLD = 2
@@ -146,3 +147,23 @@ class TestCheckInvariants:
         gm, plan = rewritten(annotate_phases, gather_params)  # no recompute: backward reads t(v)
         with pytest.raises(InvariantError, match="forward-gathered"):
             check_invariants(gm, plan)
+
+
+class TestTrafficReport:
+    """The report reads kinds, sizes, buckets and positions off the rewritten graph."""
+
+    def test_stage3_hand_built_graph(self):
+        gm, plan = rewritten(*TestStages.ALL, stage=3)
+        report = traffic_report(gm, plan)
+        gathers = [(c.bucket, c.numel, c.phase) for c in report.collectives if c.kind == "all_gather"]
+        assert gathers == [(("w",), 16, "forward"), (("b",), 6, "forward"), (("v",), 10, "forward"),
+                           (("v",), 10, "backward")]
+        assert report.numel_by_kind() == {"all_gather": 42, "reduce_scatter": 32, "all_reduce": 0}
+        assert all(c.issued_at < c.waited_at for c in report.collectives)
+        assert report.psi == 30 and report.wire_bytes() == (42 + 32) * 4 // 2
+
+    def test_stage1_adds_the_gathers_after_the_step(self):
+        gm, plan = rewritten(*TestStages.ALL, stage=1)
+        after = [c for c in traffic_report(gm, plan).collectives if c.phase == "after step"]
+        assert [(c.bucket, c.numel, c.issued_at) for c in after] == [
+            (("w",), 16, None), (("b",), 6, None), (("v",), 10, None)]

@@ -2,7 +2,7 @@
 
 The count comes from ``CollectiveCounter``, a dispatch mode around the
 compiled graph and the optimizer step, on the last of 5 steps of the parity
-runs (GPT, aot_eager). The table's multiples of Ψ are in zero_fx/table.py;
+runs (GPT, aot_eager; one Inductor run). The table's multiples of Ψ are in zero_fx/table.py;
 every all-gather and reduce-scatter works on padded parameters (Ψ + padding),
 an all-reduce on the parameters as they are.
 """
@@ -43,6 +43,14 @@ def test_counted_traffic_equals_report_and_table(stage, world_size):
         launches = Counter({kind: 0 for kind in KINDS}) + Counter(c.kind for c in report.collectives)
         assert counted["launches"] == {k: launches[k] for k in KINDS}, f"rank {rank}"
         assert report.numel_by_kind() == expected_numel(stage, world_size), f"rank {rank}"
+
+
+@pytest.mark.inductor
+def test_counted_traffic_equals_report_under_inductor():
+    """Inductor calls collectives as fallback kernels, so the counter sees them too."""
+    for result in zero_fx_run(2, "gpt", "inductor"):
+        assert result["counted"]["numel"] == result["traffic"].numel_by_kind()
+        assert result["traffic"].numel_by_kind() == expected_numel(3, 2)
 
 
 def test_stage3_backward_regathers_all_but_what_it_never_reads():

@@ -214,8 +214,8 @@ class CompiledStep:
         mode entered around the call would never see the graph; this enters it
         inside, around the graph and around the optimizer step. It sees what
         dispatches through Python: everything under aot_eager and eager; under
-        Inductor, the optimizer and the eager gathers after it, not the graph
-        (its generated code calls collectives and allocates directly).
+        Inductor, the collectives (fallback kernels) and the optimizer, but not
+        the graph's fused kernels or the buffers its generated code allocates.
         """
         self._observers.append(mode)
         try:
@@ -224,7 +224,10 @@ class CompiledStep:
             self._observers.remove(mode)
 
     def counting_collectives(self) -> "contextlib.AbstractContextManager[CollectiveCounter]":
-        """``with step.counting_collectives() as counted: step(...)``, then read ``counted.numel``."""
+        """``with step.counting_collectives() as counted: step(...)``, then read ``counted.numel``.
+
+        Counts under every backend, Inductor included (it calls collectives as
+        fallback kernels, through the dispatcher)."""
         return self.observing(CollectiveCounter())
 
     def traffic(self) -> TrafficReport:

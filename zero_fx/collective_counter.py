@@ -6,6 +6,7 @@ from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .traffic import KINDS
 
@@ -29,19 +30,25 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        kind, buffer = _collective_buffer(func, args, out)
+        kind = _KIND_OF.get(func.overloadpacket)
         if kind is not None:
-            self.numel[kind] += buffer.numel()
-            self.bytes[kind] += buffer.numel() * buffer.element_size()
+            # the whole buffer: what is gathered, what is reduced
+            buffers = tree_leaves(out if kind == "all_gather" else args[0])
+            self.numel[kind] += sum(b.numel() for b in buffers)
+            self.bytes[kind] += sum(b.numel() * b.element_size() for b in buffers)
             self.launches[kind] += 1
         return out
 
 
-def _collective_buffer(func, args, out):
-    if func is _c10d.all_gather_into_tensor.default:
-        return "all_gather", out
-    if func is _c10d.reduce_scatter_tensor.default:
-        return "reduce_scatter", args[0]
-    if func is _c10d.all_reduce.default:
-        return "all_reduce", out
-    return None, None
+# Functional variants, in-place and out= ones (what Inductor calls) and coalesced ones.
+_KIND_OF = {
+    _c10d.all_gather_into_tensor: "all_gather",
+    _c10d.all_gather_into_tensor_out: "all_gather",
+    _c10d.all_gather_into_tensor_coalesced: "all_gather",
+    _c10d.reduce_scatter_tensor: "reduce_scatter",
+    _c10d.reduce_scatter_tensor_out: "reduce_scatter",
+    _c10d.reduce_scatter_tensor_coalesced: "reduce_scatter",
+    _c10d.all_reduce: "all_reduce",
+    _c10d.all_reduce_: "all_reduce",
+    _c10d.all_reduce_coalesced: "all_reduce",
+}
