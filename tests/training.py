@@ -58,7 +58,8 @@ def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, opti
 
 def _live_tensors() -> dict:
     gc.collect()
-    return {id(obj): weakref.ref(obj) for obj in gc.get_objects() if isinstance(obj, torch.Tensor)}
+    return {id(obj): weakref.ref(obj)
+            for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)}
 
 
 def _held_memory(model, train_step, alive_before: dict) -> dict:
@@ -71,7 +72,7 @@ def _held_memory(model, train_step, alive_before: dict) -> dict:
     held = {t.untyped_storage().data_ptr() for t in train_step.state.held_tensors()}
     storages, full_size_alive = {}, []
     for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or isinstance(obj, torch._subclasses.FakeTensor):
+        if not issubclass(type(obj), torch.Tensor) or isinstance(obj, torch._subclasses.FakeTensor):
             continue
         earlier = alive_before.get(id(obj))
         if obj.device.type == "meta" or (earlier is not None and earlier() is obj):
