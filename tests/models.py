@@ -33,13 +33,6 @@ def build(name: str, seed: int = 0) -> nn.Module:
     raise ValueError(name)
 
 
-def build_deep_mlp(width: int, depth: int, seed: int = 0) -> nn.Module:
-    """Many equal square layers, no biases: model states dominate a small batch's activations."""
-    torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width, bias=False), nn.Tanh())
-                           for _ in range(depth)])
-
-
 def global_batch(name: str, step: int, size: int = 8):
     """The global batch of one step: the same on every rank (each takes its slice)."""
     g = torch.Generator().manual_seed(1000 + step)

@@ -9,9 +9,9 @@ import weakref
 import torch
 
 import models
+from bench.stages import measure_stages
 from ranks import run_ranks
 from zero_fx import zero_compile
-from zero_fx.live_memory import LiveTensorBytes
 
 STEPS = 5
 
@@ -136,33 +136,8 @@ def parity_errors(results: list, reference: dict) -> dict:
     return errors
 
 
-def peak_memory_rank(rank: int, world_size: int, stages, width: int, depth: int):
-    """Per stage: peak live tensor bytes during the second step (the first compiles and
-    creates the optimizer state) of a deep bias-free MLP, and its parameter count."""
-    peaks = {}
-    for stage in stages:
-        model = models.build_deep_mlp(width, depth)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        @zero_compile(stage=stage, backend="aot_eager")
-        def train_step(model, opt, x):
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        x = torch.randn(2, width)
-        train_step(model, opt, x)
-        gc.collect()
-        probe = LiveTensorBytes(list(train_step.state.held_tensors()) + [x])
-        with train_step.observing(probe):
-            train_step(model, opt, x)
-        peaks[stage] = probe.peak
-    return {"peaks": peaks, "psi": sum(p.numel() for p in model.parameters()),
-            "largest_param_bytes": max(p.numel() * p.element_size() for p in model.parameters())}
-
 
 @functools.lru_cache(maxsize=None)
 def peak_memory_run(world_size: int, stages: tuple, width: int, depth: int):
-    return run_ranks(world_size, peak_memory_rank, stages, width, depth)
+    """Per rank, per stage: the measurements of bench/stages.py (the note's table)."""
+    return run_ranks(world_size, measure_stages, stages, width, depth)

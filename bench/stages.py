@@ -1,0 +1,154 @@
+"""ZeRO stages side by side: measured per-rank peak, the table's formula, traffic in Ψ, step time.
+
+    torchrun --nproc_per_node 4 -m bench.stages          # 4 gloo ranks on CPU
+    python -m bench.stages                               # one process, world size 1
+
+Trains a deep bias-free MLP (model states dominate a small batch) with AdamW
+under ``@zero_compile(stage=s, backend="aot_eager")`` for each stage. Per stage
+and rank: the peak live tensor bytes during a step (``LiveTensorBytes``, see
+[Note: measuring peak memory on CPU] in zero_fx/live_memory.py), the formula
+of zero_fx/table.py, the traffic report's totals as multiples of Ψ, the
+collectives counted as they ran, and the median step time. Writes
+``bench/out/stages-w<N>.json`` and prints a Markdown table. aot_eager because
+the memory probe cannot see Inductor's buffers; step times are for comparing
+stages on this run, not a speed claim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zero_fx import zero_compile
+from zero_fx.live_memory import LiveTensorBytes
+from zero_fx.table import FP32, model_state_bytes
+
+ADAM_STATE_BYTES = 2 * FP32  # exp_avg and exp_avg_sq
+
+
+def deep_mlp(width: int, depth: int, seed: int = 0) -> nn.Module:
+    """Many equal square layers, no biases: model states dominate a small batch's activations."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width, bias=False), nn.Tanh())
+                           for _ in range(depth)])
+
+
+def measure_stage(stage: int, world_size: int, *, width: int, depth: int, steps: int = 3) -> dict:
+    """One stage on this rank: the first step compiles (and creates the optimizer
+    state); the peak is measured on the second; the median time over the rest."""
+    model = deep_mlp(width, depth)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    @zero_compile(stage=stage, backend="aot_eager")
+    def train_step(model, opt, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    x = torch.randn(2, width)
+    train_step(model, opt, x)
+    gc.collect()
+    probe = LiveTensorBytes(list(train_step.state.held_tensors()) + [x])
+    with train_step.observing(probe), train_step.counting_collectives() as counted:
+        train_step(model, opt, x)
+    times = []
+    for _ in range(max(steps - 2, 1)):
+        start = time.perf_counter()
+        train_step(model, opt, x)
+        times.append(time.perf_counter() - start)
+    psi = sum(p.numel() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    formula = model_state_bytes(stage, psi, world_size, optimizer_bytes=ADAM_STATE_BYTES)
+    working_set = 2 * largest if stage == 3 else 0  # a gathered parameter and its full gradient
+    report = train_step.traffic()
+    return {
+        "stage": stage,
+        "psi": psi,
+        "peak_bytes": probe.peak,
+        "formula_bytes": formula,
+        "working_set_bytes": working_set,
+        "traffic_psi": report.psi_by_kind(),
+        "traffic_numel": report.numel_by_kind(),
+        "counted_numel": dict(counted.numel),
+        "wire_bytes": report.wire_bytes(),
+        "step_ms": 1e3 * statistics.median(times),
+        "compile_s": train_step.compile_seconds[0],
+    }
+
+
+def measure_stages(rank: int, world_size: int, stages, width: int, depth: int,
+                   steps: int = 3) -> list[dict]:
+    return [measure_stage(s, world_size, width=width, depth=depth, steps=steps) for s in stages]
+
+
+def markdown(rows: list[dict], world_size: int) -> str:
+    lines = [
+        f"| stage | peak per rank (measured) | table formula | measured / formula | "
+        f"all-gather | reduce-scatter | all-reduce | counted = report | step (aot_eager) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    mib = 2 ** 20
+    for r in rows:
+        expected = r["formula_bytes"] + r["working_set_bytes"]
+        formula = f"{r['formula_bytes'] / mib:.2f} MiB" + (
+            f" + {r['working_set_bytes'] / mib:.2f} working set" if r["working_set_bytes"] else "")
+        t = r["traffic_psi"]
+        lines.append(
+            f"| {r['stage']} | {r['peak_bytes'] / mib:.2f} MiB | {formula} | "
+            f"{r['peak_bytes'] / expected:.3f} | {t['all_gather']:.3f} Ψ | "
+            f"{t['reduce_scatter']:.3f} Ψ | {t['all_reduce']:.3f} Ψ | "
+            f"{'yes' if r['counted_numel'] == r['traffic_numel'] else 'NO'} | {r['step_ms']:.1f} ms |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--width", type=int, default=384)
+    parser.add_argument("--depth", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=7, help="per stage: 1 compile, 1 measured, rest timed")
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rows = []
+    for stage in args.stages:
+        if rank == 0:
+            print(f"stage {stage} ...", flush=True)
+        rows += measure_stages(rank, world, [stage], args.width, args.depth, args.steps)
+    everyone = [None] * world
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, rows)
+    else:
+        everyone = [rows]
+    if rank == 0:
+        result = {
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+            "world_size": world, "width": args.width, "depth": args.depth, "ranks": everyone,
+        }
+        os.makedirs(os.path.join(os.path.dirname(__file__), "out"), exist_ok=True)
+        path = os.path.join(os.path.dirname(__file__), "out", f"stages-w{world}.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"\n{result['machine']}; {world} rank(s); deep MLP {args.depth} x {args.width}^2, "
+              f"Ψ = {rows[0]['psi']:,}; rank 0:\n")
+        print(markdown(rows, world))
+        print(f"\nwritten to {path}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
