@@ -135,3 +135,42 @@ def test_step_without_zero_grad_is_an_error():
 def test_bad_configuration(kwargs, message):
     with pytest.raises(ValueError, match=message):
         zero_compile(standard_step, **kwargs)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_below_stage3_the_model_stays_usable_outside_the_step(stage):
+    """Stages 0-2 keep whole, current parameters: evaluating the model needs nothing special."""
+    model, ref = tiny(), tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    step = zero_compile(standard_step, stage=stage, backend="aot_eager")
+    for _ in range(3):
+        x, y = batch()
+        step(model, opt, x, y)
+        standard_step(ref, ref_opt, x, y)
+    x, _ = batch()
+    with torch.no_grad():
+        assert torch.allclose(model(x), ref(x), rtol=1e-5, atol=1e-6)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_stage0_leaves_the_optimizer_on_the_model():
+    model = tiny()
+    opt = torch.optim.AdamW(model.parameters())
+    step = zero_compile(standard_step, stage=0, backend="aot_eager")
+    step(model, opt, *batch())
+    assert [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in model.parameters()]
+    assert all(opt.state[p]["exp_avg"].shape == p.shape for p in model.parameters())
+
+
+def test_stage3_frees_the_models_parameters():
+    model = tiny()
+    step = zero_compile(standard_step, stage=3, backend="aot_eager")
+    step(model, torch.optim.AdamW(model.parameters()), *batch())
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+
+
+def test_traffic_before_the_first_call_says_what_to_do():
+    step = zero_compile(standard_step, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="call it once first"):
+        step.traffic()
