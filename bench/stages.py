@@ -32,6 +32,8 @@ from zero_fx import zero_compile
 from zero_fx.live_memory import LiveTensorBytes
 from zero_fx.table import FP32, model_state_bytes
 
+from .rss import MALLOC_ENV, peak_rss, reset_peak_rss, rss_supported
+
 ADAM_STATE_BYTES = 2 * FP32  # exp_avg and exp_avg_sq
 
 
@@ -85,6 +87,36 @@ def measure_stage(stage: int, world_size: int, *, width: int, depth: int, steps:
         "step_ms": 1e3 * statistics.median(times),
         "compile_s": train_step.compile_seconds[0],
     }
+
+
+def rss_growth_during_step(rank: int, world_size: int, stage: int, backend: str,
+                           width: int, depth: int) -> dict:
+    """How far resident memory rises above its level before a step, during the third
+    step (see [Note: peak RSS on Linux] in bench/rss.py); works under Inductor."""
+    if not rss_supported():
+        raise RuntimeError("resident-memory peaks need Linux and a process started with "
+                           + " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()))
+    model = deep_mlp(width, depth)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    @zero_compile(stage=stage, backend=backend)
+    def train_step(model, opt, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    x = torch.randn(2, width)
+    for _ in range(2):
+        train_step(model, opt, x)
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+    before = reset_peak_rss()
+    train_step(model, opt, x)
+    return {"growth_bytes": peak_rss() - before,
+            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
 def measure_stages(rank: int, world_size: int, stages, width: int, depth: int,

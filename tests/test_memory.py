@@ -6,9 +6,12 @@ CPU] in zero_fx/live_memory.py): bytes of tensor storage alive, from the
 compiled graph's start to the end of the optimizer step.
 """
 
+import os
+
 import pytest
 
-from training import peak_memory_run, zero_fx_run
+from bench.rss import MALLOC_ENV
+from training import peak_memory_run, rss_growth_run, zero_fx_run
 
 FP32 = 4
 ADAMW_TENSORS_PER_PARAM = 3  # the parameter shard, exp_avg, exp_avg_sq
@@ -65,3 +68,25 @@ def test_peak_memory_follows_the_table_at_four_ranks():
             assert 0.9 * expected <= row["peak_bytes"] <= (1 + PEAK_TOLERANCE) * expected, (
                 f"rank {rank}, stage {row['stage']}: peak {row['peak_bytes'] / 2**20:.2f} MiB, "
                 f"table {expected / 2**20:.2f} MiB")
+
+
+@pytest.mark.inductor
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_stage3_release_survives_inductor(monkeypatch):
+    """Inductor must not undo the release (say, by merging the forward and backward
+    gathers, which would keep every parameter whole from forward to backward).
+
+    Measured by resident memory (the tensor probe cannot see Inductor's buffers;
+    see [Note: peak RSS on Linux] in bench/rss.py), 16 layers of 1024 x 1024 at 2
+    ranks: 64 MiB of parameters. A step holds the gradient shards (32 MiB) and
+    one or two layers in use; a broken release would add all 64 MiB.
+    """
+    for name, value in MALLOC_ENV.items():
+        monkeypatch.setenv(name, value)  # read by glibc when each spawned rank starts
+    growth = {backend: rss_growth_run(2, 3, backend, 1024, 16) for backend in ("aot_eager", "inductor")}
+    for rank in range(2):
+        param_bytes = growth["inductor"][rank]["param_bytes"]
+        inductor, aot_eager = (growth[b][rank]["growth_bytes"] for b in ("inductor", "aot_eager"))
+        assert inductor < 0.75 * param_bytes, f"rank {rank}: rose {inductor / 2**20:.1f} MiB"
+        assert inductor < aot_eager + param_bytes / 8, (
+            f"rank {rank}: Inductor {inductor / 2**20:.1f} MiB vs aot_eager {aot_eager / 2**20:.1f} MiB")

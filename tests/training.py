@@ -9,7 +9,7 @@ import weakref
 import torch
 
 import models
-from bench.stages import measure_stages
+from bench.stages import measure_stages, rss_growth_during_step
 from ranks import run_ranks
 from zero_fx import zero_compile
 
@@ -141,3 +141,9 @@ def parity_errors(results: list, reference: dict) -> dict:
 def peak_memory_run(world_size: int, stages: tuple, width: int, depth: int):
     """Per rank, per stage: the measurements of bench/stages.py (the note's table)."""
     return run_ranks(world_size, measure_stages, stages, width, depth)
+
+
+@functools.lru_cache(maxsize=None)
+def rss_growth_run(world_size: int, stage: int, backend: str, width: int, depth: int):
+    """Per rank: resident memory growth during a step (the ranks inherit os.environ)."""
+    return run_ranks(world_size, rss_growth_during_step, stage, backend, width, depth)
