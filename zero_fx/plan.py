@@ -85,6 +85,12 @@ class ShardPlan:
         return self.stage == 3
 
     @property
+    def gathers_after_step(self) -> bool:
+        """Stages 1-2: whole parameters are kept, so after the optimizer steps on the
+        shards each is all-gathered back into its parameter."""
+        return not self.replicated and not self.params_sharded
+
+    @property
     def shard_numel(self) -> int:
         """Elements in one rank's flat shard buffer (same on every rank)."""
         return sum(p.shard_numel for p in self.params)

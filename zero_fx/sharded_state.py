@@ -131,7 +131,7 @@ class ShardedState:
         A no-op in stage 0 (the optimizer stepped on the parameters) and stage 3
         (the next step gathers where it uses them).
         """
-        if self.plan.replicated or self.plan.params_sharded:
+        if not self.plan.gathers_after_step:
             return
         for name, param in self.params.items():
             param.copy_(self._gather(name, self.shards[name].detach(), copy=False))

@@ -73,15 +73,15 @@ class TrafficReport:
     collectives: tuple[Collective, ...]
 
     def numel_by_kind(self) -> dict[str, int]:
-        totals = Counter({kind: 0 for kind in KINDS})
-        for c in self.collectives:
-            totals[c.kind] += c.numel
-        return dict(totals)
+        return self._total_by_kind("numel")
 
     def bytes_by_kind(self) -> dict[str, int]:
+        return self._total_by_kind("bytes")
+
+    def _total_by_kind(self, attribute: str) -> dict[str, int]:
         totals = Counter({kind: 0 for kind in KINDS})
         for c in self.collectives:
-            totals[c.kind] += c.bytes
+            totals[c.kind] += getattr(c, attribute)
         return dict(totals)
 
     def psi_by_kind(self) -> dict[str, float]:
@@ -125,7 +125,7 @@ def traffic_report(gm: GraphModule, plan) -> TrafficReport:
     passes rewrote for ``plan``), then, in stages 1-2, the gathers after the optimizer."""
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     collectives = [_describe(node, position) for node in gm.graph.nodes if is_collective(node)]
-    if plan.world_size > 1 and not plan.replicated and not plan.params_sharded:
+    if plan.world_size > 1 and plan.gathers_after_step:
         collectives += [
             Collective(kind="all_gather", dtype=layout.dtype, numel=layout.padded_numel,
                        bucket=(layout.name,), phase="after step", issued_at=None,
