@@ -44,13 +44,12 @@ def deep_mlp(width: int, depth: int, seed: int = 0) -> nn.Module:
                            for _ in range(depth)])
 
 
-def measure_stage(stage: int, world_size: int, *, width: int, depth: int, steps: int = 3) -> dict:
-    """One stage on this rank: the first step compiles (and creates the optimizer
-    state); the peak is measured on the second; the median time over the rest."""
+def mlp_training(stage: int, backend: str, width: int, depth: int):
+    """``(model, optimizer, compiled step, batch)``: AdamW on ``deep_mlp``, a batch of 2 rows."""
     model = deep_mlp(width, depth)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    @zero_compile(stage=stage, backend="aot_eager")
+    @zero_compile(stage=stage, backend=backend)
     def train_step(model, opt, x):
         loss = model(x).square().mean()
         loss.backward()
@@ -58,7 +57,13 @@ def measure_stage(stage: int, world_size: int, *, width: int, depth: int, steps:
         opt.zero_grad()
         return loss
 
-    x = torch.randn(2, width)
+    return model, opt, train_step, torch.randn(2, width)
+
+
+def measure_stage(stage: int, world_size: int, *, width: int, depth: int, steps: int = 3) -> dict:
+    """One stage on this rank: the first step compiles (and creates the optimizer
+    state); the peak is measured on the second; the median time over the rest."""
+    model, opt, train_step, x = mlp_training(stage, "aot_eager", width, depth)
     train_step(model, opt, x)
     gc.collect()
     probe = LiveTensorBytes(list(train_step.state.held_tensors()) + [x])
@@ -96,18 +101,7 @@ def rss_growth_during_step(rank: int, world_size: int, stage: int, backend: str,
     if not rss_supported():
         raise RuntimeError("resident-memory peaks need Linux and a process started with "
                            + " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()))
-    model = deep_mlp(width, depth)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    @zero_compile(stage=stage, backend=backend)
-    def train_step(model, opt, x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    x = torch.randn(2, width)
+    model, opt, train_step, x = mlp_training(stage, backend, width, depth)
     for _ in range(2):
         train_step(model, opt, x)
     gc.collect()
@@ -124,7 +118,7 @@ def measure_stages(rank: int, world_size: int, stages, width: int, depth: int,
     return [measure_stage(s, world_size, width=width, depth=depth, steps=steps) for s in stages]
 
 
-def markdown(rows: list[dict], world_size: int) -> str:
+def markdown(rows: list[dict]) -> str:
     lines = [
         f"| stage | peak per rank (measured) | table formula | measured / formula | "
         f"all-gather | reduce-scatter | all-reduce | counted = report | step (aot_eager) |",
@@ -176,7 +170,7 @@ def main() -> None:
             json.dump(result, f, indent=1)
         print(f"\n{result['machine']}; {world} rank(s); deep MLP {args.depth} x {args.width}^2, "
               f"Ψ = {rows[0]['psi']:,}; rank 0:\n")
-        print(markdown(rows, world))
+        print(markdown(rows))
         print(f"\nwritten to {path}")
     if dist.is_initialized():
         dist.destroy_process_group()
