@@ -6,21 +6,25 @@ passes satisfies.
 """
 
 from .annotate_phases import annotate_phases
+from .bucket_collectives import bucket_collectives
 from .check_invariants import InvariantError, check_invariants
 from .gather_params import gather_params
 from .pipeline import PASS_ORDER, NamedPass, build_pipeline, run_pipeline
 from .recompute_param_views import recompute_param_views
 from .reduce_grads import reduce_grads
+from .schedule_collectives import schedule_collectives
 
 __all__ = [
     "PASS_ORDER",
     "InvariantError",
     "NamedPass",
     "annotate_phases",
+    "bucket_collectives",
     "build_pipeline",
     "check_invariants",
     "gather_params",
     "recompute_param_views",
     "reduce_grads",
     "run_pipeline",
+    "schedule_collectives",
 ]

@@ -16,7 +16,8 @@ def check_invariants(gm: GraphModule, plan) -> GraphModule:
 
     Checks: every collective has exactly one wait; in stage 3, nothing that
     depends only on a forward-gathered parameter is read by a backward node
-    (the full parameter is released at the end of its forward region).
+    (the full parameter is released at the end of its forward region), except
+    the resident parameters the plan names.
     """
     for node in gm.graph.nodes:
         if is_collective(node):
@@ -26,15 +27,15 @@ def check_invariants(gm: GraphModule, plan) -> GraphModule:
                     f"collective {node.name} must have exactly one user, a wait; has {list(node.users)}"
                 )
     if plan.stage == 3:
-        _check_release(gm)
+        _check_release(gm, plan.resident)
     return gm
 
 
-def _check_release(gm: GraphModule) -> None:
+def _check_release(gm: GraphModule, resident) -> None:
     forward_full = set()  # forward values that are (views of) a forward-gathered parameter
     for node in gm.graph.nodes:
         gathered = gathered_param(node)
-        if gathered is not None and gathered[1] is Phase.FORWARD:
+        if gathered is not None and gathered[1] is Phase.FORWARD and gathered[0] not in resident:
             forward_full.add(node)
         elif phase_of(node) is Phase.FORWARD and node.all_input_nodes and all(
             i in forward_full for i in node.all_input_nodes

@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch.fx import GraphModule, Node
 
+from .collective_code import gather_bucket
 from .predicates import CARRIES_META, GATHERED_META, Phase, is_param_input, param_name, phase_of
 from .splice import splice
-
-_c10d = torch.ops._c10d_functional
-
-
-def gather_full(shard: torch.Tensor, *, numel: int, shape, world_size: int, group_name: str):
-    """A full parameter from this rank's shard (see [Note: flat layout] in zero_fx/plan.py)."""
-    if world_size == 1:
-        flat = shard
-    else:
-        flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, world_size, group_name))
-    return flat[:numel].view(shape)
 
 
 def gather_params(gm: GraphModule, plan) -> GraphModule:
@@ -36,7 +25,9 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
     and one right before the first backward use, so nothing full crosses from
     forward to backward. A parameter the backward does not read (a bias, an
     embedding table) is not gathered for it. World size 1 inserts no
-    collective, only the slice and view.
+    collective, only the slice and view. A resident parameter
+    (``plan.resident``) is gathered once, before its first use, and that full
+    tensor serves forward and backward.
     Does nothing when the graph has no parameter placeholders.
     """
     params = [n for n in gm.graph.nodes if is_param_input(n)]
@@ -48,16 +39,19 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
         full_val = placeholder.meta["val"]
         placeholder.meta["val"] = full_val.new_empty(layout.shard_numel)
         gather = functools.partial(
-            gather_full,
-            numel=layout.numel,
-            shape=layout.shape,
+            gather_bucket,
+            numels=[layout.numel],
+            shapes=[layout.shape],
             world_size=plan.world_size,
             group_name=plan.group_name,
         )
-        for phase, users in _users_by_phase(placeholder).items():
+        users_by_phase = _users_by_phase(placeholder)
+        if layout.name in plan.resident:
+            users_by_phase = {Phase.FORWARD: list(placeholder.users)}
+        for phase, users in users_by_phase.items():
             first = min(users, key=order.__getitem__)
-            full = splice(gm.graph, gather, [placeholder], before=first, phase=phase,
-                          meta={CARRIES_META: (layout.name,)})
+            (full,) = splice(gm.graph, gather, [placeholder], before=first, phase=phase_of(first),
+                             meta={CARRIES_META: (layout.name,)})
             full.meta[GATHERED_META] = (layout.name, phase)
             for user in users:
                 user.replace_input_with(placeholder, full)

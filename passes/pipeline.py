@@ -11,10 +11,12 @@ from typing import Callable, NamedTuple, Sequence
 from torch.fx import GraphModule
 
 from .annotate_phases import annotate_phases
+from .bucket_collectives import bucket_collectives
 from .check_invariants import check_invariants
 from .gather_params import gather_params
 from .recompute_param_views import recompute_param_views
 from .reduce_grads import reduce_grads
+from .schedule_collectives import schedule_collectives
 
 log = logging.getLogger("zero_fx.passes")
 
@@ -31,6 +33,8 @@ PASS_ORDER = (
     ("recompute_param_views", recompute_param_views),
     ("gather_params", gather_params),
     ("reduce_grads", reduce_grads),
+    ("bucket_collectives", bucket_collectives),
+    ("schedule_collectives", schedule_collectives),
     ("check_invariants", check_invariants),
 )
 """Our passes, in the order they run. Each is ``fn(gm, plan) -> gm``."""

@@ -14,40 +14,11 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch.fx import GraphModule
 
+from .collective_code import all_reduce_bucket, reduce_scatter_bucket
 from .predicates import CARRIES_META, Phase, grad_slots
 from .splice import splice
-
-_c10d = torch.ops._c10d_functional
-
-
-def reduce_grad_shard(grad: torch.Tensor, *, padding: int, world_size: int, group_name: str):
-    """Flatten, pad to the plan's layout, reduce-scatter with SUM, divide by N.
-
-    SUM-then-divide, not AVG: gloo's AVG returns sums in some paths
-    (pytorch#162338).
-    """
-    flat = grad.reshape(-1)
-    if padding:
-        flat = torch.nn.functional.pad(flat, (0, padding))
-    if world_size == 1:
-        return flat
-    shard = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "sum", world_size, group_name))
-    return _average(shard, world_size)
-
-
-def all_reduce_grad(grad: torch.Tensor, *, world_size: int, group_name: str):
-    """The whole gradient, averaged over ranks: all-reduce with SUM, divide by N."""
-    if world_size == 1:
-        return grad
-    summed = _c10d.wait_tensor(_c10d.all_reduce(grad, "sum", group_name))
-    return _average(summed, world_size)
-
-
-def _average(summed: torch.Tensor, world_size: int) -> torch.Tensor:
-    return summed / world_size
 
 
 def reduce_grads(gm: GraphModule, plan) -> GraphModule:
@@ -70,7 +41,7 @@ def reduce_grads(gm: GraphModule, plan) -> GraphModule:
         grad = outs[index]
         if grad is None:
             continue
-        outs[index] = splice(gm.graph, _reduction(plan, name), [grad],
+        (outs[index],) = splice(gm.graph, reduction(plan, [name]), [grad],
                              before=output if plan.stage == 1 else grad.next,
                              phase=Phase.BACKWARD, meta={CARRIES_META: (name,)})
     output.args = (type(output.args[0])(outs),)
@@ -79,9 +50,11 @@ def reduce_grads(gm: GraphModule, plan) -> GraphModule:
     return gm
 
 
-def _reduction(plan, name: str):
+def reduction(plan, names) -> functools.partial:
+    """The code that reduces the gradients of ``names`` (one bucket) for ``plan``'s stage."""
     if plan.stage == 0:
-        return functools.partial(all_reduce_grad, world_size=plan.world_size,
+        return functools.partial(all_reduce_bucket, world_size=plan.world_size,
                                  group_name=plan.group_name)
-    return functools.partial(reduce_grad_shard, padding=plan.layout(name).padding,
+    return functools.partial(reduce_scatter_bucket,
+                             paddings=[plan.layout(n).padding for n in names],
                              world_size=plan.world_size, group_name=plan.group_name)

@@ -1,7 +1,7 @@
 """Insert tensor code into a graph: trace it with make_fx, copy its nodes in.
 
-Passes write what they insert as ordinary tensor code (``gather_full``,
-``reduce_grad_shard``); ``splice`` traces it on the fake values of the nodes it
+Passes write what they insert as ordinary tensor code (``gather_bucket``,
+``reduce_scatter_bucket``); ``splice`` traces it on the fake values of the nodes it
 will read, so every inserted node carries a correct ``meta["val"]``.
 """
 
@@ -38,8 +38,9 @@ def splice(
     before: Node,
     phase: Phase,
     meta: Mapping[str, Any] = {},
-) -> Node:
-    """Insert ``fn(*inputs)`` before ``before``; return the node of its (single) result.
+) -> list[Node]:
+    """Insert ``fn(*inputs)`` before ``before``; return the nodes of its results
+    (``fn`` returns a tensor or a list of tensors).
 
     Every inserted node is tagged with ``phase`` and the entries of ``meta``.
     """
@@ -52,17 +53,16 @@ def splice(
             sub = make_fx(fn, tracing_mode="real" if fake_mode is not None else "fake")(*vals)
     env: dict[Node, Node] = {}
     placeholders = iter(inputs)
-    result = None
+    results: list[Node] = []
     with graph.inserting_before(before):
         for node in sub.graph.nodes:
             if node.op == "placeholder":
                 env[node] = next(placeholders)
             elif node.op == "output":
-                (result,) = torch.utils._pytree.tree_leaves(node.args[0])
-                result = env[result]
+                results = [env[r] for r in torch.utils._pytree.tree_leaves(node.args[0])]
             else:
                 new = graph.node_copy(node, lambda n: env[n])
                 new.meta[PHASE_META] = phase
                 new.meta.update(meta)
                 env[node] = new
-    return result
+    return results

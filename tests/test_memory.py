@@ -58,7 +58,7 @@ and the activations."""
 
 def test_peak_memory_follows_the_table_at_four_ranks():
     """Stage 0 > 1 > 2 > 3, each near its formula (stage 3 plus its working set:
-    one gathered parameter and its full gradient)."""
+    prefetched buckets of gathered parameters and of full gradients in flight)."""
     results = peak_memory_run(4, (0, 1, 2, 3), WIDTH, DEPTH)
     for rank, rows in enumerate(results):
         peaks = [row["peak_bytes"] for row in rows]

@@ -8,14 +8,14 @@ norm of the reference) under 1e-5 in fp32.
 
 import pytest
 
-from training import parity_errors, reference_run, zero_fx_run
+from training import SMALL_BUCKETS, UNSCHEDULED, parity_errors, reference_run, zero_fx_run
 
 TOLERANCE = 1e-5
 STAGES = [0, 1, 2, 3]
 
 
-def assert_parity(world_size, model_name, backend, optimizer="adamw", stage=3):
-    results = zero_fx_run(world_size, model_name, backend, optimizer, stage)
+def assert_parity(world_size, model_name, backend, optimizer="adamw", stage=3, options=()):
+    results = zero_fx_run(world_size, model_name, backend, optimizer, stage, options=options)
     errors = parity_errors(results, reference_run(model_name, optimizer))
     worst = max(errors, key=errors.get)
     assert errors[worst] < TOLERANCE, f"{worst}: relative error {errors[worst]:.2e}"
@@ -26,6 +26,18 @@ def assert_parity(world_size, model_name, backend, optimizer="adamw", stage=3):
 @pytest.mark.parametrize("stage", STAGES)
 def test_parity_aot_eager(stage, world_size, model_name):
     assert_parity(world_size, model_name, "aot_eager", stage=stage)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("stage", STAGES)
+def test_parity_with_several_buckets_and_deep_prefetch(stage, world_size):
+    """The grid above runs the defaults (one bucket per phase for these small models,
+    small parameters resident); this splits every phase into several buckets."""
+    assert_parity(world_size, "gpt", "aot_eager", stage=stage, options=SMALL_BUCKETS)
+
+
+def test_parity_unscheduled_stage3():
+    assert_parity(2, "gpt", "aot_eager", stage=3, options=UNSCHEDULED)
 
 
 @pytest.mark.inductor

@@ -15,22 +15,28 @@ from zero_fx import zero_compile
 
 STEPS = 5
 
+UNSCHEDULED = (("bucket_bytes", 0), ("persistence_threshold", 0), ("prefetch", 0))
+"""zero_compile options: one collective per parameter, each issued where it is used."""
+SMALL_BUCKETS = (("bucket_bytes", 4096), ("persistence_threshold", 0), ("prefetch", 2))
+"""Several buckets per phase in the test GPT, prefetched two ahead, nothing resident."""
+
 
 def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, optimizer: str,
-                 stage: int = 3, broken: str = ""):
-    """Train STEPS steps with @zero_compile(stage=...) on this rank's slice of each global batch."""
+                 stage: int = 3, broken: str = "", options: tuple = ()):
+    """Train STEPS steps with @zero_compile(stage=..., **dict(options)) on this rank's slice
+    of each global batch."""
     if broken == "skip_divide":  # a deliberately broken reduce pass, to prove the parity test bites
         import sys
 
         import zero_fx.passes  # noqa: F401  (the module, not the function of the same name)
 
-        sys.modules["zero_fx.passes.reduce_grads"]._average = lambda summed, world_size: summed
+        sys.modules["zero_fx.passes.collective_code"]._average = lambda summed, world_size: summed
     # world size 1 runs in the test process, next to earlier runs' results
     alive_before = _live_tensors()
     model = models.build(model_name)
     opt = models.make_optimizer(model, optimizer)
 
-    @zero_compile(stage=stage, backend=backend)
+    @zero_compile(stage=stage, backend=backend, **dict(options))
     def train_step(model, opt, x, y):
         loss = models.loss_fn(model_name, model, x, y)
         loss.backward()
@@ -101,8 +107,9 @@ def _held_memory(model, train_step, alive_before: dict) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def zero_fx_run(world_size: int, model_name: str, backend: str, optimizer: str = "adamw",
-                stage: int = 3, broken: str = ""):
-    return run_ranks(world_size, zero_fx_rank, model_name, backend, optimizer, stage, broken)
+                stage: int = 3, broken: str = "", options: tuple = ()):
+    return run_ranks(world_size, zero_fx_rank, model_name, backend, optimizer, stage, broken,
+                     options)
 
 
 @functools.lru_cache(maxsize=None)

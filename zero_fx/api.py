@@ -16,7 +16,8 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .capture import CaptureError, capture_step_graph
 from .collective_counter import CollectiveCounter
-from .config import ZeroConfig, describe_backend
+from .cost_model import Estimate, estimate
+from .config import DEFAULT_PERSISTENCE_THRESHOLD, ZeroConfig, describe_backend
 from .lower import lower
 from .passes import build_pipeline, run_pipeline
 from .passes.predicates import grad_slots
@@ -37,6 +38,11 @@ def zero_compile(
     optimizer: Optional[torch.optim.Optimizer] = None,
     disable_passes: Sequence[str] = (),
     elementwise_optimizer: Optional[bool] = None,
+    bucket_bytes: Optional[int] = None,
+    prefetch: int = 1,
+    memory_budget_bytes: Optional[int] = None,
+    persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+    keep_resident: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
 ):
     """Compile a whole training step (forward, ``loss.backward()``, ``opt.step()``) with ZeRO.
 
@@ -72,6 +78,14 @@ def zero_compile(
         disable_passes: names of zero_fx passes to skip, for debugging.
         elementwise_optimizer: declare that an optimizer zero_fx does not know
             updates each element independently.
+        bucket_bytes: byte cap of one fused collective; None: the stage's
+            default (25 MiB; 16 MiB in stage 3), 0: one per parameter.
+        prefetch: buckets each all-gather is issued ahead of its use, and each
+            reduction waited after its issue; 0: no overlap.
+        memory_budget_bytes: stage 3: cap on gathered bytes alive at once.
+        persistence_threshold, keep_resident: stage 3: parameters of at most
+            this many elements (default 16384), or those ``keep_resident(name,
+            param)`` picks, are gathered once per step and kept resident.
 
     The step must call ``loss.backward()`` once, ``opt.step()`` once and
     ``opt.zero_grad()``; the optimizer steps after the compiled graph, on the
@@ -82,6 +96,11 @@ def zero_compile(
         backend=backend,
         disable_passes=disable_passes,
         elementwise_optimizer=elementwise_optimizer,
+        bucket_bytes=bucket_bytes,
+        prefetch=prefetch,
+        memory_budget_bytes=memory_budget_bytes,
+        persistence_threshold=persistence_threshold,
+        keep_resident=keep_resident,
     )
 
     def wrap(step_fn: Callable) -> "CompiledStep":
@@ -178,7 +197,8 @@ class CompiledStep:
     def _shard(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         world = current_world()
         self.plan = plan_for_module(model, world_size=world.size, rank=world.rank,
-                                    stage=self.config.stage, group_name=world.group_name)
+                                    stage=self.config.stage, group_name=world.group_name,
+                                    **self.config.plan_options())
         self.state = ShardedState(model, optimizer, self.plan, world,
                                   elementwise_optimizer=self.config.elementwise_optimizer)
         self._pipeline = build_pipeline(self.plan, disable=self.config.disable_passes)
@@ -235,6 +255,14 @@ class CompiledStep:
         if not self.graphs:
             raise RuntimeError("the step has not been compiled yet; call it once first")
         return traffic_report(self.graphs[-1], self.plan)
+
+    def estimate(self, hardware="cpu-gloo") -> Estimate:
+        """The cost model's step time, exposed communication and peak memory for the latest
+        compilation on ``hardware`` (a preset name in ``zero_fx.cost_model.PRESETS`` or a
+        ``Hardware``); print it. See [Note: the cost model] in zero_fx/cost_model.py."""
+        if not self.graphs:
+            raise RuntimeError("the step has not been compiled yet; call it once first")
+        return estimate(self.graphs[-1], self.plan, hardware)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """The model's parameters gathered from every rank (call on all ranks)."""

@@ -12,6 +12,16 @@ Compiler = Callable[[torch.fx.GraphModule, list], Callable]
 
 NAMED_BACKENDS = ("inductor", "aot_eager", "eager")
 
+MiB = 1 << 20
+DEFAULT_BUCKET_BYTES = {0: 25 * MiB, 1: 25 * MiB, 2: 25 * MiB, 3: 16 * MiB}
+"""Byte cap of one fused collective, per stage. 25 MiB is DDP's gradient bucket.
+Stage 3's all-gather buckets are working memory (with prefetch, two are alive
+at once on top of the shards), so its cap is smaller."""
+DEFAULT_PERSISTENCE_THRESHOLD = 1 << 14
+"""Stage 3 keeps parameters of at most this many elements resident: norm
+weights and biases of models up to a 16K hidden size, never a weight matrix of
+a real model. (DeepSpeed's ``stage3_param_persistence_threshold`` is 1e5.)"""
+
 
 @dataclass(frozen=True)
 class ZeroConfig:
@@ -28,6 +38,22 @@ class ZeroConfig:
     """Declare that an optimizer zero_fx does not know updates each element
     independently (so it may step on flat shards). ``None``: known torch.optim
     optimizers only."""
+    bucket_bytes: Optional[int] = None
+    """Fuse all-gathers, reduce-scatters and all-reduces up to this many bytes per
+    launch. ``None``: the stage's default (``DEFAULT_BUCKET_BYTES``); 0: one
+    collective per parameter."""
+    prefetch: int = 1
+    """Collectives issued ahead of the compute that needs them: stage 3 issues
+    an all-gather this many buckets early; reductions are waited for this many
+    buckets late. 0: every collective is issued and waited where it is used."""
+    memory_budget_bytes: Optional[int] = None
+    """Stage 3: the most gathered (full) bytes alive at once; prefetch stops where
+    it would exceed it. ``None``: bounded by ``prefetch`` only."""
+    persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD
+    """Stage 3: parameters with at most this many elements are gathered once per
+    step and kept through forward and backward (no backward gather). 0: none."""
+    keep_resident: Optional[Callable[[str, torch.nn.Parameter], bool]] = None
+    """Stage 3: ``keep_resident(name, param)`` true keeps that parameter resident too."""
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -43,6 +69,27 @@ class ZeroConfig:
         if not isinstance(self.backend, str) and not callable(self.backend):
             raise TypeError(f"backend must be a name or a callable, got {type(self.backend).__name__}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
+        for name in ("bucket_bytes", "memory_budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a number of bytes >= 0 or None, got {value!r}")
+        for name in ("prefetch", "persistence_threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.keep_resident is not None and not callable(self.keep_resident):
+            raise TypeError("keep_resident must be a callable (name, param) -> bool")
+
+    def plan_options(self) -> dict:
+        """What ``plan_for_module`` takes from this config: residency, buckets, schedule."""
+        return {
+            "persistence_threshold": self.persistence_threshold,
+            "keep_resident": self.keep_resident,
+            "bucket_bytes": (DEFAULT_BUCKET_BYTES[self.stage] if self.bucket_bytes is None
+                             else self.bucket_bytes),
+            "prefetch": self.prefetch,
+            "memory_budget_bytes": self.memory_budget_bytes,
+        }
 
 
 def describe_backend(backend: Any) -> str:

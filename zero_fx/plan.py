@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -72,6 +72,16 @@ class ShardPlan:
     group_name: str
     """Process group the collectives run on ("" when world_size == 1)."""
     params: tuple[ParamLayout, ...]
+    resident: frozenset = frozenset()
+    """Stage 3: parameters gathered once per step and kept whole through forward
+    and backward (selective residency): they cost memory, not backward traffic."""
+    bucket_bytes: int = 0
+    """Byte cap of one fused collective (``bucket_collectives``); 0: one per parameter."""
+    prefetch: int = 0
+    """How many collectives ``schedule_collectives`` lets run ahead of the compute
+    that needs them; 0: issue each right before its first use."""
+    memory_budget_bytes: Optional[int] = None
+    """Stage 3: cap on gathered bytes alive at once; prefetch stops where it would pass it."""
 
     @property
     def replicated(self) -> bool:
@@ -104,6 +114,24 @@ class ShardPlan:
     def padding_numel(self) -> int:
         return sum(p.padding for p in self.params)
 
+    def buckets(self, names: Sequence[str]) -> list[list[str]]:
+        """``names``, in order, cut into runs of at most ``bucket_bytes`` (padded, whole
+        parameters; one larger than the cap is a bucket of its own). The same on every
+        rank: it reads only the plan."""
+        buckets: list[list[str]] = []
+        filled = 0
+        for name in names:
+            layout = self.layout(name)
+            size = layout.padded_numel * layout.dtype.itemsize
+            same_dtype = buckets and self.layout(buckets[-1][0]).dtype == layout.dtype
+            if same_dtype and filled + size <= self.bucket_bytes:
+                buckets[-1].append(name)
+                filled += size
+            else:
+                buckets.append([name])
+                filled = size
+        return buckets
+
     def layout(self, name: str) -> ParamLayout:
         try:
             return self._by_name[name]
@@ -126,11 +154,16 @@ def make_plan(
     rank: int = 0,
     stage: int = 3,
     group_name: str = "",
+    resident: Iterable[str] = (),
+    bucket_bytes: int = 0,
+    prefetch: int = 0,
+    memory_budget_bytes: Optional[int] = None,
 ) -> ShardPlan:
     """Lay out parameters ``(name, shape, dtype, requires_grad)`` over ``world_size`` ranks.
 
     The order of ``named_shapes`` is the order of the flat shard buffer; pass
-    ``model.named_parameters()`` order so that every rank agrees.
+    ``model.named_parameters()`` order so that every rank agrees. The other
+    arguments are how the passes fuse and order collectives (see ``ShardPlan``).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -158,23 +191,51 @@ def make_plan(
             )
         )
         offset += shard_numel
+    resident = frozenset(resident) if stage == 3 else frozenset()
+    unknown = resident - seen
+    if unknown:
+        raise ValueError(f"resident parameters {sorted(unknown)} are not in the model")
+    if bucket_bytes < 0 or prefetch < 0:
+        raise ValueError(f"bucket_bytes and prefetch must be >= 0, got {bucket_bytes}, {prefetch}")
     return ShardPlan(
         world_size=world_size,
         rank=rank,
         stage=stage,
         group_name=group_name,
         params=tuple(layouts),
+        resident=resident,
+        bucket_bytes=bucket_bytes,
+        prefetch=prefetch,
+        memory_budget_bytes=memory_budget_bytes,
     )
 
 
 def plan_for_module(
-    module: torch.nn.Module, *, world_size: int, rank: int = 0, stage: int = 3, group_name: str = ""
+    module: torch.nn.Module,
+    *,
+    world_size: int,
+    rank: int = 0,
+    stage: int = 3,
+    group_name: str = "",
+    persistence_threshold: int = 0,
+    keep_resident: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
+    **schedule,
 ) -> ShardPlan:
-    """Plan ``module``'s unique parameters (tied parameters appear once, by their first name)."""
+    """Plan ``module``'s unique parameters (tied parameters appear once, by their first name).
+
+    In stage 3 a parameter of at most ``persistence_threshold`` elements, or
+    one for which ``keep_resident(name, param)`` is true, stays resident.
+    ``schedule``: ``bucket_bytes``, ``prefetch``, ``memory_budget_bytes``.
+    """
+    named = list(module.named_parameters())
+    resident = [n for n, p in named
+                if p.numel() <= persistence_threshold or (keep_resident and keep_resident(n, p))]
     return make_plan(
-        ((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()),
+        ((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in named),
         world_size=world_size,
         rank=rank,
         stage=stage,
         group_name=group_name,
+        resident=resident,
+        **schedule,
     )

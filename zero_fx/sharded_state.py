@@ -6,7 +6,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .passes.gather_params import gather_full
+from .passes.collective_code import gather_bucket
 from .optimizer import check_elementwise, rebind_to_shards
 from .plan import ParamLayout, ShardPlan
 from .process_group import World
@@ -126,15 +126,18 @@ class ShardedState:
 
     @torch.no_grad()
     def refresh_parameters(self) -> None:
-        """Stages 1-2: all-gather each updated shard into the whole parameter (one per parameter).
+        """Stages 1-2: all-gather the updated shards into the whole parameters, one
+        collective per bucket (``plan.buckets``, in plan order).
 
         A no-op in stage 0 (the optimizer stepped on the parameters) and stage 3
         (the next step gathers where it uses them).
         """
         if not self.plan.gathers_after_step:
             return
-        for name, param in self.params.items():
-            param.copy_(self._gather(name, self.shards[name].detach(), copy=False))
+        for bucket in self.plan.buckets([layout.name for layout in self.plan.params]):
+            fulls = self._gather(bucket, [self.shards[name].detach() for name in bucket])
+            for name, full in zip(bucket, fulls):
+                self.params[name].copy_(full)
 
     def zero_grad(self) -> None:
         for shard in self.shards.values():
@@ -145,13 +148,14 @@ class ShardedState:
         call it on every rank)."""
         if not self.plan.params_sharded:
             return {name: param.detach().clone() for name, param in self.params.items()}
-        return {name: self._gather(name, shard.detach()) for name, shard in self.shards.items()}
+        return {name: full.clone() for name, shard in self.shards.items()
+                for full in self._gather([name], [shard.detach()])}
 
-    def _gather(self, name: str, shard: torch.Tensor, *, copy: bool = True) -> torch.Tensor:
-        layout = self.plan.layout(name)
-        full = gather_full(shard, numel=layout.numel, shape=layout.shape,
-                           world_size=self.world.size, group_name=self.world.group_name)
-        return full.clone() if copy else full
+    def _gather(self, names: list[str], shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        layouts = [self.plan.layout(name) for name in names]
+        return gather_bucket(*shards, numels=[l.numel for l in layouts],
+                             shapes=[l.shape for l in layouts],
+                             world_size=self.world.size, group_name=self.world.group_name)
 
     def held_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor this rank holds for the model: shards, their grads, optimizer state,

@@ -84,6 +84,12 @@ class TrafficReport:
             totals[c.kind] += getattr(c, attribute)
         return dict(totals)
 
+    def launches_by_kind(self) -> dict[str, int]:
+        """Collective launches per kind in one step (a bucket is one launch)."""
+        totals = Counter({kind: 0 for kind in KINDS})
+        totals.update(c.kind for c in self.collectives)
+        return dict(totals)
+
     def psi_by_kind(self) -> dict[str, float]:
         """Elements per kind as a multiple of Ψ (padding makes it a little above the table)."""
         return {kind: numel / self.psi for kind, numel in self.numel_by_kind().items()}
@@ -116,7 +122,8 @@ class TrafficReport:
         psi, nbytes = self.psi_by_kind(), self.bytes_by_kind()
         kinds = [f"{kind} {numel:,} elements = {psi[kind]:.3f} Ψ ({nbytes[kind]:,} B)"
                  for kind, numel in self.numel_by_kind().items() if numel]
-        return (f"totals: {'; '.join(kinds) or 'nothing'}; "
+        launches = sum(self.launches_by_kind().values())
+        return (f"totals: {'; '.join(kinds) or 'nothing'}; {launches} launches; "
                 f"on the wire (ring) per rank: {self.wire_bytes():,} B")
 
 
@@ -127,10 +134,11 @@ def traffic_report(gm: GraphModule, plan) -> TrafficReport:
     collectives = [_describe(node, position) for node in gm.graph.nodes if is_collective(node)]
     if plan.world_size > 1 and plan.gathers_after_step:
         collectives += [
-            Collective(kind="all_gather", dtype=layout.dtype, numel=layout.padded_numel,
-                       bucket=(layout.name,), phase="after step", issued_at=None,
+            Collective(kind="all_gather", dtype=plan.layout(bucket[0]).dtype,
+                       numel=sum(plan.layout(name).padded_numel for name in bucket),
+                       bucket=tuple(bucket), phase="after step", issued_at=None,
                        waited_at=None, node="")
-            for layout in plan.params
+            for bucket in plan.buckets([layout.name for layout in plan.params])
         ]
     return TrafficReport(stage=plan.stage, world_size=plan.world_size, psi=plan.total_numel,
                          collectives=tuple(collectives))

@@ -1,0 +1,105 @@
+"""bucket_collectives: fuse per-parameter collectives into one launch per bucket."""
+
+from __future__ import annotations
+
+import functools
+
+from torch.fx import GraphModule, Node
+
+from .collective_code import gather_bucket
+from .predicates import (CARRIES_META, GATHERED_META, Phase, carried_params, gathered_param,
+                         grad_slots, phase_of)
+from .reduce_grads import reduction
+from .splice import splice
+
+
+def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
+    """Replace runs of per-parameter gathers (per phase) and of gradient reductions by
+    one collective per bucket of at most ``plan.bucket_bytes`` (``plan.buckets``).
+
+    Requires: ``gather_params`` and ``reduce_grads`` have run; each inserted
+    chain carries exactly its own parameter (``meta["zero_carries"]``).
+    Ensures: the same values reach the same users; a bucket is consecutive
+    parameters in the order the graph used (gathers) or produced (gradients)
+    them; a bucket's all-gather is where its first member's was, its
+    reduction where its last member's was (so a bucket is reduced once it is
+    complete). Only the members after the first of a gather bucket, and only
+    the members before the last of a reduction bucket, move. The order is read
+    off the graph and the plan only: the same on every rank.
+    Does nothing when ``bucket_bytes`` is 0 or the world is one rank.
+    """
+    if plan.bucket_bytes == 0 or plan.world_size == 1:
+        return gm
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    gathered = [n for n in gm.graph.nodes if gathered_param(n) is not None]
+    replaced: dict[Node, Node] = {}
+    for phase in Phase:
+        results = [n for n in gathered if gathered_param(n)[1] is phase]
+        replaced |= _fuse(gm, plan, results, order, _gather_code(plan), insert_at_first=True)
+    output = gm.graph.output_node()
+    slots = {i: output.args[0][i] for i in grad_slots(gm) if output.args[0][i] is not None}
+    reduced = sorted(slots.values(), key=lambda r: order[_chain_inputs(r)[0]])
+    replaced |= _fuse(gm, plan, reduced, order, functools.partial(reduction, plan),
+                      insert_at_first=False)
+    _erase_dead_chains(gm, replaced)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _gather_code(plan):
+    def code(names):
+        layouts = [plan.layout(n) for n in names]
+        return functools.partial(gather_bucket, numels=[l.numel for l in layouts],
+                                 shapes=[l.shape for l in layouts], world_size=plan.world_size,
+                                 group_name=plan.group_name)
+    return code
+
+
+def _fuse(gm, plan, results: list[Node], order, code_for, *, insert_at_first: bool) -> dict:
+    """Splice one bucketed chain per bucket of ``results`` (per-parameter chain results,
+    in order); return {old result: new result}. Old chains are left for ``_erase_dead_chains``."""
+    by_name = {carried_params(r)[0]: r for r in results}
+    replaced: dict[Node, Node] = {}
+    for bucket in plan.buckets(list(by_name)):
+        if len(bucket) == 1:
+            continue
+        olds = [by_name[name] for name in bucket]
+        starts = [min(_chain(old), key=order.__getitem__) for old in olds]
+        before = starts[0] if insert_at_first else starts[-1]
+        inputs = [_chain_inputs(old)[0] for old in olds]
+        news = splice(gm.graph, code_for(bucket), inputs, before=before,
+                      phase=phase_of(before), meta={CARRIES_META: tuple(bucket)})
+        for old, new in zip(olds, news):
+            if GATHERED_META in old.meta:
+                new.meta[GATHERED_META] = old.meta[GATHERED_META]
+            old.replace_all_uses_with(new)
+            replaced[old] = new
+    return replaced
+
+
+def _chain(result: Node) -> list[Node]:
+    """The inserted nodes that compute ``result``: its ancestors carrying the same parameters."""
+    carries = carried_params(result)
+    chain, stack = [], [result]
+    while stack:
+        node = stack.pop()
+        if node in chain or carried_params(node) != carries:
+            continue
+        chain.append(node)
+        stack.extend(node.all_input_nodes)
+    return chain
+
+
+def _chain_inputs(result: Node) -> list[Node]:
+    """What the chain of ``result`` reads from the rest of the graph (the shard, the gradient)."""
+    chain = _chain(result)
+    return list(dict.fromkeys(i for n in chain for i in n.all_input_nodes if i not in chain))
+
+
+def _erase_dead_chains(gm: GraphModule, replaced: dict) -> None:
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for old in replaced:
+        for node in sorted(_chain(old), key=order.__getitem__, reverse=True):
+            if not node.users:
+                gm.graph.erase_node(node)

@@ -1,0 +1,126 @@
+"""schedule_collectives: issue all-gathers ahead of their use, wait for reductions late.
+
+[Note: the collective schedule]
+After ``bucket_collectives`` every collective is issued right before its wait
+(functional collectives: ``wait_tensor(all_gather(...))``), so the compute
+stream stalls for each. This pass moves issue points and waits, never the
+compute, and never across the forward/backward boundary:
+
+- all-gathers: in each phase, gather ``i`` is issued where gather
+  ``i - prefetch`` is waited for, so it runs while the compute that uses gather
+  ``i - prefetch`` (and those after it) runs. Its wait stays right before its
+  first use. With ``memory_budget_bytes``, the prefetch distance shrinks (to 0 if
+  need be) wherever the gathered buckets alive at the new issue point plus this
+  one would exceed the budget;
+- reductions (reduce-scatter, all-reduce): issued where ``bucket_collectives``
+  put them, as soon as their last gradient exists; reduction ``i`` is waited for
+  right before reduction ``i + prefetch`` is issued, or at the end of the step.
+  A reduction's input (a bucket of full gradients) stays alive until its wait,
+  so the distance is bounded.
+
+Collectives are issued in an order read off the graph: the same on every
+rank. The gloo and NCCL backends run one process group's collectives in issue
+order, so a prefetched gather may queue behind a reduction; that is the price
+of one communication stream, and the cost model (zero_fx/cost_model.py) shows it.
+"""
+
+from __future__ import annotations
+
+from torch.fx import GraphModule, Node
+
+from .predicates import (
+    Phase,
+    carried_params,
+    gathered_param,
+    is_all_gather,
+    is_collective,
+    phase_of,
+)
+
+
+def schedule_collectives(gm: GraphModule, plan) -> GraphModule:
+    """Move collective issue points earlier and reduction waits later ([Note: the collective schedule]).
+
+    Requires: every collective's only user is its wait; inserted code carries
+    ``meta["zero_carries"]``. Ensures: the same nodes compute the same values
+    (only positions change); no collective is issued before the inputs it
+    reads nor waited after its first user.
+    Does nothing when ``prefetch`` is 0 or the world is one rank.
+    """
+    if plan.prefetch == 0 or plan.world_size == 1:
+        return gm
+    for phase in Phase:
+        _prefetch_gathers(gm, plan, phase)
+    _sink_reduction_waits(gm, plan)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _prefetch_gathers(gm: GraphModule, plan, phase: Phase) -> None:
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    gathers = [n for n in gm.graph.nodes if is_all_gather(n) and phase_of(n) is phase]
+    waits = [_wait_of(g) for g in gathers]
+    issued_at = {g: order[g] for g in gathers}
+    last_use = {g: _last_use(g, order) for g in gathers}
+    nbytes = {g: g.meta["val"].numel() * g.meta["val"].element_size() for g in gathers}
+    for i, gather in enumerate(gathers):
+        for distance in range(min(plan.prefetch, i), 0, -1):
+            anchor = waits[i - distance]
+            alive = sum(nbytes[g] for g in gathers[:i]
+                        if issued_at[g] <= order[anchor] < last_use[g])
+            if plan.memory_budget_bytes is None or alive + nbytes[gather] <= plan.memory_budget_bytes:
+                for node in _issue_group(gather, order):
+                    anchor.prepend(node)
+                issued_at[gather] = order[anchor] - 0.5
+                break
+
+
+def _sink_reduction_waits(gm: GraphModule, plan) -> None:
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    reductions = [n for n in gm.graph.nodes if is_collective(n) and not is_all_gather(n)]
+    output = gm.graph.output_node()
+    for i, reduction in enumerate(reductions):
+        later = i + plan.prefetch
+        anchor = (min(_issue_group(reductions[later], order), key=order.__getitem__)
+                  if later < len(reductions) else output)
+        tail = _tail(_wait_of(reduction), order)
+        outside_users = [u for n in tail for u in n.users if u not in tail]
+        if all(u is output or order[u] >= order[anchor] for u in outside_users):
+            for node in tail:
+                anchor.prepend(node)
+
+
+def _wait_of(collective: Node) -> Node:
+    (wait,) = collective.users
+    return wait
+
+
+def _issue_group(collective: Node, order) -> list[Node]:
+    """The collective and the inserted code that prepares its buffer (a ``cat``), in order."""
+    carries = carried_params(collective)
+    group, stack = set(), [collective]
+    while stack:
+        node = stack.pop()
+        if node not in group and carried_params(node) == carries:
+            group.add(node)
+            stack.extend(node.all_input_nodes)
+    return sorted(group, key=order.__getitem__)
+
+
+def _tail(wait: Node, order) -> list[Node]:
+    """The wait and the inserted code after it (divide, split, views), in order."""
+    carries = carried_params(wait)
+    tail, stack = set(), [wait]
+    while stack:
+        node = stack.pop()
+        if node not in tail and carried_params(node) == carries and node.op != "output":
+            tail.add(node)
+            stack.extend(node.users)
+    return sorted(tail, key=order.__getitem__)
+
+
+def _last_use(gather: Node, order) -> int:
+    """Position of the last node reading a full parameter this gather yields."""
+    results = [n for n in _tail(_wait_of(gather), order) if gathered_param(n) is not None]
+    return max((order[u] for r in results for u in r.users), default=order[gather])

@@ -1,0 +1,256 @@
+"""The cost model: how long a rewritten step takes on given hardware, and how much
+of its communication the compute does not hide.
+
+[Note: the cost model]
+Each node of the rewritten graph gets a duration from its shapes alone:
+
+- matrix products (mm, addmm, bmm, baddbmm) and attention: FLOPs / ``flops``
+  (2·M·N·K per product; attention 4·B·H·L·S·D forward, twice that backward);
+- views cost nothing; every other op moves its inputs and output once through
+  memory: bytes / ``memory_bandwidth``; plus ``op_overhead`` per op that runs;
+- a collective over N ranks of B bytes (ring): all-gather and reduce-scatter
+  ``(N-1)/N·B / link_bandwidth``, all-reduce twice that, plus
+  ``link_latency·(N-1)``.
+
+The graph is then replayed in its order on two streams: compute runs nodes one
+after another; communication runs collectives one after another (as one NCCL
+or gloo process group does), each starting when it is issued and the previous
+one has finished. A wait blocks compute until its collective has finished;
+the time compute spends blocked is the *exposed* communication. The optimizer
+step (memory-bound over the shards: parameter, gradient and two Adam moments
+read, three written) and, in stages 1-2, the gathers after it follow the graph.
+
+Peak memory: the bytes of every tensor the graph creates, alive from its node
+to its last reader (a collective's input until its wait; a view is its base),
+on top of what lives through the step: the graph's inputs (shards or
+parameters, the batch) and the optimizer state.
+
+It is a model: no fusion (Inductor fuses elementwise ops, so memory-bound time
+is an upper bound), no contention between the streams, one link speed.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .passes.predicates import is_all_reduce, is_collective, is_reduce_scatter, is_wait
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the cost model knows about one rank and its links."""
+
+    name: str
+    flops: float
+    """Matrix-product FLOP/s one rank sustains (at the graph's dtype)."""
+    memory_bandwidth: float
+    """Bytes/s for memory-bound ops."""
+    link_bandwidth: float
+    """Bytes/s each rank sends in a ring collective (NCCL's "bus bandwidth")."""
+    link_latency: float
+    """Seconds per ring step; a collective over N ranks takes N-1 steps."""
+    op_overhead: float
+    """Seconds each op costs beyond its work (launch, dispatch)."""
+
+
+PRESETS = {
+    "cpu-gloo": Hardware(
+        name="cpu-gloo: one core per rank, gloo over loopback (this project's CI box)",
+        flops=25e9, memory_bandwidth=5e9, link_bandwidth=1.5e9, link_latency=60e-6,
+        op_overhead=12e-6),
+    "8xh100-nvlink": Hardware(
+        name="8xH100 SXM, NVLink 4 / NVSwitch, NCCL, bf16",
+        flops=0.6 * 989e12, memory_bandwidth=0.8 * 3.35e12, link_bandwidth=360e9,
+        link_latency=3e-6, op_overhead=5e-6),
+}
+"""cpu-gloo: calibrated on this project's 2-core CI machine (``bench/schedule.py``
+prints measured against predicted). 8xH100: 60% of the 989 TFLOP/s dense bf16
+peak, 80% of 3.35 TB/s HBM3, 360 GB/s NCCL bus bandwidth (of NVLink 4's 450 GB/s
+per direction), 3 µs per ring step."""
+
+
+def hardware(preset_or_hardware) -> Hardware:
+    if isinstance(preset_or_hardware, Hardware):
+        return preset_or_hardware
+    try:
+        return PRESETS[preset_or_hardware]
+    except KeyError:
+        raise ValueError(f"unknown hardware preset {preset_or_hardware!r}; "
+                         f"presets: {sorted(PRESETS)}, or pass a Hardware(...)") from None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The cost model's answer for one step."""
+
+    hardware: str
+    step_seconds: float
+    compute_seconds: float
+    """Compute stream busy time (graph and optimizer)."""
+    communication_seconds: float
+    """Communication stream busy time."""
+    exposed_seconds: float
+    """Time compute waits for communication: the part no compute hides."""
+    peak_bytes: int
+    collectives: int
+
+    @property
+    def exposed_fraction(self) -> float:
+        return self.exposed_seconds / self.step_seconds if self.step_seconds else 0.0
+
+    def __str__(self) -> str:
+        return (f"estimated on {self.hardware}: step {1e3 * self.step_seconds:.2f} ms "
+                f"(compute {1e3 * self.compute_seconds:.2f} ms, communication "
+                f"{1e3 * self.communication_seconds:.2f} ms in {self.collectives} launches, "
+                f"exposed {1e3 * self.exposed_seconds:.2f} ms = {100 * self.exposed_fraction:.1f}% "
+                f"of the step); peak memory {self.peak_bytes / 2**30:.2f} GiB per rank")
+
+
+def estimate(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_param: int = 8
+             ) -> Estimate:
+    """Replay ``gm`` (rewritten for ``plan``) on ``hw`` ([Note: the cost model])."""
+    hw = hardware(hw)
+    n = plan.world_size
+    compute = comm_free = busy_compute = busy_comm = exposed = 0.0
+    finishes: dict[Node, float] = {}
+    for node in gm.graph.nodes:
+        if is_collective(node):
+            start = max(compute, comm_free)
+            comm_free = finishes[node] = start + collective_seconds(node, n, hw)
+            busy_comm += comm_free - start
+        elif is_wait(node) and node.args[0] in finishes:
+            blocked = max(0.0, finishes[node.args[0]] - compute)
+            exposed += blocked
+            compute += blocked
+        else:
+            seconds = node_seconds(node, hw)
+            compute += seconds
+            busy_compute += seconds
+    shard_bytes = sum(l.shard_numel * l.dtype.itemsize for l in plan.params)
+    if plan.replicated:
+        shard_bytes *= n
+    optimizer = 7 * shard_bytes / hw.memory_bandwidth + hw.op_overhead * len(plan.params)
+    compute = max(compute, comm_free) + optimizer
+    busy_compute += optimizer
+    launches = sum(1 for node in gm.graph.nodes if is_collective(node))
+    if plan.gathers_after_step and n > 1:
+        buckets = plan.buckets([l.name for l in plan.params])
+        after = sum(_ring_seconds(sum(plan.layout(b).padded_numel * plan.layout(b).dtype.itemsize
+                                      for b in bucket), n, hw) for bucket in buckets)
+        compute += after
+        exposed += after
+        busy_comm += after
+        launches += len(buckets)
+    persistent = _input_bytes(gm) + shard_bytes * optimizer_state_bytes_per_param // 4
+    return Estimate(hardware=hw.name, step_seconds=compute, compute_seconds=busy_compute,
+                    communication_seconds=busy_comm, exposed_seconds=exposed,
+                    peak_bytes=persistent + peak_transient_bytes(gm), collectives=launches)
+
+
+def collective_seconds(node: Node, world_size: int, hw: Hardware) -> float:
+    # see [Note: counting traffic] in traffic.py: a reduce-scatter's whole buffer is its input
+    buffer = node.args[0].meta["val"] if is_reduce_scatter(node) else node.meta["val"]
+    seconds = _ring_seconds(buffer.numel() * buffer.element_size(), world_size, hw)
+    return 2 * seconds if is_all_reduce(node) else seconds
+
+
+def _ring_seconds(nbytes: int, world_size: int, hw: Hardware) -> float:
+    if world_size == 1:
+        return 0.0
+    return (world_size - 1) * (hw.link_latency + nbytes / world_size / hw.link_bandwidth)
+
+
+_MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),
+            aten.baddbmm.default: (1, 2)}
+
+
+def node_seconds(node: Node, hw: Hardware) -> float:
+    """One compute node's duration ([Note: the cost model])."""
+    if node.op != "call_function" or _is_view(node) or node.target is operator.getitem:
+        return 0.0
+    flops = _flops(node)
+    if flops:
+        return flops / hw.flops + hw.op_overhead
+    return _bytes_moved(node) / hw.memory_bandwidth + hw.op_overhead
+
+
+def _flops(node: Node) -> float:
+    if node.target in _MATMULS:
+        a, b = (node.args[i].meta["val"] for i in _MATMULS[node.target])
+        return 2.0 * math.prod(a.shape) * b.shape[-1]
+    name = str(node.target)
+    if "scaled_dot_product" in name:
+        q, k = node.args[0].meta["val"], node.args[1].meta["val"]
+        if "backward" in name:
+            q, k = node.args[1].meta["val"], node.args[2].meta["val"]
+        forward = 4.0 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]
+        return 2 * forward if "backward" in name else forward
+    return 0.0
+
+
+def _bytes_moved(node: Node) -> int:
+    return sum(_tensor_bytes(v) for v in _vals(node.all_input_nodes) + _vals([node]))
+
+
+def _vals(nodes) -> list:
+    out = []
+    for n in nodes:
+        val = n.meta.get("val")
+        out.extend(val if isinstance(val, (list, tuple)) else [val])
+    return out
+
+
+def _tensor_bytes(val) -> int:
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _is_view(node: Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.returns and all(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns))
+
+
+def _input_bytes(gm: GraphModule) -> int:
+    return sum(_tensor_bytes(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder")
+
+
+def peak_transient_bytes(gm: GraphModule) -> int:
+    """The most bytes of graph-created tensors alive at once (views count as their base;
+    a collective's input lives until its wait)."""
+    nodes = list(gm.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    base: dict[Node, Node] = {}
+    for node in nodes:
+        if node.op == "placeholder":
+            continue
+        source = node.args[0] if node.args and isinstance(node.args[0], Node) else None
+        if source is not None and (_is_view(node) or node.target is operator.getitem) \
+                and source.op != "placeholder":
+            base[node] = base.get(source, source)
+    last: dict[Node, int] = {}
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            root = base.get(arg, arg)
+            end = order[node]
+            if is_collective(node):
+                end = order[next(iter(node.users))]
+            last[root] = max(last.get(root, 0), end)
+    change = [0] * (len(nodes) + 1)
+    for node in nodes:
+        if node.op in ("placeholder", "output") or node in base:
+            continue
+        size = sum(_tensor_bytes(v) for v in _vals([node]))
+        change[order[node]] += size
+        change[last.get(node, order[node]) + 1] -= size
+    alive = peak = 0
+    for delta in change:
+        alive += delta
+        peak = max(peak, alive)
+    return peak
