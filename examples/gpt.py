@@ -80,3 +80,9 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def gpt_1b() -> GPT:
+    """A 1.0B-parameter GPT (18 layers of width 2048, GPT-2's vocabulary), for planning."""
+    return GPT(GPTConfig(vocab_size=50304, block_size=2048, n_layer=18, n_head=16, n_embd=2048,
+                         bias=False))

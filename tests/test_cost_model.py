@@ -1,0 +1,82 @@
+"""The cost model on hand-built graphs (what overlap buys, what it counts) and the
+offline planner on a fake-tensor GPT at a world size this machine could not run."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_schedule import WEIGHT_BYTES, rewritten
+from zero_fx import Hardware, estimate, rewritten_step_on_fake
+from zero_fx.cost_model import node_seconds
+
+# Slow links, fast compute: communication dominates, so overlap shows.
+SLOW_LINK = Hardware(name="test", flops=1e9, memory_bandwidth=1e9, link_bandwidth=1e6,
+                     link_latency=1e-5, op_overhead=1e-6)
+
+
+def test_prefetch_hides_communication():
+    plain, plan = rewritten(prefetch=0)
+    scheduled, _ = rewritten(prefetch=1)
+    before, after = estimate(plain, plan, SLOW_LINK), estimate(scheduled, plan, SLOW_LINK)
+    assert after.exposed_seconds < before.exposed_seconds
+    assert after.step_seconds < before.step_seconds
+    assert after.communication_seconds == pytest.approx(before.communication_seconds)
+
+
+def test_buckets_pay_latency_once():
+    latency_bound = Hardware(name="test", flops=1e12, memory_bandwidth=1e12, link_bandwidth=1e12,
+                             link_latency=1e-3, op_overhead=0.0)
+    plain, plan = rewritten(bucket_bytes=0)
+    fused, _ = rewritten(bucket_bytes=6 * WEIGHT_BYTES)
+    assert estimate(fused, plan, latency_bound).communication_seconds == pytest.approx(
+        3 * 1e-3, rel=0.01)  # 3 launches (forward, backward gathers; one reduce-scatter), 1 step each
+    assert estimate(plain, plan, latency_bound).communication_seconds == pytest.approx(
+        (6 + 5 + 6) * 1e-3, rel=0.01)
+
+
+def test_a_matmul_costs_its_flops():
+    gm, plan = rewritten()
+    mm = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default)
+    a, b = mm.args[0].meta["val"], mm.args[1].meta["val"]
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    assert node_seconds(mm, SLOW_LINK) == pytest.approx(flops / 1e9 + 1e-6)
+
+
+def test_peak_memory_grows_with_what_is_resident():
+    plain, plan = rewritten()
+    resident, resident_plan = rewritten(resident=("w0", "w1", "w2"))
+    assert estimate(resident, resident_plan, SLOW_LINK).peak_bytes > \
+        estimate(plain, plan, SLOW_LINK).peak_bytes
+
+
+def test_unknown_preset_names_the_presets():
+    gm, plan = rewritten()
+    with pytest.raises(ValueError, match="8xh100-nvlink"):
+        estimate(gm, plan, "a100")
+
+
+def tiny_gpt():
+    from examples.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=64, bias=False))
+
+
+def test_planning_on_fake_tensors_at_sixteen_ranks():
+    gm, plan = rewritten_step_on_fake(tiny_gpt, batch=2, seq=32, vocab_size=128, world_size=16,
+                                      persistence_threshold=0, bucket_bytes=0)
+    assert plan.world_size == 16 and plan.total_numel == sum(p.numel() for p in tiny_gpt().parameters())
+    shards = [n for n in gm.graph.nodes if n.op == "placeholder" and "zero_param" in n.meta]
+    assert all(n.meta["val"].numel() == plan.layout(n.meta["zero_param"]).shard_numel for n in shards)
+    result = estimate(gm, plan, "8xh100-nvlink")
+    assert 0 < result.exposed_seconds < result.step_seconds
+
+
+def test_the_command_line_prints_traffic_and_estimate():
+    out = subprocess.run(
+        [sys.executable, "-m", "zero_fx.estimate", "--model", "test_cost_model:tiny_gpt",
+         "--world", "8", "--seq", "32", "--dtype", "float32", "--hardware", "cpu-gloo"],
+        capture_output=True, text=True, check=True,
+        env={"PYTHONPATH": ":".join(sys.path)})
+    assert "all_gather" in out.stdout and "exposed" in out.stdout, out.stdout + out.stderr

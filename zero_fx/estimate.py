@@ -1,0 +1,82 @@
+"""``python -m zero_fx.estimate``: plan a language model's step on fake tensors and print
+the cost model's estimate (see [Note: the cost model] in cost_model.py).
+
+    python -m zero_fx.estimate --model llama-8b --world 8 --hardware 8xh100-nvlink \\
+        --batch 1 --seq 4096 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+
+import torch
+
+from .cost_model import PRESETS, estimate
+from .offline import rewritten_step_on_fake
+from .traffic import traffic_report
+
+MODELS = {"gpt-1b": "examples.gpt:gpt_1b", "llama-8b": "examples.llama:llama_8b"}
+"""Shortcuts for --model (they live in this repository's examples/)."""
+
+
+def load_model_builder(spec: str):
+    """``module:function`` (or a shortcut in MODELS) -> a callable building the model."""
+    spec = MODELS.get(spec, spec)
+    module_name, _, function = spec.partition(":")
+    if not function:
+        raise SystemExit(f"--model must be one of {sorted(MODELS)} or module:function, got {spec!r}")
+    try:
+        return getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError) as err:
+        raise SystemExit(f"cannot load {spec}: {err} (run from the repository root for the "
+                         "shortcuts, or put your module on PYTHONPATH)") from err
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m zero_fx.estimate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt-1b",
+                        help=f"{', '.join(MODELS)}, or module:function returning a model that "
+                             "maps token ids (batch, seq) to logits")
+    parser.add_argument("--vocab", type=int, default=None, help="default: the model's embedding rows")
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3))
+    parser.add_argument("--hardware", default="8xh100-nvlink", choices=sorted(PRESETS))
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--bucket-bytes", type=int, default=None)
+    parser.add_argument("--prefetch", type=int, default=1)
+    parser.add_argument("--traffic", action="store_true", help="also print every collective")
+    args = parser.parse_args(argv)
+    build = load_model_builder(args.model)
+    start = time.perf_counter()
+    print(f"planning {args.model} on fake tensors at {args.world} ranks, stage {args.stage} ...",
+          file=sys.stderr, flush=True)
+    gm, plan = rewritten_step_on_fake(
+        build, batch=args.batch, seq=args.seq, vocab_size=args.vocab or _vocab(build),
+        world_size=args.world, stage=args.stage, dtype=getattr(torch, args.dtype),
+        bucket_bytes=args.bucket_bytes, prefetch=args.prefetch)
+    print(f"planned in {time.perf_counter() - start:.1f} s: {plan.total_numel / 1e9:.2f}B "
+          f"parameters, {len(gm.graph.nodes)} nodes", file=sys.stderr)
+    report = traffic_report(gm, plan)
+    print(report if args.traffic else report.summary())
+    print(estimate(gm, plan, args.hardware))
+
+
+def _vocab(build) -> int:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = build()
+    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    if not embeddings:
+        raise SystemExit("the model has no nn.Embedding; pass --vocab")
+    return embeddings[0].num_embeddings
+
+
+if __name__ == "__main__":
+    main()

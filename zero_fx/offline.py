@@ -1,0 +1,77 @@
+"""Plan a step without running it: the rewritten graph of a model built on fake tensors.
+
+A fake tensor has a shape, a dtype and a device but no memory, so an 8B-parameter
+model at any world size is planned on a laptop. Nothing here needs a process
+group: the passes only write the group's name into the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .config import ZeroConfig
+from .passes import build_pipeline, run_pipeline
+from .passes.predicates import GRAD_SLOTS_META, PARAM_META
+from .plan import ShardPlan, plan_for_module
+
+LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def language_model_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor):
+    logits = model(tokens)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch: int, seq: int,
+                           vocab_size: int, world_size: int, stage: int = 3,
+                           loss_fn: LossFn = language_model_loss, dtype=None,
+                           **options) -> tuple[GraphModule, ShardPlan]:
+    """The graph ``@zero_compile(stage=stage, **options)`` would run on each of
+    ``world_size`` ranks for a language model, and its plan; no memory is allocated.
+
+    ``batch`` is per rank. ``dtype`` is the default dtype while the model is
+    built (bf16 planning of a model written for fp32).
+    """
+    config = ZeroConfig(stage=stage, backend="eager", **options)
+    with FakeTensorMode() as fake_mode, _default_dtype(dtype):
+        model = build_model()
+        named = dict(model.named_parameters())
+        plan = plan_for_module(model, world_size=world_size, stage=stage, group_name="planned",
+                               **config.plan_options())
+        tokens = torch.randint(0, vocab_size, (batch, seq))
+        targets = torch.randint(0, vocab_size, (batch, seq))
+
+        def step(params: dict, tokens, targets):
+            loss = loss_fn(_bound(model, params), tokens, targets)
+            grads = torch.autograd.grad(loss, list(params.values()))
+            return (loss.detach(), *grads)
+
+        gm = make_fx(step, tracing_mode="real")(named, tokens, targets)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, named):
+        node.meta[PARAM_META] = name
+    gm.meta[GRAD_SLOTS_META] = {i + 1: name for i, name in enumerate(named)}
+    del fake_mode
+    return run_pipeline(gm, build_pipeline(plan, disable=config.disable_passes)), plan
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or saved)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+def _bound(model: torch.nn.Module, params: dict):
+    def call(*args):
+        return torch.func.functional_call(model, params, args, tie_weights=True)
+    return call
