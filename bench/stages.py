@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import platform
 import statistics
 import time
 
@@ -33,6 +30,7 @@ from zero_fx.live_memory import LiveTensorBytes
 from zero_fx.table import FP32, model_state_bytes
 
 from .rss import MALLOC_ENV, peak_rss, reset_peak_rss, rss_supported
+from .runs import join_group, leave_group, machine, rows_of_every_rank, write_json
 
 ADAM_STATE_BYTES = 2 * FP32  # exp_avg and exp_avg_sq
 
@@ -44,12 +42,13 @@ def deep_mlp(width: int, depth: int, seed: int = 0) -> nn.Module:
                            for _ in range(depth)])
 
 
-def mlp_training(stage: int, backend: str, width: int, depth: int):
-    """``(model, optimizer, compiled step, batch)``: AdamW on ``deep_mlp``, a batch of 2 rows."""
+def mlp_training(stage: int, backend: str, width: int, depth: int, **options):
+    """``(model, optimizer, compiled step, batch)``: AdamW on ``deep_mlp``, a batch of 2 rows;
+    ``options`` go to ``zero_compile``."""
     model = deep_mlp(width, depth)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    @zero_compile(stage=stage, backend=backend)
+    @zero_compile(stage=stage, backend=backend, **options)
     def train_step(model, opt, x):
         loss = model(x).square().mean()
         loss.backward()
@@ -60,10 +59,18 @@ def mlp_training(stage: int, backend: str, width: int, depth: int):
     return model, opt, train_step, torch.randn(2, width)
 
 
+LAYERS_PER_BUCKET = 2
+"""The table's runs fuse two layers per collective: with the 25 MiB default the
+whole 9 MiB model would be one bucket, and stage 2 would hold every full
+gradient until that bucket is complete, like stage 1."""
+
+
 def measure_stage(stage: int, world_size: int, *, width: int, depth: int, steps: int = 3) -> dict:
     """One stage on this rank: the first step compiles (and creates the optimizer
     state); the peak is measured on the second; the median time over the rest."""
-    model, opt, train_step, x = mlp_training(stage, "aot_eager", width, depth)
+    bucket_bytes = LAYERS_PER_BUCKET * width * width * 4
+    model, opt, train_step, x = mlp_training(stage, "aot_eager", width, depth,
+                                             bucket_bytes=bucket_bytes)
     train_step(model, opt, x)
     gc.collect()
     probe = LiveTensorBytes(list(train_step.state.held_tensors()) + [x])
@@ -75,9 +82,8 @@ def measure_stage(stage: int, world_size: int, *, width: int, depth: int, steps:
         train_step(model, opt, x)
         times.append(time.perf_counter() - start)
     psi = sum(p.numel() for p in model.parameters())
-    largest = max(p.numel() * p.element_size() for p in model.parameters())
     formula = model_state_bytes(stage, psi, world_size, optimizer_bytes=ADAM_STATE_BYTES)
-    working_set = 2 * largest if stage == 3 else 0  # a gathered parameter and its full gradient
+    working_set = working_set_bytes(stage, bucket_bytes, train_step.config.prefetch)
     report = train_step.traffic()
     return {
         "stage": stage,
@@ -92,6 +98,15 @@ def measure_stage(stage: int, world_size: int, *, width: int, depth: int, steps:
         "step_ms": 1e3 * statistics.median(times),
         "compile_s": train_step.compile_seconds[0],
     }
+
+
+def working_set_bytes(stage: int, bucket_bytes: int, prefetch: int) -> int:
+    """What the table's row leaves out: full tensors in flight. Stage 3: the gathered
+    bucket in use and ``prefetch`` more, and as many buckets of full gradients
+    waiting for their reduce-scatter; stage 2: the gradient buckets only. Stages 0
+    and 1 hold every full gradient anyway (in the row)."""
+    in_flight = (prefetch + 1) * bucket_bytes
+    return {3: 2 * in_flight, 2: in_flight}.get(stage, 0)
 
 
 def rss_growth_during_step(rank: int, world_size: int, stage: int, backend: str,
@@ -145,36 +160,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7, help="per stage: 1 compile, 1 measured, rest timed")
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     args = parser.parse_args()
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank, world = join_group()
     rows = []
     for stage in args.stages:
         if rank == 0:
             print(f"stage {stage} ...", flush=True)
         rows += measure_stages(rank, world, [stage], args.width, args.depth, args.steps)
-    everyone = [None] * world
-    if dist.is_initialized():
-        dist.all_gather_object(everyone, rows)
-    else:
-        everyone = [rows]
+    everyone = rows_of_every_rank(rows)
     if rank == 0:
-        result = {
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-            "world_size": world, "width": args.width, "depth": args.depth, "ranks": everyone,
-        }
-        os.makedirs(os.path.join(os.path.dirname(__file__), "out"), exist_ok=True)
-        path = os.path.join(os.path.dirname(__file__), "out", f"stages-w{world}.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        result = {"machine": machine(), "world_size": world, "width": args.width,
+                  "depth": args.depth, "ranks": everyone}
+        path = write_json(f"stages-w{world}", result)
         print(f"\n{result['machine']}; {world} rank(s); deep MLP {args.depth} x {args.width}^2, "
               f"Ψ = {rows[0]['psi']:,}; rank 0:\n")
         print(markdown(rows))
         print(f"\nwritten to {path}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
+    leave_group()
 
 if __name__ == "__main__":
     main()

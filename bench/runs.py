@@ -1,0 +1,47 @@
+"""What every torchrun benchmark does around its measurements: join the gloo group,
+collect each rank's rows on rank 0, write bench/out/<name>.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+
+import torch
+import torch.distributed as dist
+
+OUT = os.path.join(os.path.dirname(__file__), "out")
+
+
+def join_group() -> tuple[int, int]:
+    """``(rank, world size)``: gloo under torchrun, else one rank."""
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def rows_of_every_rank(rows) -> list:
+    if not dist.is_initialized():
+        return [rows]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rows)
+    return everyone
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def write_json(name: str, result: dict) -> str:
+    os.makedirs(OUT, exist_ok=True)
+    path = os.path.join(OUT, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

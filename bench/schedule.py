@@ -1,0 +1,165 @@
+"""Stage 3 unscheduled vs scheduled vs scheduled + bucketed, next to stage 0, on one run.
+
+    torchrun --nproc_per_node 2 -m bench.schedule            # Inductor, the example's GPT
+
+Per variant, on the same model and per-rank batch: median step time over the
+timed steps after warm-up, collective launches per step (counted as they run),
+and the cost model's prediction: with the ``cpu-gloo`` preset, and with a
+``Hardware`` calibrated on this machine a moment before (matmul FLOP/s, copy
+bandwidth, gloo all-gather speed). Writes bench/out/schedule-w<N>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from examples.gpt import GPT, GPTConfig
+from zero_fx import Hardware, PRESETS, zero_compile
+
+from .runs import join_group, leave_group, machine, rows_of_every_rank, write_json
+
+VARIANTS = {
+    "stage 0 (DDP)": dict(stage=0),
+    "stage 3 unscheduled": dict(stage=3, bucket_bytes=0, prefetch=0, persistence_threshold=0),
+    "stage 3 scheduled": dict(stage=3, bucket_bytes=0, prefetch=1, persistence_threshold=0),
+    "stage 3 scheduled + bucketed": dict(stage=3),
+}
+"""zero_compile options of each row; the last is the default configuration."""
+
+
+def measure_variant(options: dict, cfg: GPTConfig, batch: int, steps: int, backend: str,
+                    calibrated: Hardware) -> dict:
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    @zero_compile(backend=backend, **options)
+    def train_step(model, opt, x, y):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    g = torch.Generator().manual_seed(1 + (dist.get_rank() if dist.is_initialized() else 0))
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+    y = torch.roll(x, -1, dims=1)
+    for _ in range(2):  # compile, then let the optimizer state exist
+        train_step(model, opt, x, y)
+    with train_step.counting_collectives() as counted:
+        train_step(model, opt, x, y)
+    times = []
+    for _ in range(steps):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        train_step(model, opt, x, y)
+        times.append(time.perf_counter() - start)
+    preset, fitted = train_step.estimate("cpu-gloo"), train_step.estimate(calibrated)
+    return {
+        "step_ms": 1e3 * statistics.median(times),
+        "launches": sum(counted.launches.values()),
+        "launches_per_block_per_phase": _per_block_per_phase(train_step, cfg.n_layer),
+        "compile_s": train_step.compile_seconds[0],
+        "predicted_ms_preset": 1e3 * preset.step_seconds,
+        "predicted_ms_calibrated": 1e3 * fitted.step_seconds,
+        "exposed_fraction_calibrated": fitted.exposed_fraction,
+    }
+
+
+def _per_block_per_phase(train_step, n_layer: int) -> float:
+    """In-graph launches of the busiest phase, per transformer block."""
+    report = train_step.traffic()
+    phases = [sum(1 for c in report.collectives if c.phase == p) for p in ("forward", "backward")]
+    return max(phases) / n_layer
+
+
+def calibrate(world_size: int) -> Hardware:
+    """This machine's matmul speed, copy bandwidth and gloo all-gather speed, measured now."""
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    flops = 2 * 512 ** 3 / _best_seconds(lambda: a @ b)
+    big = torch.randn(8 << 20)
+    memory_bandwidth = 2 * big.numel() * 4 / _best_seconds(lambda: big.clone())
+    small, large = torch.zeros(16), torch.zeros(4 << 20)
+    latency = bandwidth = float("inf")
+    if world_size > 1:
+        def gather(t):
+            out = t.new_empty(t.numel() * world_size)
+            return lambda: dist.all_gather_into_tensor(out, t)
+        # ring model: (N-1) * (latency + bytes / N / bandwidth)
+        latency = _best_seconds(gather(small)) / (world_size - 1)
+        per_step = _best_seconds(gather(large)) / (world_size - 1) - latency
+        bandwidth = large.numel() * 4 * world_size / world_size / per_step
+    overhead = _best_seconds(lambda: torch.add(small, 1)) * 4  # dispatch + Python of one op
+    return Hardware(name="calibrated on this machine", flops=flops,
+                    memory_bandwidth=memory_bandwidth, link_bandwidth=bandwidth,
+                    link_latency=latency, op_overhead=overhead)
+
+
+def _best_seconds(fn, repeat: int = 7) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def markdown(rows: dict) -> str:
+    lines = ["| variant | step (median) | vs stage 0 | launches / step | per block per phase | "
+             "predicted, cpu-gloo preset | predicted, calibrated | error (calibrated) | "
+             "exposed comm. (predicted) | compile |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    base = rows["stage 0 (DDP)"]["step_ms"]
+    for name, r in rows.items():
+        error = r["predicted_ms_calibrated"] / r["step_ms"] - 1
+        lines.append(
+            f"| {name} | {r['step_ms']:.1f} ms | {r['step_ms'] / base:.2f}x | {r['launches']} | "
+            f"{r['launches_per_block_per_phase']:.2f} | {r['predicted_ms_preset']:.1f} ms | "
+            f"{r['predicted_ms_calibrated']:.1f} ms | {100 * error:+.0f}% | "
+            f"{100 * r['exposed_fraction_calibrated']:.0f}% | {r['compile_s']:.1f} s |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager"))
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    args = parser.parse_args()
+    rank, world = join_group()
+    torch.set_num_threads(1)
+    cfg = GPTConfig(vocab_size=512, block_size=args.seq, n_layer=args.layers, n_head=4,
+                    n_embd=args.width, bias=True)
+    calibrated = calibrate(world)
+    rows = {}
+    for name, options in VARIANTS.items():
+        if rank == 0:
+            print(f"{name} ...", flush=True)
+        rows[name] = measure_variant(options, cfg, args.batch, args.steps, args.backend, calibrated)
+    everyone = rows_of_every_rank(rows)
+    if rank == 0:
+        result = {"machine": machine(), "world_size": world, "backend": args.backend,
+                  "model": vars(cfg), "batch_per_rank": args.batch, "ranks": everyone,
+                  "calibrated": vars(calibrated), "preset": vars(PRESETS["cpu-gloo"])}
+        path = write_json(f"schedule-w{world}", result)
+        print(f"\n{result['machine']}; {world} ranks, gloo, {args.backend}; GPT {args.layers} x "
+              f"{args.width}, seq {args.seq}, batch {args.batch} per rank; rank 0:\n")
+        print(markdown(rows))
+        print(f"\ncalibrated: {calibrated}\nwritten to {path}")
+    leave_group()
+
+
+if __name__ == "__main__":
+    main()
