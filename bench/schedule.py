@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from examples.gpt import GPT, GPTConfig
-from zero_fx import Hardware, PRESETS, zero_compile
+from zero_fx import PRESETS, Hardware, estimate, rewritten_step_on_fake, zero_compile
 
 from .runs import join_group, leave_group, machine, rows_of_every_rank, write_json
 
@@ -78,6 +78,25 @@ def _per_block_per_phase(train_step, n_layer: int) -> float:
     report = train_step.traffic()
     phases = [sum(1 for c in report.collectives if c.phase == p) for p in ("forward", "backward")]
     return max(phases) / n_layer
+
+
+def planned_exposure(model: str, world_size: int, batch: int, seq: int) -> dict:
+    """The cost model on the 8xH100 preset for a model planned on fake tensors (bf16,
+    stage 3, default buckets and prefetch): no memory, no GPU."""
+    from zero_fx.estimate import load_model_builder
+
+    build = load_model_builder(model)
+    gm, plan = rewritten_step_on_fake(build, batch=batch, seq=seq, vocab_size=_vocab(model),
+                                      world_size=world_size, dtype=torch.bfloat16)
+    result = estimate(gm, plan, "8xh100-nvlink")
+    return {"model": model, "params": plan.total_numel, "world_size": world_size,
+            "batch_per_rank": batch, "seq": seq, "step_ms": 1e3 * result.step_seconds,
+            "exposed_fraction": result.exposed_fraction,
+            "launches": result.collectives, "peak_gib": result.peak_bytes / 2**30}
+
+
+def _vocab(model: str) -> int:
+    return {"gpt-1b": 50304, "llama-8b": 128256}[model]
 
 
 def calibrate(world_size: int) -> Hardware:
@@ -157,7 +176,17 @@ def main() -> None:
         print(f"\n{result['machine']}; {world} ranks, gloo, {args.backend}; GPT {args.layers} x "
               f"{args.width}, seq {args.seq}, batch {args.batch} per rank; rank 0:\n")
         print(markdown(rows))
-        print(f"\ncalibrated: {calibrated}\nwritten to {path}")
+        print(f"\ncalibrated: {calibrated}")
+        planned = [planned_exposure(m, 8, 1, s) for m, s in (("gpt-1b", 2048), ("llama-8b", 4096))]
+        for p in planned:
+            print(f"planned on fake tensors, 8xh100-nvlink preset, stage 3, bf16: {p['model']} "
+                  f"({p['params'] / 1e9:.2f}B), batch {p['batch_per_rank']} x {p['seq']} per rank: "
+                  f"step {p['step_ms']:.0f} ms, exposed communication "
+                  f"{100 * p['exposed_fraction']:.1f}%, {p['launches']} launches, "
+                  f"peak {p['peak_gib']:.1f} GiB")
+        result["planned"] = planned
+        write_json(f"schedule-w{world}", result)
+        print(f"written to {path}")
     leave_group()
 
 

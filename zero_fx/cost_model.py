@@ -63,15 +63,16 @@ class Hardware:
 PRESETS = {
     "cpu-gloo": Hardware(
         name="cpu-gloo: one core per rank, gloo over loopback (this project's CI box)",
-        flops=25e9, memory_bandwidth=5e9, link_bandwidth=1.5e9, link_latency=60e-6,
-        op_overhead=12e-6),
+        flops=2.0e11, memory_bandwidth=5.5e9, link_bandwidth=6.5e8, link_latency=120e-6,
+        op_overhead=30e-6),
     "8xh100-nvlink": Hardware(
         name="8xH100 SXM, NVLink 4 / NVSwitch, NCCL, bf16",
         flops=0.6 * 989e12, memory_bandwidth=0.8 * 3.35e12, link_bandwidth=360e9,
         link_latency=3e-6, op_overhead=5e-6),
 }
-"""cpu-gloo: calibrated on this project's 2-core CI machine (``bench/schedule.py``
-prints measured against predicted). 8xH100: 60% of the 989 TFLOP/s dense bf16
+"""cpu-gloo: what ``bench/schedule.py`` calibrated on this project's 2-core CI machine
+(one AVX-512 core's fp32 matmul, a copy's bandwidth, gloo all-gathers over
+loopback between two ranks); it prints measured against predicted. 8xH100: 60% of the 989 TFLOP/s dense bf16
 peak, 80% of 3.35 TB/s HBM3, 360 GB/s NCCL bus bandwidth (of NVLink 4's 450 GB/s
 per direction), 3 µs per ring step."""
 
