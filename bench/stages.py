@@ -110,13 +110,13 @@ def working_set_bytes(stage: int, bucket_bytes: int, prefetch: int) -> int:
 
 
 def rss_growth_during_step(rank: int, world_size: int, stage: int, backend: str,
-                           width: int, depth: int) -> dict:
+                           width: int, depth: int, options: tuple = ()) -> dict:
     """How far resident memory rises above its level before a step, during the third
     step (see [Note: peak RSS on Linux] in bench/rss.py); works under Inductor."""
     if not rss_supported():
         raise RuntimeError("resident-memory peaks need Linux and a process started with "
                            + " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()))
-    model, opt, train_step, x = mlp_training(stage, backend, width, depth)
+    model, opt, train_step, x = mlp_training(stage, backend, width, depth, **dict(options))
     for _ in range(2):
         train_step(model, opt, x)
     gc.collect()

@@ -78,12 +78,16 @@ def test_stage3_release_survives_inductor(monkeypatch):
 
     Measured by resident memory (the tensor probe cannot see Inductor's buffers;
     see [Note: peak RSS on Linux] in bench/rss.py), 16 layers of 1024 x 1024 at 2
-    ranks: 64 MiB of parameters. A step holds the gradient shards (32 MiB) and
-    one or two layers in use; a broken release would add all 64 MiB.
+    ranks: 64 MiB of parameters, one layer (4 MiB) per bucket. A step holds the
+    gradient shards (32 MiB) and a few layers in use or in flight; a broken
+    release would add all 64 MiB. (With 16 MiB buckets Inductor holds about
+    one bucket more than aot_eager: a known gap, not a release failure.)
     """
     for name, value in MALLOC_ENV.items():
         monkeypatch.setenv(name, value)  # read by glibc when each spawned rank starts
-    growth = {backend: rss_growth_run(2, 3, backend, 1024, 16) for backend in ("aot_eager", "inductor")}
+    one_layer = (("bucket_bytes", 1024 * 1024 * 4),)
+    growth = {backend: rss_growth_run(2, 3, backend, 1024, 16, one_layer)
+              for backend in ("aot_eager", "inductor")}
     for rank in range(2):
         param_bytes = growth["inductor"][rank]["param_bytes"]
         inductor, aot_eager = (growth[b][rank]["growth_bytes"] for b in ("inductor", "aot_eager"))
