@@ -17,10 +17,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from examples.gpt import GPT, GPTConfig
 from zero_fx import PRESETS, Hardware, estimate, rewritten_step_on_fake, zero_compile
+from zero_fx.estimate import load_model_builder, vocab_size_of
+from zero_fx.offline import language_model_loss
 
 from .runs import join_group, leave_group, machine, rows_of_every_rank, write_json
 
@@ -41,7 +42,7 @@ def measure_variant(options: dict, cfg: GPTConfig, batch: int, steps: int, backe
 
     @zero_compile(backend=backend, **options)
     def train_step(model, opt, x, y):
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss = language_model_loss(model, x, y)  # the loss the planner traces
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -83,20 +84,14 @@ def _per_block_per_phase(train_step, n_layer: int) -> float:
 def planned_exposure(model: str, world_size: int, batch: int, seq: int) -> dict:
     """The cost model on the 8xH100 preset for a model planned on fake tensors (bf16,
     stage 3, default buckets and prefetch): no memory, no GPU."""
-    from zero_fx.estimate import load_model_builder
-
     build = load_model_builder(model)
-    gm, plan = rewritten_step_on_fake(build, batch=batch, seq=seq, vocab_size=_vocab(model),
+    gm, plan = rewritten_step_on_fake(build, batch=batch, seq=seq, vocab_size=vocab_size_of(build),
                                       world_size=world_size, dtype=torch.bfloat16)
     result = estimate(gm, plan, "8xh100-nvlink")
     return {"model": model, "params": plan.total_numel, "world_size": world_size,
             "batch_per_rank": batch, "seq": seq, "step_ms": 1e3 * result.step_seconds,
             "exposed_fraction": result.exposed_fraction,
             "launches": result.collectives, "peak_gib": result.peak_bytes / 2**30}
-
-
-def _vocab(model: str) -> int:
-    return {"gpt-1b": 50304, "llama-8b": 128256}[model]
 
 
 def calibrate(world_size: int) -> Hardware:

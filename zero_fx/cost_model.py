@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from .passes.predicates import is_all_reduce, is_collective, is_reduce_scatter, is_wait
+from .passes.predicates import is_collective, is_wait
+from .traffic import Collective, traffic_report
 
 aten = torch.ops.aten
 
@@ -119,12 +120,14 @@ def estimate(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_
     """Replay ``gm`` (rewritten for ``plan``) on ``hw`` ([Note: the cost model])."""
     hw = hardware(hw)
     n = plan.world_size
+    report = traffic_report(gm, plan)
+    in_graph = {c.node: c for c in report.collectives if c.node}
     compute = comm_free = busy_compute = busy_comm = exposed = 0.0
     finishes: dict[Node, float] = {}
     for node in gm.graph.nodes:
         if is_collective(node):
             start = max(compute, comm_free)
-            comm_free = finishes[node] = start + collective_seconds(node, n, hw)
+            comm_free = finishes[node] = start + collective_seconds(in_graph[node.name], n, hw)
             busy_comm += comm_free - start
         elif is_wait(node) and node.args[0] in finishes:
             blocked = max(0.0, finishes[node.args[0]] - compute)
@@ -140,26 +143,22 @@ def estimate(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_
     optimizer = 7 * shard_bytes / hw.memory_bandwidth + hw.op_overhead * len(plan.params)
     compute = max(compute, comm_free) + optimizer
     busy_compute += optimizer
-    launches = sum(1 for node in gm.graph.nodes if is_collective(node))
-    if plan.gathers_after_step and n > 1:
-        buckets = plan.buckets([l.name for l in plan.params])
-        after = sum(_ring_seconds(sum(plan.layout(b).padded_numel * plan.layout(b).dtype.itemsize
-                                      for b in bucket), n, hw) for bucket in buckets)
-        compute += after
-        exposed += after
-        busy_comm += after
-        launches += len(buckets)
+    # stages 1-2: the gathers after the optimizer, eager, exposed
+    after = sum(collective_seconds(c, n, hw) for c in report.collectives if not c.node)
+    compute += after
+    exposed += after
+    busy_comm += after
     persistent = _input_bytes(gm) + shard_bytes * optimizer_state_bytes_per_param // 4
     return Estimate(hardware=hw.name, step_seconds=compute, compute_seconds=busy_compute,
                     communication_seconds=busy_comm, exposed_seconds=exposed,
-                    peak_bytes=persistent + peak_transient_bytes(gm), collectives=launches)
+                    peak_bytes=persistent + peak_transient_bytes(gm),
+                    collectives=len(report.collectives))
 
 
-def collective_seconds(node: Node, world_size: int, hw: Hardware) -> float:
-    # see [Note: counting traffic] in traffic.py: a reduce-scatter's whole buffer is its input
-    buffer = node.args[0].meta["val"] if is_reduce_scatter(node) else node.meta["val"]
-    seconds = _ring_seconds(buffer.numel() * buffer.element_size(), world_size, hw)
-    return 2 * seconds if is_all_reduce(node) else seconds
+def collective_seconds(collective: Collective, world_size: int, hw: Hardware) -> float:
+    """A ring collective's duration; an all-reduce is a reduce-scatter plus an all-gather."""
+    seconds = _ring_seconds(collective.bytes, world_size, hw)
+    return 2 * seconds if collective.kind == "all_reduce" else seconds
 
 
 def _ring_seconds(nbytes: int, world_size: int, hw: Hardware) -> float:

@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     print(f"planning {args.model} on fake tensors at {args.world} ranks, stage {args.stage} ...",
           file=sys.stderr, flush=True)
     gm, plan = rewritten_step_on_fake(
-        build, batch=args.batch, seq=args.seq, vocab_size=args.vocab or _vocab(build),
+        build, batch=args.batch, seq=args.seq, vocab_size=args.vocab or vocab_size_of(build),
         world_size=args.world, stage=args.stage, dtype=getattr(torch, args.dtype),
         bucket_bytes=args.bucket_bytes, prefetch=args.prefetch)
     print(f"planned in {time.perf_counter() - start:.1f} s: {plan.total_numel / 1e9:.2f}B "
@@ -67,7 +67,8 @@ def main(argv=None) -> None:
     print(estimate(gm, plan, args.hardware))
 
 
-def _vocab(build) -> int:
+def vocab_size_of(build) -> int:
+    """Rows of the model's first ``nn.Embedding`` (built on fake tensors)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():

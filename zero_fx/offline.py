@@ -39,7 +39,7 @@ def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch:
     built (bf16 planning of a model written for fp32).
     """
     config = ZeroConfig(stage=stage, backend="eager", **options)
-    with FakeTensorMode() as fake_mode, _default_dtype(dtype):
+    with FakeTensorMode(), _default_dtype(dtype):
         model = build_model()
         named = dict(model.named_parameters())
         plan = plan_for_module(model, world_size=world_size, stage=stage, group_name="planned",
@@ -57,7 +57,6 @@ def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch:
     for node, name in zip(placeholders, named):
         node.meta[PARAM_META] = name
     gm.meta[GRAD_SLOTS_META] = {i + 1: name for i, name in enumerate(named)}
-    del fake_mode
     return run_pipeline(gm, build_pipeline(plan, disable=config.disable_passes)), plan
 
 

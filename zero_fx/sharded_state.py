@@ -148,8 +148,8 @@ class ShardedState:
         call it on every rank)."""
         if not self.plan.params_sharded:
             return {name: param.detach().clone() for name, param in self.params.items()}
-        return {name: full.clone() for name, shard in self.shards.items()
-                for full in self._gather([name], [shard.detach()])}
+        return {name: self._gather([name], [shard.detach()])[0].clone()
+                for name, shard in self.shards.items()}
 
     def _gather(self, names: list[str], shards: list[torch.Tensor]) -> list[torch.Tensor]:
         layouts = [self.plan.layout(name) for name in names]

@@ -73,21 +73,19 @@ class TrafficReport:
     collectives: tuple[Collective, ...]
 
     def numel_by_kind(self) -> dict[str, int]:
-        return self._total_by_kind("numel")
+        return self._total_by_kind(lambda c: c.numel)
 
     def bytes_by_kind(self) -> dict[str, int]:
-        return self._total_by_kind("bytes")
-
-    def _total_by_kind(self, attribute: str) -> dict[str, int]:
-        totals = Counter({kind: 0 for kind in KINDS})
-        for c in self.collectives:
-            totals[c.kind] += getattr(c, attribute)
-        return dict(totals)
+        return self._total_by_kind(lambda c: c.bytes)
 
     def launches_by_kind(self) -> dict[str, int]:
         """Collective launches per kind in one step (a bucket is one launch)."""
+        return self._total_by_kind(lambda c: 1)
+
+    def _total_by_kind(self, value) -> dict[str, int]:
         totals = Counter({kind: 0 for kind in KINDS})
-        totals.update(c.kind for c in self.collectives)
+        for c in self.collectives:
+            totals[c.kind] += value(c)
         return dict(totals)
 
     def psi_by_kind(self) -> dict[str, float]:
