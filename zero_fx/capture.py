@@ -50,9 +50,11 @@ def capture_step_graph(
         with fake_mode:
             gm = make_fx(dynamo_gm, tracing_mode="real")(*fakes)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, name in zip(placeholders, param_names):
+    sources = [n.name for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
+    for node, name, source in zip(placeholders, param_names, sources):
         if name is not None:
             node.meta[PARAM_META] = name
+        _name_readably(node, name.replace(".", "_") if name else _user_name(source))
     _fold_static_sizes(gm)
     gm.meta[GRAD_SLOTS_META] = _gradients_as_outputs(gm)
     if not gm.meta[GRAD_SLOTS_META]:
@@ -64,6 +66,19 @@ def capture_step_graph(
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _name_readably(placeholder: torch.fx.Node, name: str) -> None:
+    """``arg3_1`` becomes ``h_0_attn_weight`` (a parameter) or ``x`` (the step's argument
+    ``x``): graph dumps and generated code then say what each input is."""
+    placeholder._rename(name)
+    placeholder.target = placeholder.name
+
+
+def _user_name(dynamo_name: str) -> str:
+    """Dynamo names the step's argument ``x`` ``l_x_``."""
+    name = dynamo_name.removeprefix("l_").removeprefix("L_").removesuffix("_")
+    return name if name.isidentifier() else dynamo_name
 
 
 def _gradients_as_outputs(gm: GraphModule) -> dict[int, str]:
