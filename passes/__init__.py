@@ -9,7 +9,8 @@ from .annotate_phases import annotate_phases
 from .bucket_collectives import bucket_collectives
 from .check_invariants import InvariantError, check_invariants
 from .gather_params import gather_params
-from .pipeline import PASS_ORDER, NamedPass, build_pipeline, run_pipeline
+from .pipeline import PASS_ORDER, NamedPass, Placed, after, before, build_pipeline, pass_names, run_pipeline
+from .predicates import mark_step_graph
 from .recompute_param_views import recompute_param_views
 from .reduce_grads import reduce_grads
 from .schedule_collectives import schedule_collectives
@@ -18,13 +19,18 @@ __all__ = [
     "PASS_ORDER",
     "InvariantError",
     "NamedPass",
+    "Placed",
+    "after",
     "annotate_phases",
+    "before",
     "bucket_collectives",
     "build_pipeline",
     "check_invariants",
     "gather_params",
+    "mark_step_graph",
     "recompute_param_views",
     "reduce_grads",
+    "pass_names",
     "run_pipeline",
     "schedule_collectives",
 ]

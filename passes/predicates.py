@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 from torch.fx import Node
@@ -81,3 +81,28 @@ def carried_params(node: Node) -> tuple[str, ...]:
 
 def grad_slots(gm: torch.fx.GraphModule) -> dict[int, str]:
     return gm.meta.get(GRAD_SLOTS_META, {})
+
+
+def mark_step_graph(gm: torch.fx.GraphModule, param_names: Sequence[Optional[str]],
+                    grad_outputs: Mapping[int, str]) -> torch.fx.GraphModule:
+    """Tag a training-step graph that did not come from ``zero_compile`` so our passes run on it.
+
+    ``gm`` must be one functional aten graph of forward and backward (e.g.
+    ``make_fx`` of a function calling ``torch.autograd.grad``; see
+    passes/README.md, "Our passes on your own graph"). ``param_names[i]`` is the
+    plan name of placeholder ``i`` if it is a parameter, else None;
+    ``grad_outputs`` maps output positions to the parameter whose gradient they are.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(param_names) != len(placeholders):
+        raise ValueError(f"param_names has {len(param_names)} entries for {len(placeholders)} "
+                         f"placeholders; give None for inputs that are not parameters")
+    outputs = gm.graph.output_node().args[0]
+    bad = [i for i in grad_outputs if not 0 <= i < len(outputs)]
+    if bad:
+        raise ValueError(f"grad_outputs names outputs {bad}, but the graph has {len(outputs)}")
+    for node, name in zip(placeholders, param_names):
+        if name is not None:
+            node.meta[PARAM_META] = name
+    gm.meta[GRAD_SLOTS_META] = dict(grad_outputs)
+    return gm

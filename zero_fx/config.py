@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from .passes.pipeline import pass_names
+
 BackendName = str
 Compiler = Callable[[torch.fx.GraphModule, list], Callable]
 
 NAMED_BACKENDS = ("inductor", "aot_eager", "eager")
+
+DUMP_ENV = "ZERO_FX_DUMP"
+"""Set to a folder to dump every compiled step's graphs there (see ``ZeroConfig.dump_dir``)."""
 
 MiB = 1 << 20
 DEFAULT_BUCKET_BYTES = {0: 25 * MiB, 1: 25 * MiB, 2: 25 * MiB, 3: 16 * MiB}
@@ -54,6 +60,14 @@ class ZeroConfig:
     step and kept through forward and backward (no backward gather). 0: none."""
     keep_resident: Optional[Callable[[str, torch.nn.Parameter], bool]] = None
     """Stage 3: ``keep_resident(name, param)`` true keeps that parameter resident too."""
+    passes: Sequence = field(default_factory=tuple)
+    """The user's FX passes, run among ours: ``zero_fx.before(name, fn)``,
+    ``zero_fx.after(name, fn)``, or a bare ``fn`` (right before ``check_invariants``).
+    Each takes the GraphModule and returns it, or None after editing it in place."""
+    dump_dir: Optional[str] = None
+    """Write the graph before and after each pass (text and HTML), the memory
+    plot and ``explain()`` under this folder at each compilation. ``None``: the
+    environment variable ``ZERO_FX_DUMP``, if set; otherwise no dumps."""
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -69,6 +83,10 @@ class ZeroConfig:
         if not isinstance(self.backend, str) and not callable(self.backend):
             raise TypeError(f"backend must be a name or a callable, got {type(self.backend).__name__}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
+        object.__setattr__(self, "passes", tuple(self.passes))
+        pass_names(disable=self.disable_passes, extra=self.passes)  # raises on a bad name or entry
+        if self.dump_dir is None and os.environ.get(DUMP_ENV):
+            object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV])
         for name in ("bucket_bytes", "memory_budget_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):

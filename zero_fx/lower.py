@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .passes.splice import outside_dynamo_tracing
 
@@ -34,5 +36,10 @@ def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend) -> C
         if backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(gm, list(example_inputs))
+            fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+            fakes = [fake_mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor)
+                     else t for t in example_inputs]
+            with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+                return compile_fx(gm, fakes)
     raise ValueError(f"unknown backend {backend!r}")
+

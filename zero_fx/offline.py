@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .config import ZeroConfig
 from .passes import build_pipeline, run_pipeline
-from .passes.predicates import GRAD_SLOTS_META, PARAM_META
+from .passes.predicates import mark_step_graph
 from .plan import ShardPlan, plan_for_module
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -53,11 +53,8 @@ def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch:
             return (loss.detach(), *grads)
 
         gm = make_fx(step, tracing_mode="real")(named, tokens, targets)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, name in zip(placeholders, named):
-        node.meta[PARAM_META] = name
-    gm.meta[GRAD_SLOTS_META] = {i + 1: name for i, name in enumerate(named)}
-    return run_pipeline(gm, build_pipeline(plan, disable=config.disable_passes)), plan
+    mark_step_graph(gm, [*named, None, None], {i + 1: name for i, name in enumerate(named)})
+    return run_pipeline(gm, build_pipeline(plan, disable=config.disable_passes, extra=config.passes)), plan
 
 
 @contextlib.contextmanager

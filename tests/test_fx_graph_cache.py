@@ -1,0 +1,54 @@
+"""Inductor's FX graph cache: the second compilation of the same rewritten step is a hit,
+with the user's passes in the pipeline too ([Note: the FX graph cache] in zero_fx/lower.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.utils import fresh_cache
+
+import models
+from ranks import run_ranks
+from zero_fx import after, zero_compile
+
+
+def tag_matmuls(gm):
+    """A user pass: tags nodes, changes nothing that runs."""
+    for node in gm.graph.nodes:
+        node.meta["user_pass_saw"] = True
+
+
+def compile_twice(rank: int, world_size: int):
+    results = []
+    with fresh_cache():  # an empty cache directory: the first compilation must miss
+        for attempt in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            model = models.build("mlp")
+            opt = models.make_optimizer(model)
+
+            @zero_compile(stage=3, backend="inductor", passes=[after("reduce_grads", tag_matmuls)])
+            def train_step(model, opt, x, y):
+                loss = models.loss_fn("mlp", model, x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                return loss
+
+            x, y = models.global_batch("mlp", 0)
+            loss = train_step(model, opt, x[rank::world_size], y[rank::world_size])
+            results.append({"loss": loss.item(), "inductor": dict(counters["inductor"]),
+                            "collectives": len(train_step.traffic().collectives)})
+    return results
+
+
+@pytest.mark.inductor
+def test_second_compilation_hits_the_fx_graph_cache():
+    for rank, (first, second) in enumerate(run_ranks(2, compile_twice)):
+        assert first["collectives"] > 0
+        assert first["inductor"].get("fxgraph_cache_miss", 0) >= 1, first
+        assert first["inductor"].get("fxgraph_cache_bypass", 0) == 0, first
+        assert second["inductor"].get("fxgraph_cache_hit", 0) >= 1, second
+        assert second["inductor"].get("fxgraph_cache_miss", 0) == 0, second
+        assert second["loss"] == first["loss"], rank
