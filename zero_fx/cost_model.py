@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
+from .formatting import format_bytes
+from .memory_timeline import MemoryTimeline, is_view, memory_timeline, tensor_bytes, vals
 from .passes.predicates import is_collective, is_wait
 from .traffic import Collective, traffic_report
 
@@ -112,31 +114,70 @@ class Estimate:
                 f"(compute {1e3 * self.compute_seconds:.2f} ms, communication "
                 f"{1e3 * self.communication_seconds:.2f} ms in {self.collectives} launches, "
                 f"exposed {1e3 * self.exposed_seconds:.2f} ms = {100 * self.exposed_fraction:.1f}% "
-                f"of the step); peak memory {self.peak_bytes / 2**30:.2f} GiB per rank")
+                f"of the step); peak memory {format_bytes(self.peak_bytes)} per rank")
+
+
+@dataclass(frozen=True)
+class CollectiveTiming:
+    """One collective in the replay: when the communication stream ran it, and what hid it."""
+
+    collective: Collective
+    start: float
+    finish: float
+    compute_between: float
+    """Seconds of compute issued between the collective and its wait: what can hide it."""
+    ops_between: int
+    exposed: float
+    """Seconds compute stood blocked at its wait."""
+
+
+@dataclass(frozen=True)
+class Replay:
+    """The replay of one step: the estimate and each collective's timing."""
+
+    estimate: Estimate
+    timings: tuple[CollectiveTiming, ...]
+    memory: MemoryTimeline
 
 
 def estimate(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_param: int = 8
              ) -> Estimate:
     """Replay ``gm`` (rewritten for ``plan``) on ``hw`` ([Note: the cost model])."""
+    return replay(gm, plan, hw, optimizer_state_bytes_per_param=optimizer_state_bytes_per_param
+                  ).estimate
+
+
+def replay(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_param: int = 8
+           ) -> Replay:
+    """``estimate``, plus each collective's timing on the two streams."""
     hw = hardware(hw)
     n = plan.world_size
     report = traffic_report(gm, plan)
     in_graph = {c.node: c for c in report.collectives if c.node}
     compute = comm_free = busy_compute = busy_comm = exposed = 0.0
-    finishes: dict[Node, float] = {}
+    issued: dict[Node, tuple[float, float, float, int]] = {}  # start, finish, compute, ops at issue
+    ops = 0
+    timings = []
     for node in gm.graph.nodes:
         if is_collective(node):
             start = max(compute, comm_free)
-            comm_free = finishes[node] = start + collective_seconds(in_graph[node.name], n, hw)
+            comm_free = start + collective_seconds(in_graph[node.name], n, hw)
+            issued[node] = (start, comm_free, busy_compute, ops)
             busy_comm += comm_free - start
-        elif is_wait(node) and node.args[0] in finishes:
-            blocked = max(0.0, finishes[node.args[0]] - compute)
+        elif is_wait(node) and node.args[0] in issued:
+            start, finish, compute_at_issue, ops_at_issue = issued[node.args[0]]
+            blocked = max(0.0, finish - compute)
+            timings.append(CollectiveTiming(
+                collective=in_graph[node.args[0].name], start=start, finish=finish,
+                compute_between=busy_compute - compute_at_issue, ops_between=ops - ops_at_issue,
+                exposed=blocked))
             exposed += blocked
             compute += blocked
         else:
             seconds = node_seconds(node, hw)
             compute += seconds
             busy_compute += seconds
+            ops += seconds > 0
     shard_bytes = sum(l.shard_numel * l.dtype.itemsize for l in plan.params)
     if plan.replicated:
         shard_bytes *= n
@@ -144,15 +185,21 @@ def estimate(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_
     compute = max(compute, comm_free) + optimizer
     busy_compute += optimizer
     # stages 1-2: the gathers after the optimizer, eager, exposed
-    after = sum(collective_seconds(c, n, hw) for c in report.collectives if not c.node)
-    compute += after
-    exposed += after
-    busy_comm += after
-    persistent = _input_bytes(gm) + shard_bytes * optimizer_state_bytes_per_param // 4
-    return Estimate(hardware=hw.name, step_seconds=compute, compute_seconds=busy_compute,
-                    communication_seconds=busy_comm, exposed_seconds=exposed,
-                    peak_bytes=persistent + peak_transient_bytes(gm),
-                    collectives=len(report.collectives))
+    for c in report.collectives:
+        if not c.node:
+            seconds = collective_seconds(c, n, hw)
+            timings.append(CollectiveTiming(collective=c, start=compute, finish=compute + seconds,
+                                            compute_between=0.0, ops_between=0, exposed=seconds))
+            compute += seconds
+            exposed += seconds
+            busy_comm += seconds
+    timeline = memory_timeline(gm, persistent_bytes=shard_bytes * optimizer_state_bytes_per_param // 4)
+    timings.sort(key=lambda t: t.start)
+    return Replay(
+        estimate=Estimate(hardware=hw.name, step_seconds=compute, compute_seconds=busy_compute,
+                          communication_seconds=busy_comm, exposed_seconds=exposed,
+                          peak_bytes=timeline.peak_bytes, collectives=len(report.collectives)),
+        timings=tuple(timings), memory=timeline)
 
 
 def collective_seconds(collective: Collective, world_size: int, hw: Hardware) -> float:
@@ -173,7 +220,7 @@ _MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.defaul
 
 def node_seconds(node: Node, hw: Hardware) -> float:
     """One compute node's duration ([Note: the cost model])."""
-    if node.op != "call_function" or _is_view(node) or node.target is operator.getitem:
+    if node.op != "call_function" or is_view(node) or node.target is operator.getitem:
         return 0.0
     flops = _flops(node)
     if flops:
@@ -196,61 +243,4 @@ def _flops(node: Node) -> float:
 
 
 def _bytes_moved(node: Node) -> int:
-    return sum(_tensor_bytes(v) for v in _vals(node.all_input_nodes) + _vals([node]))
-
-
-def _vals(nodes) -> list:
-    out = []
-    for n in nodes:
-        val = n.meta.get("val")
-        out.extend(val if isinstance(val, (list, tuple)) else [val])
-    return out
-
-
-def _tensor_bytes(val) -> int:
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-
-
-def _is_view(node: Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema and schema.returns and all(
-        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns))
-
-
-def _input_bytes(gm: GraphModule) -> int:
-    return sum(_tensor_bytes(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder")
-
-
-def peak_transient_bytes(gm: GraphModule) -> int:
-    """The most bytes of graph-created tensors alive at once (views count as their base;
-    a collective's input lives until its wait)."""
-    nodes = list(gm.graph.nodes)
-    order = {node: i for i, node in enumerate(nodes)}
-    base: dict[Node, Node] = {}
-    for node in nodes:
-        if node.op == "placeholder":
-            continue
-        source = node.args[0] if node.args and isinstance(node.args[0], Node) else None
-        if source is not None and (_is_view(node) or node.target is operator.getitem) \
-                and source.op != "placeholder":
-            base[node] = base.get(source, source)
-    last: dict[Node, int] = {}
-    for node in nodes:
-        for arg in node.all_input_nodes:
-            root = base.get(arg, arg)
-            end = order[node]
-            if is_collective(node):
-                end = order[next(iter(node.users))]
-            last[root] = max(last.get(root, 0), end)
-    change = [0] * (len(nodes) + 1)
-    for node in nodes:
-        if node.op in ("placeholder", "output") or node in base:
-            continue
-        size = sum(_tensor_bytes(v) for v in _vals([node]))
-        change[order[node]] += size
-        change[last.get(node, order[node]) + 1] -= size
-    alive = peak = 0
-    for delta in change:
-        alive += delta
-        peak = max(peak, alive)
-    return peak
+    return sum(tensor_bytes(v) for v in vals(node.all_input_nodes) + vals([node]))
