@@ -24,6 +24,10 @@ parser.add_argument("--batch-size", type=int, default=8, help="global batch, spl
 parser.add_argument("--backend", default="inductor", help="inductor | aot_eager | eager")
 parser.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3],
                     help="0 = DDP, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters")
+parser.add_argument("--explain", action="store_true",
+                    help="print what zero_fx did: plan, collectives, gathered lifetimes, memory")
+parser.add_argument("--dump-dir", default=None,
+                    help="write the graph before/after each pass (text, HTML) and a memory plot here")
 args = parser.parse_args()
 
 # -- distributed setup (torchrun sets the environment; without it, world size 1) --
@@ -61,7 +65,7 @@ log(f"GPT with {num_params / 1e6:.2f}M parameters, stage {args.stage}, {world} r
 
 
 # -- the training step: the one line where zero_fx plugs in ----------------------
-@zero_compile(stage=args.stage, backend=args.backend)
+@zero_compile(stage=args.stage, backend=args.backend, dump_dir=args.dump_dir)
 def train_step(model, opt, x, y):
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
@@ -93,5 +97,7 @@ log(f"compile (capture + passes + {args.backend}): {sum(train_step.compile_secon
 log(f"rank 0 holds {held / 2**20:.2f} MiB of parameters, shards and optimizer state between "
     f"steps (stage 0 would hold {3 * 4 * num_params / 2**20:.2f} MiB)")
 log(f"traffic per step: {train_step.traffic().summary()}")
+if args.explain:
+    log(train_step.explain())
 if dist.is_initialized():
     dist.destroy_process_group()

@@ -1,24 +1,35 @@
 """zero_fx: compiler-based ZeRO for PyTorch."""
 
-from .api import CompiledStep, zero_compile
+from .api import CompiledStep, explain, zero_compile
 from .capture import CaptureError
 from .config import ZeroConfig
 from .cost_model import PRESETS, Estimate, Hardware, estimate
 from .offline import rewritten_step_on_fake
+from .inspection.explain import Compilation, Explanation
+from .logs import set_logs, set_logs_from_environment
+from .passes.pipeline import after, before
 from .plan import ParamLayout, ShardPlan, make_plan, plan_for_module
 
 __all__ = [
+    "after",
+    "before",
     "CaptureError",
+    "Compilation",
     "CompiledStep",
     "Estimate",
-    "Hardware",
-    "PRESETS",
-    "ParamLayout",
-    "ShardPlan",
-    "ZeroConfig",
     "estimate",
+    "explain",
+    "Explanation",
+    "Hardware",
     "make_plan",
+    "ParamLayout",
     "plan_for_module",
+    "PRESETS",
     "rewritten_step_on_fake",
+    "set_logs",
+    "ShardPlan",
     "zero_compile",
+    "ZeroConfig",
 ]
+
+set_logs_from_environment()

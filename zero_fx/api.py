@@ -17,6 +17,8 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from .capture import CaptureError, capture_step_graph
 from .collective_counter import CollectiveCounter
 from .cost_model import Estimate, estimate
+from .inspection.dump import GraphDump
+from .inspection.explain import Compilation, Explanation, explain_graph
 from .config import DEFAULT_PERSISTENCE_THRESHOLD, ZeroConfig, describe_backend
 from .lower import lower
 from .passes import build_pipeline, run_pipeline
@@ -43,6 +45,8 @@ def zero_compile(
     memory_budget_bytes: Optional[int] = None,
     persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
     keep_resident: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
+    passes: Sequence = (),
+    dump_dir: Optional[str] = None,
 ):
     """Compile a whole training step (forward, ``loss.backward()``, ``opt.step()``) with ZeRO.
 
@@ -86,6 +90,17 @@ def zero_compile(
         persistence_threshold, keep_resident: stage 3: parameters of at most
             this many elements (default 16384), or those ``keep_resident(name,
             param)`` picks, are gathered once per step and kept resident.
+        passes: your own FX passes, run among ours: ``zero_fx.before("reduce_grads",
+            fn)``, ``zero_fx.after("gather_params", fn)``, or a bare ``fn`` (after our
+            rewrites, before ``check_invariants``). ``fn(gm) -> gm`` (or None after
+            editing ``gm`` in place).
+        dump_dir: write the graph before and after each pass (text, HTML), the
+            memory plot and ``explain()`` there at each compilation; default: the
+            ``ZERO_FX_DUMP`` environment variable, else no dumps.
+
+    Inspect a compiled step with ``step.explain()``, ``step.traffic()``,
+    ``step.estimate()`` and ``step.graphs``; see the README, "Inspecting a
+    compiled step".
 
     The step must call ``loss.backward()`` once, ``opt.step()`` once and
     ``opt.zero_grad()``; the optimizer steps after the compiled graph, on the
@@ -101,6 +116,8 @@ def zero_compile(
         memory_budget_bytes=memory_budget_bytes,
         persistence_threshold=persistence_threshold,
         keep_resident=keep_resident,
+        passes=passes,
+        dump_dir=dump_dir,
     )
 
     def wrap(step_fn: Callable) -> "CompiledStep":
@@ -123,8 +140,8 @@ class CompiledStep:
         self.plan: Optional[ShardPlan] = None
         self.graphs: list[GraphModule] = []
         """The rewritten graph of each compilation, for inspection."""
-        self.compile_seconds: list[float] = []
-        """Wall time of each compilation: capture, passes and lowering."""
+        self.compilations: list[Compilation] = []
+        """Each compilation so far: its wall time and why it happened."""
         self._optimizer_calls: list[str] = []
         self._observers: list[TorchDispatchMode] = []
         # Dynamo caches compiled frames per code object: each compiled step gets
@@ -201,7 +218,8 @@ class CompiledStep:
                                     **self.config.plan_options())
         self.state = ShardedState(model, optimizer, self.plan, world,
                                   elementwise_optimizer=self.config.elementwise_optimizer)
-        self._pipeline = build_pipeline(self.plan, disable=self.config.disable_passes)
+        self._pipeline = build_pipeline(self.plan, disable=self.config.disable_passes,
+                                        extra=self.config.passes)
         if self.plan.replicated:
             log.info("zero_fx: stage 0 over %d rank(s): %d parameters, %d elements, replicated",
                      world.size, len(self.plan.params), self.plan.total_numel)
@@ -214,16 +232,29 @@ class CompiledStep:
     # -- the dynamo backend ------------------------------------------------------
     def _compile_graph(self, dynamo_gm: GraphModule, example_inputs: list):
         start = time.perf_counter()
+        reason = _recompile_reason() if self.compilations else "first call"
+        if self.compilations:
+            log.info("zero_fx: recompiling %s (compilation %d): %s", self.__name__,
+                     len(self.compilations), reason)
         names = [self.state.param_name(t) if isinstance(t, torch.Tensor) else None
                  for t in example_inputs]
         gm = capture_step_graph(dynamo_gm, example_inputs, names)
-        gm = run_pipeline(gm, self._pipeline)
+        dump = (GraphDump(self.config.dump_dir, self.__name__, self.plan.rank,
+                          len(self.compilations), self.plan) if self.config.dump_dir else None)
+        gm = run_pipeline(gm, self._pipeline, observe=dump.observe if dump else None)
         compiled = lower(gm, self.state.graph_inputs(names, example_inputs), self.config.backend)
         self.graphs.append(gm)
-        self.compile_seconds.append(time.perf_counter() - start)
-        log.info("zero_fx: compiled the step with %s in %.1f s",
-                 describe_backend(self.config.backend), self.compile_seconds[-1])
+        self.compilations.append(Compilation(seconds=time.perf_counter() - start, reason=reason))
+        log.info("zero_fx: compiled %s with %s in %.1f s", self.__name__,
+                 describe_backend(self.config.backend), self.compilations[-1].seconds)
+        if dump:
+            dump.finish(self.explain())
         return _StepRunner(compiled, names, grad_slots(gm), self.state, self._observers)
+
+    @property
+    def compile_seconds(self) -> list[float]:
+        """Wall time of each compilation: capture, passes and lowering."""
+        return [c.seconds for c in self.compilations]
 
     # -- inspection -------------------------------------------------------------
     @contextlib.contextmanager
@@ -264,6 +295,20 @@ class CompiledStep:
             raise RuntimeError("the step has not been compiled yet; call it once first")
         return estimate(self.graphs[-1], self.plan, hardware)
 
+    def explain(self, hardware="cpu-gloo") -> Explanation:
+        """What zero_fx did to this step (latest compilation): the plan, every collective
+        with where it is issued and waited, each gathered parameter's lifetime, the
+        estimated memory over the step and what is alive at its peak, and the
+        compilations so far with their reasons. Print it. Times: the cost model on
+        ``hardware`` (a preset name or a ``Hardware``)."""
+        if not self.graphs:
+            raise RuntimeError("the step has not been compiled yet; call it once first")
+        title = (f"zero_fx explain: {self.__name__}, stage {self.plan.stage} over "
+                 f"{self.plan.world_size} rank(s) (this is rank {self.plan.rank}), backend "
+                 f"{describe_backend(self.config.backend)}")
+        return explain_graph(self.graphs[-1], self.plan, hardware=hardware, title=title,
+                             compilations=self.compilations)
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """The model's parameters gathered from every rank (call on all ranks)."""
         if self.state is None:
@@ -291,6 +336,25 @@ class _StepRunner:
                 self.state.receive_grad(name, outs[index])
             outs[index] = None  # dynamo assigns this to the full parameter's .grad
         return outs
+
+
+def explain(step: "CompiledStep", hardware="cpu-gloo") -> Explanation:
+    """``step.explain(hardware)``: what zero_fx did to a compiled step."""
+    if not isinstance(step, CompiledStep):
+        raise TypeError(f"explain takes a step decorated with @zero_compile, got "
+                        f"{type(step).__name__}")
+    return step.explain(hardware)
+
+
+def _recompile_reason() -> str:
+    """Why dynamo compiles again: the guard that failed, in dynamo's words."""
+    try:  # dynamo records it in its (private) metrics context before calling the backend
+        from torch._dynamo.utils import get_metrics_context
+
+        reason = get_metrics_context()._metrics.get("recompile_reason")
+    except (ImportError, AttributeError):
+        reason = None
+    return reason or "unknown (dynamo did not say; TORCH_LOGS=recompiles prints its guards)"
 
 
 def _with_own_code(fn):

@@ -1,0 +1,244 @@
+"""``explain``: what zero_fx did to a step, in one report a person reads top to bottom.
+
+The plan (ranks, shards, padding, buckets), every collective with where it is
+issued and waited and the compute that can hide it, where each gathered
+parameter lives, the estimated memory over the step with what is alive at its
+peak, and the compilations so far with the reason for each. Everything is read
+off the rewritten graph and the plan; times and bytes are the cost model's
+([Note: the cost model], [Note: the memory timeline]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from torch.fx import GraphModule, Node
+
+from ..cost_model import CollectiveTiming, Estimate, replay
+from ..memory_timeline import MemoryTimeline, aliases_input, is_view
+from ..passes.predicates import gathered_param
+from ..formatting import format_bytes, format_seconds, short_dtype
+
+LIVE_AT_PEAK_SHOWN = 8
+SPARKLINE_WIDTH = 64
+_BARS = " ▁▂▃▄▅▆▇█"
+
+
+@dataclass(frozen=True)
+class Compilation:
+    """One compilation of a step."""
+
+    seconds: float
+    """Wall time: capture, passes and lowering."""
+    reason: str
+    """Why it compiled: "first call", or the guard that failed (dynamo's words)."""
+
+
+@dataclass(frozen=True)
+class GatheredLifetime:
+    """Where one full (gathered) parameter lives in the step."""
+
+    param: str
+    phase: str
+    ready_at: int
+    """The node that yields the full parameter."""
+    first_use: int
+    last_use: int
+    released_after: int
+    """The last reader of its memory (for a bucket of one: of the gathered buffer)."""
+    released_node: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """The report ``explain`` returns: print it, or read its fields."""
+
+    title: str
+    plan: object
+    """The ShardPlan."""
+    timings: tuple[CollectiveTiming, ...]
+    lifetimes: tuple[GatheredLifetime, ...]
+    memory: MemoryTimeline
+    estimate: Estimate
+    compilations: tuple[Compilation, ...]
+
+    def __str__(self) -> str:
+        sections = [self.title, _plan_section(self.plan), _collectives_section(self),
+                    _lifetimes_section(self), _memory_section(self.memory),
+                    f"Estimate\n  {self.estimate}", _compilations_section(self.compilations)]
+        return "\n\n".join(s for s in sections if s) + "\n"
+
+
+def explain_graph(gm: GraphModule, plan, *, hardware="cpu-gloo", title: str = "",
+                  compilations: Sequence[Compilation] = ()) -> Explanation:
+    """The explanation of ``gm``, a graph our passes rewrote for ``plan`` (from a compiled
+    step's ``graphs``, or from ``rewritten_step_on_fake``)."""
+    replayed = replay(gm, plan, hardware)
+    memory = replayed.memory
+    return Explanation(
+        title=title or f"zero_fx explain: stage {plan.stage} over {plan.world_size} rank(s)",
+        plan=plan,
+        timings=replayed.timings,
+        lifetimes=tuple(_lifetimes(gm, memory)),
+        memory=memory,
+        estimate=replayed.estimate,
+        compilations=tuple(compilations),
+    )
+
+
+def _lifetimes(gm: GraphModule, memory: MemoryTimeline) -> list[GatheredLifetime]:
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    buffers = {t.node: t for t in memory.tensors}
+    names = list(memory.node_names)
+    lifetimes = []
+    for node in gm.graph.nodes:
+        gathered = gathered_param(node)
+        if not gathered:
+            continue
+        readers = _readers_through_views(node)
+        uses = sorted(order[r] for r in readers) or [order[node]]
+        buffer = buffers.get(_root(node).name)
+        released = buffer.last_use if buffer else uses[-1]
+        val = node.meta["val"]
+        lifetimes.append(GatheredLifetime(
+            param=gathered[0], phase=gathered[1].value, ready_at=order[node], first_use=uses[0],
+            last_use=uses[-1], released_after=released, released_node=names[released],
+            bytes=val.numel() * val.element_size()))
+    return lifetimes
+
+
+def _readers_through_views(node: Node) -> list[Node]:
+    readers, stack = [], list(node.users)
+    while stack:
+        user = stack.pop()
+        if is_view(user):
+            stack.extend(user.users)
+        else:
+            readers.append(user)
+    return readers
+
+
+def _root(node: Node) -> Node:
+    """The node whose buffer ``node`` is (views, getitems and waits alias their input)."""
+    while node.args and isinstance(node.args[0], Node) and aliases_input(node) \
+            and node.args[0].op != "placeholder":
+        node = node.args[0]
+    return node
+
+
+# -- rendering ---------------------------------------------------------------------------
+
+def _plan_section(plan) -> str:
+    lines = ["Plan"]
+    dtypes = sorted({short_dtype(l.dtype) for l in plan.params})
+    if plan.replicated:
+        lines.append(f"  {plan.world_size} rank(s), group {plan.group_name!r}; stage 0 keeps every "
+                     f"parameter whole on every rank (Ψ = {plan.total_numel:,}, {'/'.join(dtypes)})")
+    else:
+        lines.append(
+            f"  {plan.world_size} rank(s), group {plan.group_name!r}; Ψ = {plan.total_numel:,} "
+            f"parameters in {len(plan.params)} tensors ({'/'.join(dtypes)}); each rank holds "
+            f"{plan.shard_numel:,} elements ({plan.padding_numel:,} of padding in all)")
+    lines.append(f"  buckets of at most {format_bytes(plan.bucket_bytes)}"
+                 if plan.bucket_bytes else "  one collective per parameter (bucket_bytes=0)")
+    lines[-1] += (f", prefetch {plan.prefetch}, memory budget "
+                  f"{format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else 'none'}")
+    if plan.params_sharded:
+        lines.append(f"  resident (gathered once per step): {len(plan.resident)} parameters, "
+                     f"{sum(plan.layout(n).numel for n in plan.resident):,} elements")
+    width = max((len(l.name) for l in plan.params), default=9)
+    lines.append(f"  {'parameter':<{width}}  {'shape':<16} {'elements':>11} {'per rank':>10} "
+                 f"{'padding':>8}")
+    for l in plan.params:
+        shape = "[" + ", ".join(map(str, l.shape)) + "]"
+        per_rank = l.numel if plan.replicated else l.shard_numel
+        flag = "  resident" if l.name in plan.resident else ""
+        lines.append(f"  {l.name:<{width}}  {shape:<16} {l.numel:>11,} {per_rank:>10,} "
+                     f"{0 if plan.replicated else l.padding:>8,}{flag}")
+    return "\n".join(lines)
+
+
+def _collectives_section(e: Explanation) -> str:
+    lines = [f"Collectives per step, in issue order ({len(e.timings)} launches; times on "
+             f"{e.estimate.hardware.split(':')[0]})"]
+    if not e.timings:
+        lines.append("  none (one rank)")
+        return "\n".join(lines)
+    lines.append(f"  {'#':>3}  {'kind':<14} {'bytes':>10}  {'phase':<10} {'issued':>6} "
+                 f"{'waited':>6}  {'compute between':>22}  {'exposed':>9}  bucket")
+    for i, t in enumerate(e.timings):
+        c = t.collective
+        between = (f"{t.ops_between} ops, {format_seconds(t.compute_between)}"
+                   if c.issued_at is not None else "-")
+        lines.append(
+            f"  {i:>3}  {c.kind:<14} {format_bytes(c.bytes):>10}  {c.phase:<10} "
+            f"{_at(c.issued_at):>6} {_at(c.waited_at):>6}  {between:>22}  "
+            f"{format_seconds(t.exposed):>9}  {_bucket(c.bucket)}")
+    lines.append("  issued/waited: node index in the rewritten graph (see the graph dump); "
+                 "exposed: time compute waits for it")
+    return "\n".join(lines)
+
+
+def _lifetimes_section(e: Explanation) -> str:
+    if not e.lifetimes:
+        what = ("stage 0 keeps whole parameters" if e.plan.replicated else
+                f"stage {e.plan.stage} keeps whole parameters between its collectives")
+        return f"Gathered parameters\n  none in the graph: {what}"
+    width = max(len(l.param) for l in e.lifetimes)
+    lines = ["Gathered parameters: where each full parameter lives (node indices)",
+             f"  {'parameter':<{width}}  {'phase':<8} {'bytes':>10} {'ready':>6} {'first use':>9} "
+             f"{'last use':>8}  released after"]
+    for l in e.lifetimes:
+        lines.append(f"  {l.param:<{width}}  {l.phase:<8} {format_bytes(l.bytes):>10} "
+                     f"{l.ready_at:>6} {l.first_use:>9} {l.last_use:>8}  "
+                     f"{l.released_after} ({l.released_node})")
+    return "\n".join(lines)
+
+
+def _memory_section(m: MemoryTimeline) -> str:
+    peak = m.peak_index
+    lines = ["Memory per rank over the step (estimated, [Note: the memory timeline])",
+             f"  persistent {format_bytes(m.persistent_bytes)} (graph inputs and optimizer "
+             f"state); peak {format_bytes(m.peak_bytes)} at node {peak} ({m.node_names[peak]}, "
+             f"{m.phases[peak]})",
+             f"  {sparkline(m.total)}  0 … {len(m.total) - 1}"]
+    live = m.live_at(peak)
+    lines.append(f"  alive at the peak, besides the persistent bytes: {len(live)} tensors, "
+                 f"{format_bytes(sum(t.bytes for t in live))}; the largest:")
+    for t in live[:LIVE_AT_PEAK_SHOWN]:
+        lines.append(f"    {format_bytes(t.bytes):>10}  {t.node} ({t.what}, {t.phase}; "
+                     f"nodes {t.index}–{t.last_use})")
+    return "\n".join(lines)
+
+
+def _compilations_section(compilations: Sequence[Compilation]) -> str:
+    if not compilations:
+        return ""
+    lines = [f"Compilations: {len(compilations)}"]
+    for i, c in enumerate(compilations):
+        lines.append(f"  {i}: {c.seconds:.1f} s, {c.reason}")
+    return "\n".join(lines)
+
+
+def sparkline(values: Sequence[int], width: int = SPARKLINE_WIDTH) -> str:
+    """``values`` squeezed into ``width`` block characters (each the max of its span)."""
+    if not values:
+        return ""
+    top = max(values) or 1
+    n = len(values)
+    columns = [max(values[i * n // width:max((i + 1) * n // width, i * n // width + 1)])
+               for i in range(min(width, n))]
+    return "".join(_BARS[round(v / top * (len(_BARS) - 1))] for v in columns)
+
+
+def _at(index: Optional[int]) -> str:
+    return "-" if index is None else str(index)
+
+
+def _bucket(names: tuple[str, ...]) -> str:
+    if len(names) <= 2:
+        return ", ".join(names)
+    return f"{names[0]} … {names[-1]} ({len(names)})"
+

@@ -1,0 +1,180 @@
+"""A rewritten graph as rows a person reads: one per node, parameters by name, zero_fx's
+own nodes marked. The text dump and the HTML view both render these rows."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..passes.predicates import (
+    carried_params,
+    gathered_param,
+    grad_slots,
+    is_all_gather,
+    is_all_reduce,
+    is_param_input,
+    is_reduce_scatter,
+    is_wait,
+    param_name,
+    phase_of,
+)
+from ..memory_timeline import is_view
+from ..formatting import format_bytes, short_dtype
+
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+ARGS_WIDTH = 110
+NAME_WIDTH = 40
+PHASE_SHORT = {"forward": "fwd", "backward": "bwd"}
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    """One node of the graph, ready to print."""
+
+    index: int
+    phase: str
+    """"forward" or "backward"."""
+    name: str
+    op: str
+    """The op without namespaces (``mm``, ``all_gather_into_tensor``), "input" or "output"."""
+    args: str
+    value: str
+    """dtype and shape of what the node yields (``f32[64, 32]``)."""
+    kind: str
+    """What the view colours it as: a collective kind, "wait", "param" (a parameter input),
+    "gathered" (a full parameter ready for use), "comm" (other code zero_fx inserted
+    to move parameters or gradients), "input", "output", or "compute"."""
+    note: str
+    """What zero_fx knows of the node, in words ("" if nothing)."""
+    inputs: tuple[str, ...]
+    """Names of the nodes it reads."""
+
+
+def graph_rows(gm: GraphModule, plan=None) -> list[NodeRow]:
+    """The rows of ``gm``, in graph order; ``plan`` (a ShardPlan) adds shard sizes."""
+    grads = {}
+    output = gm.graph.output_node()
+    for index, name in grad_slots(gm).items():
+        out = output.args[0][index]
+        if isinstance(out, Node):
+            grads[out] = name
+    return [_row(i, node, plan, grads) for i, node in enumerate(gm.graph.nodes)]
+
+
+def _row(index: int, node: Node, plan, grads: dict[Node, str]) -> NodeRow:
+    kind, note = _kind_and_note(node, plan)
+    if node in grads:
+        note = "; ".join(filter(None, [note, f"gradient of {grads[node]}"]))
+    return NodeRow(
+        index=index,
+        phase=phase_of(node).value,
+        name=node.name,
+        op=_op(node),
+        args=_args(node),
+        value=_value(node.meta.get("val")),
+        kind=kind,
+        note=note,
+        inputs=tuple(n.name for n in node.all_input_nodes),
+    )
+
+
+def _kind_and_note(node: Node, plan) -> tuple[str, str]:
+    if is_param_input(node):
+        return "param", _param_note(node, plan)
+    if node.op == "placeholder":
+        return "input", "input of the step"
+    if node.op == "output":
+        return "output", ""
+    for kind, test in zip(COLLECTIVE_KINDS, (is_all_gather, is_reduce_scatter, is_all_reduce)):
+        if test(node):
+            buffer = node.args[0].meta["val"] if kind == "reduce_scatter" else node.meta["val"]
+            nbytes = buffer.numel() * buffer.element_size()
+            return kind, (f"{kind.upper().replace('_', '-')} {format_bytes(nbytes)} of "
+                          f"{_members(carried_params(node))}")
+    if is_wait(node):
+        return "wait", f"wait for {node.args[0].name}"
+    gathered = gathered_param(node)
+    if gathered:
+        return "gathered", f"full {gathered[0]} for the {gathered[1].value}"
+    if carried_params(node):
+        quiet = node.target is operator.getitem or is_view(node)
+        return "comm", "" if quiet else f"zero_fx: moves {_members(carried_params(node))}"
+    return "compute", ""
+
+
+def _param_note(node: Node, plan) -> str:
+    name = param_name(node)
+    val = node.meta.get("val")
+    layout = plan.layout(name) if plan is not None else None
+    if layout is not None and isinstance(val, torch.Tensor) and val.numel() == layout.shard_numel \
+            and layout.shard_numel != layout.numel:
+        return f"shard of {name}: {layout.shard_numel:,} of {layout.numel:,} elements"
+    return f"parameter {name}"
+
+
+def _members(names: tuple[str, ...]) -> str:
+    if len(names) <= 3:
+        return "[" + ", ".join(names) + "]"
+    return f"[{names[0]}, {names[1]}, … {names[-1]}] ({len(names)} parameters)"
+
+
+def _op(node: Node) -> str:
+    if node.op == "placeholder":
+        return "input"
+    if node.op == "output":
+        return "output"
+    if node.op != "call_function":
+        return node.op
+    name = getattr(node.target, "__name__", str(node.target))
+    if hasattr(node.target, "_schema"):  # an OpOverload: aten.mm.default -> mm
+        overload = node.target._overloadname
+        name = node.target._schema.name.split("::")[-1]
+        return name if overload == "default" else f"{name}.{overload}"
+    return name
+
+
+def _args(node: Node) -> str:
+    if node.op in ("placeholder",):
+        return ""
+    parts = [_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()]
+    text = ", ".join(parts)
+    return text if len(text) <= ARGS_WIDTH else text[:ARGS_WIDTH - 1] + "…"
+
+
+def _arg(value) -> str:
+    if isinstance(value, Node):
+        return value.name
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_arg(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    if isinstance(value, torch.dtype):
+        return short_dtype(value)
+    if isinstance(value, str):
+        return repr(value)
+    return str(value)
+
+
+def _value(val) -> str:
+    if isinstance(val, torch.Tensor):
+        return f"{short_dtype(val.dtype)}[{', '.join(str(s) for s in val.shape)}]"
+    if isinstance(val, (list, tuple)):
+        shown = [s for s in (_value(v) for v in val) if s]
+        return "(" + ", ".join(shown) + ")" if len(shown) <= 3 else f"({len(shown)} tensors)"
+    return "" if val is None else type(val).__name__
+
+
+def format_rows(rows: list[NodeRow], title: Optional[str] = None) -> str:
+    """The rows as a text listing: ``index phase name: value = op(args)  # note``."""
+    lines = [f"# {title}"] if title else []
+    lines.append("# index phase   name: value = op(args)    # what zero_fx knows of it")
+    for r in rows:
+        head = f"{r.name}: {r.value}" if r.value else r.name
+        call = r.op if r.op == "input" else f"{r.op}({r.args})"
+        note = f"    # {r.note}" if r.note else ""
+        lines.append(f"{r.index:>6} {PHASE_SHORT[r.phase]:<5} {head:<{NAME_WIDTH}} = {call}{note}")
+    return "\n".join(lines) + "\n"
