@@ -113,14 +113,15 @@ def memory_timeline(gm: GraphModule, *, persistent_bytes: int = 0) -> MemoryTime
 
 
 def _bases(nodes: list[Node]) -> dict[Node, Node]:
-    """Node -> the graph-created tensor whose memory it is (for views, getitems and waits)."""
+    """Node -> the tensor whose memory it is (for views, getitems and waits): a
+    graph-created one, or an input (whose bytes are already persistent)."""
     base: dict[Node, Node] = {}
     for node in nodes:
         if node.op == "placeholder":
             continue
         source = node.args[0] if node.args and isinstance(node.args[0], Node) else None
-        if source is not None and aliases_input(node) and source.op != "placeholder":
-            base[node] = base.get(source, source)
+        if source is not None and aliases_input(node):
+            base[node] = base.get(source, source)  # a view of an input is the input's memory
     return base
 
 
