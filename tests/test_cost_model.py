@@ -80,3 +80,14 @@ def test_the_command_line_prints_traffic_and_estimate():
         capture_output=True, text=True, check=True,
         env={"PYTHONPATH": ":".join(sys.path)})
     assert "all_gather" in out.stdout and "exposed" in out.stdout, out.stdout + out.stderr
+
+
+def test_the_command_line_explains_a_planned_step():
+    out = subprocess.run(
+        [sys.executable, "-m", "zero_fx.estimate", "--model", "test_cost_model:tiny_gpt",
+         "--world", "16", "--seq", "32", "--dtype", "float32", "--explain"],
+        capture_output=True, text=True, check=True,
+        env={"PYTHONPATH": ":".join(sys.path)})
+    assert "stage 3 over 16 ranks" in out.stdout, out.stdout + out.stderr
+    for section in ("Plan", "Collectives per step", "Gathered parameters", "Memory per rank"):
+        assert f"\n{section}" in out.stdout, section

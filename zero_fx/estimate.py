@@ -16,6 +16,7 @@ import torch
 
 from .cost_model import PRESETS, estimate
 from .offline import rewritten_step_on_fake
+from .inspection.explain import explain_graph
 from .traffic import traffic_report
 
 MODELS = {"gpt-1b": "examples.gpt:gpt_1b", "llama-8b": "examples.llama:llama_8b"}
@@ -51,6 +52,8 @@ def main(argv=None) -> None:
     parser.add_argument("--bucket-bytes", type=int, default=None)
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--traffic", action="store_true", help="also print every collective")
+    parser.add_argument("--explain", action="store_true",
+                        help="print the whole explain() report of the planned step instead")
     args = parser.parse_args(argv)
     build = load_model_builder(args.model)
     start = time.perf_counter()
@@ -62,6 +65,11 @@ def main(argv=None) -> None:
         bucket_bytes=args.bucket_bytes, prefetch=args.prefetch)
     print(f"planned in {time.perf_counter() - start:.1f} s: {plan.total_numel / 1e9:.2f}B "
           f"parameters, {len(gm.graph.nodes)} nodes", file=sys.stderr)
+    if args.explain:
+        print(explain_graph(gm, plan, hardware=args.hardware,
+                            title=f"zero_fx explain: {args.model}, planned on fake tensors, stage "
+                                  f"{args.stage} over {args.world} ranks"))
+        return
     report = traffic_report(gm, plan)
     print(report if args.traffic else report.summary())
     print(estimate(gm, plan, args.hardware))
