@@ -68,6 +68,9 @@ class ZeroConfig:
     """Write the graph before and after each pass (text and HTML), the memory
     plot and ``explain()`` under this folder at each compilation. ``None``: the
     environment variable ``ZERO_FX_DUMP``, if set; otherwise no dumps."""
+    check_ranks: bool = True
+    """Before each call's first collective, check that all ranks are about to run the
+    same graph ([Note: checking that ranks agree] in zero_fx/rank_agreement.py)."""
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
