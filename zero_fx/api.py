@@ -24,11 +24,16 @@ from .lower import lower
 from .passes import build_pipeline, run_pipeline
 from .passes.predicates import grad_slots
 from .plan import ShardPlan, plan_for_module
-from .process_group import current_world
+from .failures import failed_after_update, failed_before_update, is_communication_failure
+from .process_group import check_devices_match_backend, current_world
+from .rank_agreement import RankAgreement, graph_signature
 from .sharded_state import ShardedState
 from .traffic import TrafficReport, traffic_report
 
 log = logging.getLogger("zero_fx")
+
+RECOMPILES_WARNED_AT = 4
+"""The compilation of a step that logs a warning: shapes change more than a few times."""
 
 
 def zero_compile(
@@ -47,6 +52,7 @@ def zero_compile(
     keep_resident: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
     passes: Sequence = (),
     dump_dir: Optional[str] = None,
+    check_ranks: bool = True,
 ):
     """Compile a whole training step (forward, ``loss.backward()``, ``opt.step()``) with ZeRO.
 
@@ -97,6 +103,9 @@ def zero_compile(
         dump_dir: write the graph before and after each pass (text, HTML), the
             memory plot and ``explain()`` there at each compilation; default: the
             ``ZERO_FX_DUMP`` environment variable, else no dumps.
+        check_ranks: before each call's first collective, check that every rank
+            is about to run the same graph (one 8-byte all-gather); a mismatch
+            raises ``RanksDisagreeError`` naming the ranks instead of hanging.
 
     Inspect a compiled step with ``step.explain()``, ``step.traffic()``,
     ``step.estimate()`` and ``step.graphs``; see the README, "Inspecting a
@@ -118,6 +127,7 @@ def zero_compile(
         keep_resident=keep_resident,
         passes=passes,
         dump_dir=dump_dir,
+        check_ranks=check_ranks,
     )
 
     def wrap(step_fn: Callable) -> "CompiledStep":
@@ -143,6 +153,8 @@ class CompiledStep:
         self.compilations: list[Compilation] = []
         """Each compilation so far: its wall time and why it happened."""
         self._optimizer_calls: list[str] = []
+        self._broken = ""
+        """Why the step refuses calls (a failure left the state inconsistent); "" if it does not."""
         self._observers: list[TorchDispatchMode] = []
         # Dynamo caches compiled frames per code object: each compiled step gets
         # its own copy of `_traced_step`, or steps would share (and exhaust)
@@ -159,16 +171,29 @@ class CompiledStep:
         elif model is not self.state.model or optimizer is not self.state.optimizer:
             raise ValueError("this compiled step was first called with another model or optimizer; "
                              "decorate a separate function for each model")
+        if self._broken:
+            raise RuntimeError(self._broken)
+        self.state.check_unchanged()
         self._optimizer_calls.clear()
         with _optimizer_calls_deferred(optimizer, self._record_step, self._record_zero_grad), \
                 torch._dynamo.config.patch(trace_autograd_ops=True):
             try:
                 out = self._compiled(*args, **kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as err:
+                # our own errors while compiling (bad input, a user pass) are the user's to read
+                inner = getattr(err, "inner_exception", None)
+                if isinstance(inner, (CaptureError, ValueError, TypeError)):
+                    raise inner from None
+                raise
             except torch._dynamo.exc.Unsupported as err:
                 raise CaptureError(
                     "zero_fx captures the whole step as one graph, and dynamo could not: "
                     f"{err}\nMove the unsupported code out of the decorated step."
                 ) from err
+            except RuntimeError as err:
+                if is_communication_failure(err):
+                    raise failed_before_update(self.plan.rank, err) from err
+                raise
         self._run_deferred_optimizer_calls()
         return out
 
@@ -199,7 +224,14 @@ class CompiledStep:
             self.state.commit_grads()
             self.state.optimizer.step()
             self.state.zero_grad()
-            self.state.refresh_parameters()
+            try:
+                self.state.refresh_parameters()
+            except RuntimeError as err:
+                if not is_communication_failure(err):
+                    raise
+                failure = failed_after_update(self.plan.rank, err)
+                self._broken = str(failure)
+                raise failure from err
 
     # -- first call: find, plan, shard ---------------------------------------
     def _find_model_and_optimizer(self, args, kwargs):
@@ -213,6 +245,8 @@ class CompiledStep:
 
     def _shard(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         world = current_world()
+        check_devices_match_backend(model.parameters())
+        _claim(model, optimizer, self.__name__)
         self.plan = plan_for_module(model, world_size=world.size, rank=world.rank,
                                     stage=self.config.stage, group_name=world.group_name,
                                     **self.config.plan_options())
@@ -220,6 +254,7 @@ class CompiledStep:
                                   elementwise_optimizer=self.config.elementwise_optimizer)
         self._pipeline = build_pipeline(self.plan, disable=self.config.disable_passes,
                                         extra=self.config.passes)
+        self._agreement = RankAgreement(world.size if self.config.check_ranks else 1)
         if self.plan.replicated:
             log.info("zero_fx: stage 0 over %d rank(s): %d parameters, %d elements, replicated",
                      world.size, len(self.plan.params), self.plan.total_numel)
@@ -236,6 +271,14 @@ class CompiledStep:
         if self.compilations:
             log.info("zero_fx: recompiling %s (compilation %d): %s", self.__name__,
                      len(self.compilations), reason)
+        if len(self.compilations) + 1 == RECOMPILES_WARNED_AT:
+            log.warning(
+                "zero_fx: %s is compiling for the %dth time (this time: %s). Every new input shape "
+                "compiles once (each takes seconds to minutes, and dynamo gives up at "
+                "torch._dynamo.config.recompile_limit); pad or bucket batches to a few fixed "
+                "shapes. step.explain() lists every compilation and its reason.",
+                self.__name__, RECOMPILES_WARNED_AT, reason)
+        _refuse_dynamic_shapes(dynamo_gm)
         names = [self.state.param_name(t) if isinstance(t, torch.Tensor) else None
                  for t in example_inputs]
         gm = capture_step_graph(dynamo_gm, example_inputs, names)
@@ -243,13 +286,15 @@ class CompiledStep:
                           len(self.compilations), self.plan) if self.config.dump_dir else None)
         gm = run_pipeline(gm, self._pipeline, observe=dump.observe if dump else None)
         compiled = lower(gm, self.state.graph_inputs(names, example_inputs), self.config.backend)
+        signature = graph_signature(gm, self.plan) if self._agreement.group else None
         self.graphs.append(gm)
         self.compilations.append(Compilation(seconds=time.perf_counter() - start, reason=reason))
         log.info("zero_fx: compiled %s with %s in %.1f s", self.__name__,
                  describe_backend(self.config.backend), self.compilations[-1].seconds)
         if dump:
             dump.finish(self.explain())
-        return _StepRunner(compiled, names, grad_slots(gm), self.state, self._observers)
+        return _StepRunner(compiled, names, grad_slots(gm), self.state, self._observers,
+                           lambda: self._agreement.check(signature) if signature else None)
 
     @property
     def compile_seconds(self) -> list[float]:
@@ -319,8 +364,11 @@ class CompiledStep:
 class _StepRunner:
     """What dynamo calls: feeds shards for parameters, hands gradient shards to the state."""
 
-    def __init__(self, compiled, param_names, slots, state: ShardedState, observers: list):
+    def __init__(self, compiled, param_names, slots, state: ShardedState, observers: list,
+                 check_ranks: Callable[[], None]):
         self.compiled = compiled
+        self.check_ranks = check_ranks
+        """Raises if the ranks are about to run different graphs ([Note: checking that ranks agree])."""
         self.param_names = param_names
         self.slots = slots
         self.state = state
@@ -329,6 +377,7 @@ class _StepRunner:
 
     def __call__(self, *args):
         inputs = self.state.graph_inputs(self.param_names, args)
+        self.check_ranks()
         with _entered(self.observers):
             outs = list(self.compiled(*inputs))
         for index, name in self.slots.items():
@@ -355,6 +404,47 @@ def _recompile_reason() -> str:
     except (ImportError, AttributeError):
         reason = None
     return reason or "unknown (dynamo did not say; TORCH_LOGS=recompiles prints its guards)"
+
+
+def _refuse_dynamic_shapes(dynamo_gm: GraphModule) -> None:
+    """zero_fx compiles static shapes: a graph built for one size must not be run on another."""
+    inputs = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
+    # name a tensor with a dynamic dimension rather than the size symbol itself
+    inputs.sort(key=lambda n: not isinstance(n.meta.get("example_value"), torch.Tensor))
+    for node in inputs:
+        value = node.meta.get("example_value")
+        shape = value.shape if isinstance(value, torch.Tensor) else (value,)
+        dynamic = [i for i, size in enumerate(shape) if isinstance(size, torch.SymInt)]
+        if dynamic:
+            raise CaptureError(
+                f"dimension {dynamic[0]} of the step's input {node.name} is dynamic "
+                "(torch._dynamo.mark_dynamic, or dynamic=True?); zero_fx compiles static shapes "
+                "only. Each new shape compiles once and is cached: pad or bucket batches to a few "
+                "fixed shapes")
+
+
+_OWNER_ATTRIBUTE = "_zero_fx_sharded_by"
+"""Set on model parameters and optimizers once sharded: the name of the step that did it.
+(An attribute, not a weak dictionary: looking a tensor up there compares tensors.)"""
+
+
+def _claim(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_name: str) -> None:
+    """One model and one optimizer belong to one compiled step: a second step would shard
+    what is already sharded (in stage 3, parameters whose storage is gone)."""
+    for name, param in model.named_parameters():
+        owner = getattr(param, _OWNER_ATTRIBUTE, None)
+        if owner is not None:
+            raise ValueError(
+                f"parameter {name!r} is already sharded by the compiled step {owner!r}; a model "
+                f"(and its optimizer) belong to one @zero_compile step: call that step, or build "
+                f"a new model for {step_name!r}")
+    owner = getattr(optimizer, _OWNER_ATTRIBUTE, None)
+    if owner is not None:
+        raise ValueError(f"this optimizer already steps on the shards of {owner!r}; give "
+                         f"{step_name!r} its own optimizer over its own model")
+    for param in model.parameters():
+        setattr(param, _OWNER_ATTRIBUTE, step_name)
+    setattr(optimizer, _OWNER_ATTRIBUTE, step_name)
 
 
 def _with_own_code(fn):

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterable, Optional
 
+import torch
 import torch.distributed as dist
 
 
@@ -21,3 +24,35 @@ def current_world() -> World:
         return World(size=1, rank=0, group_name="")
     group = dist.group.WORLD
     return World(size=dist.get_world_size(group), rank=dist.get_rank(group), group_name=group.group_name)
+
+
+def world_timeout() -> Optional[timedelta]:
+    """The timeout the default group was initialised with (``init_process_group(timeout=)``),
+    for the groups zero_fx creates beside it; None if it cannot be read."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    for device in ("cpu", "cuda"):
+        try:  # private: the backend's options hold the timeout
+            return dist.group.WORLD._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return None
+
+
+def check_devices_match_backend(params: Iterable[torch.Tensor]) -> None:
+    """Parameters on one device type, and one the default group's backend can move."""
+    devices = sorted({p.device.type for p in params})
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters are on several device types {devices}; zero_fx "
+                         f"shards a model that lives on one (call model.to(device) first)")
+    if not devices or not (dist.is_available() and dist.is_initialized()):
+        return
+    backend = str(dist.get_backend()).lower()
+    device = devices[0]
+    if device == "cuda" and backend == "gloo":
+        raise ValueError("the model is on CUDA but the process group uses gloo, which zero_fx's "
+                         "collectives do not run on CUDA tensors with: init_process_group('nccl')")
+    if device == "cpu" and backend == "nccl":
+        raise ValueError("the model is on the CPU but the process group uses NCCL, which moves CUDA "
+                         "tensors only: model.to('cuda') (one GPU per rank), or "
+                         "init_process_group('gloo') to train on CPUs")

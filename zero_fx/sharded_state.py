@@ -59,6 +59,8 @@ class ShardedState:
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         self._name_of = {id(p): name for name, p in self.params.items()}
         self._check_optimizer_params()
+        if not plan.replicated:
+            self._check_optimizer_covers_trainable()
         self.shards: dict[str, torch.nn.Parameter] = {}
         self._received: dict[str, torch.Tensor] = {}
         if plan.replicated:
@@ -92,6 +94,38 @@ class ShardedState:
                 f"(shapes {foreign[:3]}{'...' if len(foreign) > 3 else ''}); zero_fx shards the "
                 "model's parameters, so build the optimizer from model.parameters()"
             )
+
+    def _check_optimizer_covers_trainable(self) -> None:
+        """Stages 1-3 step on shards of what the optimizer holds; a trainable parameter it does
+        not hold would have its gradient reduced every step and never applied."""
+        held = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        missing = [name for name, p in self.params.items() if p.requires_grad and id(p) not in held]
+        if missing:
+            raise ValueError(
+                f"the optimizer holds {len(self.params) - len(missing)} of the model's parameters "
+                f"but not {len(missing)} trainable one(s) ({', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''}); build it from model.parameters(), or set "
+                f"requires_grad=False on the parameters you mean to freeze")
+
+    def check_unchanged(self) -> None:
+        """The model and optimizer still hold what was sharded (checked on every call)."""
+        current = dict(self.model.named_parameters())
+        if current.keys() != self.params.keys() or any(
+                current[name] is not param for name, param in self.params.items()):
+            added = sorted(current.keys() - self.params.keys())
+            removed = sorted(self.params.keys() - current.keys())
+            replaced = sorted(n for n in current.keys() & self.params.keys()
+                              if current[n] is not self.params[n])
+            what = "; ".join(f"{label} {names[:3]}" for label, names in
+                             (("added", added), ("removed", removed), ("replaced", replaced)) if names)
+            raise ValueError(
+                f"the model's parameters changed after zero_compile sharded them ({what}); the plan "
+                "and the shards are made on the first call, so finish building the model first: a "
+                "changed model needs a new model object, optimizer and decorated step")
+        known = {id(t) for t in self.shards.values()}
+        if any(id(p) not in known for g in self.optimizer.param_groups for p in g["params"]):
+            raise ValueError("the optimizer gained parameters after zero_compile sharded it "
+                             "(add_param_group?); give all parameter groups before the first call")
 
     def param_name(self, tensor: torch.Tensor) -> Optional[str]:
         """The plan name of a model parameter, or None for any other tensor."""
