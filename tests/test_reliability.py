@@ -1,0 +1,277 @@
+"""Reliability: bad input fails early and says what to do; ranks that disagree, ranks that die
+and shapes that change never hang silently or leave half-updated state."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+import models
+from ranks import run_ranks
+from training import STEPS, parity_errors
+from zero_fx import CaptureError, zero_compile
+from zero_fx.failures import CollectiveFailedError
+from zero_fx.process_group import check_devices_match_backend
+from zero_fx.rank_agreement import RanksDisagreeError
+
+
+def step_fn(name: str = "mlp"):
+    def train_step(model, opt, x, y):
+        loss = models.loss_fn(name, model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return train_step
+
+
+def _setup(stage=3, **options):
+    model = models.build("mlp")
+    opt = models.make_optimizer(model)
+    return model, opt, zero_compile(step_fn(), stage=stage, backend="aot_eager", **options)
+
+
+# -- 1. bad configuration -------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"bucket_bytes": -1}, "bucket_bytes must be a number of bytes"),
+    ({"prefetch": -2}, "prefetch must be an int >= 0"),
+    ({"memory_budget_bytes": 1.5}, "memory_budget_bytes must be a number of bytes"),
+])
+def test_bad_sizes_fail_at_decoration(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        zero_compile(step_fn(), **kwargs)
+
+
+def test_optimizer_over_only_some_parameters():
+    model = models.build("mlp")
+    opt = torch.optim.AdamW(list(model.parameters())[:-1])
+    step = zero_compile(step_fn(), stage=3, backend="aot_eager")
+    with pytest.raises(ValueError, match=r"not 1 trainable one\(s\) \(net.3.bias\).*requires_grad=False"):
+        step(model, opt, *models.global_batch("mlp", 0))
+
+
+def test_optimizer_over_a_foreign_tensor():
+    model = models.build("mlp")
+    opt = torch.optim.AdamW([*model.parameters(), nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ValueError, match="not parameters of the model"):
+        zero_compile(step_fn(), backend="aot_eager")(model, opt, *models.global_batch("mlp", 0))
+
+
+def test_two_steps_cannot_shard_one_model():
+    model, opt, first = _setup()
+    first(model, opt, *models.global_batch("mlp", 0))
+    second = zero_compile(step_fn(), stage=3, backend="aot_eager")
+    with pytest.raises(ValueError, match="already sharded by the compiled step 'train_step'"):
+        second(model, models.make_optimizer(model), *models.global_batch("mlp", 0))
+
+
+def test_two_models_cannot_share_one_optimizer():
+    model, opt, first = _setup()
+    first(model, opt, *models.global_batch("mlp", 0))
+    other = models.build("mlp")
+    with pytest.raises(ValueError, match="not parameters of the model|already steps on"):
+        zero_compile(step_fn(), backend="aot_eager")(other, opt, *models.global_batch("mlp", 0))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda model: setattr(model, "extra", nn.Parameter(torch.zeros(2))), r"added \['extra'\]"),
+    (lambda model: setattr(model.net[0], "bias", nn.Parameter(torch.zeros(13))),
+     r"replaced \['net.0.bias'\]"),
+])
+def test_model_changed_after_compile(change, message):
+    model, opt, step = _setup(stage=2)
+    step(model, opt, *models.global_batch("mlp", 0))
+    change(model)
+    with pytest.raises(ValueError, match=message):
+        step(model, opt, *models.global_batch("mlp", 1))
+
+
+def test_optimizer_gaining_parameters_after_compile():
+    model, opt, step = _setup(stage=1)
+    step(model, opt, *models.global_batch("mlp", 0))
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(ValueError, match="add_param_group"):
+        step(model, opt, *models.global_batch("mlp", 1))
+
+
+def _fake_params(*devices):
+    return [types.SimpleNamespace(device=torch.device(d)) for d in devices]
+
+
+@pytest.mark.parametrize("backend, device, message", [
+    ("gloo", "cuda", "uses gloo"),
+    ("nccl", "cpu", "uses NCCL"),
+])
+def test_device_and_backend_must_match(monkeypatch, backend, device, message):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    with pytest.raises(ValueError, match=message):
+        check_devices_match_backend(_fake_params(device))
+
+
+def test_parameters_on_several_devices():
+    with pytest.raises(ValueError, match="several device types"):
+        check_devices_match_backend(_fake_params("cpu", "meta"))
+
+
+def test_dynamic_shapes_are_refused_not_miscompiled():
+    model, opt, step = _setup()
+    x, y = models.global_batch("mlp", 0)
+    torch._dynamo.mark_dynamic(x, 0)
+    with pytest.raises(CaptureError, match="dimension 0 of .* is dynamic.*pad or bucket"):
+        step(model, opt, x, y)
+
+
+# -- 2. ranks that disagree -------------------------------------------------------------------
+
+def disagreeing_rank(rank: int, world_size: int, how: str):
+    torch._dynamo.reset()
+    model = models.build("gpt")
+    opt = models.make_optimizer(model)
+    if how != "branch" or rank == 0:
+        train_step = step_fn("gpt")
+    else:
+        def train_step(model, opt, x, y):  # rank 1's own step: scales the loss
+            loss = 2 * models.loss_fn("gpt", model, x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+    step = zero_compile(train_step, stage=3, backend="aot_eager")
+    x, y = models.global_batch("gpt", 0)
+    size = 4 if how == "branch" or rank == 0 else 2
+    start = time.perf_counter()
+    try:
+        step(model, opt, x[:size], y[:size])
+    except RanksDisagreeError as err:
+        return {"error": str(err), "seconds": time.perf_counter() - start}
+    return {"error": None}
+
+
+def test_ranks_with_different_batches_fail_before_any_collective():
+    for rank, result in enumerate(run_ranks(2, disagreeing_rank, "batch")):
+        assert result["error"], f"rank {rank} ran a step its peer did not"
+        assert "rank 1 differs from rank 0: input" in result["error"]
+        assert "i64[4, 16]" in result["error"] and "i64[2, 16]" in result["error"]
+        assert result["seconds"] < 60
+
+
+def test_ranks_whose_step_branches_on_the_rank_are_caught():
+    for result in run_ranks(2, disagreeing_rank, "branch"):
+        assert "different computation" in result["error"], result
+
+
+# -- 3. shapes that change ------------------------------------------------------------------
+
+GLOBAL_BATCHES = (8, 8, 4, 4, 8)
+"""Global batch of each step: the batch size changes twice."""
+
+
+def changing_batch_rank(rank: int, world_size: int):
+    model = models.build("gpt")
+    opt = models.make_optimizer(model)
+    step = zero_compile(step_fn("gpt"), stage=3, backend="aot_eager")
+    losses = []
+    for i in range(STEPS):
+        x, y = models.global_batch("gpt", i, GLOBAL_BATCHES[i])
+        per_rank = x.shape[0] // world_size
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        losses.append(step(model, opt, x[mine], y[mine]).item())
+    return {"losses": losses, "params": step.full_parameters(), "compilations": len(step.compilations)}
+
+
+def test_a_new_batch_size_recompiles_once_and_stays_correct():
+    results = run_ranks(2, changing_batch_rank)
+    reference = reference_run_with(GLOBAL_BATCHES)
+    assert all(r["compilations"] == 2 for r in results)
+    errors = parity_errors(results, reference)
+    assert max(errors.values()) < 1e-5, errors
+
+
+def reference_run_with(sizes):
+    model = models.build("gpt")
+    opt = models.make_optimizer(model)
+    losses = []
+    for step in range(STEPS):
+        x, y = models.global_batch("gpt", step, sizes[step])  # the same batches, whole
+        loss = models.loss_fn("gpt", model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def test_many_recompiles_warn(caplog):
+    model, opt, step = _setup()
+    with caplog.at_level(logging.WARNING, logger="zero_fx"):
+        for size in (8, 7, 6, 5, 4):
+            x, y = models.global_batch("mlp", 0)
+            step(model, opt, x[:size], y[:size])
+    warnings = [r.getMessage() for r in caplog.records if "th time" in r.getMessage()]
+    assert len(warnings) == 1 and "pad or bucket" in warnings[0]
+
+
+# -- 4. failures ----------------------------------------------------------------------------
+
+def dying_rank(rank: int, world_size: int):
+    model = models.build("gpt")
+    opt = models.make_optimizer(model)
+    step = zero_compile(step_fn("gpt"), stage=3, backend="aot_eager")
+    x, y = models.global_batch("gpt", 0)
+    mine = slice(rank * 4, (rank + 1) * 4)
+    step(model, opt, x[mine], y[mine])
+    if rank == 1:
+        os._exit(0)  # dies between steps, without a word to its peer
+    before = {n: s.detach().clone() for n, s in step.state.shards.items()}
+    moments = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    start = time.perf_counter()
+    try:
+        step(model, opt, x[mine], y[mine])
+    except CollectiveFailedError as err:
+        after = step.state.shards
+        return {"error": str(err), "seconds": time.perf_counter() - start,
+                "shards_unchanged": all(torch.equal(before[n], after[n]) for n in before),
+                "optimizer_unchanged": all(
+                    torch.equal(moments[id(p)][k], v) for p, st in opt.state.items()
+                    for k, v in st.items())}
+    return {"error": None}
+
+
+def test_a_dead_rank_fails_the_others_fast_with_state_intact():
+    survivor, dead = run_ranks(2, dying_rank, timeout_s=30, may_die=True)
+    assert dead is None
+    assert survivor["error"], "the step ran without its peer"
+    assert "failed on rank 0" in survivor["error"] and "Nothing was updated" in survivor["error"]
+    assert survivor["seconds"] < 35
+    assert survivor["shards_unchanged"] and survivor["optimizer_unchanged"]
+
+
+def test_a_failure_after_the_optimizer_refuses_further_calls(monkeypatch):
+    model, opt, step = _setup(stage=2)
+    step(model, opt, *models.global_batch("mlp", 0))
+
+    def broken_gather():
+        raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+
+    monkeypatch.setattr(step.state, "refresh_parameters", broken_gather)
+    with pytest.raises(CollectiveFailedError, match="parameters are stale"):
+        step(model, opt, *models.global_batch("mlp", 1))
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="restore from a checkpoint"):
+        step(model, opt, *models.global_batch("mlp", 2))
+
+
+def test_errors_that_are_not_communication_pass_through(monkeypatch):
+    model, opt, step = _setup(stage=2)
+    step(model, opt, *models.global_batch("mlp", 0))
+    monkeypatch.setattr(step.state, "refresh_parameters", lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        step(model, opt, *models.global_batch("mlp", 1))
