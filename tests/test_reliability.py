@@ -15,7 +15,7 @@ import torch.nn as nn
 import models
 from ranks import run_ranks
 from training import STEPS, parity_errors
-from zero_fx import CaptureError, zero_compile
+from zero_fx import zero_compile
 from zero_fx.failures import CollectiveFailedError
 from zero_fx.process_group import check_devices_match_backend
 from zero_fx.rank_agreement import RanksDisagreeError
@@ -121,14 +121,6 @@ def test_parameters_on_several_devices():
         check_devices_match_backend(_fake_params("cpu", "meta"))
 
 
-def test_dynamic_shapes_are_refused_not_miscompiled():
-    model, opt, step = _setup()
-    x, y = models.global_batch("mlp", 0)
-    torch._dynamo.mark_dynamic(x, 0)
-    with pytest.raises(CaptureError, match="dimension 0 of .* is dynamic.*pad or bucket"):
-        step(model, opt, x, y)
-
-
 # -- 2. ranks that disagree -------------------------------------------------------------------
 
 def disagreeing_rank(rank: int, world_size: int, how: str):
@@ -207,6 +199,44 @@ def reference_run_with(sizes):
         opt.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def dynamic_batch_rank(rank: int, world_size: int, backend: str, uneven: bool = False):
+    """Batches of changing size, the batch dimension marked dynamic: one compilation."""
+    model = models.build("gpt")
+    opt = models.make_optimizer(model)
+    step = zero_compile(step_fn("gpt"), stage=3, backend=backend)
+    losses = []
+    for i in range(STEPS):
+        x, y = models.global_batch("gpt", i, DYNAMIC_BATCHES[i])
+        per_rank = x.shape[0] // world_size
+        start, stop = rank * per_rank, (rank + 1) * per_rank - (uneven and rank == 1)
+        x, y = x[start:stop].clone(), y[start:stop].clone()
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(y, 0)
+        try:
+            losses.append(step(model, opt, x, y).item())
+        except RanksDisagreeError as err:
+            return {"error": str(err)}
+    return {"losses": losses, "params": step.full_parameters(),
+            "compilations": len(step.compilations)}
+
+
+DYNAMIC_BATCHES = (8, 4, 6, 8, 4)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_a_dynamic_batch_dimension_compiles_once_and_stays_correct(backend):
+    results = run_ranks(2, dynamic_batch_rank, backend)
+    assert [r["compilations"] for r in results] == [1, 1]
+    errors = parity_errors(results, reference_run_with(DYNAMIC_BATCHES))
+    assert max(errors.values()) < 1e-5, errors
+
+
+def test_dynamic_batches_of_different_sizes_on_different_ranks_are_caught():
+    for result in run_ranks(2, dynamic_batch_rank, "aot_eager", True):
+        assert "rank 1 differs from rank 0: input 0" in result["error"], result
+        assert "i64[4, 16]" in result["error"] and "i64[3, 16]" in result["error"]
 
 
 def test_many_recompiles_warn(caplog):

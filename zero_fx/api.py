@@ -14,7 +14,7 @@ from torch.fx import GraphModule
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from .capture import CaptureError, capture_step_graph
+from .capture import CaptureError, capture_step_graph, fakes_like_dynamo, has_dynamic_shapes
 from .collective_counter import CollectiveCounter
 from .cost_model import Estimate, estimate
 from .inspection.dump import GraphDump
@@ -26,7 +26,7 @@ from .passes.predicates import grad_slots
 from .plan import ShardPlan, plan_for_module
 from .failures import failed_after_update, failed_before_update, is_communication_failure
 from .process_group import check_devices_match_backend, current_world
-from .rank_agreement import RankAgreement, graph_signature
+from .rank_agreement import GraphSignature, RankAgreement, call_signature, graph_signature
 from .sharded_state import ShardedState
 from .traffic import TrafficReport, traffic_report
 
@@ -278,14 +278,16 @@ class CompiledStep:
                 "torch._dynamo.config.recompile_limit); pad or bucket batches to a few fixed "
                 "shapes. step.explain() lists every compilation and its reason.",
                 self.__name__, RECOMPILES_WARNED_AT, reason)
-        _refuse_dynamic_shapes(dynamo_gm)
         names = [self.state.param_name(t) if isinstance(t, torch.Tensor) else None
                  for t in example_inputs]
         gm = capture_step_graph(dynamo_gm, example_inputs, names)
         dump = (GraphDump(self.config.dump_dir, self.__name__, self.plan.rank,
                           len(self.compilations), self.plan) if self.config.dump_dir else None)
         gm = run_pipeline(gm, self._pipeline, observe=dump.observe if dump else None)
-        compiled = lower(gm, self.state.graph_inputs(names, example_inputs), self.config.backend)
+        dynamic = has_dynamic_shapes(dynamo_gm)
+        inputs = self.state.graph_inputs(names, example_inputs)
+        compiled = lower(gm, fakes_like_dynamo(inputs) if dynamic else inputs, self.config.backend,
+                         dynamic=dynamic)
         signature = graph_signature(gm, self.plan) if self._agreement.group else None
         self.graphs.append(gm)
         self.compilations.append(Compilation(seconds=time.perf_counter() - start, reason=reason))
@@ -294,7 +296,7 @@ class CompiledStep:
         if dump:
             dump.finish(self.explain())
         return _StepRunner(compiled, names, grad_slots(gm), self.state, self._observers,
-                           lambda: self._agreement.check(signature) if signature else None)
+                           self._agreement, signature)
 
     @property
     def compile_seconds(self) -> list[float]:
@@ -365,10 +367,12 @@ class _StepRunner:
     """What dynamo calls: feeds shards for parameters, hands gradient shards to the state."""
 
     def __init__(self, compiled, param_names, slots, state: ShardedState, observers: list,
-                 check_ranks: Callable[[], None]):
+                 agreement: RankAgreement, signature: Optional[GraphSignature]):
         self.compiled = compiled
-        self.check_ranks = check_ranks
-        """Raises if the ranks are about to run different graphs ([Note: checking that ranks agree])."""
+        self.agreement = agreement
+        self.signature = signature
+        """What the ranks compare before each call ([Note: checking that ranks agree]);
+        None: no check."""
         self.param_names = param_names
         self.slots = slots
         self.state = state
@@ -377,7 +381,9 @@ class _StepRunner:
 
     def __call__(self, *args):
         inputs = self.state.graph_inputs(self.param_names, args)
-        self.check_ranks()
+        if self.signature is not None:
+            others = [a for a, name in zip(args, self.param_names) if name is None]
+            self.agreement.check(call_signature(self.signature, others))
         with _entered(self.observers):
             outs = list(self.compiled(*inputs))
         for index, name in self.slots.items():
@@ -404,23 +410,6 @@ def _recompile_reason() -> str:
     except (ImportError, AttributeError):
         reason = None
     return reason or "unknown (dynamo did not say; TORCH_LOGS=recompiles prints its guards)"
-
-
-def _refuse_dynamic_shapes(dynamo_gm: GraphModule) -> None:
-    """zero_fx compiles static shapes: a graph built for one size must not be run on another."""
-    inputs = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
-    # name a tensor with a dynamic dimension rather than the size symbol itself
-    inputs.sort(key=lambda n: not isinstance(n.meta.get("example_value"), torch.Tensor))
-    for node in inputs:
-        value = node.meta.get("example_value")
-        shape = value.shape if isinstance(value, torch.Tensor) else (value,)
-        dynamic = [i for i, size in enumerate(shape) if isinstance(size, torch.SymInt)]
-        if dynamic:
-            raise CaptureError(
-                f"dimension {dynamic[0]} of the step's input {node.name} is dynamic "
-                "(torch._dynamo.mark_dynamic, or dynamic=True?); zero_fx compiles static shapes "
-                "only. Each new shape compiles once and is cached: pad or bucket batches to a few "
-                "fixed shapes")
 
 
 _OWNER_ATTRIBUTE = "_zero_fx_sharded_by"

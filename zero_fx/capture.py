@@ -41,14 +41,23 @@ def capture_step_graph(
     ``param_names[i]`` is the plan name of graph input ``i`` if it is a model
     parameter, else None.
     """
-    # A fresh fake mode with static shapes, outside dynamo's tracing context:
-    # anything our passes compute on shapes must not become a dynamo guard.
-    with outside_dynamo_tracing():
-        fake_mode = FakeTensorMode()
-        fakes = [fake_mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
-                 for t in example_inputs]
-        with fake_mode:
+    if has_dynamic_shapes(dynamo_gm):
+        # [Note: dynamic shapes]
+        # Traced on fakes of dynamo's own fake mode, whose symbolic sizes have
+        # sources: whatever the trace, our passes or lowering assume about a
+        # size becomes one of dynamo's guards, checked on every call.
+        fakes = fakes_like_dynamo(example_inputs)
+        with torch._guards.TracingContext.get().fake_mode:
             gm = make_fx(dynamo_gm, tracing_mode="real")(*fakes)
+    else:
+        # A fresh fake mode with static shapes, outside dynamo's tracing context:
+        # anything our passes compute on shapes must not become a dynamo guard.
+        with outside_dynamo_tracing():
+            fake_mode = FakeTensorMode()
+            fakes = [fake_mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor)
+                     else t for t in example_inputs]
+            with fake_mode:
+                gm = make_fx(dynamo_gm, tracing_mode="real")(*fakes)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     sources = [n.name for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
     for node, name, source in zip(placeholders, param_names, sources):
@@ -66,6 +75,33 @@ def capture_step_graph(
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def fakes_like_dynamo(values: Sequence) -> list:
+    """Fakes of dynamo's current fake mode: a tensor dynamo traced keeps its symbolic sizes,
+    any other (a shard) is static; non-tensors pass through."""
+    context = torch._guards.TracingContext.get()
+    fakes = []
+    for value in values:
+        if not isinstance(value, torch.Tensor):
+            fakes.append(value)
+        elif value in context.tensor_to_context:
+            symbolic = context.tensor_to_context[value]
+            fakes.append(context.fake_mode.from_tensor(
+                value, symbolic_context=symbolic, source=symbolic.tensor_source, trace=False))
+        else:
+            fakes.append(context.fake_mode.from_tensor(value, static_shapes=True))
+    return fakes
+
+
+def has_dynamic_shapes(dynamo_gm: GraphModule) -> bool:
+    """Some input of dynamo's graph has a symbolic size (``torch._dynamo.mark_dynamic``)."""
+    for node in dynamo_gm.graph.nodes:
+        value = node.meta.get("example_value") if node.op == "placeholder" else None
+        shape = value.shape if isinstance(value, torch.Tensor) else (value,)
+        if any(isinstance(size, torch.SymInt) for size in shape):
+            return True
+    return False
 
 
 def _name_readably(placeholder: torch.fx.Node, name: str) -> None:

@@ -39,7 +39,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .formatting import format_bytes
-from .memory_timeline import MemoryTimeline, is_view, memory_timeline, tensor_bytes, vals
+from .memory_timeline import MemoryTimeline, hint, is_view, memory_timeline, tensor_bytes, vals
 from .passes.predicates import is_collective, is_wait
 from .traffic import Collective, traffic_report
 
@@ -231,13 +231,13 @@ def node_seconds(node: Node, hw: Hardware) -> float:
 def _flops(node: Node) -> float:
     if node.target in _MATMULS:
         a, b = (node.args[i].meta["val"] for i in _MATMULS[node.target])
-        return 2.0 * math.prod(a.shape) * b.shape[-1]
+        return 2.0 * math.prod(map(hint, a.shape)) * hint(b.shape[-1])
     name = str(node.target)
     if "scaled_dot_product" in name:
         q, k = node.args[0].meta["val"], node.args[1].meta["val"]
         if "backward" in name:
             q, k = node.args[1].meta["val"], node.args[2].meta["val"]
-        forward = 4.0 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]
+        forward = 4.0 * math.prod(map(hint, q.shape[:-1])) * hint(k.shape[-2]) * hint(q.shape[-1])
         return 2 * forward if "backward" in name else forward
     return 0.0
 

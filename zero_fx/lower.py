@@ -12,7 +12,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from .passes.splice import outside_dynamo_tracing
 
 
-def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend) -> Callable:
+def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend, *,
+          dynamic: bool = False) -> Callable:
     """A callable running ``gm``: "eager" runs it as is; "aot_eager" and "inductor"
     trace it again through AOTAutograd; a callable backend gets it directly.
 
@@ -26,6 +27,8 @@ def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend) -> C
         return backend(gm, list(example_inputs))
     if backend == "eager":
         return gm
+    if dynamic:
+        return _lower_dynamic(gm, example_inputs, backend)
     # Outside dynamo's tracing context: the shards are not dynamo's inputs, and
     # its shape environment would make their sizes symbols without a source.
     with outside_dynamo_tracing(), torch._functorch.config.patch(cse=False):
@@ -43,3 +46,22 @@ def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend) -> C
                 return compile_fx(gm, fakes)
     raise ValueError(f"unknown backend {backend!r}")
 
+
+
+def _lower_dynamic(gm: GraphModule, example_inputs: Sequence, backend) -> Callable:
+    """A graph with symbolic sizes: lowered in dynamo's own tracing context, on fakes of
+    dynamo's fake mode (``fakes_like_dynamo``: shards static, the step's inputs as dynamo
+    traced them), so that
+    whatever lowering assumes about a size is a guard dynamo checks ([Note: dynamic shapes]
+    in capture.py)."""
+    fakes = list(example_inputs)
+    with torch._functorch.config.patch(cse=False):
+        if backend == "aot_eager":
+            from torch._dynamo.backends.debugging import aot_eager
+
+            return aot_eager(gm, fakes)
+        if backend == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, fakes)
+    raise ValueError(f"unknown backend {backend!r}")

@@ -163,4 +163,10 @@ def vals(nodes) -> list:
 
 
 def tensor_bytes(val) -> int:
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+    """Bytes of a (fake) tensor; a symbolic size counts at the value it was traced with."""
+    return hint(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def hint(size) -> int:
+    """An int, or a symbolic size's value when it was traced ([Note: dynamic shapes])."""
+    return size if isinstance(size, int) else int(size.node.hint)

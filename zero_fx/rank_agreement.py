@@ -6,7 +6,9 @@ step was traced from other shapes (a smaller last batch on one rank) or whose
 code branches on the rank compiles another graph: its collectives then pair
 with the wrong peers' and the job hangs, or runs on mismatched buffers. So,
 right before running its graph, each rank all-gathers one 64-bit fingerprint of
-that graph (every node with its op, arguments, shape and dtype) on a side gloo
+that graph (every node with its op, arguments, shape and dtype) and of the
+shapes its inputs have in this call (a graph with dynamic sizes would run
+unequal batches without complaint) on a side gloo
 group (CPU tensors, whatever the training backend). All equal: run. Not: every
 rank learns it at the same point, the ranks exchange a short description of
 their graphs (inputs and collectives), and each raises ``RanksDisagreeError``
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.fx import GraphModule
 
+from .formatting import short_dtype
 from .inspection.graph_listing import COLLECTIVE_KINDS, format_rows, graph_rows
 from .process_group import world_timeout
 
@@ -36,22 +39,47 @@ class RanksDisagreeError(RuntimeError):
 class GraphSignature:
     """What ranks compare: a fingerprint of the whole graph, and the lines a person reads."""
 
-    fingerprint: int
-    inputs: tuple[str, ...]
-    """``name: dtype[shape]`` of every input that is not a parameter."""
+    fingerprint: bytes
+    input_names: tuple[str, ...]
+    """The graph's inputs that are not parameters, in order."""
     collectives: tuple[str, ...]
     """Each collective of the graph, in order: kind, buffer and what it moves."""
 
 
+@dataclass(frozen=True)
+class CallSignature:
+    """One call: the graph, and the shapes its inputs have this time (a graph with dynamic
+    sizes runs with different shapes on different ranks without any other difference)."""
+
+    fingerprint: int
+    inputs: tuple[str, ...]
+    collectives: tuple[str, ...]
+
+
 def graph_signature(gm: GraphModule, plan) -> GraphSignature:
     rows = graph_rows(gm, plan)
-    digest = hashlib.sha256(format_rows(rows).encode()).digest()
     return GraphSignature(
-        fingerprint=int.from_bytes(digest[:8], "little", signed=True),
-        inputs=tuple(f"{r.name}: {r.value}" for r in rows if r.kind == "input"),
+        fingerprint=hashlib.sha256(format_rows(rows).encode()).digest(),
+        input_names=tuple(r.name for r in rows if r.kind == "input"),
         collectives=tuple(f"{r.kind} {r.value}: {r.note}" for r in rows
                           if r.kind in COLLECTIVE_KINDS),
     )
+
+
+def call_signature(graph: GraphSignature, inputs: Sequence) -> CallSignature:
+    """``inputs``: this call's values of the graph's non-parameter inputs."""
+    pairs = sorted(zip(graph.input_names, inputs),  # tensors first: they say more than a size
+                   key=lambda pair: not isinstance(pair[1], torch.Tensor))
+    described = tuple(f"{name}: {_describe(value)}" for name, value in pairs)
+    digest = hashlib.sha256(graph.fingerprint + "\n".join(described).encode()).digest()
+    return CallSignature(fingerprint=int.from_bytes(digest[:8], "little", signed=True),
+                         inputs=described, collectives=graph.collectives)
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{short_dtype(value.dtype)}[{', '.join(map(str, value.shape))}]"
+    return repr(value)
 
 
 class RankAgreement:
@@ -63,7 +91,7 @@ class RankAgreement:
         self.group: Optional[dist.ProcessGroup] = (
             dist.new_group(backend="gloo", timeout=world_timeout()) if world_size > 1 else None)
 
-    def check(self, signature: GraphSignature) -> None:
+    def check(self, signature: CallSignature) -> None:
         if self.group is None:
             return
         mine = torch.tensor([signature.fingerprint], dtype=torch.int64)
@@ -77,7 +105,7 @@ class RankAgreement:
         raise RanksDisagreeError(disagreement(signatures))
 
 
-def disagreement(signatures: Sequence[GraphSignature]) -> str:
+def disagreement(signatures: Sequence[CallSignature]) -> str:
     """Which ranks differ from rank 0, and where first, in words."""
     reference = signatures[0]
     lines = ["the ranks are about to run different graphs, so their collectives would not pair "
@@ -92,12 +120,12 @@ def disagreement(signatures: Sequence[GraphSignature]) -> str:
     return "\n".join(lines)
 
 
-def _first_difference(reference: GraphSignature, other: GraphSignature, rank: int) -> str:
+def _first_difference(reference: CallSignature, other: CallSignature, rank: int) -> str:
     for what in ("inputs", "collectives"):
         mine, theirs = getattr(reference, what), getattr(other, what)
         for i, (a, b) in enumerate(zip(mine, theirs)):
             if a != b:
-                return f"{what[:-1]} {i}: rank 0 has {a!r}, rank {rank} has {b!r}"
+                return f"{what[:-1]} {i}: rank 0 has {a}, rank {rank} has {b}"
         if len(mine) != len(theirs):
             return f"rank 0 has {len(mine)} {what}, rank {rank} has {len(theirs)}"
     return ("same inputs and collectives, different computation (does the step branch on the "

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 from torch.fx import GraphModule, Node
 
 from ..cost_model import CollectiveTiming, Estimate, replay
-from ..memory_timeline import MemoryTimeline, aliases_input, is_view
+from ..memory_timeline import MemoryTimeline, aliases_input, is_view, tensor_bytes
 from ..passes.predicates import gathered_param
 from ..formatting import format_bytes, format_seconds, short_dtype
 
@@ -105,7 +105,7 @@ def _lifetimes(gm: GraphModule, memory: MemoryTimeline) -> list[GatheredLifetime
         lifetimes.append(GatheredLifetime(
             param=gathered[0], phase=gathered[1].value, ready_at=order[node], first_use=uses[0],
             last_use=uses[-1], released_after=released, released_node=names[released],
-            bytes=val.numel() * val.element_size()))
+            bytes=tensor_bytes(val)))
     return lifetimes
 
 

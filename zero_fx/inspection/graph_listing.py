@@ -22,7 +22,7 @@ from ..passes.predicates import (
     param_name,
     phase_of,
 )
-from ..memory_timeline import is_view
+from ..memory_timeline import is_view, tensor_bytes
 from ..formatting import format_bytes, short_dtype
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -93,7 +93,7 @@ def _kind_and_note(node: Node, plan) -> tuple[str, str]:
     for kind, test in zip(COLLECTIVE_KINDS, (is_all_gather, is_reduce_scatter, is_all_reduce)):
         if test(node):
             buffer = node.args[0].meta["val"] if kind == "reduce_scatter" else node.meta["val"]
-            nbytes = buffer.numel() * buffer.element_size()
+            nbytes = tensor_bytes(buffer)
             return kind, (f"{kind.upper().replace('_', '-')} {format_bytes(nbytes)} of "
                           f"{_members(carried_params(node))}")
     if is_wait(node):
