@@ -251,15 +251,40 @@ def test_many_recompiles_warn(caplog):
 
 # -- 4. failures ----------------------------------------------------------------------------
 
-def dying_rank(rank: int, world_size: int):
+def exit_on_rank_1_in_second_step(tensor):
+    """Called inside the graph: rank 1 dies there, in the middle of its second step."""
+    exit_on_rank_1_in_second_step.calls += 1
+    if torch.distributed.get_rank() == 1 and exit_on_rank_1_in_second_step.calls == 2:
+        os._exit(0)
+    return tensor
+
+
+exit_on_rank_1_in_second_step.calls = 0
+
+
+def die_after_first_gather(gm):
+    """A user pass: call ``exit_on_rank_1_in_second_step`` right after the first collective's wait."""
+    wait = next(n for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.wait_tensor.default)
+    with gm.graph.inserting_after(wait):
+        dying = gm.graph.call_function(exit_on_rank_1_in_second_step, (wait,))
+    dying.meta.update(wait.meta)
+    for user in list(wait.users):
+        if user is not dying:
+            user.replace_input_with(wait, dying)
+    gm.recompile()
+
+
+def dying_rank(rank: int, world_size: int, when: str):
     model = models.build("gpt")
     opt = models.make_optimizer(model)
-    step = zero_compile(step_fn("gpt"), stage=3, backend="aot_eager")
+    # "eager" runs the rewritten graph as it is, the dying call included
+    step = zero_compile(step_fn("gpt"), stage=3, backend="eager",
+                        passes=[die_after_first_gather] if when == "mid-step" else [])
     x, y = models.global_batch("gpt", 0)
     mine = slice(rank * 4, (rank + 1) * 4)
     step(model, opt, x[mine], y[mine])
-    if rank == 1:
-        os._exit(0)  # dies between steps, without a word to its peer
+    if rank == 1 and when == "between steps":
+        os._exit(0)
     before = {n: s.detach().clone() for n, s in step.state.shards.items()}
     moments = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
     start = time.perf_counter()
@@ -275,8 +300,9 @@ def dying_rank(rank: int, world_size: int):
     return {"error": None}
 
 
-def test_a_dead_rank_fails_the_others_fast_with_state_intact():
-    survivor, dead = run_ranks(2, dying_rank, timeout_s=30, may_die=True)
+@pytest.mark.parametrize("when", ["between steps", "mid-step"])
+def test_a_dead_rank_fails_the_others_fast_with_state_intact(when):
+    survivor, dead = run_ranks(2, dying_rank, when, timeout_s=30, may_die=True)
     assert dead is None
     assert survivor["error"], "the step ran without its peer"
     assert "failed on rank 0" in survivor["error"] and "Nothing was updated" in survivor["error"]
