@@ -41,23 +41,7 @@ def capture_step_graph(
     ``param_names[i]`` is the plan name of graph input ``i`` if it is a model
     parameter, else None.
     """
-    if has_dynamic_shapes(dynamo_gm):
-        # [Note: dynamic shapes]
-        # Traced on fakes of dynamo's own fake mode, whose symbolic sizes have
-        # sources: whatever the trace, our passes or lowering assume about a
-        # size becomes one of dynamo's guards, checked on every call.
-        fakes = fakes_like_dynamo(example_inputs)
-        with torch._guards.TracingContext.get().fake_mode:
-            gm = make_fx(dynamo_gm, tracing_mode="real")(*fakes)
-    else:
-        # A fresh fake mode with static shapes, outside dynamo's tracing context:
-        # anything our passes compute on shapes must not become a dynamo guard.
-        with outside_dynamo_tracing():
-            fake_mode = FakeTensorMode()
-            fakes = [fake_mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor)
-                     else t for t in example_inputs]
-            with fake_mode:
-                gm = make_fx(dynamo_gm, tracing_mode="real")(*fakes)
+    gm = _trace(dynamo_gm, example_inputs)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     sources = [n.name for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
     for node, name, source in zip(placeholders, param_names, sources):
@@ -75,6 +59,26 @@ def capture_step_graph(
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _trace(dynamo_gm: GraphModule, example_inputs: Sequence) -> GraphModule:
+    """``make_fx`` of dynamo's graph on fakes: forward and backward as aten ops."""
+    if has_dynamic_shapes(dynamo_gm):
+        # [Note: dynamic shapes]
+        # Traced on fakes of dynamo's own fake mode, whose symbolic sizes have
+        # sources: whatever the trace, our passes or lowering assume about a
+        # size becomes one of dynamo's guards, checked on every call.
+        fakes = fakes_like_dynamo(example_inputs)
+        with torch._guards.TracingContext.get().fake_mode:
+            return make_fx(dynamo_gm, tracing_mode="real")(*fakes)
+    # A fresh fake mode with static shapes, outside dynamo's tracing context:
+    # anything our passes compute on shapes must not become a dynamo guard.
+    with outside_dynamo_tracing():
+        fake_mode = FakeTensorMode()
+        fakes = [fake_mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor)
+                 else t for t in example_inputs]
+        with fake_mode:
+            return make_fx(dynamo_gm, tracing_mode="real")(*fakes)
 
 
 def fakes_like_dynamo(values: Sequence) -> list:
