@@ -75,10 +75,15 @@ def _trace(dynamo_gm: GraphModule, example_inputs: Sequence) -> GraphModule:
     # anything our passes compute on shapes must not become a dynamo guard.
     with outside_dynamo_tracing():
         fake_mode = FakeTensorMode()
-        fakes = [fake_mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor)
-                 else t for t in example_inputs]
+        fakes = static_fakes(example_inputs, fake_mode)
         with fake_mode:
             return make_fx(dynamo_gm, tracing_mode="real")(*fakes)
+
+
+def static_fakes(values: Sequence, fake_mode: FakeTensorMode) -> list:
+    """Fakes of ``fake_mode`` with every size static; non-tensors pass through."""
+    return [fake_mode.from_tensor(v, static_shapes=True) if isinstance(v, torch.Tensor) else v
+            for v in values]
 
 
 def fakes_like_dynamo(values: Sequence) -> list:
@@ -94,7 +99,7 @@ def fakes_like_dynamo(values: Sequence) -> list:
             fakes.append(context.fake_mode.from_tensor(
                 value, symbolic_context=symbolic, source=symbolic.tensor_source, trace=False))
         else:
-            fakes.append(context.fake_mode.from_tensor(value, static_shapes=True))
+            fakes.extend(static_fakes([value], context.fake_mode))
     return fakes
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence
 
 import torch
@@ -9,6 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from .capture import static_fakes
 from .passes.splice import outside_dynamo_tracing
 
 
@@ -28,34 +30,12 @@ def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend, *,
     if backend == "eager":
         return gm
     if dynamic:
-        return _lower_dynamic(gm, example_inputs, backend)
-    # Outside dynamo's tracing context: the shards are not dynamo's inputs, and
-    # its shape environment would make their sizes symbols without a source.
-    with outside_dynamo_tracing(), torch._functorch.config.patch(cse=False):
-        if backend == "aot_eager":
-            from torch._dynamo.backends.debugging import aot_eager
-
-            return aot_eager(gm, list(example_inputs))
-        if backend == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-
-            fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-            fakes = [fake_mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor)
-                     else t for t in example_inputs]
-            with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-                return compile_fx(gm, fakes)
-    raise ValueError(f"unknown backend {backend!r}")
-
-
-
-def _lower_dynamic(gm: GraphModule, example_inputs: Sequence, backend) -> Callable:
-    """A graph with symbolic sizes: lowered in dynamo's own tracing context, on fakes of
-    dynamo's fake mode (``fakes_like_dynamo``: shards static, the step's inputs as dynamo
-    traced them), so that
-    whatever lowering assumes about a size is a guard dynamo checks ([Note: dynamic shapes]
-    in capture.py)."""
-    fakes = list(example_inputs)
-    with torch._functorch.config.patch(cse=False):
+        # [Note: dynamic shapes] in capture.py: in dynamo's own tracing context, on
+        # fakes of its fake mode, so what lowering assumes about a size is a guard.
+        context = contextlib.nullcontext(list(example_inputs))
+    else:
+        context = _static_tracing_context(example_inputs)
+    with context as fakes, torch._functorch.config.patch(cse=False):
         if backend == "aot_eager":
             from torch._dynamo.backends.debugging import aot_eager
 
@@ -65,3 +45,16 @@ def _lower_dynamic(gm: GraphModule, example_inputs: Sequence, backend) -> Callab
 
             return compile_fx(gm, fakes)
     raise ValueError(f"unknown backend {backend!r}")
+
+
+@contextlib.contextmanager
+def _static_tracing_context(example_inputs: Sequence):
+    """Outside dynamo's tracing context (the shards are not dynamo's inputs, and its shape
+    environment would make their sizes symbols without a source), inside one of our own
+    with a shape environment ([Note: the FX graph cache]); yields the inputs as its static
+    fakes."""
+    with outside_dynamo_tracing():
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+        fakes = static_fakes(example_inputs, fake_mode)
+        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+            yield fakes
