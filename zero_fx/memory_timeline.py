@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 from torch.fx import GraphModule, Node
@@ -53,6 +54,8 @@ class MemoryTimeline:
     transient: tuple[int, ...]
     """Bytes of graph-created tensors alive at each node."""
     tensors: tuple[LiveTensor, ...]
+    buffer_of: Mapping[str, str]
+    """Node name -> the node whose memory it is, for views, getitems and waits."""
 
     @property
     def total(self) -> list[int]:
@@ -109,7 +112,8 @@ def memory_timeline(gm: GraphModule, *, persistent_bytes: int = 0) -> MemoryTime
     return MemoryTimeline(node_names=tuple(n.name for n in nodes),
                           phases=tuple(phase_of(n).value for n in nodes),
                           persistent_bytes=inputs + persistent_bytes, transient=tuple(transient),
-                          tensors=tuple(tensors))
+                          tensors=tuple(tensors),
+                          buffer_of={n.name: b.name for n, b in base.items()})
 
 
 def _bases(nodes: list[Node]) -> dict[Node, Node]:

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 from torch.fx import GraphModule, Node
 
 from ..cost_model import CollectiveTiming, Estimate, replay
-from ..memory_timeline import MemoryTimeline, aliases_input, is_view, tensor_bytes
+from ..memory_timeline import MemoryTimeline, is_view, tensor_bytes
 from ..passes.predicates import gathered_param
 from ..formatting import format_bytes, format_seconds, short_dtype
 
@@ -99,7 +99,7 @@ def _lifetimes(gm: GraphModule, memory: MemoryTimeline) -> list[GatheredLifetime
             continue
         readers = _readers_through_views(node)
         uses = sorted(order[r] for r in readers) or [order[node]]
-        buffer = buffers.get(_root(node).name)
+        buffer = buffers.get(memory.buffer_of.get(node.name, node.name))
         released = buffer.last_use if buffer else uses[-1]
         val = node.meta["val"]
         lifetimes.append(GatheredLifetime(
@@ -118,14 +118,6 @@ def _readers_through_views(node: Node) -> list[Node]:
         else:
             readers.append(user)
     return readers
-
-
-def _root(node: Node) -> Node:
-    """The node whose buffer ``node`` is (views, getitems and waits alias their input)."""
-    while node.args and isinstance(node.args[0], Node) and aliases_input(node) \
-            and node.args[0].op != "placeholder":
-        node = node.args[0]
-    return node
 
 
 # -- rendering ---------------------------------------------------------------------------
