@@ -55,3 +55,14 @@ def make_optimizer(model: nn.Module, kind: str = "adamw") -> torch.optim.Optimiz
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def training_step(name: str):
+    """The plain training step the tests compile: forward, backward, optimizer step, zero_grad."""
+    def train_step(model, opt, x, y):
+        loss = loss_fn(name, model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return train_step

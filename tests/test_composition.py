@@ -17,15 +17,7 @@ aten = torch.ops.aten
 
 
 def _compiled(**options):
-    @zero_compile(stage=3, backend="aot_eager", **options)
-    def train_step(model, opt, x, y):
-        loss = models.loss_fn("mlp", model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return train_step
+    return zero_compile(models.training_step("mlp"), stage=3, backend="aot_eager", **options)
 
 
 def _run(step):

@@ -28,13 +28,8 @@ def compile_twice(rank: int, world_size: int):
             model = models.build("mlp")
             opt = models.make_optimizer(model)
 
-            @zero_compile(stage=3, backend="inductor", passes=[after("reduce_grads", tag_matmuls)])
-            def train_step(model, opt, x, y):
-                loss = models.loss_fn("mlp", model, x, y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                return loss
+            train_step = zero_compile(models.training_step("mlp"), stage=3, backend="inductor",
+                                      passes=[after("reduce_grads", tag_matmuls)])
 
             x, y = models.global_batch("mlp", 0)
             loss = train_step(model, opt, x[rank::world_size], y[rank::world_size])

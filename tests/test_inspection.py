@@ -27,13 +27,8 @@ def explained_rank(rank: int, world_size: int, stage: int, dump_dir: str):
     model = models.build("gpt")
     opt = models.make_optimizer(model)
 
-    @zero_compile(stage=stage, backend="aot_eager", dump_dir=dump_dir, **dict(SMALL_BUCKETS))
-    def train_step(model, opt, x, y):
-        loss = models.loss_fn("gpt", model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    train_step = zero_compile(models.training_step("gpt"), stage=stage, backend="aot_eager",
+                              dump_dir=dump_dir, **dict(SMALL_BUCKETS))
 
     per_rank = 8 // world_size
     for step, size in enumerate((per_rank, per_rank, per_rank // 2)):
@@ -111,13 +106,7 @@ def stage_rank(rank: int, world_size: int, stage: int):
     model = models.build("mlp")
     opt = models.make_optimizer(model)
 
-    @zero_compile(stage=stage, backend="aot_eager")
-    def train_step(model, opt, x, y):
-        loss = models.loss_fn("mlp", model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    train_step = zero_compile(models.training_step("mlp"), stage=stage, backend="aot_eager")
 
     x, y = models.global_batch("mlp", 0)
     train_step(model, opt, x[rank::world_size], y[rank::world_size])
@@ -175,13 +164,8 @@ def test_dump_folder_is_named_in_the_log(tmp_path, caplog):
     model = models.build("mlp")
     opt = models.make_optimizer(model)
 
-    @zero_compile(stage=3, backend="aot_eager", dump_dir=str(tmp_path))
-    def train_step(model, opt, x, y):
-        loss = models.loss_fn("mlp", model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    train_step = zero_compile(models.training_step("mlp"), stage=3, backend="aot_eager",
+                              dump_dir=str(tmp_path))
 
     with caplog.at_level(logging.WARNING, logger="zero_fx"):
         train_step(model, opt, *models.global_batch("mlp", 0))
@@ -194,13 +178,7 @@ def test_dumps_turned_on_by_the_environment(tmp_path, monkeypatch):
     model = models.build("mlp")
     opt = models.make_optimizer(model)
 
-    @zero_compile(stage=2, backend="aot_eager")
-    def train_step(model, opt, x, y):
-        loss = models.loss_fn("mlp", model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    train_step = zero_compile(models.training_step("mlp"), stage=2, backend="aot_eager")
 
     train_step(model, opt, *models.global_batch("mlp", 0))
     assert (_folder(tmp_path, 0) / "index.html").is_file()
@@ -244,13 +222,7 @@ def _one_step():
     model = models.build("mlp")
     opt = models.make_optimizer(model)
 
-    @zero_compile(stage=3, backend="aot_eager")
-    def train_step(model, opt, x, y):
-        loss = models.loss_fn("mlp", model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    train_step = zero_compile(models.training_step("mlp"), stage=3, backend="aot_eager")
 
     train_step(model, opt, *models.global_batch("mlp", 0))
 

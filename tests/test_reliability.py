@@ -21,20 +21,11 @@ from zero_fx.process_group import check_devices_match_backend
 from zero_fx.rank_agreement import RanksDisagreeError
 
 
-def step_fn(name: str = "mlp"):
-    def train_step(model, opt, x, y):
-        loss = models.loss_fn(name, model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    return train_step
-
-
 def _setup(stage=3, **options):
     model = models.build("mlp")
     opt = models.make_optimizer(model)
-    return model, opt, zero_compile(step_fn(), stage=stage, backend="aot_eager", **options)
+    return model, opt, zero_compile(models.training_step("mlp"), stage=stage, backend="aot_eager",
+                                    **options)
 
 
 # -- 1. bad configuration -------------------------------------------------------------------
@@ -46,13 +37,13 @@ def _setup(stage=3, **options):
 ])
 def test_bad_sizes_fail_at_decoration(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        zero_compile(step_fn(), **kwargs)
+        zero_compile(models.training_step("mlp"), **kwargs)
 
 
 def test_optimizer_over_only_some_parameters():
     model = models.build("mlp")
     opt = torch.optim.AdamW(list(model.parameters())[:-1])
-    step = zero_compile(step_fn(), stage=3, backend="aot_eager")
+    step = zero_compile(models.training_step("mlp"), stage=3, backend="aot_eager")
     with pytest.raises(ValueError, match=r"not 1 trainable one\(s\) \(net.3.bias\).*requires_grad=False"):
         step(model, opt, *models.global_batch("mlp", 0))
 
@@ -60,14 +51,15 @@ def test_optimizer_over_only_some_parameters():
 def test_optimizer_over_a_foreign_tensor():
     model = models.build("mlp")
     opt = torch.optim.AdamW([*model.parameters(), nn.Parameter(torch.zeros(3))])
+    step = zero_compile(models.training_step("mlp"), backend="aot_eager")
     with pytest.raises(ValueError, match="not parameters of the model"):
-        zero_compile(step_fn(), backend="aot_eager")(model, opt, *models.global_batch("mlp", 0))
+        step(model, opt, *models.global_batch("mlp", 0))
 
 
 def test_two_steps_cannot_shard_one_model():
     model, opt, first = _setup()
     first(model, opt, *models.global_batch("mlp", 0))
-    second = zero_compile(step_fn(), stage=3, backend="aot_eager")
+    second = zero_compile(models.training_step("mlp"), stage=3, backend="aot_eager")
     with pytest.raises(ValueError, match="already sharded by the compiled step 'train_step'"):
         second(model, models.make_optimizer(model), *models.global_batch("mlp", 0))
 
@@ -76,8 +68,9 @@ def test_two_models_cannot_share_one_optimizer():
     model, opt, first = _setup()
     first(model, opt, *models.global_batch("mlp", 0))
     other = models.build("mlp")
+    step = zero_compile(models.training_step("mlp"), backend="aot_eager")
     with pytest.raises(ValueError, match="not parameters of the model|already steps on"):
-        zero_compile(step_fn(), backend="aot_eager")(other, opt, *models.global_batch("mlp", 0))
+        step(other, opt, *models.global_batch("mlp", 0))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -128,7 +121,7 @@ def disagreeing_rank(rank: int, world_size: int, how: str):
     model = models.build("gpt")
     opt = models.make_optimizer(model)
     if how != "branch" or rank == 0:
-        train_step = step_fn("gpt")
+        train_step = models.training_step("gpt")
     else:
         def train_step(model, opt, x, y):  # rank 1's own step: scales the loss
             loss = 2 * models.loss_fn("gpt", model, x, y)
@@ -169,7 +162,7 @@ GLOBAL_BATCHES = (8, 8, 4, 4, 8)
 def changing_batch_rank(rank: int, world_size: int):
     model = models.build("gpt")
     opt = models.make_optimizer(model)
-    step = zero_compile(step_fn("gpt"), stage=3, backend="aot_eager")
+    step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager")
     losses = []
     for i in range(STEPS):
         x, y = models.global_batch("gpt", i, GLOBAL_BATCHES[i])
@@ -205,7 +198,7 @@ def dynamic_batch_rank(rank: int, world_size: int, backend: str, uneven: bool = 
     """Batches of changing size, the batch dimension marked dynamic: one compilation."""
     model = models.build("gpt")
     opt = models.make_optimizer(model)
-    step = zero_compile(step_fn("gpt"), stage=3, backend=backend)
+    step = zero_compile(models.training_step("gpt"), stage=3, backend=backend)
     losses = []
     for i in range(STEPS):
         x, y = models.global_batch("gpt", i, DYNAMIC_BATCHES[i])
@@ -278,7 +271,7 @@ def dying_rank(rank: int, world_size: int, when: str):
     model = models.build("gpt")
     opt = models.make_optimizer(model)
     # "eager" runs the rewritten graph as it is, the dying call included
-    step = zero_compile(step_fn("gpt"), stage=3, backend="eager",
+    step = zero_compile(models.training_step("gpt"), stage=3, backend="eager",
                         passes=[die_after_first_gather] if when == "mid-step" else [])
     x, y = models.global_batch("gpt", 0)
     mine = slice(rank * 4, (rank + 1) * 4)

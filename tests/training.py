@@ -36,13 +36,8 @@ def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, opti
     model = models.build(model_name)
     opt = models.make_optimizer(model, optimizer)
 
-    @zero_compile(stage=stage, backend=backend, **dict(options))
-    def train_step(model, opt, x, y):
-        loss = models.loss_fn(model_name, model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    train_step = zero_compile(models.training_step(model_name), stage=stage, backend=backend,
+                              **dict(options))
 
     losses = []
     for step in range(STEPS):
