@@ -13,6 +13,7 @@ from .pipeline import PASS_ORDER, NamedPass, Placed, after, before, build_pipeli
 from .predicates import mark_step_graph
 from .recompute_param_views import recompute_param_views
 from .reduce_grads import reduce_grads
+from .scale_loss import scale_loss
 from .schedule_collectives import schedule_collectives
 
 __all__ = [
@@ -32,5 +33,6 @@ __all__ = [
     "reduce_grads",
     "pass_names",
     "run_pipeline",
+    "scale_loss",
     "schedule_collectives",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule
 
-from .predicates import PHASE_META, Phase, grad_slots, is_gradient_seed
+from .predicates import PHASE_META, Phase, gradient_seeds
 
 
 def annotate_phases(gm: GraphModule, plan=None) -> GraphModule:
@@ -18,7 +18,7 @@ def annotate_phases(gm: GraphModule, plan=None) -> GraphModule:
     ``recompute_param_views`` find it.
     Does nothing to the graph's code; a graph with no seed is all forward.
     """
-    seeds = _gradient_seeds(gm)
+    seeds = gradient_seeds(gm)
     backward = set()
     for node in gm.graph.nodes:
         if node in seeds or any(arg in backward for arg in node.all_input_nodes):
@@ -26,28 +26,3 @@ def annotate_phases(gm: GraphModule, plan=None) -> GraphModule:
     for node in gm.graph.nodes:
         node.meta[PHASE_META] = Phase.BACKWARD if node in backward else Phase.FORWARD
     return gm
-
-
-def _gradient_seeds(gm: GraphModule) -> set:
-    """``ones_like`` of a scalar that some gradient output depends on.
-
-    ``loss.backward()`` seeds autograd with ``ones_like(loss)``, a scalar. A
-    forward ``ones_like`` of a scalar that also feeds a gradient would be
-    mistaken for a seed; none of the models we test has one.
-    """
-    output = gm.graph.output_node()
-    outs = output.args[0]
-    grads = [outs[i] for i in grad_slots(gm) if outs[i] is not None]
-    ancestors, stack = set(), list(grads)
-    while stack:
-        node = stack.pop()
-        if node in ancestors:
-            continue
-        ancestors.add(node)
-        stack.extend(node.all_input_nodes)
-    return {
-        node
-        for node in ancestors
-        if is_gradient_seed(node)
-        and getattr(node.meta.get("val"), "ndim", None) == 0
-    }

@@ -52,7 +52,7 @@ def _gather_code(plan):
         layouts = [plan.layout(n) for n in names]
         return functools.partial(gather_bucket, numels=[l.numel for l in layouts],
                                  shapes=[l.shape for l in layouts], world_size=plan.world_size,
-                                 group_name=plan.group_name)
+                                 group_name=plan.group_name, dtype=plan.compute_dtype)
     return code
 
 

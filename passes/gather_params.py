@@ -21,7 +21,8 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
     Requires: phases annotated; parameter placeholders tagged with their plan
     name; ``recompute_param_views`` has run.
     Ensures: every parameter placeholder's value is its 1-D shard
-    (``shard_numel`` elements); one gather right before the first forward use
+    (``shard_numel`` elements of ``layout.dtype``; with mixed precision cast to
+    ``plan.compute_dtype`` before it is gathered); one gather right before the first forward use
     and one right before the first backward use, so nothing full crosses from
     forward to backward. A parameter the backward does not read (a bias, an
     embedding table) is not gathered for it. World size 1 inserts no
@@ -37,13 +38,14 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
     for placeholder in params:
         layout = plan.layout(param_name(placeholder))
         full_val = placeholder.meta["val"]
-        placeholder.meta["val"] = full_val.new_empty(layout.shard_numel)
+        placeholder.meta["val"] = full_val.new_empty(layout.shard_numel, dtype=layout.dtype)
         gather = functools.partial(
             gather_bucket,
             numels=[layout.numel],
             shapes=[layout.shape],
             world_size=plan.world_size,
             group_name=plan.group_name,
+            dtype=plan.compute_dtype,
         )
         users_by_phase = _users_by_phase(placeholder)
         if layout.name in plan.resident:

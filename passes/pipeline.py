@@ -16,6 +16,7 @@ from .check_invariants import check_invariants
 from .gather_params import gather_params
 from .recompute_param_views import recompute_param_views
 from .reduce_grads import reduce_grads
+from .scale_loss import scale_loss
 from .schedule_collectives import schedule_collectives
 
 log = logging.getLogger("zero_fx.passes")
@@ -53,6 +54,7 @@ def after(name: str, graph_pass: Callable[[GraphModule], Optional[GraphModule]])
 
 PASS_ORDER = (
     ("annotate_phases", annotate_phases),
+    ("scale_loss", scale_loss),
     ("recompute_param_views", recompute_param_views),
     ("gather_params", gather_params),
     ("reduce_grads", reduce_grads),

@@ -19,6 +19,8 @@ GATHERED_META = "zero_gathered"
 CARRIES_META = "zero_carries"
 """Node meta key on inserted communication code: the names of the parameters
 whose elements it moves (one bucket), in order."""
+LOSS_SCALE_META = "zero_loss_scale"
+"""Placeholder meta key: this input is the loss scale (``scale_loss``), not a step argument."""
 GRAD_SLOTS_META = "zero_grad_slots"
 """GraphModule meta key: ``{output index: parameter name}`` for the gradient outputs."""
 
@@ -67,6 +69,26 @@ def is_wait(node: Node) -> bool:
 def is_gradient_seed(node: Node) -> bool:
     """The ``ones_like(loss)`` that autograd starts the backward from."""
     return _target_is(node, torch.ops.aten.ones_like.default)
+
+
+def gradient_seeds(gm: torch.fx.GraphModule) -> set:
+    """The ``ones_like`` of a scalar that some gradient output depends on.
+
+    ``loss.backward()`` seeds autograd with ``ones_like(loss)``, a scalar. A
+    forward ``ones_like`` of a scalar that also feeds a gradient would be
+    mistaken for a seed; none of the models we test has one.
+    """
+    outs = gm.graph.output_node().args[0]
+    grads = [outs[i] for i in grad_slots(gm) if outs[i] is not None]
+    ancestors, stack = set(), list(grads)
+    while stack:
+        node = stack.pop()
+        if node in ancestors:
+            continue
+        ancestors.add(node)
+        stack.extend(node.all_input_nodes)
+    return {node for node in ancestors
+            if is_gradient_seed(node) and getattr(node.meta.get("val"), "ndim", None) == 0}
 
 
 def gathered_param(node: Node) -> Optional[tuple[str, Phase]]:

@@ -29,11 +29,14 @@ def reduce_grads(gm: GraphModule, plan) -> GraphModule:
     gradient, parameter-shaped; in stages 1-3 it is a 1-D tensor of
     ``shard_numel`` elements holding this rank's slice of it. Where the
     collectives go: [Note: where gradients are reduced]. A ``None`` gradient
-    (parameter unused by the loss) stays None. Does nothing when the graph
-    has no gradient outputs.
+    (parameter unused by the loss) stays None. With ``plan.reduce_dtype`` the
+    gradient is cast to it before the collective. Does nothing when the graph
+    has no gradient outputs, or when the plan reduces outside the graph
+    (stages 0-1 with gradient accumulation: [Note: gradient accumulation] in
+    zero_fx/sharded_state.py).
     """
     slots = grad_slots(gm)
-    if not slots:
+    if not slots or not plan.reduces_in_graph:
         return gm
     output = gm.graph.output_node()
     outs = list(output.args[0])
@@ -54,7 +57,8 @@ def reduction(plan, names) -> functools.partial:
     """The code that reduces the gradients of ``names`` (one bucket) for ``plan``'s stage."""
     if plan.stage == 0:
         return functools.partial(all_reduce_bucket, world_size=plan.world_size,
-                                 group_name=plan.group_name)
+                                 group_name=plan.group_name, dtype=plan.reduce_dtype)
     return functools.partial(reduce_scatter_bucket,
                              paddings=[plan.layout(n).padding for n in names],
-                             world_size=plan.world_size, group_name=plan.group_name)
+                             world_size=plan.world_size, group_name=plan.group_name,
+                             dtype=plan.reduce_dtype)

@@ -82,6 +82,29 @@ class ShardPlan:
     that needs them; 0: issue each right before its first use."""
     memory_budget_bytes: Optional[int] = None
     """Stage 3: cap on gathered bytes alive at once; prefetch stops where it would pass it."""
+    compute_dtype: Optional[torch.dtype] = None
+    """Mixed precision: parameters are gathered (cast before the all-gather, so it
+    moves this dtype) and computed in this dtype, while shards keep ``dtype``
+    (the fp32 master). None: parameters are used in their own dtype."""
+    reduce_dtype: Optional[torch.dtype] = None
+    """Gradients are cast to this dtype before they are reduced; None: their own."""
+    loss_scaled: bool = False
+    """The backward's seed is multiplied by a loss scale, a graph input after
+    the step's own (``scale_loss``; fp16 training)."""
+    accumulation_steps: int = 1
+    """Calls of the step per optimizer step. Above 1, stages 0 and 1 keep whole
+    gradients across calls and reduce them once, outside the graph
+    (``reduces_in_graph`` is False); see [Note: gradient accumulation]."""
+
+    @property
+    def reduces_in_graph(self) -> bool:
+        """Gradients are reduced inside the compiled graph: always but in stages 0-1 with
+        gradient accumulation, which accumulate locally and reduce once per optimizer step."""
+        return not (self.stage in (0, 1) and self.accumulation_steps > 1)
+
+    def gather_dtype(self, layout: "ParamLayout") -> torch.dtype:
+        """The dtype a parameter is all-gathered and computed in."""
+        return self.compute_dtype or layout.dtype
 
     @property
     def replicated(self) -> bool:
@@ -122,7 +145,7 @@ class ShardPlan:
         filled = 0
         for name in names:
             layout = self.layout(name)
-            size = layout.padded_numel * layout.dtype.itemsize
+            size = layout.padded_numel * self.gather_dtype(layout).itemsize
             same_dtype = buckets and self.layout(buckets[-1][0]).dtype == layout.dtype
             if same_dtype and filled + size <= self.bucket_bytes:
                 buckets[-1].append(name)
@@ -158,12 +181,16 @@ def make_plan(
     bucket_bytes: int = 0,
     prefetch: int = 0,
     memory_budget_bytes: Optional[int] = None,
+    compute_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+    loss_scaled: bool = False,
+    accumulation_steps: int = 1,
 ) -> ShardPlan:
     """Lay out parameters ``(name, shape, dtype, requires_grad)`` over ``world_size`` ranks.
 
     The order of ``named_shapes`` is the order of the flat shard buffer; pass
     ``model.named_parameters()`` order so that every rank agrees. The other
-    arguments are how the passes fuse and order collectives (see ``ShardPlan``).
+    arguments are how the passes fuse, order and type collectives (see ``ShardPlan``).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -197,6 +224,8 @@ def make_plan(
         raise ValueError(f"resident parameters {sorted(unknown)} are not in the model")
     if bucket_bytes < 0 or prefetch < 0:
         raise ValueError(f"bucket_bytes and prefetch must be >= 0, got {bucket_bytes}, {prefetch}")
+    if accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
     return ShardPlan(
         world_size=world_size,
         rank=rank,
@@ -207,6 +236,10 @@ def make_plan(
         bucket_bytes=bucket_bytes,
         prefetch=prefetch,
         memory_budget_bytes=memory_budget_bytes,
+        compute_dtype=compute_dtype,
+        reduce_dtype=reduce_dtype,
+        loss_scaled=loss_scaled,
+        accumulation_steps=accumulation_steps,
     )
 
 
@@ -225,7 +258,8 @@ def plan_for_module(
 
     In stage 3 a parameter of at most ``persistence_threshold`` elements, or
     one for which ``keep_resident(name, param)`` is true, stays resident.
-    ``schedule``: ``bucket_bytes``, ``prefetch``, ``memory_budget_bytes``.
+    ``schedule``: the rest of ``make_plan``'s options (buckets, prefetch, budget,
+    precision, accumulation).
     """
     named = list(module.named_parameters())
     resident = [n for n, p in named
