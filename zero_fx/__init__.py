@@ -8,6 +8,7 @@ from .offline import rewritten_step_on_fake
 from .inspection.explain import Compilation, Explanation
 from .logs import set_logs, set_logs_from_environment
 from .passes.pipeline import after, before
+from .precision import MixedPrecision
 from .plan import ParamLayout, ShardPlan, make_plan, plan_for_module
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "Explanation",
     "Hardware",
     "make_plan",
+    "MixedPrecision",
     "ParamLayout",
     "plan_for_module",
     "PRESETS",

@@ -22,12 +22,14 @@ from .inspection.explain import Compilation, Explanation, explain_graph
 from .config import DEFAULT_PERSISTENCE_THRESHOLD, ZeroConfig, describe_backend
 from .lower import lower
 from .passes import build_pipeline, run_pipeline
-from .passes.predicates import grad_slots
+from .passes.predicates import LOSS_SCALE_META, grad_slots
 from .plan import ShardPlan, plan_for_module
 from .failures import failed_after_update, failed_before_update, is_communication_failure
 from .process_group import check_devices_match_backend, current_world
 from .rank_agreement import GraphSignature, RankAgreement, call_signature, graph_signature
+from .precision import LossScaler, MixedPrecision, cast_at_model_edge
 from .sharded_state import ShardedState
+from .update import OptimizerUpdate
 from .traffic import TrafficReport, traffic_report
 
 log = logging.getLogger("zero_fx")
@@ -53,6 +55,9 @@ def zero_compile(
     passes: Sequence = (),
     dump_dir: Optional[str] = None,
     check_ranks: bool = True,
+    mixed_precision: Optional[MixedPrecision] = None,
+    accumulation_steps: int = 1,
+    max_grad_norm: Optional[float] = None,
 ):
     """Compile a whole training step (forward, ``loss.backward()``, ``opt.step()``) with ZeRO.
 
@@ -106,6 +111,13 @@ def zero_compile(
         check_ranks: before each call's first collective, check that every rank
             is about to run the same graph (one 8-byte all-gather); a mismatch
             raises ``RanksDisagreeError`` naming the ranks instead of hanging.
+        mixed_precision: ``zero_fx.MixedPrecision(param_dtype=torch.bfloat16)``: compute
+            and all-gather in bf16, keep fp32 masters and optimizer state; float16
+            adds dynamic loss scaling.
+        accumulation_steps: calls per optimizer step: ``opt.step()`` takes effect on
+            every K-th call, with the mean gradient of the K micro-batches.
+        max_grad_norm: clip the gradient to this global norm before each optimizer
+            step; ``step.last_grad_norm`` is the norm before clipping.
 
     Inspect a compiled step with ``step.explain()``, ``step.traffic()``,
     ``step.estimate()`` and ``step.graphs``; see the README, "Inspecting a
@@ -114,6 +126,8 @@ def zero_compile(
     The step must call ``loss.backward()`` once, ``opt.step()`` once and
     ``opt.zero_grad()``; the optimizer steps after the compiled graph, on the
     shards. Returned tensors are detached (the backward has already run).
+    Outside the step, stage 3's parameters hold no values: run the model in
+    ``with step.gathered_parameters():``.
     """
     config = ZeroConfig(
         stage=stage,
@@ -128,6 +142,9 @@ def zero_compile(
         passes=passes,
         dump_dir=dump_dir,
         check_ranks=check_ranks,
+        mixed_precision=mixed_precision,
+        accumulation_steps=accumulation_steps,
+        max_grad_norm=max_grad_norm,
     )
 
     def wrap(step_fn: Callable) -> "CompiledStep":
@@ -173,6 +190,9 @@ class CompiledStep:
                              "decorate a separate function for each model")
         if self._broken:
             raise RuntimeError(self._broken)
+        if self.state.gathered:
+            raise RuntimeError("the step was called inside `with step.gathered_parameters():`; "
+                               "train outside that block (it is for evaluation)")
         self.state.check_unchanged()
         self._optimizer_calls.clear()
         with _optimizer_calls_deferred(optimizer, self._record_step, self._record_zero_grad), \
@@ -217,15 +237,22 @@ class CompiledStep:
             )
         if "zero_grad" not in calls:
             raise CaptureError(
-                "the step never calls opt.zero_grad(); zero_fx does not accumulate gradients "
-                "across calls yet, so call opt.zero_grad() before backward or after opt.step()"
+                "the step never calls opt.zero_grad(); call it after opt.step() (to accumulate "
+                "gradients over several calls, use zero_compile(accumulation_steps=K))"
             )
         with _entered(self._observers):
-            self.state.commit_grads()
-            self.state.optimizer.step()
-            self.state.zero_grad()
             try:
-                self.state.refresh_parameters()
+                ready = self._update.accumulate()
+            except RuntimeError as err:
+                if not is_communication_failure(err):
+                    raise
+                self.state.zero_grad()
+                self._update.micro_step = 0
+                raise failed_before_update(self.plan.rank, err) from err
+            if not ready:
+                return
+            try:
+                self._update.apply()
             except RuntimeError as err:
                 if not is_communication_failure(err):
                     raise
@@ -252,6 +279,14 @@ class CompiledStep:
                                     **self.config.plan_options())
         self.state = ShardedState(model, optimizer, self.plan, world,
                                   elementwise_optimizer=self.config.elementwise_optimizer)
+        precision = self.config.mixed_precision
+        if precision is not None:
+            cast_at_model_edge(model, precision)
+        self._scaler = (LossScaler(precision, next(model.parameters()).device)
+                        if precision is not None and precision.scales_loss else None)
+        self._update = OptimizerUpdate(self.state,
+                                       accumulation_steps=self.config.accumulation_steps,
+                                       max_grad_norm=self.config.max_grad_norm, scaler=self._scaler)
         self._pipeline = build_pipeline(self.plan, disable=self.config.disable_passes,
                                         extra=self.config.passes)
         self._agreement = RankAgreement(world.size if self.config.check_ranks else 1)
@@ -285,7 +320,8 @@ class CompiledStep:
                           len(self.compilations), self.plan) if self.config.dump_dir else None)
         gm = run_pipeline(gm, self._pipeline, observe=dump.observe if dump else None)
         dynamic = has_dynamic_shapes(dynamo_gm)
-        inputs = self.state.graph_inputs(names, example_inputs)
+        extra_inputs = self._extra_inputs(gm)
+        inputs = self.state.graph_inputs(names, example_inputs) + extra_inputs
         compiled = lower(gm, fakes_like_dynamo(inputs) if dynamic else inputs, self.config.backend,
                          dynamic=dynamic)
         signature = graph_signature(gm, self.plan) if self._agreement.group else None
@@ -296,7 +332,15 @@ class CompiledStep:
         if dump:
             dump.finish(self.explain())
         return _StepRunner(compiled, names, grad_slots(gm), self.state, self._observers,
-                           self._agreement, signature)
+                           self._agreement, signature, extra_inputs)
+
+    def _extra_inputs(self, gm: GraphModule) -> list[torch.Tensor]:
+        """The graph's inputs after the step's own: the loss scale, if ``scale_loss`` added it."""
+        takes_scale = any(n.meta.get(LOSS_SCALE_META) for n in gm.graph.find_nodes(op="placeholder"))
+        if self._scaler is not None and not takes_scale:
+            raise CaptureError("fp16 loss scaling needs a scalar loss: call loss.backward() on a "
+                               "0-dimensional loss, without gradient=")
+        return [self._scaler.scale] if takes_scale else []
 
     @property
     def compile_seconds(self) -> list[float]:
@@ -357,18 +401,56 @@ class CompiledStep:
                              compilations=self.compilations)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """The model's parameters gathered from every rank (call on all ranks)."""
+        """A copy of the model's parameters as the optimizer holds them (fp32 masters under
+        mixed precision), gathered from every rank (call on all ranks)."""
+        return self._sharded_state().full_parameters()
+
+    def gathered_parameters(self) -> "contextlib.AbstractContextManager[None]":
+        """``with step.gathered_parameters(): model(x)``: run the model outside the step
+        (evaluation, generation). In stage 3 the parameters are all-gathered (compute dtype)
+        for the block and freed after it, changes discarded; enter it on every rank. Stages
+        0-2 keep whole parameters and need nothing."""
+        return self._sharded_state().gathered_parameters()
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken so far (with ``accumulation_steps=K``, one per K calls;
+        steps skipped for an fp16 overflow not counted)."""
+        return self._update.optimizer_steps if self.state is not None else 0
+
+    @property
+    def last_grad_norm(self) -> Optional[torch.Tensor]:
+        """The global gradient norm of the latest optimizer step, before clipping (a float32
+        scalar, equal on all ranks); None unless ``max_grad_norm`` or loss scaling is set."""
+        return self._update.last_grad_norm if self.state is not None else None
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        """The current fp16 loss scale; None without loss scaling."""
+        scaler = self._scaler if self.state is not None else None
+        return scaler.scale.item() if scaler is not None else None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because the fp16 gradients overflowed."""
+        scaler = self._scaler if self.state is not None else None
+        return scaler.skipped_steps if scaler is not None else 0
+
+    def _sharded_state(self) -> ShardedState:
         if self.state is None:
             raise RuntimeError("the step has not run yet, so nothing is sharded")
-        return self.state.full_parameters()
+        return self.state
 
 
 class _StepRunner:
     """What dynamo calls: feeds shards for parameters, hands gradient shards to the state."""
 
     def __init__(self, compiled, param_names, slots, state: ShardedState, observers: list,
-                 agreement: RankAgreement, signature: Optional[GraphSignature]):
+                 agreement: RankAgreement, signature: Optional[GraphSignature],
+                 extra_inputs: list):
         self.compiled = compiled
+        self.extra_inputs = extra_inputs
+        """Inputs the graph takes after the step's own (the loss scale), read on every call."""
         self.agreement = agreement
         self.signature = signature
         """What the ranks compare before each call ([Note: checking that ranks agree]);
@@ -380,7 +462,7 @@ class _StepRunner:
         """Dispatch modes to run the graph under (the CompiledStep's list, which it edits)."""
 
     def __call__(self, *args):
-        inputs = self.state.graph_inputs(self.param_names, args)
+        inputs = self.state.graph_inputs(self.param_names, args) + self.extra_inputs
         if self.signature is not None:
             others = [a for a, name in zip(args, self.param_names) if name is None]
             self.agreement.check(call_signature(self.signature, others))

@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from .passes.pipeline import pass_names
+from .precision import MixedPrecision
 
 BackendName = str
 Compiler = Callable[[torch.fx.GraphModule, list], Callable]
@@ -71,6 +72,15 @@ class ZeroConfig:
     check_ranks: bool = True
     """Before each call's first collective, check that all ranks are about to run the
     same graph ([Note: checking that ranks agree] in zero_fx/rank_agreement.py)."""
+    mixed_precision: Optional[MixedPrecision] = None
+    """Compute and gather in a lower precision, keep fp32 masters ([Note: mixed
+    precision] in zero_fx/precision.py). None: everything in the parameters' dtype."""
+    accumulation_steps: int = 1
+    """Calls of the step per optimizer step ([Note: gradient accumulation] in
+    zero_fx/update.py)."""
+    max_grad_norm: Optional[float] = None
+    """Clip the gradient to this global 2-norm before each optimizer step
+    (``clip_grad_norm_`` semantics). None: no clipping."""
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -100,9 +110,19 @@ class ZeroConfig:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if self.keep_resident is not None and not callable(self.keep_resident):
             raise TypeError("keep_resident must be a callable (name, param) -> bool")
+        if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecision):
+            raise TypeError("mixed_precision must be a zero_fx.MixedPrecision(param_dtype=...), got "
+                            f"{type(self.mixed_precision).__name__}")
+        if (not isinstance(self.accumulation_steps, int) or isinstance(self.accumulation_steps, bool)
+                or self.accumulation_steps < 1):
+            raise ValueError(f"accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}")
+        if self.max_grad_norm is not None and not (
+                isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a number > 0 or None, got {self.max_grad_norm!r}")
 
     def plan_options(self) -> dict:
-        """What ``plan_for_module`` takes from this config: residency, buckets, schedule."""
+        """What ``plan_for_module`` takes from this config: residency, buckets, schedule,
+        precision, accumulation."""
         return {
             "persistence_threshold": self.persistence_threshold,
             "keep_resident": self.keep_resident,
@@ -110,6 +130,8 @@ class ZeroConfig:
                              else self.bucket_bytes),
             "prefetch": self.prefetch,
             "memory_budget_bytes": self.memory_budget_bytes,
+            "accumulation_steps": self.accumulation_steps,
+            **(self.mixed_precision.plan_options() if self.mixed_precision else {}),
         }
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterator, Optional
 
 import torch
 
 from .passes.collective_code import gather_bucket
+from .passes.reduce_grads import reduction
 from .optimizer import check_elementwise, rebind_to_shards
 from .plan import ParamLayout, ShardPlan
 from .process_group import World
@@ -63,23 +65,42 @@ class ShardedState:
             self._check_optimizer_covers_trainable()
         self.shards: dict[str, torch.nn.Parameter] = {}
         self._received: dict[str, torch.Tensor] = {}
-        if plan.replicated:
+        self._unreduced: dict[str, torch.Tensor] = {}
+        """Stages 0-1 with gradient accumulation: whole gradients summed over the calls
+        since the last optimizer step, reduced by ``reduce_accumulated``."""
+        self.gathered = False
+        """Inside ``gathered_parameters()`` (stage 3): the model's parameters hold values."""
+        compute = plan.compute_dtype
+        if self.shards_are_params:
             self.shards.update(self.params)
             return
         for name, param in self.params.items():
-            layout = plan.layout(name)
-            shard = torch.nn.Parameter(cut_shard(param, layout, world.rank),
-                                       requires_grad=param.requires_grad)
-            self.shards[name] = shard
+            master = (param.detach().clone() if plan.replicated
+                      else cut_shard(param, plan.layout(name), world.rank))
+            self.shards[name] = torch.nn.Parameter(master, requires_grad=param.requires_grad)
         rebind_to_shards(
             optimizer,
             {param: self.shards[name] for name, param in self.params.items()},
-            lambda param, tensor: cut_shard(tensor, plan.layout(self._name_of[id(param)]), world.rank),
+            lambda param, tensor: (tensor.detach().clone() if plan.replicated else
+                                   cut_shard(tensor, plan.layout(self._name_of[id(param)]), world.rank)),
         )
-        for param in self.params.values():
-            param.grad = None
-            if plan.params_sharded:
-                param.untyped_storage().resize_(0)
+        with torch.no_grad():
+            for param in self.params.values():
+                param.grad = None
+                if plan.params_sharded:
+                    if compute is not None:  # the values live in the shard: no copy
+                        param.data = torch.empty_like(param, dtype=compute)
+                    param.untyped_storage().resize_(0)
+                elif compute is not None:
+                    param.data = param.data.to(compute)
+        if plan.params_sharded:
+            model.register_forward_pre_hook(self._refuse_sharded_forward)
+            model.register_state_dict_pre_hook(self._refuse_sharded_state_dict)
+
+    @property
+    def shards_are_params(self) -> bool:
+        """Stage 0 without mixed precision: the optimizer steps on the model's own parameters."""
+        return self.plan.replicated and self.plan.compute_dtype is None
 
     def _check_optimizer_params(self) -> None:
         foreign = [
@@ -152,44 +173,126 @@ class ShardedState:
         self._received[name] = grad_shard
 
     def commit_grads(self) -> None:
-        """Add the received gradients to the shards' ``.grad``, for the optimizer."""
+        """Add the received gradients, in the masters' dtype, to the shards' ``.grad`` (or,
+        when the plan reduces outside the graph, to the whole gradients awaiting it)."""
+        into = self._unreduced if not self.plan.reduces_in_graph else None
         for name, grad in self._received.items():
             shard = self.shards[name]
-            shard.grad = grad if shard.grad is None else shard.grad + grad
+            grad = grad.to(shard.dtype)
+            if into is not None:
+                into[name] = grad if name not in into else into[name] + grad
+            else:
+                shard.grad = grad if shard.grad is None else shard.grad + grad
         self._received.clear()
 
     @torch.no_grad()
-    def refresh_parameters(self) -> None:
-        """Stages 1-2: all-gather the updated shards into the whole parameters, one
-        collective per bucket (``plan.buckets``, in plan order).
-
-        A no-op in stage 0 (the optimizer stepped on the parameters) and stage 3
-        (the next step gathers where it uses them).
-        """
-        if not self.plan.gathers_after_step:
+    def reduce_accumulated(self) -> None:
+        """Stages 0-1 with gradient accumulation: reduce the accumulated whole gradients, one
+        collective per bucket (the code the graph would have run), into the shards' ``.grad``.
+        A no-op when the graph reduces."""
+        if not self._unreduced:
             return
-        for bucket in self.plan.buckets([layout.name for layout in self.plan.params]):
-            fulls = self._gather(bucket, [self.shards[name].detach() for name in bucket])
+        names = [layout.name for layout in self.plan.params if layout.name in self._unreduced]
+        for bucket in self.plan.buckets(names):
+            reduced = reduction(self.plan, bucket)(*(self._unreduced[name] for name in bucket))
+            for name, grad in zip(bucket, reduced):
+                self.shards[name].grad = grad.to(self.shards[name].dtype)
+        self._unreduced.clear()
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients the optimizer will step with (this rank's shards of them)."""
+        return [s.grad for s in self.shards.values() if s.grad is not None]
+
+    @torch.no_grad()
+    def refresh_parameters(self) -> None:
+        """Copy the updated masters into the model's parameters.
+
+        Stage 0 with mixed precision: a cast copy of each master. Stages 1-2:
+        all-gather the updated shards (cast to the compute dtype) into the whole
+        parameters, one collective per bucket (``plan.buckets``, in plan order);
+        frozen parameters never change and are skipped. A no-op in stage 0
+        without mixed precision (the optimizer stepped on the parameters) and in
+        stage 3 (the next step gathers where it uses them).
+        """
+        if self.plan.params_sharded or self.shards_are_params:
+            return
+        if self.plan.replicated:
+            for name, param in self.params.items():
+                param.copy_(self.shards[name])
+            return
+        trainable = [layout.name for layout in self.plan.params if layout.requires_grad]
+        for bucket in self.plan.buckets(trainable):
+            fulls = self._gather(bucket, [self.shards[name].detach() for name in bucket],
+                                 dtype=self.plan.compute_dtype)
             for name, full in zip(bucket, fulls):
                 self.params[name].copy_(full)
 
     def zero_grad(self) -> None:
         for shard in self.shards.values():
             shard.grad = None
+        self._unreduced.clear()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """A copy of every parameter; in stage 3 gathered from all ranks (a collective:
-        call it on every rank)."""
-        if not self.plan.params_sharded:
+        """A copy of every parameter as the optimizer holds it (fp32 masters under mixed
+        precision); in stages 1-3 gathered from all ranks where the model's own parameters
+        are not that (a collective: call it on every rank)."""
+        if self.plan.replicated:
+            return {name: shard.detach().clone() for name, shard in self.shards.items()}
+        if not self.plan.params_sharded and self.plan.compute_dtype is None:
             return {name: param.detach().clone() for name, param in self.params.items()}
         return {name: self._gather([name], [shard.detach()])[0].clone()
                 for name, shard in self.shards.items()}
 
-    def _gather(self, names: list[str], shards: list[torch.Tensor]) -> list[torch.Tensor]:
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Stage 3: fill the model's parameters with their full values (in the compute dtype)
+        for the duration; free them again after. Changes made to them are discarded. A no-op
+        in stages 0-2, whose parameters are always whole. A collective: enter on every rank."""
+        if not self.plan.params_sharded or self.gathered:
+            yield
+            return
+        names = [layout.name for layout in self.plan.params]
+        with torch.no_grad():
+            for bucket in self.plan.buckets(names):
+                fulls = self._gather(bucket, [self.shards[name].detach() for name in bucket],
+                                     dtype=self.plan.compute_dtype)
+                for name, full in zip(bucket, fulls):
+                    param = self.params[name]
+                    param.untyped_storage().resize_(param.numel() * param.element_size())
+                    param.copy_(full)
+        self.gathered = True
+        try:
+            yield
+        finally:
+            self.gathered = False
+            for param in self.params.values():
+                param.untyped_storage().resize_(0)
+
+    def _refuse_sharded_forward(self, module, args) -> None:
+        """Stage 3: the model's parameters have no storage outside the compiled step."""
+        if torch.compiler.is_compiling() or self.gathered:
+            return
+        raise RuntimeError(
+            f"the model's parameters are sharded over {self.plan.world_size} rank(s) by its "
+            "@zero_compile step (stage 3) and hold no values outside it. To run the model "
+            "(evaluation, generation), enter `with train_step.gathered_parameters():` on every "
+            "rank; for the values, call train_step.full_parameters()")
+
+    def _refuse_sharded_state_dict(self, module, prefix, keep_vars) -> None:
+        if self.gathered or torch.compiler.is_compiling():
+            return
+        raise RuntimeError(
+            "the model's parameters are sharded by its @zero_compile step (stage 3) and hold no "
+            "values, so model.state_dict() would save empty tensors; take it inside `with "
+            "train_step.gathered_parameters():` (on every rank), or use "
+            "train_step.full_parameters()")
+
+    def _gather(self, names: list[str], shards: list[torch.Tensor],
+                dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
         layouts = [self.plan.layout(name) for name in names]
         return gather_bucket(*shards, numels=[l.numel for l in layouts],
-                             shapes=[l.shape for l in layouts],
-                             world_size=self.world.size, group_name=self.world.group_name)
+                             shapes=[l.shape for l in layouts], world_size=self.world.size,
+                             group_name=self.world.group_name, dtype=dtype)
 
     def held_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor this rank holds for the model: shards, their grads, optimizer state,
@@ -206,5 +309,6 @@ class ShardedState:
             yield shard
             if shard.grad is not None:
                 yield shard.grad
+        yield from self._unreduced.values()
         for state in self.optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))

@@ -23,6 +23,7 @@ from torch.fx import GraphModule, Node
 
 from .passes.predicates import (
     carried_params,
+    grad_slots,
     is_all_gather,
     is_all_reduce,
     is_collective,
@@ -46,8 +47,10 @@ class Collective:
     bucket: tuple[str, ...]
     """The parameters whose elements it moves."""
     phase: str
-    """The part of the step that issues it: "forward", "backward", or
-    "after step" (stages 1-2: the updated shards gathered back into the
+    """The part of the step that issues it: "forward", "backward", "after
+    accumulation" (stages 0-1 with gradient accumulation: the summed gradients
+    reduced once per optimizer step; [Note: gradient accumulation] in update.py),
+    or "after step" (stages 1-2: the updated shards gathered back into the
     parameters, eagerly, after the optimizer; see [Note: stages 1 and 2 keep
     whole parameters] in sharded_state.py)."""
     issued_at: Optional[int]
@@ -127,19 +130,31 @@ class TrafficReport:
 
 def traffic_report(gm: GraphModule, plan) -> TrafficReport:
     """The collectives one step runs, in issue order: those of ``gm`` (a graph our
-    passes rewrote for ``plan``), then, in stages 1-2, the gathers after the optimizer."""
+    passes rewrote for ``plan``); in stages 0-1 with gradient accumulation the
+    reductions of the accumulated gradients, once per optimizer step; in stages
+    1-2 the gathers after the optimizer."""
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     collectives = [_describe(node, position) for node in gm.graph.nodes if is_collective(node)]
+    if plan.world_size > 1 and not plan.reduces_in_graph:
+        kind = "all_reduce" if plan.replicated else "reduce_scatter"
+        collectives += _outside_graph(plan, kind, "after accumulation", plan.reduce_dtype,
+                                      [name for name in grad_slots(gm).values()])
     if plan.world_size > 1 and plan.gathers_after_step:
-        collectives += [
-            Collective(kind="all_gather", dtype=plan.layout(bucket[0]).dtype,
-                       numel=sum(plan.layout(name).padded_numel for name in bucket),
-                       bucket=tuple(bucket), phase="after step", issued_at=None,
-                       waited_at=None, node="")
-            for bucket in plan.buckets([layout.name for layout in plan.params])
-        ]
+        trainable = [layout.name for layout in plan.params if layout.requires_grad]
+        collectives += _outside_graph(plan, "all_gather", "after step", plan.compute_dtype,
+                                      trainable)
     return TrafficReport(stage=plan.stage, world_size=plan.world_size, psi=plan.total_numel,
                          collectives=tuple(collectives))
+
+
+def _outside_graph(plan, kind: str, phase: str, dtype, names: list[str]) -> list[Collective]:
+    """The collectives the runtime issues eagerly, one per bucket of ``names`` (plan order)."""
+    ordered = [layout.name for layout in plan.params if layout.name in set(names)]
+    return [Collective(kind=kind, dtype=dtype or plan.layout(bucket[0]).dtype,
+                       numel=sum(plan.layout(name).numel if kind == "all_reduce"
+                                 else plan.layout(name).padded_numel for name in bucket),
+                       bucket=tuple(bucket), phase=phase, issued_at=None, waited_at=None, node="")
+            for bucket in plan.buckets(ordered)]
 
 
 def _position(index: Optional[int]) -> str:
