@@ -1,0 +1,99 @@
+"""Mixed precision at world size 2: bf16 and fp16 against the fp32 reference, and what moves.
+
+Tolerances: the model computes in 16 bits (8 mantissa bits in bf16, 11 in
+fp16) while the reference computes in fp32; after 5 SGD steps the mean loss
+agrees to 1e-3 and each fp32 master parameter to 1e-2 (bf16) / 2e-3 (fp16)
+relative error. Measured: bf16 1.5e-5 (loss), 2.7e-3 (worst parameter);
+fp16 1.1e-6, 3.4e-4. SGD, not AdamW: AdamW's update of an element with a
+near-zero gradient is its sign, which 16-bit noise flips.
+"""
+
+import pytest
+import torch
+
+from feature_runs import reference_run, zero_fx_run
+from ranks import run_ranks
+from training import parity_errors
+from zero_fx import MixedPrecision
+
+BF16 = (("mixed_precision", MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32)),)
+FP16 = (("mixed_precision", MixedPrecision(param_dtype=torch.float16, output_dtype=torch.float32)),)
+UNSCHEDULED = (("bucket_bytes", 0), ("persistence_threshold", 0))
+
+
+def assert_close_to_fp32(results, loss_tolerance, param_tolerance):
+    errors = parity_errors(results, reference_run("gpt"))
+    assert errors.pop("loss") < loss_tolerance
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < param_tolerance, f"{worst}: relative error {errors[worst]:.2e}"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_trains_like_fp32_with_fp32_masters(stage):
+    results = zero_fx_run(2, "gpt", stage, options=BF16)
+    assert_close_to_fp32(results, 1e-3, 1e-2)
+    result = results[0]
+    # the model computes in bf16; the optimizer steps on fp32 masters with fp32 state
+    assert set(result["model_dtypes"].values()) == {torch.bfloat16}
+    assert set(result["shard_dtypes"].values()) == {torch.float32}
+    assert result["optimizer_state_dtypes"] == {torch.float32}
+    assert {p.dtype for p in result["params"].values()} == {torch.float32}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp16_with_loss_scaling_trains_like_fp32(stage):
+    assert_close_to_fp32(zero_fx_run(2, "gpt", stage, options=FP16), 1e-3, 2e-3)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_bf16_halves_the_bytes_every_gather_moves(stage):
+    """Each all-gather moves bf16: half the bytes of the fp32 run, the same elements.
+    Gradients are reduced in bf16 by default, in fp32 when reduce_dtype says so."""
+    fp32 = zero_fx_run(2, "gpt", stage, options=UNSCHEDULED)[0]["traffic"]
+    bf16 = zero_fx_run(2, "gpt", stage, options=UNSCHEDULED + BF16)[0]["traffic"]
+    fp32_reduce = UNSCHEDULED + (("mixed_precision", MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)),)
+    bf16_fp32_reduce = zero_fx_run(2, "gpt", stage, options=fp32_reduce)[0]["traffic"]
+    assert bf16.numel_by_kind() == fp32.numel_by_kind()
+    assert bf16.bytes_by_kind()["all_gather"] * 2 == fp32.bytes_by_kind()["all_gather"] > 0
+    assert bf16.bytes_by_kind()["reduce_scatter"] * 2 == fp32.bytes_by_kind()["reduce_scatter"]
+    assert bf16_fp32_reduce.bytes_by_kind()["reduce_scatter"] == fp32.bytes_by_kind()["reduce_scatter"]
+    assert {c.dtype for c in bf16.collectives if c.kind == "all_gather"} == {torch.bfloat16}
+
+
+def overflowing_fp16_rank(rank, world_size):
+    """fp16 with the loss itself in fp16: a loss scale above 65504 makes the backward's seed
+    inf, so the step overflows until the scale has halved below it."""
+    import models
+    from zero_fx import zero_compile
+
+    model = models.build("gpt")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = MixedPrecision(param_dtype=torch.float16, initial_scale=2.0 ** 17, growth_interval=2)
+    step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager",
+                        mixed_precision=policy)
+    history, params = [], []
+    for i in range(5):
+        x, y = models.global_batch("gpt", i)
+        step(model, opt, x[rank::world_size], y[rank::world_size])
+        history.append((step.loss_scale, step.skipped_steps, step.optimizer_steps))
+        params.append(step.full_parameters())
+    return {"history": history, "params": params}
+
+
+def test_fp16_overflow_skips_the_step_and_the_scale_follows_gradscalers_rule():
+    import models
+
+    initial = {n: p.detach().clone() for n, p in models.build("gpt").named_parameters()}
+    result = run_ranks(2, overflowing_fp16_rank)[0]
+    assert result["history"] == [
+        (2.0 ** 16, 1, 0),  # 2^17: the fp16 seed is inf, skipped, halved
+        (2.0 ** 15, 2, 0),  # 2^16 = 65536 > 65504, still inf
+        (2.0 ** 15, 2, 1),  # fits: the first real step
+        (2.0 ** 16, 2, 2),  # two clean steps in a row: doubled
+        (2.0 ** 15, 3, 2),  # overflows again
+    ]
+    for name, value in initial.items():  # skipped steps changed nothing
+        assert torch.equal(result["params"][1][name], value), name
+    assert not torch.equal(result["params"][2]["wte.weight"], initial["wte.weight"])
+    assert all(torch.equal(result["params"][4][n], result["params"][3][n]) for n in initial)
