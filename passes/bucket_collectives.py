@@ -36,11 +36,12 @@ def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
     for phase in Phase:
         results = [n for n in gathered if gathered_param(n)[1] is phase]
         replaced |= _fuse(gm, plan, results, order, _gather_code(plan), insert_at_first=True)
-    output = gm.graph.output_node()
-    slots = {i: output.args[0][i] for i in grad_slots(gm) if output.args[0][i] is not None}
-    reduced = sorted(slots.values(), key=lambda r: order[_chain_inputs(r)[0]])
-    replaced |= _fuse(gm, plan, reduced, order, functools.partial(reduction, plan),
-                      insert_at_first=False)
+    if plan.reduces_in_graph:
+        output = gm.graph.output_node()
+        slots = {i: output.args[0][i] for i in grad_slots(gm) if output.args[0][i] is not None}
+        reduced = sorted(slots.values(), key=lambda r: order[_chain_inputs(r)[0]])
+        replaced |= _fuse(gm, plan, reduced, order, functools.partial(reduction, plan),
+                          insert_at_first=False)
     _erase_dead_chains(gm, replaced)
     gm.graph.lint()
     gm.recompile()

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from zero_fx import CaptureError, zero_compile
+from zero_fx import CaptureError, MixedPrecision, zero_compile
 
 
 def tiny():
@@ -128,13 +128,42 @@ def test_step_without_zero_grad_is_an_error():
         zero_compile(no_zero_grad, backend="eager")(model, torch.optim.AdamW(model.parameters()), *batch())
 
 
+def test_clipping_inside_the_step_is_an_error_that_names_max_grad_norm():
+    def clipping_step(model, opt, x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    model = tiny()
+    with pytest.raises(CaptureError, match=r"max_grad_norm=.*last_grad_norm"):
+        zero_compile(clipping_step, backend="eager")(model, torch.optim.SGD(model.parameters()),
+                                                     *batch())
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"stage": 5}, "stage must be 0, 1, 2 or 3"),
     ({"backend": "tensorrt"}, "backend must be one of"),
+    ({"accumulation_steps": 0}, "accumulation_steps must be an int >= 1"),
+    ({"max_grad_norm": -1.0}, "max_grad_norm must be a number > 0"),
 ])
 def test_bad_configuration(kwargs, message):
     with pytest.raises(ValueError, match=message):
         zero_compile(standard_step, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"param_dtype": torch.int8}, "param_dtype must be a floating dtype"),
+    ({"loss_scale": "sometimes"}, "loss_scale must be"),
+    ({"loss_scale": -2.0}, "loss_scale must be"),
+])
+def test_bad_mixed_precision_policy(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MixedPrecision(**kwargs)
+    with pytest.raises(TypeError, match="zero_fx.MixedPrecision"):
+        zero_compile(standard_step, mixed_precision=torch.bfloat16)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -138,6 +138,15 @@ def _gradients_as_outputs(gm: GraphModule) -> dict[int, str]:
         if dest.target != aten.empty_like.default or PARAM_META not in dest.args[0].meta:
             continue
         name = dest.args[0].meta[PARAM_META]
+        readers = [user for user in out.users if user.op != "output"]
+        if readers:
+            raise CaptureError(
+                f"the step reads or changes the gradient of {name} between loss.backward() and "
+                f"opt.step() ({readers[0].target}); zero_fx reduces (and shards) gradients across "
+                "ranks where the backward produces them, so code there would see unreduced "
+                "values. To clip, use "
+                "zero_compile(max_grad_norm=...) instead of clip_grad_norm_ (the norm is "
+                "step.last_grad_norm); to accumulate, zero_compile(accumulation_steps=...)")
         if name in slots.values():
             raise CaptureError(f"parameter {name} received two gradient outputs; zero_fx "
                                "supports one loss.backward() per step")

@@ -137,6 +137,15 @@ def _plan_section(plan) -> str:
                  if plan.bucket_bytes else "  one collective per parameter (bucket_bytes=0)")
     lines[-1] += (f", prefetch {plan.prefetch}, memory budget "
                   f"{format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else 'none'}")
+    if plan.compute_dtype is not None:
+        lines.append(f"  mixed precision: compute and gather {short_dtype(plan.compute_dtype)}, reduce "
+                     f"{short_dtype(plan.reduce_dtype or plan.compute_dtype)}, masters and optimizer "
+                     f"state {'/'.join(dtypes)}" + (", loss scaled" if plan.loss_scaled else ""))
+    if plan.accumulation_steps > 1:
+        where = ("summed whole and reduced once per optimizer step, outside the graph"
+                 if not plan.reduces_in_graph else "reduced every call, shards summed")
+        lines.append(f"  gradient accumulation: {plan.accumulation_steps} calls per optimizer "
+                     f"step; gradients {where}")
     if plan.params_sharded:
         lines.append(f"  resident (gathered once per step): {len(plan.resident)} parameters, "
                      f"{sum(plan.layout(n).numel for n in plan.resident):,} elements")
@@ -146,7 +155,7 @@ def _plan_section(plan) -> str:
     for l in plan.params:
         shape = "[" + ", ".join(map(str, l.shape)) + "]"
         per_rank = l.numel if plan.replicated else l.shard_numel
-        flag = "  resident" if l.name in plan.resident else ""
+        flag = ("  resident" if l.name in plan.resident else "") + ("" if l.requires_grad else "  frozen")
         lines.append(f"  {l.name:<{width}}  {shape:<16} {l.numel:>11,} {per_rank:>10,} "
                      f"{0 if plan.replicated else l.padding:>8,}{flag}")
     return "\n".join(lines)
