@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples.gpt import GPT, GPTConfig  # noqa: E402
-from zero_fx import zero_compile  # noqa: E402
+from zero_fx import MixedPrecision, zero_compile  # noqa: E402
 
 # -- arguments ------------------------------------------------------------------
 parser = argparse.ArgumentParser()
@@ -24,6 +24,11 @@ parser.add_argument("--batch-size", type=int, default=8, help="global batch, spl
 parser.add_argument("--backend", default="inductor", help="inductor | aot_eager | eager")
 parser.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3],
                     help="0 = DDP, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters")
+parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                    help="bf16/fp16: compute and all-gather in 16 bits, fp32 masters (fp16 scales the loss)")
+parser.add_argument("--accumulation-steps", type=int, default=1,
+                    help="micro-batches (calls of the step) per optimizer step")
+parser.add_argument("--max-grad-norm", type=float, default=None, help="clip the gradient to this norm")
 parser.add_argument("--explain", action="store_true",
                     help="print what zero_fx did: plan, collectives, gathered lifetimes, memory")
 parser.add_argument("--dump-dir", default=None,
@@ -48,8 +53,8 @@ assert args.batch_size % world == 0, "the global batch must split evenly over ra
 local_batch = args.batch_size // world
 
 
-def get_batch(step):
-    rows = torch.randint(0, len(corpus), (args.batch_size,), generator=torch.Generator().manual_seed(step))
+def get_batch(call):
+    rows = torch.randint(0, len(corpus), (args.batch_size,), generator=torch.Generator().manual_seed(call))
     rows = rows[rank * local_batch:(rank + 1) * local_batch]  # this rank's slice of the global batch
     seq = corpus[rows].to(device)
     return seq[:, :-1], seq[:, 1:]
@@ -65,7 +70,13 @@ log(f"GPT with {num_params / 1e6:.2f}M parameters, stage {args.stage}, {world} r
 
 
 # -- the training step: the one line where zero_fx plugs in ----------------------
-@zero_compile(stage=args.stage, backend=args.backend, dump_dir=args.dump_dir)
+precision = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+
+
+@zero_compile(stage=args.stage, backend=args.backend, dump_dir=args.dump_dir,
+              mixed_precision=MixedPrecision(param_dtype=precision, output_dtype=torch.float32)
+              if precision else None,
+              accumulation_steps=args.accumulation_steps, max_grad_norm=args.max_grad_norm)
 def train_step(model, opt, x, y):
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
@@ -76,15 +87,19 @@ def train_step(model, opt, x, y):
 
 # -- training loop -----------------------------------------------------------------
 times = []
-for step in range(args.steps):
-    x, y = get_batch(step)
+for step in range(args.steps):  # one optimizer step: accumulation-steps calls, a micro-batch each
     start = time.perf_counter()
-    loss = train_step(model, opt, x, y)
+    loss = 0.0
+    for micro in range(args.accumulation_steps):
+        x, y = get_batch(step * args.accumulation_steps + micro)
+        loss += train_step(model, opt, x, y) / args.accumulation_steps
     if dist.is_initialized():  # the mean loss over ranks is the loss of the global batch
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
         loss /= world
     times.append(time.perf_counter() - start)
-    log(f"step {step + 1:3d}/{args.steps}  loss {loss.item():.4f}  {1e3 * times[-1]:8.1f} ms")
+    norm = train_step.last_grad_norm
+    log(f"step {step + 1:3d}/{args.steps}  loss {loss.item():.4f}  {1e3 * times[-1]:8.1f} ms"
+        + (f"  grad norm {norm.item():.3f}" if norm is not None else ""))
 
 # -- summary -------------------------------------------------------------------------
 storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()

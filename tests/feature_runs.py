@@ -79,8 +79,8 @@ def zero_fx_rank(rank: int, world_size: int, model_name: str, stage: int, optimi
     opt = make_optimizer(model, optimizer)
     scheduler = schedule(opt, scheduled)
     loss_of = models.training_step(_data_name(model_name))
-    train_step = zero_compile(loss_of, stage=stage, backend="aot_eager",
-                              accumulation_steps=micro_batches, **dict(options))
+    train_step = zero_compile(loss_of, stage=stage, accumulation_steps=micro_batches,
+                              **{"backend": "aot_eager", **dict(options)})
     losses, norms = [], []
     for step in range(steps):
         x, y = models.global_batch(_data_name(model_name), step)

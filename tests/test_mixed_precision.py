@@ -40,6 +40,12 @@ def test_bf16_trains_like_fp32_with_fp32_masters(stage):
     assert {p.dtype for p in result["params"].values()} == {torch.float32}
 
 
+@pytest.mark.inductor
+def test_bf16_lowers_with_inductor():
+    assert_close_to_fp32(zero_fx_run(2, "gpt", 3, options=BF16 + (("backend", "inductor"),)),
+                         1e-3, 1e-2)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_fp16_with_loss_scaling_trains_like_fp32(stage):
     assert_close_to_fp32(zero_fx_run(2, "gpt", stage, options=FP16), 1e-3, 2e-3)

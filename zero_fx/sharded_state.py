@@ -27,8 +27,10 @@ class ShardedState:
     """The model and optimizer after sharding.
 
     ``shards[name]`` is what the optimizer steps on for parameter ``name``: in
-    stages 1-3 a flat 1/N slice (the fp32 master), in stage 0 (replicated, as
-    in DDP) the model's own parameter, untouched.
+    stages 1-3 a flat 1/N slice (the master, in the parameter's own dtype), in
+    stage 0 (replicated, as in DDP) the model's own parameter, untouched, or
+    under mixed precision a whole master copy of it (the model's parameter
+    then holds the compute dtype; [Note: mixed precision] in precision.py).
 
     [Note: stages 1 and 2 keep whole parameters]
     As in DeepSpeed's ZeRO-1/2, every rank keeps the model's whole parameters:
