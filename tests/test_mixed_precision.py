@@ -103,3 +103,11 @@ def test_fp16_overflow_skips_the_step_and_the_scale_follows_gradscalers_rule():
         assert torch.equal(result["params"][1][name], value), name
     assert not torch.equal(result["params"][2]["wte.weight"], initial["wte.weight"])
     assert all(torch.equal(result["params"][4][n], result["params"][3][n]) for n in initial)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_bf16_with_accumulation_sums_in_fp32(stage):
+    """Stage 0 sums whole bf16 gradients into fp32 and reduces once; stage 3 sums fp32 shards."""
+    results = zero_fx_run(2, "gpt", stage, options=BF16, micro_batches=2)
+    assert_close_to_fp32(results, 1e-3, 1e-2)
+    assert results[0]["optimizer_steps"] == 5
