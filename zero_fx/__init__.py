@@ -2,6 +2,7 @@
 
 from .api import CompiledStep, explain, zero_compile
 from .capture import CaptureError
+from .checkpoint_files import CheckpointError
 from .config import ZeroConfig
 from .cost_model import PRESETS, Estimate, Hardware, estimate
 from .offline import rewritten_step_on_fake
@@ -15,6 +16,7 @@ __all__ = [
     "after",
     "before",
     "CaptureError",
+    "CheckpointError",
     "Compilation",
     "CompiledStep",
     "Estimate",

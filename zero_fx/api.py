@@ -14,6 +14,7 @@ from torch.fx import GraphModule
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from . import checkpoint
 from .capture import CaptureError, capture_step_graph, fakes_like_dynamo, has_dynamic_shapes
 from .collective_counter import CollectiveCounter
 from .cost_model import Estimate, estimate
@@ -411,6 +412,58 @@ class CompiledStep:
         for the block and freed after it, changes discarded; enter it on every rank. Stages
         0-2 keep whole parameters and need nothing."""
         return self._sharded_state().gathered_parameters()
+
+    def save_checkpoint(self, path: str, extra: Any = None) -> None:
+        """Write a sharded checkpoint of the model, optimizer, counters, RNG state and
+        ``extra`` (anything picklable: your step number, scheduler state) to the folder
+        ``path``; every rank writes its part in parallel. A collective: call on every rank.
+        Atomic: a crash during the save leaves the previous checkpoint (or none), never a
+        half-written one that loads. See the README, "Checkpoints"."""
+        state = self._sharded_state()
+        if self._update.micro_step:
+            raise RuntimeError(
+                f"save_checkpoint after call {self._update.micro_step} of "
+                f"{self.config.accumulation_steps} of an accumulation window: the summed gradients "
+                "are not saved, so save right after an optimizer step")
+        checkpoint.save(state, path, self._runtime_state(), extra)
+
+    def load_checkpoint(self, path: str, model: Optional[torch.nn.Module] = None,
+                        optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
+        """Load a checkpoint written by ``save_checkpoint`` (at any world size and stage) and
+        return its ``extra``. Before the step's first call, pass the model and optimizer to
+        shard (the same objects the step is then called with). A collective."""
+        if self.state is None:
+            if model is None or optimizer is None:
+                raise ValueError("load_checkpoint before the step's first call needs the model and "
+                                 "optimizer to shard: step.load_checkpoint(path, model, optimizer)")
+            self._shard(model, optimizer)
+        elif (model is not None and model is not self.state.model) or (
+                optimizer is not None and optimizer is not self.state.optimizer):
+            raise ValueError("this compiled step already shards another model or optimizer")
+        runtime, extra = checkpoint.load(self.state, path)
+        self._restore_runtime_state(runtime)
+        return extra
+
+    def full_state_dict(self, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+        """The model's whole ``state_dict()`` (fp32 masters, or ``dtype``; tied names;
+        buffers) for plain PyTorch's ``model.load_state_dict``. A collective: call it on
+        every rank (each gets the whole dict)."""
+        return checkpoint.full_state_dict(self._sharded_state(), dtype)
+
+    def _runtime_state(self) -> dict:
+        scaler = self._scaler
+        return {"optimizer_steps": self._update.optimizer_steps,
+                "loss_scale": scaler.scale.item() if scaler else None,
+                "clean_steps": scaler.clean_steps if scaler else 0,
+                "skipped_steps": scaler.skipped_steps if scaler else 0}
+
+    def _restore_runtime_state(self, saved: dict) -> None:
+        self._update.optimizer_steps = saved["optimizer_steps"]
+        self._update.micro_step = 0
+        if self._scaler is not None and saved["loss_scale"] is not None:
+            self._scaler.scale.fill_(saved["loss_scale"])
+            self._scaler.clean_steps = saved["clean_steps"]
+            self._scaler.skipped_steps = saved["skipped_steps"]
 
     @property
     def optimizer_steps(self) -> int:

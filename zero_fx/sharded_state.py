@@ -150,6 +150,10 @@ class ShardedState:
             raise ValueError("the optimizer gained parameters after zero_compile sharded it "
                              "(add_param_group?); give all parameter groups before the first call")
 
+    def shard_names(self) -> dict[int, str]:
+        """``{id(shard): parameter name}`` for the tensors the optimizer holds."""
+        return {id(shard): name for name, shard in self.shards.items()}
+
     def param_name(self, tensor: torch.Tensor) -> Optional[str]:
         """The plan name of a model parameter, or None for any other tensor."""
         return self._name_of.get(id(tensor))
@@ -206,13 +210,14 @@ class ShardedState:
         return [s.grad for s in self.shards.values() if s.grad is not None]
 
     @torch.no_grad()
-    def refresh_parameters(self) -> None:
+    def refresh_parameters(self, frozen: bool = False) -> None:
         """Copy the updated masters into the model's parameters.
 
         Stage 0 with mixed precision: a cast copy of each master. Stages 1-2:
         all-gather the updated shards (cast to the compute dtype) into the whole
         parameters, one collective per bucket (``plan.buckets``, in plan order);
-        frozen parameters never change and are skipped. A no-op in stage 0
+        frozen parameters never change and are skipped unless ``frozen`` (after
+        loading a checkpoint). A no-op in stage 0
         without mixed precision (the optimizer stepped on the parameters) and in
         stage 3 (the next step gathers where it uses them).
         """
@@ -222,8 +227,8 @@ class ShardedState:
             for name, param in self.params.items():
                 param.copy_(self.shards[name])
             return
-        trainable = [layout.name for layout in self.plan.params if layout.requires_grad]
-        for bucket in self.plan.buckets(trainable):
+        names = [layout.name for layout in self.plan.params if frozen or layout.requires_grad]
+        for bucket in self.plan.buckets(names):
             fulls = self._gather(bucket, [self.shards[name].detach() for name in bucket],
                                  dtype=self.plan.compute_dtype)
             for name, full in zip(bucket, fulls):

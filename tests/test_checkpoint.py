@@ -1,0 +1,180 @@
+"""Checkpoints: resume reproduces the run, reshard 4 -> 2 -> 1 across stages, export, bad input."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import models
+from ranks import run_ranks
+from zero_fx import CheckpointError, MixedPrecision, zero_compile
+from zero_fx.checkpoint import load_full
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def training_rank(rank, world_size, stage, steps, load_from=None, save_to=None, save_after=None,
+                  precision=None):
+    """Train the test GPT (AdamW) on this rank's slice of each global batch; optionally start
+    from a checkpoint and save one after ``save_after`` steps."""
+    model = models.build("gpt", seed=1)
+    opt = models.make_optimizer(model)
+    step = zero_compile(models.training_step("gpt"), stage=stage, backend="aot_eager",
+                        mixed_precision=precision)
+    first = 0
+    if load_from:
+        first = step.load_checkpoint(load_from, model, opt)["next_step"]
+    losses = {}
+    for i in range(first, steps):
+        if save_to and save_after == i:
+            step.save_checkpoint(save_to, extra={"next_step": i})
+        x, y = models.global_batch("gpt", i)
+        losses[i] = step(model, opt, x[rank::world_size], y[rank::world_size]).item()
+    if save_to and save_after == steps:
+        step.save_checkpoint(save_to, extra={"next_step": steps})
+    return {"losses": losses, "params": step.full_parameters(),
+            "optimizer_steps": step.optimizer_steps, "loss_scale": step.loss_scale}
+
+
+@pytest.mark.parametrize("stage, precision", [(3, None), (0, None),
+                                              (1, MixedPrecision(param_dtype=torch.float16))])
+def test_a_resumed_run_continues_bitwise_like_the_uninterrupted_one(tmp_path, stage, precision):
+    path = str(tmp_path / "ckpt")
+    whole = run_ranks(2, training_rank, stage, 6, None, None, None, precision)
+    run_ranks(2, training_rank, stage, 3, None, path, 3, precision)
+    resumed = run_ranks(2, training_rank, stage, 6, path, None, None, precision)
+    for rank in range(2):
+        assert resumed[rank]["losses"] == {i: whole[rank]["losses"][i] for i in (3, 4, 5)}
+        for name, value in whole[rank]["params"].items():
+            assert torch.equal(resumed[rank]["params"][name], value), name
+        assert resumed[rank]["optimizer_steps"] == whole[rank]["optimizer_steps"]  # fp16 skips one
+        assert resumed[rank]["loss_scale"] == whole[rank]["loss_scale"]
+
+
+def resharding_rank(rank, world_size, stage, load_from, save_to):
+    model = models.build("gpt", seed=1)
+    opt = models.make_optimizer(model)
+    step = zero_compile(models.training_step("gpt"), stage=stage, backend="aot_eager")
+    if load_from:
+        step.load_checkpoint(load_from, model, opt)
+    else:
+        for i in range(2):
+            x, y = models.global_batch("gpt", i)
+            step(model, opt, x[rank::world_size], y[rank::world_size])
+    step.save_checkpoint(save_to, extra={"next_step": 2})
+    x, y = models.global_batch("gpt", 2)  # one more step from what was saved
+    loss = step(model, opt, x[rank::world_size], y[rank::world_size]).item()
+    return {"loss": loss, "params": step.full_parameters()}
+
+
+def test_a_checkpoint_reshards_from_4_ranks_to_2_and_1_and_across_stages(tmp_path):
+    """Saved by 4 ranks in stage 3, loaded by 2 in stage 1 and saved again, loaded by 1 in
+    stage 0: the same parameters and optimizer state each time, and the next step trains
+    the same (the mean loss over ranks; parameters to reduction-order rounding)."""
+    paths = [str(tmp_path / name) for name in ("at4", "at2", "at1")]
+    runs = [run_ranks(4, resharding_rank, 3, None, paths[0]),
+            run_ranks(2, resharding_rank, 1, paths[0], paths[1]),
+            run_ranks(1, resharding_rank, 0, paths[1], paths[2])]
+    saved = [load_full(path) for path in paths]
+    keys = [k for k in saved[0] if k.startswith(("model.", "optim."))]
+    assert any(k.endswith(".exp_avg_sq") for k in keys)
+    for other in saved[1:]:
+        for key in keys:
+            assert torch.equal(other[key], saved[0][key]), key
+    mean_losses = [sum(r["loss"] for r in run) / len(run) for run in runs]
+    assert max(mean_losses) - min(mean_losses) < 1e-5 * mean_losses[0]
+    for name, value in runs[0][0]["params"].items():
+        assert torch.allclose(runs[2][0]["params"][name], value, rtol=1e-5, atol=1e-6), name
+
+
+def _trained_at_world_1(path, stage=3, steps=2):
+    model = models.build("gpt", seed=1)
+    opt = models.make_optimizer(model)
+    step = zero_compile(models.training_step("gpt"), stage=stage, backend="aot_eager")
+    for i in range(steps):
+        step(model, opt, *models.global_batch("gpt", i))
+    step.save_checkpoint(path, extra={"next_step": steps})
+    return step, model, opt
+
+
+def test_export_writes_a_state_dict_plain_pytorch_loads(tmp_path):
+    path, output = str(tmp_path / "ckpt"), str(tmp_path / "model.pt")
+    step, _, _ = _trained_at_world_1(path)
+    live = step.full_state_dict()
+    run = subprocess.run([sys.executable, "-m", "zero_fx.export", path, output],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "wrote" in run.stdout
+    plain = models.build("gpt", seed=2)  # other values, same architecture
+    plain.load_state_dict(torch.load(output))  # strict: every name, tied ones included
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, live[name]), name
+    assert torch.equal(plain.lm_head.weight, plain.wte.weight)
+    run = subprocess.run([sys.executable, "-m", "zero_fx.export", path, output, "--dtype",
+                          "bfloat16"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert {v.dtype for v in torch.load(output).values()} == {torch.bfloat16}
+
+
+def _fresh_step(model=None, optimizer="adamw"):
+    model = model or models.build("gpt", seed=1)
+    return (zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager"), model,
+            models.make_optimizer(model, optimizer))
+
+
+def test_loading_into_a_different_model_names_the_parameter(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _trained_at_world_1(path)
+    from examples.gpt import GPT, GPTConfig
+
+    wider = GPT(GPTConfig(vocab_size=models.VOCAB, block_size=models.SEQ, n_layer=2, n_head=2,
+                          n_embd=48, bias=False))
+    step, model, opt = _fresh_step(wider)
+    with pytest.raises(CheckpointError, match=r"parameter wte.weight: checkpoint \[64, 32\], "
+                                              r"model \[64, 48\]"):
+        step.load_checkpoint(path, model, opt)
+    deeper = GPT(GPTConfig(vocab_size=models.VOCAB, block_size=models.SEQ, n_layer=3, n_head=2,
+                           n_embd=32, bias=False))
+    step, model, opt = _fresh_step(deeper)
+    with pytest.raises(CheckpointError, match="parameter blocks.2.attn.qkv.weight is not in the"):
+        step.load_checkpoint(path, model, opt)
+    step, model, opt = _fresh_step(optimizer="sgd")
+    with pytest.raises(CheckpointError, match="state of AdamW, the optimizer is SGD"):
+        step.load_checkpoint(path, model, opt)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate", "is truncated"),
+    ("flip", "is corrupted"),
+    ("unfinished", "did not finish"),
+])
+def test_a_damaged_checkpoint_is_detected(tmp_path, damage, message):
+    path = str(tmp_path / "ckpt")
+    _trained_at_world_1(path)
+    data = [f for f in os.listdir(path) if f.endswith(".distcp")][0]
+    file = os.path.join(path, data)
+    if damage == "truncate":
+        os.truncate(file, os.path.getsize(file) // 2)
+    elif damage == "flip":
+        with open(file, "r+b") as f:
+            f.seek(os.path.getsize(file) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    else:  # what a save interrupted before its manifest leaves
+        os.remove(os.path.join(path, "zero_fx.json"))
+    step, model, opt = _fresh_step()
+    with pytest.raises(CheckpointError, match=message):
+        step.load_checkpoint(path, model, opt)
+
+
+def test_saving_over_a_checkpoint_replaces_it_whole(tmp_path):
+    path = str(tmp_path / "ckpt")
+    step, model, opt = _trained_at_world_1(path, steps=1)
+    first = load_full(path)["model.wte.weight"]
+    step(model, opt, *models.global_batch("gpt", 5))
+    step.save_checkpoint(path)
+    assert not torch.equal(load_full(path)["model.wte.weight"], first)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # nothing staged or replaced left behind

@@ -1,0 +1,312 @@
+"""Sharded checkpoints: save and load a compiled step's state with ``torch.distributed.checkpoint``.
+
+[Note: checkpoint layout]
+Every parameter is saved as one logical tensor, flat and unpadded (Ψ elements
+in all): ``model.<name>``, the fp32 master. Rank r writes only the elements
+it owns, described as a ``DTensor`` sharded on dimension 0; our flat layout
+(``ceil(numel / N)`` elements per rank, the tail short or empty) is exactly
+``Shard(0)``'s chunking, so DCP can read the same checkpoint back at any world
+size: each rank asks for its own range and DCP reads the overlapping pieces.
+Stage 0 (replicated) saves the same logical tensors, whole, written once, and
+reads back into whole ones: the layout does not depend on the stage either.
+Optimizer state follows the same rule per parameter (``optim.<name>.<key>``:
+parameter-sized state sharded like the parameter, scalars such as ``step``
+replicated), with the hyper-parameters of each parameter group; then the
+persistent buffers (rank 0's), each rank's RNG state, zero_fx's counters (loss
+scale, optimizer steps) and the caller's ``extra`` object. Files:
+[Note: atomic checkpoints] in checkpoint_files.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from .checkpoint_files import (CheckpointError, check_files, clear_staging, publish, read_manifest,
+                               staging_path)
+from .sharded_state import ShardedState
+
+log = logging.getLogger("zero_fx")
+
+
+def save(state: ShardedState, path: str, runtime: dict, extra: Any = None) -> None:
+    """Write ``state`` (and ``runtime`` counters, ``extra``) to ``path``; a collective."""
+    path = os.fspath(path)
+    world = state.world
+    if world.rank == 0:
+        clear_staging(path)
+    _barrier(world)
+    entries = _tensors(state, _mesh(state))
+    entries.update(_objects(state, runtime, extra))
+    entries[f"rng.rank{world.rank}"] = torch.get_rng_state()
+    with _single_process_quietly():
+        dcp.save(entries, checkpoint_id=staging_path(path), no_dist=world.size == 1)
+    _barrier(world)
+    if world.rank == 0:
+        publish(path, _manifest(state))
+    _barrier(world)
+    log.info("zero_fx: saved a checkpoint of %d parameters at %s", len(state.plan.params), path)
+
+
+def load(state: ShardedState, path: str) -> tuple[dict, Any]:
+    """Read ``path`` into ``state`` (any world size or stage it was saved at); return the
+    saved runtime counters and ``extra``. A collective."""
+    path = os.fspath(path)
+    manifest = read_manifest(path)
+    _check_files_on_all_ranks(state, path, manifest)
+    _check_same_model(state, manifest)
+    _initialize_optimizer_state(state)
+    saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    entries = _tensors(state, _mesh(state))
+    _check_same_optimizer(entries, saved_keys, manifest, state)
+    entries.update({k: None for k in ("zero_fx.runtime", "zero_fx.extra", "optim.param_groups")})
+    rng = f"rng.rank{state.world.rank}"
+    if rng in saved_keys:
+        entries[rng] = torch.get_rng_state()
+    else:
+        log.warning("zero_fx: the checkpoint was saved at %d rank(s) and holds no RNG state "
+                    "for rank %d; its RNG is left as it is", manifest["world_size"], state.world.rank)
+    with _single_process_quietly():
+        dcp.load(entries, checkpoint_id=path, no_dist=state.world.size == 1)
+    _restore_param_groups(state.optimizer, pickle.loads(entries["optim.param_groups"]), state)
+    if rng in entries:
+        torch.set_rng_state(entries[rng])
+    state.zero_grad()
+    state.refresh_parameters(frozen=True)
+    return pickle.loads(entries["zero_fx.runtime"]), pickle.loads(entries["zero_fx.extra"])
+
+
+# -- what is saved ---------------------------------------------------------------------
+
+def _tensors(state: ShardedState, mesh) -> dict[str, Any]:
+    """Every tensor entry, each a view of the tensor it is saved from or loaded into."""
+    entries: dict[str, Any] = {}
+    for layout in state.plan.params:
+        shard = state.shards[layout.name]
+        entries[f"model.{layout.name}"] = _logical(shard, layout, state, mesh)
+        for key, value in state.optimizer.state.get(shard, {}).items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            per_element = value.ndim > 0 and value.numel() == shard.numel()
+            entries[f"optim.{layout.name}.{key}"] = (_logical(value, layout, state, mesh)
+                                                     if per_element else value)
+    for name, buffer in persistent_buffers(state.model).items():
+        entries[f"buffers.{name}"] = buffer
+    return entries
+
+
+def _logical(tensor: torch.Tensor, layout, state: ShardedState, mesh):
+    """The flat, unpadded logical parameter that ``tensor`` (a shard, or a whole tensor in
+    stage 0) holds this rank's part of, as a view of it ([Note: checkpoint layout])."""
+    flat = tensor.detach().view(-1)
+    if state.plan.replicated or mesh is None:
+        return flat[:layout.numel]
+    start, stop = layout.owned_range(state.world.rank)
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(flat[:stop - start], mesh, [Shard(0)], run_check=False,
+                              shape=torch.Size([layout.numel]), stride=(1,))
+
+
+def _objects(state: ShardedState, runtime: dict, extra: Any) -> dict[str, Any]:
+    names = state.shard_names()
+    groups = [{"params": [names[id(p)] for p in group["params"]],
+               **{k: v for k, v in group.items() if k != "params"}}
+              for group in state.optimizer.param_groups]
+    # pickled here: DCP would flatten a dict or list into one entry per leaf
+    return {key: pickle.dumps(value) for key, value in (
+        ("zero_fx.runtime", runtime), ("zero_fx.extra", extra), ("optim.param_groups", groups))}
+
+
+def _manifest(state: ShardedState) -> dict:
+    plan = state.plan
+    return {
+        "world_size": plan.world_size,
+        "stage": plan.stage,
+        "params": {l.name: {"shape": list(l.shape), "dtype": str(l.dtype).removeprefix("torch."),
+                            "requires_grad": l.requires_grad} for l in plan.params},
+        "aliases": tied_aliases(state.model),
+        "buffers": {name: list(b.shape) for name, b in persistent_buffers(state.model).items()},
+        "optimizer": type(state.optimizer).__name__,
+        "optimizer_state": {state.shard_names()[id(shard)]: sorted(values)
+                            for shard, values in state.optimizer.state.items()},
+    }
+
+
+def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``model.state_dict()`` would hold, by name."""
+    found = {}
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                found[f"{module_name}.{name}" if module_name else name] = buffer
+    return found
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """``{second name: first name}`` for parameters registered under two names."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+# -- checks before loading ---------------------------------------------------------------
+
+def _check_files_on_all_ranks(state: ShardedState, path: str, manifest: dict) -> None:
+    world = state.world
+    problems = check_files(path, manifest, lambda index: index % world.size == world.rank)
+    if world.size > 1:
+        everyone: list = [None] * world.size
+        dist.all_gather_object(everyone, problems)
+        problems = [p for rank_problems in everyone for p in rank_problems]
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(sorted(problems)))
+
+
+def _check_same_model(state: ShardedState, manifest: dict) -> None:
+    saved = manifest["params"]
+    ours = {l.name: l for l in state.plan.params}
+    missing = [n for n in ours if n not in saved]
+    unexpected = [n for n in saved if n not in ours]
+    misshaped = [f"{n}: checkpoint {saved[n]['shape']}, model {list(ours[n].shape)}"
+                 for n in ours if n in saved and saved[n]["shape"] != list(ours[n].shape)]
+    problems = ([f"parameter {n} is not in the checkpoint" for n in missing[:5]]
+                + [f"the checkpoint has parameter {n}, which the model lacks" for n in unexpected[:5]]
+                + [f"parameter {m}" for m in misshaped[:5]])
+    if problems:
+        raise CheckpointError("the checkpoint was saved from a different model: "
+                              + "; ".join(problems))
+    buffers = persistent_buffers(state.model)
+    wrong = [n for n in buffers if manifest["buffers"].get(n) != list(buffers[n].shape)]
+    if wrong:
+        raise CheckpointError(f"buffer {wrong[0]} is missing from the checkpoint or has another "
+                              "shape: it was saved from a different model")
+
+
+def _check_same_optimizer(entries: dict, saved_keys: set, manifest: dict,
+                          state: ShardedState) -> None:
+    ours = type(state.optimizer).__name__
+    if manifest["optimizer"] != ours:
+        raise CheckpointError(f"the checkpoint holds the state of {manifest['optimizer']}, the "
+                              f"optimizer is {ours}: build the optimizer the run was saved with")
+    missing = sorted(k for k in entries if k.startswith("optim.") and k not in saved_keys)
+    if missing:
+        raise CheckpointError(f"the checkpoint has no optimizer state {missing[0]} "
+                              f"({len(missing)} missing): it was saved before the optimizer's "
+                              "first step, or with other optimizer settings")
+
+
+def _initialize_optimizer_state(state: ShardedState) -> None:
+    """Create the optimizer's state (one step with zero gradients and a zero learning rate)
+    so that loading has tensors to read into; the load then overwrites all of it."""
+    optimizer = state.optimizer
+    trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if all(p in optimizer.state for p in trainable):
+        return
+    saved_lr = [group["lr"] for group in optimizer.param_groups]
+    for shard in trainable:
+        shard.grad = torch.zeros_like(shard)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    with torch.no_grad():
+        before = [p.detach().clone() for p in trainable]
+        optimizer.step()
+        for p, value in zip(trainable, before):  # weight decay at lr 0 is a no-op; make sure
+            p.copy_(value)
+    for group, lr in zip(optimizer.param_groups, saved_lr):
+        group["lr"] = lr
+    state.zero_grad()
+
+
+def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list, state: ShardedState) -> None:
+    names = state.shard_names()
+    ours = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    if [group["params"] for group in saved] != ours:
+        raise CheckpointError("the optimizer's parameter groups differ from the checkpoint's "
+                              "(other parameters, or another grouping)")
+    for group, values in zip(optimizer.param_groups, saved):
+        group.update({k: v for k, v in values.items() if k != "params"})
+
+
+def _mesh(state: ShardedState):
+    """A one-dimensional device mesh over the step's ranks; None at world size 1."""
+    if state.world.size == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = next(iter(state.shards.values())).device.type
+    return init_device_mesh(device, (state.world.size,))
+
+
+@contextlib.contextmanager
+def _single_process_quietly():
+    """DCP warns that it "assumes the intent" of a single process even when told so."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _barrier(world) -> None:
+    if world.size > 1:
+        dist.barrier()
+
+
+def load_full(path: str) -> dict[str, torch.Tensor]:
+    """Offline, one process: every tensor of the checkpoint, whole (parameters reshaped),
+    keyed as saved. Checks the files first."""
+    manifest = read_manifest(path)
+    problems = check_files(path, manifest, lambda index: True)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    entries: dict[str, Any] = {}
+    for key, meta in metadata.items():
+        if hasattr(meta, "size"):  # a tensor; the rest are objects
+            entries[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    with _single_process_quietly():
+        dcp.load(entries, checkpoint_id=path, no_dist=True)
+    for name, info in manifest["params"].items():
+        entries[f"model.{name}"] = entries[f"model.{name}"].view(info["shape"])
+    return entries
+
+
+def model_state_dict(path: str, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """A full ``model.state_dict()`` from a checkpoint: parameters (tied names too) in
+    ``dtype`` (None: as saved, fp32 masters) and buffers; loads into the model with plain
+    ``model.load_state_dict``."""
+    manifest = read_manifest(path)
+    entries = load_full(path)
+    state = {}
+    for name in manifest["params"]:
+        value = entries[f"model.{name}"]
+        state[name] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
+    for alias, name in manifest["aliases"].items():
+        state[alias] = state[name]
+    for name in manifest["buffers"]:
+        state[name] = entries[f"buffers.{name}"]
+    return state
+
+
+def full_state_dict(state: ShardedState, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """The live run's ``model.state_dict()``, whole: fp32 masters (or ``dtype``) gathered from
+    every rank (a collective), tied names, persistent buffers."""
+    full = state.full_parameters()
+    result = {name: value.to(dtype) if dtype is not None else value for name, value in full.items()}
+    for alias, name in tied_aliases(state.model).items():
+        result[alias] = result[name]
+    for name, buffer in persistent_buffers(state.model).items():
+        result[name] = buffer.detach().clone()
+    return result

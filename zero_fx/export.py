@@ -1,0 +1,38 @@
+"""Write a plain PyTorch ``state_dict`` from a zero_fx checkpoint, offline, in one process.
+
+    python -m zero_fx.export CHECKPOINT_DIR model.pt [--dtype bfloat16]
+
+The result loads with ``model.load_state_dict(torch.load("model.pt"))`` into the
+model the run trained, without zero_fx or a process group: every parameter
+whole (fp32 masters unless ``--dtype``), tied names and buffers included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from .checkpoint import model_state_dict
+from .formatting import format_bytes
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m zero_fx.export", description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", help="a folder written by step.save_checkpoint")
+    parser.add_argument("output", help="the .pt file to write")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="cast floating parameters (default: as saved, the fp32 masters)")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    print(f"reading {args.checkpoint} ...", flush=True)
+    state = model_state_dict(args.checkpoint, getattr(torch, args.dtype) if args.dtype else None)
+    torch.save(state, args.output)
+    size = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
+    print(f"wrote {args.output}: {len(state)} entries, {format_bytes(size)}, "
+          f"in {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
