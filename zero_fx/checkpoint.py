@@ -46,7 +46,7 @@ def save(state: ShardedState, path: str, runtime: dict, extra: Any = None) -> No
     _barrier(world)
     entries = _tensors(state, _mesh(state))
     entries.update(_objects(state, runtime, extra))
-    entries[f"rng.rank{world.rank}"] = torch.get_rng_state()
+    entries.update(_rng_states(world.rank))
     with _single_process_quietly():
         dcp.save(entries, checkpoint_id=staging_path(path), no_dist=world.size == 1)
     _barrier(world)
@@ -68,17 +68,17 @@ def load(state: ShardedState, path: str) -> tuple[dict, Any]:
     entries = _tensors(state, _mesh(state))
     _check_same_optimizer(entries, saved_keys, manifest, state)
     entries.update({k: None for k in ("zero_fx.runtime", "zero_fx.extra", "optim.param_groups")})
-    rng = f"rng.rank{state.world.rank}"
-    if rng in saved_keys:
-        entries[rng] = torch.get_rng_state()
+    rng = _rng_states(state.world.rank)
+    if rng.keys() <= saved_keys:
+        entries.update(rng)
     else:
         log.warning("zero_fx: the checkpoint was saved at %d rank(s) and holds no RNG state "
-                    "for rank %d; its RNG is left as it is", manifest["world_size"], state.world.rank)
+                    "for rank %d (or its CUDA device); its RNG is left as it is", manifest["world_size"], state.world.rank)
     with _single_process_quietly():
         dcp.load(entries, checkpoint_id=path, no_dist=state.world.size == 1)
     _restore_param_groups(state.optimizer, pickle.loads(entries["optim.param_groups"]), state)
-    if rng in entries:
-        torch.set_rng_state(entries[rng])
+    if rng.keys() <= entries.keys():
+        _set_rng_states(state.world.rank, entries)
     state.zero_grad()
     state.refresh_parameters(frozen=True)
     return pickle.loads(entries["zero_fx.runtime"]), pickle.loads(entries["zero_fx.extra"])
@@ -114,6 +114,20 @@ def _logical(tensor: torch.Tensor, layout, state: ShardedState, mesh):
 
     return DTensor.from_local(flat[:stop - start], mesh, [Shard(0)], run_check=False,
                               shape=torch.Size([layout.numel]), stride=(1,))
+
+
+def _rng_states(rank: int) -> dict[str, torch.Tensor]:
+    """This rank's random number generators: the CPU one, and the current CUDA device's."""
+    states = {f"rng.rank{rank}": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_states(rank: int, entries: dict) -> None:
+    torch.set_rng_state(entries[f"rng.rank{rank}"])
+    if f"rng.rank{rank}.cuda" in entries:
+        torch.cuda.set_rng_state(entries[f"rng.rank{rank}.cuda"])
 
 
 def _objects(state: ShardedState, runtime: dict, extra: Any) -> dict[str, Any]:
