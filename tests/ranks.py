@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -21,19 +23,33 @@ def run_ranks(world_size: int, fn, *args, timeout_s: int = 120, may_die: bool = 
     if world_size == 1:
         return [fn(0, 1, *args)]
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank_main, args=(world_size, tmp, fn, args, timeout_s),
-                           nprocs=world_size, join=True, start_method="spawn")
+        context = mp.start_processes(_rank_main, args=(world_size, tmp, fn, args, timeout_s),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        for process in context.processes:  # a rank stuck on a dead peer fails after timeout_s
+            process.join()
         results = []
-        for rank in range(world_size):
+        for rank, process in enumerate(context.processes):
             path = os.path.join(tmp, f"rank{rank}.pt")
-            if may_die and not os.path.exists(path):
-                results.append(None)
-                continue
+            if not os.path.exists(path):
+                if may_die:
+                    results.append(None)
+                    continue
+                raise RuntimeError(f"rank {rank} exited ({_exit_status(process.exitcode)}) without "
+                                   "a result; if it crashed, its stack is in the output above")
+            if process.exitcode != 0:
+                # Its result is saved, so its work is done: seen rarely, a crash inside gloo's
+                # teardown. Reported, not failed: the results are checked all the same.
+                print(f"ranks.py: rank {rank} returned its result, then exited "
+                      f"({_exit_status(process.exitcode)})", file=sys.stderr)
             result = torch.load(path, weights_only=False)
             if isinstance(result, _RankFailure):
                 raise RuntimeError(f"rank {rank} failed:\n{result.text}")
             results.append(result)
         return results
+
+
+def _exit_status(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 class _RankFailure:
@@ -42,6 +58,7 @@ class _RankFailure:
 
 
 def _rank_main(rank, world_size, tmp, fn, args, timeout_s):
+    faulthandler.enable()  # a rank that crashes in C++ prints its Python stack
     # a rank that fails makes its peers' collectives time out instead of hanging the suite
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
@@ -49,8 +66,9 @@ def _rank_main(rank, world_size, tmp, fn, args, timeout_s):
         result = fn(rank, world_size, *args)
     except Exception:
         result = _RankFailure(traceback.format_exc())
-    finally:
-        torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+    finally:  # written aside and renamed, so a result file is always whole
+        torch.save(result, os.path.join(tmp, f"rank{rank}.pt.partial"))
+        os.replace(os.path.join(tmp, f"rank{rank}.pt.partial"), os.path.join(tmp, f"rank{rank}.pt"))
     # no rank tears gloo down while a peer may still be finishing its last collective
     # (seen once: a rank aborting with SIGABRT at exit); a peer that died on purpose fails it
     try:
