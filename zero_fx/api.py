@@ -166,6 +166,9 @@ class CompiledStep:
         self._optimizer = optimizer
         self.state: Optional[ShardedState] = None
         self.plan: Optional[ShardPlan] = None
+        self._scaler: Optional[LossScaler] = None
+        self._update: Optional[OptimizerUpdate] = None
+        """Made with the state, on the first call."""
         self.graphs: list[GraphModule] = []
         """The rewritten graph of each compilation, for inspection."""
         self.compilations: list[Compilation] = []
@@ -247,8 +250,7 @@ class CompiledStep:
             except RuntimeError as err:
                 if not is_communication_failure(err):
                     raise
-                self.state.zero_grad()
-                self._update.micro_step = 0
+                self._update.discard()
                 raise failed_before_update(self.plan.rank, err) from err
             if not ready:
                 return
@@ -425,7 +427,7 @@ class CompiledStep:
                 f"save_checkpoint after call {self._update.micro_step} of "
                 f"{self.config.accumulation_steps} of an accumulation window: the summed gradients "
                 "are not saved, so save right after an optimizer step")
-        checkpoint.save(state, path, self._runtime_state(), extra)
+        checkpoint.save(state, path, self._update.counters(), extra)
 
     def load_checkpoint(self, path: str, model: Optional[torch.nn.Module] = None,
                         optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
@@ -440,8 +442,8 @@ class CompiledStep:
         elif (model is not None and model is not self.state.model) or (
                 optimizer is not None and optimizer is not self.state.optimizer):
             raise ValueError("this compiled step already shards another model or optimizer")
-        runtime, extra = checkpoint.load(self.state, path)
-        self._restore_runtime_state(runtime)
+        counters, extra = checkpoint.load(self.state, path)
+        self._update.restore_counters(counters)
         return extra
 
     def full_state_dict(self, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
@@ -450,44 +452,27 @@ class CompiledStep:
         every rank (each gets the whole dict)."""
         return checkpoint.full_state_dict(self._sharded_state(), dtype)
 
-    def _runtime_state(self) -> dict:
-        scaler = self._scaler
-        return {"optimizer_steps": self._update.optimizer_steps,
-                "loss_scale": scaler.scale.item() if scaler else None,
-                "clean_steps": scaler.clean_steps if scaler else 0,
-                "skipped_steps": scaler.skipped_steps if scaler else 0}
-
-    def _restore_runtime_state(self, saved: dict) -> None:
-        self._update.optimizer_steps = saved["optimizer_steps"]
-        self._update.micro_step = 0
-        if self._scaler is not None and saved["loss_scale"] is not None:
-            self._scaler.scale.fill_(saved["loss_scale"])
-            self._scaler.clean_steps = saved["clean_steps"]
-            self._scaler.skipped_steps = saved["skipped_steps"]
-
     @property
     def optimizer_steps(self) -> int:
         """Optimizer steps taken so far (with ``accumulation_steps=K``, one per K calls;
         steps skipped for an fp16 overflow not counted)."""
-        return self._update.optimizer_steps if self.state is not None else 0
+        return self._update.optimizer_steps if self._update is not None else 0
 
     @property
     def last_grad_norm(self) -> Optional[torch.Tensor]:
         """The global gradient norm of the latest optimizer step, before clipping (a float32
         scalar, equal on all ranks); None unless ``max_grad_norm`` or loss scaling is set."""
-        return self._update.last_grad_norm if self.state is not None else None
+        return self._update.last_grad_norm if self._update is not None else None
 
     @property
     def loss_scale(self) -> Optional[float]:
         """The current fp16 loss scale; None without loss scaling."""
-        scaler = self._scaler if self.state is not None else None
-        return scaler.scale.item() if scaler is not None else None
+        return self._scaler.scale.item() if self._scaler is not None else None
 
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because the fp16 gradients overflowed."""
-        scaler = self._scaler if self.state is not None else None
-        return scaler.skipped_steps if scaler is not None else 0
+        return self._scaler.skipped_steps if self._scaler is not None else 0
 
     def _sharded_state(self) -> ShardedState:
         if self.state is None:

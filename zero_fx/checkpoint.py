@@ -30,22 +30,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .checkpoint_files import (CheckpointError, check_files, clear_staging, publish, read_manifest,
-                               staging_path)
+from .checkpoint_files import (CheckpointError, check_files, clear_staging, publish,
+                               raise_if_damaged, read_manifest, staging_path)
 from .sharded_state import ShardedState
 
 log = logging.getLogger("zero_fx")
 
 
-def save(state: ShardedState, path: str, runtime: dict, extra: Any = None) -> None:
-    """Write ``state`` (and ``runtime`` counters, ``extra``) to ``path``; a collective."""
+def save(state: ShardedState, path: str, counters: dict, extra: Any = None) -> None:
+    """Write ``state`` (and the runtime's ``counters``, ``extra``) to ``path``; a collective."""
     path = os.fspath(path)
     world = state.world
     if world.rank == 0:
         clear_staging(path)
     _barrier(world)
     entries = _tensors(state, _mesh(state))
-    entries.update(_objects(state, runtime, extra))
+    entries.update(_objects(state, counters, extra))
     entries.update(_rng_states(world.rank))
     with _single_process_quietly():
         dcp.save(entries, checkpoint_id=staging_path(path), no_dist=world.size == 1)
@@ -130,14 +130,14 @@ def _set_rng_states(rank: int, entries: dict) -> None:
         torch.cuda.set_rng_state(entries[f"rng.rank{rank}.cuda"])
 
 
-def _objects(state: ShardedState, runtime: dict, extra: Any) -> dict[str, Any]:
+def _objects(state: ShardedState, counters: dict, extra: Any) -> dict[str, Any]:
     names = state.shard_names()
     groups = [{"params": [names[id(p)] for p in group["params"]],
                **{k: v for k, v in group.items() if k != "params"}}
               for group in state.optimizer.param_groups]
     # pickled here: DCP would flatten a dict or list into one entry per leaf
     return {key: pickle.dumps(value) for key, value in (
-        ("zero_fx.runtime", runtime), ("zero_fx.extra", extra), ("optim.param_groups", groups))}
+        ("zero_fx.runtime", counters), ("zero_fx.extra", extra), ("optim.param_groups", groups))}
 
 
 def _manifest(state: ShardedState) -> dict:
@@ -186,8 +186,7 @@ def _check_files_on_all_ranks(state: ShardedState, path: str, manifest: dict) ->
         everyone: list = [None] * world.size
         dist.all_gather_object(everyone, problems)
         problems = [p for rank_problems in everyone for p in rank_problems]
-    if problems:
-        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(sorted(problems)))
+    raise_if_damaged(path, problems)
 
 
 def _check_same_model(state: ShardedState, manifest: dict) -> None:
@@ -282,9 +281,7 @@ def load_full(path: str) -> dict[str, torch.Tensor]:
     """Offline, one process: every tensor of the checkpoint, whole (parameters reshaped),
     keyed as saved. Checks the files first."""
     manifest = read_manifest(path)
-    problems = check_files(path, manifest, lambda index: True)
-    if problems:
-        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
+    raise_if_damaged(path, check_files(path, manifest, lambda index: True))
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     entries: dict[str, Any] = {}
     for key, meta in metadata.items():

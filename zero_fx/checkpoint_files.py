@@ -97,6 +97,11 @@ def check_files(path: str, manifest: dict, mine: Callable[[int], bool]) -> list[
     return problems
 
 
+def raise_if_damaged(path: str, problems: list[str]) -> None:
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(sorted(problems)))
+
+
 def _crc32(file: str) -> int:
     crc = 0
     with open(file, "rb") as f:

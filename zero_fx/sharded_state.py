@@ -227,12 +227,8 @@ class ShardedState:
             for name, param in self.params.items():
                 param.copy_(self.shards[name])
             return
-        names = [layout.name for layout in self.plan.params if frozen or layout.requires_grad]
-        for bucket in self.plan.buckets(names):
-            fulls = self._gather(bucket, [self.shards[name].detach() for name in bucket],
-                                 dtype=self.plan.compute_dtype)
-            for name, full in zip(bucket, fulls):
-                self.params[name].copy_(full)
+        self._gather_into_parameters(
+            [layout.name for layout in self.plan.params if frozen or layout.requires_grad])
 
     def zero_grad(self) -> None:
         for shard in self.shards.values():
@@ -258,15 +254,8 @@ class ShardedState:
         if not self.plan.params_sharded or self.gathered:
             yield
             return
-        names = [layout.name for layout in self.plan.params]
         with torch.no_grad():
-            for bucket in self.plan.buckets(names):
-                fulls = self._gather(bucket, [self.shards[name].detach() for name in bucket],
-                                     dtype=self.plan.compute_dtype)
-                for name, full in zip(bucket, fulls):
-                    param = self.params[name]
-                    param.untyped_storage().resize_(param.numel() * param.element_size())
-                    param.copy_(full)
+            self._gather_into_parameters([layout.name for layout in self.plan.params])
         self.gathered = True
         try:
             yield
@@ -293,6 +282,19 @@ class ShardedState:
             "values, so model.state_dict() would save empty tensors; take it inside `with "
             "train_step.gathered_parameters():` (on every rank), or use "
             "train_step.full_parameters()")
+
+    def _gather_into_parameters(self, names: list[str]) -> None:
+        """All-gather the masters of ``names`` (cast to the compute dtype) into the model's
+        parameters, one collective per bucket in plan order; a freed (stage 3) parameter gets
+        its storage back first."""
+        for bucket in self.plan.buckets(names):
+            fulls = self._gather(bucket, [self.shards[name].detach() for name in bucket],
+                                 dtype=self.plan.compute_dtype)
+            for name, full in zip(bucket, fulls):
+                param = self.params[name]
+                if param.untyped_storage().nbytes() == 0:
+                    param.untyped_storage().resize_(param.numel() * param.element_size())
+                param.copy_(full)
 
     def _gather(self, names: list[str], shards: list[torch.Tensor],
                 dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:

@@ -138,7 +138,7 @@ def traffic_report(gm: GraphModule, plan) -> TrafficReport:
     if plan.world_size > 1 and not plan.reduces_in_graph:
         kind = "all_reduce" if plan.replicated else "reduce_scatter"
         collectives += _outside_graph(plan, kind, "after accumulation", plan.reduce_dtype,
-                                      [name for name in grad_slots(gm).values()])
+                                      list(grad_slots(gm).values()))
     if plan.world_size > 1 and plan.gathers_after_step:
         trainable = [layout.name for layout in plan.params if layout.requires_grad]
         collectives += _outside_graph(plan, "all_gather", "after step", plan.compute_dtype,
@@ -149,7 +149,8 @@ def traffic_report(gm: GraphModule, plan) -> TrafficReport:
 
 def _outside_graph(plan, kind: str, phase: str, dtype, names: list[str]) -> list[Collective]:
     """The collectives the runtime issues eagerly, one per bucket of ``names`` (plan order)."""
-    ordered = [layout.name for layout in plan.params if layout.name in set(names)]
+    wanted = set(names)
+    ordered = [layout.name for layout in plan.params if layout.name in wanted]
     return [Collective(kind=kind, dtype=dtype or plan.layout(bucket[0]).dtype,
                        numel=sum(plan.layout(name).numel if kind == "all_reduce"
                                  else plan.layout(name).padded_numel for name in bucket),

@@ -85,6 +85,27 @@ class OptimizerUpdate:
             torch._foreach_mul_(grads, coefficient)
         return True
 
+    def discard(self) -> None:
+        """Drop the gradients of the current accumulation window (a failed call)."""
+        self.state.zero_grad()
+        self.micro_step = 0
+
+    def counters(self) -> dict:
+        """What a checkpoint keeps of this object (saved only between optimizer steps)."""
+        scaler = self.scaler
+        return {"optimizer_steps": self.optimizer_steps,
+                "loss_scale": scaler.scale.item() if scaler else None,
+                "clean_steps": scaler.clean_steps if scaler else 0,
+                "skipped_steps": scaler.skipped_steps if scaler else 0}
+
+    def restore_counters(self, saved: dict) -> None:
+        self.optimizer_steps = saved["optimizer_steps"]
+        self.micro_step = 0
+        if self.scaler is not None and saved["loss_scale"] is not None:
+            self.scaler.scale.fill_(saved["loss_scale"])
+            self.scaler.clean_steps = saved["clean_steps"]
+            self.scaler.skipped_steps = saved["skipped_steps"]
+
     def apply(self) -> None:
         """The optimizer steps on the shards; gradients cleared; parameters refreshed."""
         self.state.optimizer.step()
