@@ -11,6 +11,8 @@ from examples.gpt import GPT, GPTConfig
 VOCAB = 64
 SEQ = 16
 FEATURES = 12
+HF_MODELS = ("hf_gpt2", "hf_llama")
+"""HuggingFace transformers models (tests using them skip when it is not installed)."""
 
 
 class MLP(nn.Module):
@@ -30,6 +32,9 @@ def build(name: str, seed: int = 0) -> nn.Module:
     if name == "gpt":
         return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32,
                              bias=False))
+    if name in HF_MODELS:
+        from examples import hf_models
+        return {"hf_gpt2": hf_models.tiny_gpt2, "hf_llama": hf_models.tiny_llama}[name](VOCAB, SEQ)
     raise ValueError(name)
 
 
@@ -43,6 +48,8 @@ def global_batch(name: str, step: int, size: int = 8):
 
 
 def loss_fn(name: str, model: nn.Module, x, y):
+    if name in HF_MODELS:  # the model shifts the labels itself
+        return model(input_ids=x, labels=x).loss
     out = model(x)
     if name == "mlp":
         return F.mse_loss(out, y)

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from . import checkpoint
 from .capture import CaptureError, capture_step_graph, fakes_like_dynamo, has_dynamic_shapes
+from .capture_hints import capture_hint
 from .collective_counter import CollectiveCounter
 from .cost_model import Estimate, estimate
 from .inspection.dump import GraphDump
@@ -208,12 +209,11 @@ class CompiledStep:
                 inner = getattr(err, "inner_exception", None)
                 if isinstance(inner, (CaptureError, ValueError, TypeError)):
                     raise inner from None
+                if capture_hint(str(inner)):
+                    raise _capture_failed(inner) from err
                 raise
-            except torch._dynamo.exc.Unsupported as err:
-                raise CaptureError(
-                    "zero_fx captures the whole step as one graph, and dynamo could not: "
-                    f"{err}\nMove the unsupported code out of the decorated step."
-                ) from err
+            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as err:
+                raise _capture_failed(err) from err
             except RuntimeError as err:
                 if is_communication_failure(err):
                     raise failed_before_update(self.plan.rank, err) from err
@@ -591,3 +591,10 @@ def _optimizer_calls_deferred(optimizer, step, zero_grad):
     finally:
         del optimizer.step, optimizer.zero_grad
         optimizer.__dict__.update(saved)
+
+
+def _capture_failed(err: BaseException) -> CaptureError:
+    """PyTorch could not capture the step as one graph: its message, and ours on what to do."""
+    advice = capture_hint(str(err)) or "Move the unsupported code out of the decorated step."
+    return CaptureError(
+        f"zero_fx captures the whole step as one graph, and PyTorch could not: {err}\n{advice}")

@@ -1,0 +1,58 @@
+"""HuggingFace ``transformers`` GPT-2 and Llama built from a config with random weights
+(no hub access), ready for ``@zero_compile``.
+
+Two settings make them capture as one graph (README, "Models that do not capture"):
+``model.loss_type = "ForCausalLM"`` (otherwise the loss function logs a warning from inside
+the step) and no dropout (``*pdrop``/``*dropout`` at 0: a dropout with p > 0 is
+allowed, but its random numbers differ from eager and between ranks, so parity runs
+keep it off).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+try:
+    import transformers
+except ImportError:  # pragma: no cover - the message is the point
+    transformers = None
+
+
+def require_transformers() -> None:
+    if transformers is None:
+        raise SystemExit("this needs HuggingFace transformers: pip install -e \".[hf]\"")
+
+
+def gpt2_config(vocab_size: int, seq: int, layers: int, width: int, heads: int):
+    require_transformers()
+    return transformers.GPT2Config(vocab_size=vocab_size, n_positions=seq, n_embd=width,
+                                   n_layer=layers, n_head=heads, resid_pdrop=0.0,
+                                   embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def llama_config(vocab_size: int, seq: int, layers: int, width: int, heads: int,
+                 kv_heads: int, ffn: int):
+    require_transformers()
+    return transformers.LlamaConfig(vocab_size=vocab_size, max_position_embeddings=seq,
+                                    hidden_size=width, intermediate_size=ffn,
+                                    num_hidden_layers=layers, num_attention_heads=heads,
+                                    num_key_value_heads=kv_heads, attention_dropout=0.0)
+
+
+def causal_lm(config) -> nn.Module:
+    """``AutoModelForCausalLM`` from ``config``, random weights, set up for capture."""
+    require_transformers()
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def tiny_gpt2(vocab_size: int = 64, seq: int = 16) -> nn.Module:
+    """Two layers, width 32: the parity tests' GPT-2."""
+    return causal_lm(gpt2_config(vocab_size, seq, layers=2, width=32, heads=2))
+
+
+def tiny_llama(vocab_size: int = 64, seq: int = 16) -> nn.Module:
+    """Two layers, width 32, grouped-query attention (4 heads, 2 key/value heads)."""
+    return causal_lm(llama_config(vocab_size, seq, layers=2, width=32, heads=4, kv_heads=2,
+                                  ffn=64))

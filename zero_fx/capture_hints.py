@@ -1,0 +1,40 @@
+"""What to do about the capture failures users meet most, keyed by what PyTorch says.
+
+zero_fx needs the whole step as one graph (see DESIGN.md), so a graph break is an
+error, never a silent fallback to several graphs. PyTorch's own messages name the
+construct but not the way out for a training step; these hints do. Each pattern was
+met on a real model (HuggingFace GPT-2 and Llama among them; README, "Models that do
+not capture").
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+_HINTS = (
+    (("logging.Logger", "warning_once"),
+     "The model logs from inside the step. HuggingFace models do this when `model.loss_type` "
+     "is unset (set `model.loss_type = \"ForCausalLM\"`) and when gradient checkpointing meets "
+     "`use_cache=True` (set `model.config.use_cache = False`). For another logger, add its "
+     "method to `torch._dynamo.config.ignore_logging_functions`."),
+    (("Could not guard on data-dependent expression", "Data-dependent branching"),
+     "The step branches on a tensor's value (`if loss.item() > x:`, `if tensor:`). Every rank "
+     "must run the same collectives, so the graph cannot depend on values: use `torch.where`, "
+     "or read the value after the step returns."),
+    (("aten.nonzero", "DynamicOutputShapeException", "DataDependentOutputException"),
+     "An op's output shape depends on the values (boolean-mask indexing `x[mask]`, `nonzero`, "
+     "`unique`, `masked_select`). Use a fixed-shape form: `torch.where`, `masked_fill`, or "
+     "`ignore_index=-100` in the labels for tokens the loss should skip."),
+    (("does not support RNG ops in recompute regions",),
+     "Activation checkpointing inside the step cannot recompute random ops, and dropout is one "
+     "even with p=0 in train mode. Turn gradient checkpointing off, or take the dropout "
+     "modules out of the checkpointed blocks."),
+)
+
+
+def capture_hint(message: str) -> Optional[str]:
+    """The advice for a capture failure whose PyTorch message is ``message``, if known."""
+    for needles, hint in _HINTS:
+        if any(needle in message for needle in needles):
+            return hint
+    return None
