@@ -22,7 +22,7 @@ _c10d = torch.ops._c10d_functional
 def gather_bucket(*shards: torch.Tensor, numels: Sequence[int], shapes: Sequence,
                   world_size: int, group_name: str,
                   dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
-    """Full parameters from this rank's shards (see [Note: flat layout] in zero_fx/plan.py).
+    """Full parameters from this rank's shards (see [Note: flat layout] in zero_fx/plan/layout.py).
 
     The gathered buffer is rank-major: ``[rank 0: shard 1, shard 2, ...][rank 1: ...]``;
     parameter ``i`` is column block ``i`` of its ``(world_size, bucket shard numel)`` view.

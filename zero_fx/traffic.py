@@ -6,7 +6,7 @@ gathered output of an all-gather, the input of a reduce-scatter, the tensor of
 an all-reduce. Summed over a step and divided by Ψ (the model's parameter
 count) this gives the multiples the ZeRO table speaks of: stage 0 all-reduces
 Ψ, stages 1-2 reduce-scatter Ψ and all-gather Ψ, stage 3 all-gathers 2Ψ and
-reduce-scatters Ψ (plus padding; see [Note: flat layout] in plan.py).
+reduce-scatters Ψ (plus padding; see [Note: flat layout] in plan/layout.py).
 What a rank puts on the wire is a different number: over a ring, an all-gather
 or reduce-scatter of B bytes sends (N-1)/N·B per rank, an all-reduce twice that
 (it is a reduce-scatter followed by an all-gather). ``wire_bytes`` reports it.

@@ -1,0 +1,109 @@
+"""The planner (python -m zero_fx.plan): its numbers against the ZeRO formulas and the paper."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zero_fx.plan.models import model_source
+from zero_fx.plan.planner import plan_model
+from zero_fx.table import model_state_bytes
+
+GB = 1e9
+
+
+def test_a_module_function_model_is_planned_on_meta_without_transformers():
+    report = plan_model(model_source("examples.gpt:gpt_1b"), world_size=8, dtype=torch.float32)
+    psi, n = report.psi, 8
+    assert psi > 1e9
+    states = [s.state_bytes for s in report.stages]
+    assert states == [model_state_bytes(s, psi, n, optimizer_bytes=8) for s in range(4)]
+    # fp32: the shard the optimizer steps on is a 4-byte master copy in stages 1-3
+    assert states == [16 * psi, 8 * psi + 12 * psi / n, 4 * psi + 16 * psi / n, 16 * psi / n]
+
+
+hf = pytest.importorskip  # the rest builds HuggingFace configs
+
+
+def test_the_zero_paper_figures_for_7_5b_on_64_ranks():
+    hf("transformers")
+    report = plan_model(model_source("zero-paper-7.5b"), world_size=64, dtype=torch.float16)
+    assert round(report.psi / 1e9, 1) == 7.5
+    # ZeRO paper, Figure 1 (seeds/001): 120 GB, 31.4 GB, 16.6 GB, 1.9 GB with K = 12
+    paper = [round(s.paper_bytes / GB, digits) for s, digits in zip(report.stages, (0, 1, 1, 1))]
+    assert paper == [120, 31.4, 16.6, 1.9]
+    psi, n = report.psi, 64
+    # zero_fx: fp16 parameters and reductions, fp32 gradients, masters and Adam moments
+    expected = [2 * psi + 4 * psi + 4 * psi + 8 * psi, (2 + 2) * psi + (4 + 8) * psi / n,
+                2 * psi + (4 + 4 + 8) * psi / n, (4 + 4 + 8) * psi / n]
+    assert [s.state_bytes for s in report.stages] == pytest.approx(expected, rel=1e-12)
+    assert report.stages[3].state_bytes == pytest.approx(report.stages[3].paper_bytes)
+
+
+def test_traffic_is_the_table_in_psi_and_a_ring_sends_n_minus_1_over_n():
+    hf("transformers")
+    n = 8
+    report = plan_model(model_source("gpt2"), world_size=n, dtype=torch.bfloat16)
+    item = 2
+    for stage, s in enumerate(report.stages):
+        in_psi = sum(s.traffic.values()) / (report.psi * item)
+        low, high = {0: (1, 1), 1: (2, 2), 2: (2, 2), 3: (2, 3)}[stage]
+        assert low - 1e-3 <= in_psi <= high + 1e-3, (stage, in_psi)
+    assert report.stages[0].wire_bytes == pytest.approx(2 * (n - 1) / n * report.psi * item)
+    assert report.stages[1].wire_bytes == pytest.approx(
+        (n - 1) / n * sum(report.stages[1].traffic.values()))
+
+
+def test_every_trainable_parameter_is_in_one_bucket_under_the_cap():
+    hf("transformers")
+    report = plan_model(model_source("gpt2"), world_size=4, stage=3, dtype=torch.bfloat16)
+    names = [n for b in report.buckets["reduce_scatter"] for n in b.names]
+    assert len(names) == len(set(names)) == report.tensors
+    assert all(b.bytes <= report.bucket_cap or len(b.names) == 1
+               for buckets in report.buckets.values() for b in buckets)
+
+
+def test_the_70b_llama_is_planned_on_meta():
+    hf("transformers")
+    report = plan_model(model_source("llama3-70b"), world_size=64, dtype=torch.bfloat16)
+    assert report.psi == 70_553_706_496
+    assert report.stages[3].state_bytes == pytest.approx(16 * report.psi / 64)
+
+
+def test_the_working_set_extrapolated_from_two_blocks_matches_tracing_all(tmp_path):
+    hf("transformers")
+    config = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    source = model_source(str(path))
+    report = plan_model(source, world_size=2, stage=3, seq=32, batch=2)
+    source.layers = None  # trace all four blocks instead
+    traced = plan_model(source, world_size=2, stage=3, seq=32, batch=2)
+    assert "1 and 2 of 4 blocks" in report.working_set_how
+    assert report.working_set == pytest.approx(traced.working_set, rel=0.02)
+    assert report.peak_bytes > report.stages[3].state_bytes
+
+
+def _plan_cli(*args):
+    return subprocess.run([sys.executable, "-m", "zero_fx.plan", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_the_command_prints_every_stage_and_says_whether_it_fits():
+    hf("transformers")
+    out = _plan_cli("--model", "zero-paper-7.5b", "--world", "64", "--dtype", "fp16",
+                    "--device-memory", "32")
+    assert out.returncode == 0, out.stderr
+    for row in ("| 0 |", "| 1 |", "| 2 |", "| 3 ← |", "| 120 |", "| 31.4 |", "| 16.6 |"):
+        assert row in out.stdout
+    assert "Model states fit in 32 GB in stages: 1, 2, 3" in out.stdout
+
+
+def test_an_unknown_model_says_what_is_accepted():
+    out = _plan_cli("--model", "llama-9000", "--world", "8")
+    assert out.returncode != 0
+    assert "--model must be one of" in out.stderr and "llama3-70b" in out.stderr

@@ -1,0 +1,56 @@
+"""``python -m zero_fx.plan``: will this model fit at this world size, and what will a step move?
+
+    python -m zero_fx.plan --model llama3-70b --world 64 --stage 3 --dtype bf16
+    python -m zero_fx.plan --model zero-paper-7.5b --world 64 --dtype fp16
+    python -m zero_fx.plan --model path/to/config.json --world 8 --seq 4096 --device-memory 80
+
+Nothing is allocated: the model is built on the meta device (see [Note: what the
+planner counts] in zero_fx/plan/planner.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .models import NAMED, model_source
+from .planner import OPTIMIZER_BYTES, format_report, plan_model
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m zero_fx.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True,
+                        help=f"{', '.join(NAMED)}; a HuggingFace config.json (or its folder); "
+                             "or module:function returning an nn.Module")
+    parser.add_argument("--world", type=int, required=True, help="number of ranks")
+    parser.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3),
+                        help="the stage to detail (buckets, working set); the tables show all")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
+                        help="compute dtype; bf16/fp16 mean mixed precision with fp32 masters")
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES))
+    parser.add_argument("--seq", type=int, default=None,
+                        help="tokens per sequence: trace the step's working set at this length")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank (with --seq)")
+    parser.add_argument("--device-memory", type=float, default=None, metavar="GB",
+                        help="say whether the estimate fits in this many GB per device")
+    parser.add_argument("--buckets", action="store_true", help="list every bucket")
+    args = parser.parse_args(argv)
+    if args.world < 1:
+        parser.error(f"--world must be >= 1, got {args.world}")
+    if args.batch < 1 or (args.seq is not None and args.seq < 1):
+        parser.error("--batch and --seq must be >= 1")
+    source = model_source(args.model)
+    print(f"building {source.description} on the meta device ...", file=sys.stderr, flush=True)
+    report = plan_model(source, world_size=args.world, stage=args.stage,
+                        dtype=DTYPES[args.dtype], optimizer=args.optimizer,
+                        batch=args.batch, seq=args.seq)
+    print(format_report(report, device_memory_gb=args.device_memory, all_buckets=args.buckets))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""Will it fit? Per-rank memory, traffic and buckets of a model at a world size, before any
+memory is spent: the model is built on the meta device, only its shapes are read.
+
+[Note: what the planner counts]
+Model states follow ``zero_fx.table.model_state_breakdown``: what zero_fx holds per
+rank at the peak of a step, by stage. Under mixed precision that is the ZeRO
+paper's table with one difference the planner prints beside it: zero_fx keeps
+the gradient the optimizer reads in the master's dtype (fp32; it sums
+accumulation steps and unscales fp16 there), where the paper counts fp16
+gradients. Stage 3 comes out the same (16Ψ/N: no fp16 parameter shard is kept,
+the fp32 master is cast at gather time), and so does stage 1 (its peak is the
+whole fp16 gradients at the end of the backward); stage 2 holds 2Ψ/N more, stage
+0 2Ψ more (fp32 gradients and masters beside the fp16 parameters).
+
+The step's working set (activations, gathered parameters, gradients before
+they are reduced) depends on batch and sequence length. It is the cost model's
+memory timeline ([Note: the memory timeline]) of the rewritten step traced on
+fake tensors, with one and with two transformer blocks; each further block
+adds what the second added. The peak estimate is the model states without
+their gradients, plus the larger of the working set (which holds the
+gradients until they are reduced) and the gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..config import DEFAULT_BUCKET_BYTES, DEFAULT_PERSISTENCE_THRESHOLD
+from ..memory_timeline import memory_timeline
+from ..table import TRAFFIC_IN_PSI, model_state_breakdown, zero_paper_bytes
+from .layout import ShardPlan, plan_for_module
+from .models import ModelSource, on_meta
+
+GB = 1e9
+OPTIMIZER_BYTES = {"adamw": 8, "sgd-momentum": 4, "sgd": 0}
+"""fp32 optimizer state per trainable element."""
+
+
+@dataclass
+class StagePlan:
+    stage: int
+    states: dict[str, float]
+    """Model-state bytes per rank by kind (``model_state_breakdown``)."""
+    paper_bytes: float
+    traffic: dict[str, int]
+    """Bytes each collective kind works on per step (its input or output size per rank)."""
+    wire_bytes: float
+    """Bytes each rank sends per step over a ring."""
+
+    @property
+    def state_bytes(self) -> float:
+        return sum(self.states.values())
+
+
+@dataclass
+class Bucket:
+    names: list[str]
+    bytes: int
+
+
+@dataclass
+class PlanReport:
+    model: str
+    world_size: int
+    stage: int
+    dtype: torch.dtype
+    optimizer: str
+    psi: int
+    tensors: int
+    padding: int
+    stages: list[StagePlan]
+    buckets: dict[str, list[Bucket]]
+    """Collective kind -> its buckets in the chosen stage (parameter order)."""
+    bucket_cap: int
+    resident: int
+    """Stage 3: parameters kept whole through the step (persistence threshold)."""
+    working_set: Optional[float] = None
+    working_set_how: str = ""
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def stage_plan(self, stage: int) -> StagePlan:
+        return self.stages[stage]
+
+    @property
+    def peak_bytes(self) -> Optional[float]:
+        """Estimated peak per rank in the chosen stage ([Note: what the planner counts])."""
+        if self.working_set is None:
+            return None
+        states = self.stage_plan(self.stage).states
+        return sum(states.values()) - states["gradients"] + max(self.working_set,
+                                                                states["gradients"])
+
+
+def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
+               dtype: torch.dtype = torch.float32, optimizer: str = "adamw",
+               batch: Optional[int] = None, seq: Optional[int] = None) -> PlanReport:
+    """Plan ``source``'s model on ``world_size`` ranks; trace the working set when ``seq`` is given."""
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    start = time.perf_counter()
+    model = on_meta(lambda: source.build(None))
+    item = dtype.itemsize
+    mixed = item < 4
+    plan = plan_for_module(model, world_size=world_size, stage=stage,
+                           persistence_threshold=DEFAULT_PERSISTENCE_THRESHOLD,
+                           bucket_bytes=DEFAULT_BUCKET_BYTES[stage],
+                           compute_dtype=dtype if mixed else None,
+                           reduce_dtype=dtype if mixed else None)
+    psi = plan.total_numel
+    report = PlanReport(
+        model=source.description, world_size=world_size, stage=stage, dtype=dtype,
+        optimizer=optimizer, psi=psi, tensors=len(plan.params), padding=plan.padding_numel,
+        stages=[_stage_plan(s, plan, item, mixed, optimizer) for s in range(4)],
+        buckets=_buckets(plan, item), bucket_cap=plan.bucket_bytes, resident=len(plan.resident))
+    if seq is not None:
+        report.working_set, report.working_set_how = _working_set(
+            source, world_size=world_size, stage=stage, dtype=dtype, batch=batch or 1, seq=seq)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _stage_plan(stage: int, plan: ShardPlan, item: int, mixed: bool, optimizer: str) -> StagePlan:
+    psi, n = plan.total_numel, plan.world_size
+    states = model_state_breakdown(stage, psi, n, optimizer_bytes=OPTIMIZER_BYTES[optimizer],
+                                   param_bytes=item, reduce_bytes=item)
+    padded = sum(layout.padded_numel for layout in plan.params)
+    resident = sum(plan.layout(name).padded_numel for name in plan.resident) if stage == 3 else 0
+    elements = {"all_reduce": psi * TRAFFIC_IN_PSI[stage].get("all_reduce", 0),
+                "reduce_scatter": padded * TRAFFIC_IN_PSI[stage].get("reduce_scatter", 0),
+                # stage 3's second gather (backward) leaves resident parameters out
+                "all_gather": padded * TRAFFIC_IN_PSI[stage].get("all_gather", 0) - resident}
+    traffic = {kind: count * item for kind, count in elements.items() if count}
+    ring = (n - 1) / n
+    wire = sum(size * ring * (2 if kind == "all_reduce" else 1) for kind, size in traffic.items())
+    paper = zero_paper_bytes(stage, psi, n) if mixed else float("nan")
+    return StagePlan(stage=stage, states=states, paper_bytes=paper, traffic=traffic,
+                     wire_bytes=wire)
+
+
+def _buckets(plan: ShardPlan, item: int) -> dict[str, list[Bucket]]:
+    """The chosen stage's fused collectives, cut from parameters in their order (the passes
+    cut them in order of use, which for a transformer is the same blocks)."""
+    names = [layout.name for layout in plan.params]
+    trainable = [layout.name for layout in plan.params if layout.requires_grad]
+
+    def cut(kind, chosen):
+        return [Bucket(b, sum(plan.layout(x).padded_numel for x in b) * item)
+                for b in plan.buckets(chosen)]
+
+    if plan.replicated:
+        return {"all_reduce": cut("all_reduce", trainable)}
+    gathered = [x for x in names if x not in plan.resident]
+    return {"reduce_scatter": cut("reduce_scatter", trainable), "all_gather": cut("all_gather", gathered)}
+
+
+def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: torch.dtype,
+                 batch: int, seq: int) -> tuple[float, str]:
+    from ..offline import rewritten_step_on_fake  # traces through the passes: import on use
+
+    def traced_peak(layers: Optional[int]) -> int:
+        gm, _ = rewritten_step_on_fake(
+            lambda: source.build(layers), batch=batch, seq=seq, vocab_size=source.vocab_size,
+            world_size=world_size, stage=stage, dtype=dtype, loss_fn=_causal_lm_loss)
+        return max(memory_timeline(gm).transient)
+
+    if source.vocab_size is None:
+        raise SystemExit("the model has no nn.Embedding to read a vocabulary size from")
+    if source.max_positions is not None and seq > source.max_positions:
+        raise SystemExit(f"--seq {seq} is longer than the model's {source.max_positions} positions")
+    if source.layers is None:
+        return float(traced_peak(None)), f"traced whole, batch {batch} x {seq} tokens per rank"
+    one, two = traced_peak(1), traced_peak(2)
+    total = one + (source.layers - 1) * (two - one)
+    how = (f"batch {batch} x {seq} tokens per rank; traced with 1 and 2 of {source.layers} blocks "
+           f"on fake tensors: {one / GB:.2f} GB + {source.layers - 1} x {(two - one) / GB:.3f} GB")
+    return float(total), how
+
+
+def _causal_lm_loss(model, tokens, targets):
+    out = model(tokens)
+    logits = getattr(out, "logits", out)  # HuggingFace returns an output object
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# -- printing -------------------------------------------------------------------------------
+
+
+def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = None,
+                  all_buckets: bool = False) -> str:
+    n = report.world_size
+    dtype = str(report.dtype).removeprefix("torch.")
+    precision = (f"{dtype} compute, fp32 masters" if report.dtype.itemsize < 4 else f"{dtype}")
+    lines = [
+        f"zero_fx plan: {report.model} on {n} ranks, {precision}, {report.optimizer}",
+        f"{report.psi / 1e9:.3f}B parameters (Ψ) in {report.tensors} tensors; padding to {n} "
+        f"ranks adds {report.padding:,} elements. Planned in {report.seconds:.1f} s. "
+        "GB = 10^9 bytes.",
+        "",
+        "Model states per rank at the peak of a step (parameters, gradients, masters, optimizer):",
+        "",
+        "| stage | parameters | gradients | fp32 masters | optimizer | total | ZeRO paper (2+2+12)Ψ |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in report.stages:
+        mark = " ←" if s.stage == report.stage else ""
+        paper = "" if math.isnan(s.paper_bytes) else _three_digits(s.paper_bytes / GB)
+        lines.append(f"| {s.stage}{mark} | " + " | ".join(
+            f"{s.states[k] / GB:.2f}" for k in ("parameters", "gradients", "masters", "optimizer"))
+            + f" | **{s.state_bytes / GB:.2f}** | {paper} |")
+    if report.dtype.itemsize < 4:
+        lines += ["", "The paper counts 2-byte gradients; zero_fx keeps the gradient the optimizer "
+                  "reads in fp32: 2Ψ/N more in stage 2, 2Ψ more in stage 0, the same in stages 1 "
+                  "and 3."]
+    lines += ["", f"Traffic per step per rank ({dtype} collectives; stage 3's all-gather counts "
+              "the backward's re-gather, an upper bound):", "",
+              "| stage | all-reduce | reduce-scatter | all-gather | sent over a ring | in Ψ |",
+              "|---|---|---|---|---|---|"]
+    for s in report.stages:
+        cells = [f"{s.traffic[k] / GB:.2f}" if k in s.traffic else "—"
+                 for k in ("all_reduce", "reduce_scatter", "all_gather")]
+        in_psi = sum(s.traffic.values()) / (report.psi * report.dtype.itemsize)
+        lines.append(f"| {s.stage} | " + " | ".join(cells) + f" | {s.wire_bytes / GB:.2f} | "
+                     f"{in_psi:.2f} |")
+    lines += ["", f"Buckets in stage {report.stage} (cap {report.bucket_cap / 2**20:.0f} MiB"
+              + (f"; {report.resident} small parameters stay resident" if report.stage == 3 else "")
+              + "):"]
+    for kind, buckets in report.buckets.items():
+        sizes = [b.bytes for b in buckets]
+        lines.append(f"- {kind}: {len(buckets)} buckets, {min(sizes) / 2**20:.1f} / "
+                     f"{statistics.median(sizes) / 2**20:.1f} / {max(sizes) / 2**20:.1f} MiB "
+                     "(smallest / median / largest)")
+        shown = buckets if all_buckets else buckets[:3]
+        for b in shown:
+            lines.append(f"    {b.bytes / 2**20:8.1f} MiB  {b.names[0]}"
+                         + (f" … {b.names[-1]} ({len(b.names)})" if len(b.names) > 1 else ""))
+        if len(shown) < len(buckets):
+            lines.append(f"    … {len(buckets) - len(shown)} more (--buckets lists them all)")
+    lines.append("")
+    if report.working_set is None:
+        lines.append("Working set: give --seq (and --batch) to trace activations on fake tensors.")
+    else:
+        peak = report.peak_bytes
+        lines += [f"Step working set (activations, gathered parameters, gradients before they are "
+                  f"reduced), stage {report.stage}: {report.working_set / GB:.2f} GB",
+                  f"    ({report.working_set_how})",
+                  f"Estimated peak per rank, stage {report.stage}: {peak / GB:.2f} GB"]
+        if device_memory_gb is not None:
+            verdict = "fits" if peak <= device_memory_gb * GB else "does NOT fit"
+            lines.append(f"    {verdict} in {device_memory_gb:g} GB per device")
+    if device_memory_gb is not None and report.working_set is None:
+        fitting = [s.stage for s in report.stages if s.state_bytes <= device_memory_gb * GB]
+        lines.append(f"Model states fit in {device_memory_gb:g} GB in stages: "
+                     f"{', '.join(map(str, fitting)) or 'none'} (activations not counted)")
+    return "\n".join(lines)
+
+
+def _three_digits(x: float) -> str:
+    """120, 31.4, 16.6, 1.88: three significant digits, as the ZeRO paper prints them."""
+    decimals = max(0, 2 - math.floor(math.log10(abs(x)))) if x else 0
+    return f"{x:.{decimals}f}"
