@@ -2,6 +2,11 @@
 
     torchrun --nproc_per_node 2 examples/train_gpt.py        # 2 CPU ranks over gloo
     python examples/train_gpt.py                             # one process, world size 1
+    torchrun --nproc_per_node 2 examples/train_gpt.py --checkpoint-dir ckpt   # resumable
+
+With --checkpoint-dir, a checkpoint is saved every --checkpoint-every steps and at the
+end, and a run started again with the same folder resumes where the last one saved
+(any world size, any stage): the same losses as a run that was never interrupted.
 """
 
 import argparse
@@ -10,11 +15,13 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples.gpt import GPT, GPTConfig  # noqa: E402
+from examples.launch import launch  # noqa: E402
+from examples.progress import Progress  # noqa: E402
+from examples.summary import summary  # noqa: E402
 from zero_fx import MixedPrecision, zero_compile  # noqa: E402
 
 # -- arguments ------------------------------------------------------------------
@@ -33,15 +40,14 @@ parser.add_argument("--explain", action="store_true",
                     help="print what zero_fx did: plan, collectives, gathered lifetimes, memory")
 parser.add_argument("--dump-dir", default=None,
                     help="write the graph before/after each pass (text, HTML) and a memory plot here")
+parser.add_argument("--checkpoint-dir", default=None,
+                    help="save checkpoints here, and resume from the one there if any")
+parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
 args = parser.parse_args()
 
 # -- distributed setup (torchrun sets the environment; without it, world size 1) --
-if "RANK" in os.environ:
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-rank = dist.get_rank() if dist.is_initialized() else 0
-world = dist.get_world_size() if dist.is_initialized() else 1
-device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-log = print if rank == 0 else (lambda *a, **k: None)
+run = launch()
+rank, world, device, log = run.rank, run.world, run.device, run.log
 
 # -- data: a synthetic corpus with structure to learn (repeating arithmetic patterns) --
 cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=128)
@@ -85,34 +91,42 @@ def train_step(model, opt, x, y):
     return loss
 
 
+# -- resume: the model, optimizer, RNG and our step counter, at any world size/stage --
+checkpoint = os.path.join(args.checkpoint_dir, "latest") if args.checkpoint_dir else None
+first_step = 0
+if checkpoint and os.path.exists(checkpoint):
+    first_step = train_step.load_checkpoint(checkpoint, model, opt)["step"]
+    log(f"resumed from {checkpoint} after step {first_step}")
+
+
+def save(step):
+    train_step.save_checkpoint(checkpoint, extra={"step": step})
+    log(f"saved {checkpoint} after step {step}")
+
+
 # -- training loop -----------------------------------------------------------------
-times = []
-for step in range(args.steps):  # one optimizer step: accumulation-steps calls, a micro-batch each
+times, loss = [], None
+progress = Progress(args.steps, start=first_step, enabled=rank == 0)
+for step in range(first_step, args.steps):  # one optimizer step: accumulation-steps calls
     start = time.perf_counter()
     loss = 0.0
     for micro in range(args.accumulation_steps):
         x, y = get_batch(step * args.accumulation_steps + micro)
         loss += train_step(model, opt, x, y) / args.accumulation_steps
-    if dist.is_initialized():  # the mean loss over ranks is the loss of the global batch
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-        loss /= world
+    loss = run.mean_over_ranks(loss)  # the mean over ranks is the loss of the global batch
     times.append(time.perf_counter() - start)
     norm = train_step.last_grad_norm
-    log(f"step {step + 1:3d}/{args.steps}  loss {loss.item():.4f}  {1e3 * times[-1]:8.1f} ms"
-        + (f"  grad norm {norm.item():.3f}" if norm is not None else ""))
+    progress.update(f"loss {loss.item():.4f}  {1e3 * times[-1]:8.1f} ms"
+                    + (f"  grad norm {norm.item():.3f}" if norm is not None else ""))
+    if checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+        save(step + 1)
 
 # -- summary -------------------------------------------------------------------------
-storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in train_step.state.held_tensors()}
-held = sum(storages.values())
-steady = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
-log(f"\ndone: final loss {loss.item():.4f}")
-log(f"compile (capture + passes + {args.backend}): {sum(train_step.compile_seconds):.1f} s; "
-    f"median step after the first: {1e3 * steady:.1f} ms")
-log(f"rank 0 holds {held / 2**20:.2f} MiB of parameters, shards and optimizer state between "
-    f"steps (stage 0 would hold {3 * 4 * num_params / 2**20:.2f} MiB)")
-log(f"traffic per step: {train_step.traffic().summary()}")
-if args.explain:
+if loss is None:
+    log(f"nothing to do: the checkpoint is at step {first_step} of {args.steps}")
+else:
+    log("\n" + summary(train_step, final_loss=loss.item(), step_seconds=times, device=device))
+    log(f"(stage 0 would hold {3 * 4 * num_params / 2**20:.2f} MiB between steps)")
+if args.explain and loss is not None:
     log(train_step.explain())
-if dist.is_initialized():
-    dist.destroy_process_group()
+run.finish()

@@ -5,18 +5,59 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_train_gpt_with_bf16_accumulation_and_clipping():
+def torchrun(script, *args):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               os.path.join(ROOT, "examples", "train_gpt.py"), "--backend", "aot_eager",
-               "--steps", "8", "--precision", "bf16", "--accumulation-steps", "2",
-               "--max-grad-norm", "1.0"]
+               os.path.join(ROOT, "examples", script), "--backend", "aot_eager", *args]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
-    losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)  ", run.stdout)]
-    norms = [float(m) for m in re.findall(r"grad norm (\d+\.\d+)", run.stdout)]
-    assert len(losses) == len(norms) == 8
-    assert losses[-1] < losses[0]  # it learns
-    assert "traffic per step" in run.stdout
+    return run.stdout
+
+
+def losses(stdout):
+    """Each step's loss, by step number, from the progress lines."""
+    return {int(step): float(loss) for step, loss in
+            re.findall(r"step +(\d+)/\d+  loss (\d+\.\d+)  ", stdout)}
+
+
+def test_train_gpt_with_bf16_accumulation_and_clipping():
+    out = torchrun("train_gpt.py", "--steps", "8", "--precision", "bf16",
+                   "--accumulation-steps", "2", "--max-grad-norm", "1.0")
+    norms = [float(m) for m in re.findall(r"grad norm (\d+\.\d+)", out)]
+    assert len(losses(out)) == len(norms) == 8
+    assert losses(out)[8] < losses(out)[1]  # it learns
+    assert "traffic per step" in out and "memory on rank 0" in out
+
+
+def test_train_gpt_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    first = torchrun("train_gpt.py", "--steps", "4", "--checkpoint-every", "2",
+                     "--checkpoint-dir", folder)
+    assert "saved" in first and os.path.isdir(os.path.join(folder, "latest"))
+    resumed = torchrun("train_gpt.py", "--steps", "6", "--checkpoint-dir", folder)
+    assert "resumed from" in resumed and "after step 4" in resumed
+    assert sorted(losses(resumed)) == [5, 6]
+    whole = torchrun("train_gpt.py", "--steps", "6")
+    assert [losses(resumed)[s] for s in (5, 6)] == [losses(whole)[s] for s in (5, 6)]
+    assert [losses(first)[s] for s in (1, 2, 3, 4)] == [losses(whole)[s] for s in (1, 2, 3, 4)]
+
+
+def test_finetune_hf_llama_on_synthetic_instructions():
+    pytest.importorskip("transformers")
+    out = torchrun("finetune_llama.py", "--steps", "30")
+    assert len(losses(out)) == 30
+    assert losses(out)[30] < losses(out)[1] - 0.5  # it learns the answers
+    assert re.search(r"answer accuracy on held-out examples: \d+\.\d%", out)
+
+
+def test_lora_trains_the_adapters_and_leaves_the_frozen_base_alone():
+    out = torchrun("lora.py", "--steps", "20")
+    assert losses(out)[20] < losses(out)[1]
+    reduced, adapters = re.search(
+        r"gradient reduction per step: ([\d,]+) elements \(the adapters: ([\d,]+) parameters\)", out).groups()
+    assert reduced == adapters  # no gradient of the frozen base is reduced
+    assert "frozen base unchanged: True" in out

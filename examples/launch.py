@@ -1,0 +1,46 @@
+"""Distributed setup shared by the examples: torchrun sets the environment; without it the
+example runs as one process (world size 1). NCCL on CUDA, gloo on CPU."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Launch:
+    rank: int
+    world: int
+    device: torch.device
+    log: Callable[..., None]
+    """``print`` on rank 0, nothing elsewhere."""
+
+    def mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of ``value`` over ranks (SUM then divide: gloo's AVG is unreliable)."""
+        if dist.is_initialized():
+            value = value.detach().clone()
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+            value /= self.world
+        return value
+
+    def finish(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch() -> Launch:
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if torch.cuda.is_available():
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return Launch(rank=rank, world=world, device=device,
+                  log=print if rank == 0 else (lambda *a, **k: None))
