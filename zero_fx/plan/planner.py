@@ -150,14 +150,14 @@ def _buckets(plan: ShardPlan, item: int) -> dict[str, list[Bucket]]:
     names = [layout.name for layout in plan.params]
     trainable = [layout.name for layout in plan.params if layout.requires_grad]
 
-    def cut(kind, chosen):
+    def cut(chosen):
         return [Bucket(b, sum(plan.layout(x).padded_numel for x in b) * item)
                 for b in plan.buckets(chosen)]
 
     if plan.replicated:
-        return {"all_reduce": cut("all_reduce", trainable)}
+        return {"all_reduce": cut(trainable)}
     gathered = [x for x in names if x not in plan.resident]
-    return {"reduce_scatter": cut("reduce_scatter", trainable), "all_gather": cut("all_gather", gathered)}
+    return {"reduce_scatter": cut(trainable), "all_gather": cut(gathered)}
 
 
 def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: torch.dtype,
