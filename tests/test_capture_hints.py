@@ -38,11 +38,13 @@ def checkpoints_dropout(model, opt, x, y):
     return loss
 
 
-def _capture_error(rank, world_size, step_fn):
-    model = models.build("mlp")
+def _capture_error(rank, world_size, step_fn, model_name="mlp", loss_type="unchanged"):
+    model = models.build(model_name)
+    if loss_type != "unchanged":
+        model.loss_type = loss_type
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = zero_compile(step_fn, stage=3, backend="aot_eager")
-    x, y = models.global_batch("mlp", 0)
+    x, y = models.global_batch(model_name, 0)
     try:
         step(model, opt, x, y)
     except CaptureError as err:
@@ -61,14 +63,15 @@ def test_the_error_names_the_fix(step_fn, advice):
     assert advice in message
 
 
-def _checkpointed_and_plain(rank, world_size):
-    def plain(model, opt, x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+def test_a_logging_hf_model_says_what_to_set():
+    pytest.importorskip("transformers")
+    # loss_type None, as a model from from_config / from_pretrained comes: its loss logs
+    message = run_ranks(1, _capture_error, models.training_step("hf_gpt2"), "hf_gpt2", None)[0]
+    assert "logging.Logger" in message
+    assert 'model.loss_type = "ForCausalLM"' in message
 
+
+def _checkpointed_and_plain(rank, world_size):
     def checkpointed(model, opt, x, y):
         loss = F.mse_loss(checkpoint(model, x, use_reentrant=False), y)
         loss.backward()
@@ -77,7 +80,7 @@ def _checkpointed_and_plain(rank, world_size):
         return loss
 
     out = []
-    for step_fn in (plain, checkpointed):
+    for step_fn in (models.training_step("mlp"), checkpointed):
         model = models.build("mlp")
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         step = zero_compile(step_fn, stage=3, backend="aot_eager")

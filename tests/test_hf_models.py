@@ -8,9 +8,7 @@ pytest.importorskip("transformers")
 
 import models  # noqa: E402
 from feature_runs import reference_run, zero_fx_run  # noqa: E402
-from ranks import run_ranks  # noqa: E402
 from training import parity_errors  # noqa: E402
-from zero_fx import CaptureError, zero_compile  # noqa: E402
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -23,22 +21,3 @@ def test_hf_model_trains_as_single_process(model_name, stage):
     initial = dict(models.build(model_name).named_parameters())
     moved = [name for name, p in results[0]["params"].items() if not torch.equal(p, initial[name])]
     assert len(moved) == len(initial)  # every parameter trained (parity alone allows none)
-
-
-def _unset_loss_type_rank(rank, world_size):
-    model = models.build("hf_gpt2")
-    model.loss_type = None  # as a model from from_config / from_pretrained comes
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = zero_compile(models.training_step("hf_gpt2"), stage=3, backend="aot_eager")
-    x, y = models.global_batch("hf_gpt2", 0)
-    try:
-        step(model, opt, x, y)
-    except CaptureError as err:
-        return str(err)
-    return "no error"
-
-
-def test_a_logging_model_is_a_capture_error_that_says_what_to_set():
-    message = run_ranks(1, _unset_loss_type_rank)[0]
-    assert "logging.Logger" in message
-    assert 'model.loss_type = "ForCausalLM"' in message

@@ -8,7 +8,6 @@ the cost model's estimate (see [Note: the cost model] in cost_model.py).
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 
@@ -17,6 +16,7 @@ import torch
 from .cost_model import PRESETS, estimate
 from .offline import rewritten_step_on_fake
 from .inspection.explain import explain_graph
+from .plan.models import embedding_rows, import_builder, on_meta
 from .traffic import traffic_report
 
 MODELS = {"gpt-1b": "examples.gpt:gpt_1b", "llama-8b": "examples.llama:llama_8b"}
@@ -26,14 +26,9 @@ MODELS = {"gpt-1b": "examples.gpt:gpt_1b", "llama-8b": "examples.llama:llama_8b"
 def load_model_builder(spec: str):
     """``module:function`` (or a shortcut in MODELS) -> a callable building the model."""
     spec = MODELS.get(spec, spec)
-    module_name, _, function = spec.partition(":")
-    if not function:
+    if ":" not in spec:
         raise SystemExit(f"--model must be one of {sorted(MODELS)} or module:function, got {spec!r}")
-    try:
-        return getattr(importlib.import_module(module_name), function)
-    except (ImportError, AttributeError) as err:
-        raise SystemExit(f"cannot load {spec}: {err} (run from the repository root for the "
-                         "shortcuts, or put your module on PYTHONPATH)") from err
+    return import_builder(spec)
 
 
 def main(argv=None) -> None:
@@ -76,15 +71,11 @@ def main(argv=None) -> None:
 
 
 def vocab_size_of(build) -> int:
-    """Rows of the model's first ``nn.Embedding`` (built on fake tensors)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        model = build()
-    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
-    if not embeddings:
+    """Rows of the model's first ``nn.Embedding`` (built on the meta device)."""
+    rows = embedding_rows(on_meta(build))
+    if rows is None:
         raise SystemExit("the model has no nn.Embedding; pass --vocab")
-    return embeddings[0].num_embeddings
+    return rows
 
 
 if __name__ == "__main__":

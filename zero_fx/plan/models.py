@@ -101,13 +101,22 @@ def _hf_source(config: dict, description: str) -> ModelSource:
 
 
 def _function_source(spec: str) -> ModelSource:
+    make = import_builder(spec)
+    return ModelSource(description=spec, build=lambda layers: make(), layers=None,
+                       vocab_size=embedding_rows(on_meta(make)), max_positions=None)
+
+
+def import_builder(spec: str) -> Callable[[], nn.Module]:
+    """``module:function`` -> the function (it builds the model)."""
     module_name, _, function = spec.partition(":")
     try:
-        make = getattr(importlib.import_module(module_name), function)
+        return getattr(importlib.import_module(module_name), function)
     except (ImportError, AttributeError) as err:
-        raise SystemExit(f"cannot load {spec}: {err} (is its module on PYTHONPATH?)") from None
-    model = on_meta(make)
+        raise SystemExit(f"cannot load {spec}: {err} (run from the repository root for the "
+                         "examples' models, or put your module on PYTHONPATH)") from None
+
+
+def embedding_rows(model: nn.Module) -> Optional[int]:
+    """Rows of the model's first ``nn.Embedding`` (its vocabulary), or None without one."""
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    return ModelSource(description=spec, build=lambda layers: make(), layers=None,
-                       vocab_size=embeddings[0].num_embeddings if embeddings else None,
-                       max_positions=None)
+    return embeddings[0].num_embeddings if embeddings else None

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -83,17 +83,13 @@ class PlanReport:
     working_set: Optional[float] = None
     working_set_how: str = ""
     seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-
-    def stage_plan(self, stage: int) -> StagePlan:
-        return self.stages[stage]
 
     @property
     def peak_bytes(self) -> Optional[float]:
         """Estimated peak per rank in the chosen stage ([Note: what the planner counts])."""
         if self.working_set is None:
             return None
-        states = self.stage_plan(self.stage).states
+        states = self.stages[self.stage].states
         return sum(states.values()) - states["gradients"] + max(self.working_set,
                                                                 states["gradients"])
 
