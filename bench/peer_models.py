@@ -1,0 +1,104 @@
+"""The models of ``python -m bench.peers``, and the batches every peer trains them on.
+
+Each is built from a seed with random weights (no downloads), so every peer and
+every rank starts from the same parameters. The batches are a learnable pattern
+(arithmetic sequences of tokens modulo the vocabulary), the same for every peer:
+rank r of N takes rows r, r+N, ... of step s's global batch, so the losses of
+every data-parallel peer agree with each other and with one process training the
+whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from examples.gpt import GPT, GPTConfig
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    build: Callable[[], nn.Module]
+    vocab_size: int
+    seq: int
+    batch_per_rank: int
+    blocks: Callable[[nn.Module], list]
+    """The repeated blocks (FSDP2 shards and compiles each; DeepSpeed ZeRO-3 prefetches them)."""
+    hf: bool = False
+    """A HuggingFace ``transformers`` model: it computes its own loss from ``labels``."""
+    about: str = ""
+
+
+def _gpt(cfg: GPTConfig) -> Callable[[], nn.Module]:
+    return lambda: GPT(cfg)
+
+
+def _gpt_blocks(model: nn.Module) -> list:
+    return list(model.blocks)
+
+
+def _hf(kind: str, **sizes) -> Callable[[], nn.Module]:
+    def build():
+        from examples.hf_models import causal_lm, gpt2_config, llama_config
+
+        config = gpt2_config(**sizes) if kind == "gpt2" else llama_config(**sizes)
+        return causal_lm(config)
+    return build
+
+
+def _hf_blocks(model: nn.Module) -> list:
+    body = getattr(model, "transformer", None) or model.model
+    return list(getattr(body, "h", None) or body.layers)
+
+
+MODELS = {
+    "tiny": BenchModel(_gpt(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2,
+                                      n_embd=32, bias=False)),
+                       vocab_size=64, seq=16, batch_per_rank=2, blocks=_gpt_blocks,
+                       about="the smoke test's GPT, 2 layers of width 32"),
+    "gpt-small": BenchModel(_gpt(GPTConfig(vocab_size=8192, block_size=256, n_layer=6, n_head=5,
+                                           n_embd=320, bias=False)),
+                            vocab_size=8192, seq=256, batch_per_rank=4, blocks=_gpt_blocks,
+                            about="GPT, 6 layers of width 320, vocabulary 8192 (10.0M parameters)"),
+    "gpt2-125m": BenchModel(_gpt(GPTConfig(vocab_size=50304, block_size=1024, n_layer=12,
+                                           n_head=12, n_embd=768, bias=False)),
+                            vocab_size=50304, seq=512, batch_per_rank=2, blocks=_gpt_blocks,
+                            about="GPT-2 small's shape: 12 layers of width 768, vocabulary 50304 "
+                                  "(124M parameters)"),
+    "hf-gpt2": BenchModel(_hf("gpt2", vocab_size=8192, seq=256, layers=6, width=320, heads=5),
+                          vocab_size=8192, seq=256, batch_per_rank=4, blocks=_hf_blocks, hf=True,
+                          about="HuggingFace GPT2LMHeadModel from a config, 6 layers of width 320"),
+    "hf-llama": BenchModel(_hf("llama", vocab_size=8192, seq=256, layers=6, width=320, heads=5,
+                               kv_heads=5, ffn=864),
+                           vocab_size=8192, seq=256, batch_per_rank=4, blocks=_hf_blocks, hf=True,
+                           about="HuggingFace LlamaForCausalLM from a config, 6 layers of width 320"),
+}
+
+
+def global_batch(spec: BenchModel, step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s inputs and next-token targets for all ranks: rows are
+    ``a, a+s, a+2s, ...`` modulo the vocabulary with a random start and stride."""
+    g = torch.Generator().manual_seed(1000 + step)
+    rows = spec.batch_per_rank * world_size
+    start = torch.randint(0, spec.vocab_size, (rows, 1), generator=g)
+    stride = torch.randint(1, 8, (rows, 1), generator=g)
+    tokens = (start + stride * torch.arange(spec.seq + 1)) % spec.vocab_size
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def rank_batch(spec: BenchModel, step: int, rank: int, world_size: int, device) -> tuple:
+    x, y = global_batch(spec, step, world_size)
+    return x[rank::world_size].to(device), y[rank::world_size].to(device)
+
+
+def loss_of(spec: BenchModel, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (the HF models take ``y`` as already shifted labels)."""
+    if spec.hf:
+        logits = model(input_ids=x).logits
+    else:
+        logits = model(x)
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())

@@ -1,0 +1,185 @@
+"""One training step per peer, each the way that peer's documentation writes it.
+
+Every factory takes the model (built from the same seed on every rank), the
+``BenchModel`` and the run's ``Setting``, and returns a ``Trainer`` whose
+``step(x, y)`` runs forward, backward and AdamW on this rank's batch and returns
+the loss. The peers and what each compiles:
+
+- ``zero_fx-<s>``: ``@zero_compile(stage=s)`` over the whole step (one graph);
+- ``ddp`` / ``ddp-compiled``: ``DistributedDataParallel``; compiled is
+  ``torch.compile(DDP(model))`` (forward and backward; dynamo splits the graph at
+  DDP's buckets), the optimizer stays eager;
+- ``fsdp2`` / ``fsdp2-compiled``: ``fully_shard`` on each block and the root;
+  compiled compiles each block before sharding it (the torchtitan recipe);
+- ``deepspeed-<s>``: ``deepspeed.initialize`` with ZeRO stage s, ``engine.backward``
+  and ``engine.step``; its buckets are set to zero_fx's default sizes (its own
+  defaults, 5e8 elements, allocate a 1.9 GiB reduce buffer whatever the model);
+- ``torch.compile``: no data parallelism; plain ``torch.compile`` of the same
+  whole step (dynamo's ``trace_autograd_ops``) on the whole global batch, so its
+  loss agrees with the others. Its compile time is the reference for zero_fx's;
+  its step time does the work of every rank in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from .peer_models import BenchModel, loss_of
+
+LEARNING_RATE = 1e-3
+
+
+@dataclass(frozen=True)
+class Setting:
+    device: torch.device
+    backend: str
+    """The ``torch.compile`` backend of every compiled peer: inductor, or aot_eager for smoke tests."""
+    bf16: bool
+    """Compute in bfloat16 with fp32 parameters, gradient reduction and optimizer (GPU mode)."""
+
+
+@dataclass
+class Trainer:
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    whole_batch: bool = False
+    """Trains the global batch rather than this rank's share (the torch.compile reference)."""
+    zero_fx_step: Optional[Callable] = None
+    """The ``@zero_compile`` step, for its traffic report and compile time."""
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+
+
+def _autocast(setting: Setting):
+    if not setting.bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(setting.device.type, dtype=torch.bfloat16)
+
+
+def zero_fx(stage: int):
+    def make(model: nn.Module, spec: BenchModel, setting: Setting) -> Trainer:
+        from zero_fx import MixedPrecision, zero_compile
+
+        opt = _adamw(model)
+        precision = (MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                    output_dtype=torch.float32) if setting.bf16 else None)
+
+        @zero_compile(stage=stage, backend=setting.backend, mixed_precision=precision)
+        def train_step(model, opt, x, y):
+            loss = loss_of(spec, model, x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return Trainer(lambda x, y: train_step(model, opt, x, y), zero_fx_step=train_step)
+    return make
+
+
+def _eager_loop(forward: nn.Module, spec: BenchModel, opt, setting: Setting) -> Trainer:
+    def step(x, y):
+        with _autocast(setting):
+            loss = loss_of(spec, forward, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    return Trainer(step)
+
+
+def ddp(compiled: bool):
+    def make(model: nn.Module, spec: BenchModel, setting: Setting) -> Trainer:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [setting.device] if setting.device.type == "cuda" else None
+        wrapped = DistributedDataParallel(model, device_ids=ids)
+        forward = torch.compile(wrapped, backend=setting.backend) if compiled else wrapped
+        return _eager_loop(forward, spec, _adamw(model), setting)
+    return make
+
+
+def fsdp2(compiled: bool):
+    def make(model: nn.Module, spec: BenchModel, setting: Setting) -> Trainer:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if setting.bf16 else MixedPrecisionPolicy())
+        for block in spec.blocks(model):
+            if compiled:
+                block.compile(backend=setting.backend)
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        return _eager_loop(model, spec, _adamw(model), setting)
+    return make
+
+
+def deepspeed(stage: int):
+    def make(model: nn.Module, spec: BenchModel, setting: Setting) -> Trainer:
+        import deepspeed as ds
+
+        from zero_fx.config import DEFAULT_BUCKET_BYTES, DEFAULT_PERSISTENCE_THRESHOLD
+
+        bucket = DEFAULT_BUCKET_BYTES[stage] // 4  # elements of fp32
+        zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+        if stage == 3:
+            zero.update(stage3_prefetch_bucket_size=bucket,
+                        stage3_param_persistence_threshold=DEFAULT_PERSISTENCE_THRESHOLD)
+        config = {
+            "train_micro_batch_size_per_gpu": spec.batch_per_rank,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": setting.bf16},
+            "fp16": {"enabled": False},
+            "gradient_clipping": 0.0,
+            "steps_per_print": 10 ** 9,
+        }
+        engine, _, _, _ = ds.initialize(model=model, optimizer=_adamw(model), config=config)
+
+        def step(x, y):
+            loss = loss_of(spec, engine, x, y)
+            engine.backward(loss)
+            engine.step()
+            return loss.detach()
+        return Trainer(step)
+    return make
+
+
+def plain_compile(model: nn.Module, spec: BenchModel, setting: Setting) -> Trainer:
+    torch._dynamo.config.trace_autograd_ops = True  # capture loss.backward() in the graph
+    opt = _adamw(model)
+
+    @torch.compile(backend=setting.backend)
+    def train_step(x, y):
+        with _autocast(setting):
+            loss = loss_of(spec, model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return Trainer(train_step, whole_batch=True)
+
+
+PEERS = {
+    **{f"zero_fx-{s}": zero_fx(s) for s in range(4)},
+    "ddp": ddp(compiled=False),
+    "ddp-compiled": ddp(compiled=True),
+    "fsdp2": fsdp2(compiled=False),
+    "fsdp2-compiled": fsdp2(compiled=True),
+    **{f"deepspeed-{s}": deepspeed(s) for s in (1, 2, 3)},
+    "torch.compile": plain_compile,
+}
+"""Every peer by its command-line name, in the table's order."""
+
+REFERENCE = "fsdp2"
+"""The table's ratios are against this peer."""
+
+OPTIONAL_PEERS = {"deepspeed": "deepspeed"}
+"""Peers whose package is an optional extra: name prefix -> module to import."""

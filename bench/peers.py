@@ -1,0 +1,281 @@
+"""zero_fx against DDP, FSDP2, DeepSpeed ZeRO and plain torch.compile: same model, same
+batches, same steps, one run.
+
+    python -m bench.peers --model gpt-small --world 2          # CPU, gloo, 2 ranks per peer
+    python -m bench.peers --model gpt2-125m --world 8 --bf16   # a CUDA machine: NCCL
+    python -m bench.peers --model gpt2-125m --fake-world 8     # one process simulating 8 ranks
+    torchrun --nproc_per_node 8 -m bench.peers --model gpt2-125m --bf16   # peers share processes
+
+Each peer runs in fresh processes (``torchrun`` started by this script), so one
+peer's compiled code, caches and memory cannot leak into the next one's
+numbers. Per peer it reports: the step time (the slowest rank's, median, min and
+max over the timed steps after warm-up), the peak and the held bytes of the
+allocator per rank (CUDA's statistics, or on CPU the counting allocator of
+bench/cpu_memory.py: the same meter for everyone), the first step's time and
+the compile time (zero_fx's own measurement, for the others first step minus
+median step), the bytes each rank sent per step (gloo, bench/wire.py) and the
+losses. All peers must agree on the losses (the run fails otherwise: that is
+what shows they trained the same thing). Writes bench/out/peers-<model>-w<N>.json
+and .md. DeepSpeed is optional (``pip install -e ".[bench]"``); without it its
+rows are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import cpu_memory, peers_report
+from .peer_models import MODELS
+from .peer_trainers import OPTIONAL_PEERS, PEERS, REFERENCE, Setting
+from .runs import machine, write_json
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOSS_RTOL = {False: 2e-3, True: 3e-2}
+"""How far any step's loss may be from the reference's: fp32 (Inductor's fused
+kernels round differently from eager), and bf16."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="gpt-small", choices=sorted(MODELS))
+    p.add_argument("--world", type=int, default=2, help="ranks per peer (torchrun's --nproc_per_node)")
+    p.add_argument("--fake-world", type=int, default=0, metavar="N",
+                   help="one process simulating N ranks with the fake process group: real "
+                        "per-rank memory, no real communication, losses not compared")
+    p.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS), metavar="PEER",
+                   help=f"default: all of {', '.join(PEERS)}")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first, the first compiles")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend of compiled peers")
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 compute (GPU mode)")
+    p.add_argument("--name", help="output name (default peers-<model>-w<N>)")
+    p.add_argument("--worker-of", help=argparse.SUPPRESS)
+    p.add_argument("--result-file", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.steps <= args.warmup:
+        p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): nothing would be timed")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but torch sees no CUDA device")
+    return args
+
+
+def setting_of(args) -> Setting:
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return Setting(device=device, backend=args.backend, bf16=args.bf16)
+
+
+def missing_package(peer: str):
+    for prefix, module in OPTIONAL_PEERS.items():
+        if peer.startswith(prefix) and importlib.util.find_spec(module) is None:
+            return module
+    return None
+
+
+# -- in the ranks -------------------------------------------------------------------
+
+def join(args) -> None:
+    if dist.is_initialized():
+        return
+    if args.fake_world:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
+    elif "RANK" in os.environ:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+
+
+def run_in_ranks(args, peers: list[str], gather: bool = True) -> dict:
+    """Run ``peers`` one after another in this process group; by peer, every rank's
+    rows (``gather``) or this rank's alone."""
+    from .peer_run import run_peer
+
+    join(args)
+    setting = setting_of(args)
+    spec = MODELS[args.model]
+    results = {}
+    for peer in peers:
+        row = run_peer(peer, spec, setting, args.steps, args.warmup,
+                       count_wire=args.device == "cpu" and not args.fake_world)
+        everyone = [row]
+        if gather and dist.is_initialized() and not args.fake_world:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, row)
+        results[peer] = everyone
+    return results
+
+
+def worker(args) -> None:
+    """One peer in processes of its own: each rank writes its row, then leaves at once.
+    (Skipping the teardown of the process group and the interpreter: a rare abort in
+    gloo's teardown would otherwise lose rows that were measured.)"""
+    rows = run_in_ranks(args, [args.worker_of], gather=False)[args.worker_of]
+    rank = dist.get_rank() if dist.is_initialized() and not args.fake_world else 0
+    with open(f"{args.result_file}.{rank}", "w") as f:
+        json.dump(rows[0], f)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# -- the driver --------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _peer_environment(args) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, "bench", "out", "torch_extensions"))
+    if args.device == "cpu":
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(args.world, 1))))
+    return env
+
+
+def launch_peer(args, peer: str, argv: list[str]) -> tuple[list | None, str]:
+    """Run one peer in fresh processes; its rows, or None and where its log is."""
+    logs = os.path.join(ROOT, "bench", "out", "peer-logs")
+    os.makedirs(logs, exist_ok=True)
+    log = os.path.join(logs, f"{args.model}-{peer}.log")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "rows.json")
+        tail = ["-m", "bench.peers", *argv, "--worker-of", peer, "--result-file", result]
+        if args.fake_world:
+            command = [sys.executable, *tail]
+        else:
+            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                       "--nproc_per_node", str(args.world), "--master_addr", "127.0.0.1",
+                       "--master_port", str(_free_port()), *tail]
+        with open(log, "w") as out:
+            code = subprocess.call(command, cwd=ROOT, env=_peer_environment(args), stdout=out,
+                                   stderr=subprocess.STDOUT)
+        with open(log) as f:
+            text = f.read()
+        for line in text.splitlines():
+            if line.lstrip().startswith(peer + ": step"):
+                print(line, flush=True)
+        ranks = 1 if args.fake_world else args.world
+        files = [f"{result}.{rank}" for rank in range(ranks)]
+        if code != 0 or not all(os.path.exists(f) for f in files):
+            return None, f"{_first_error(text)}\n(whole log: {os.path.relpath(log, ROOT)})"
+        rows = []
+        for name in files:
+            with open(name) as f:
+                rows.append(json.load(f))
+        return rows, ""
+
+
+def _first_error(log: str) -> str:
+    """The first traceback of any rank in a torchrun log, or its last lines."""
+    lines = log.splitlines()
+    start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line),
+                 None)
+    if start is None:
+        return "\n".join(lines[-20:])
+    prefix = lines[start].split("Traceback")[0]
+    block = [lines[start]]
+    for line in lines[start + 1:]:
+        if not line.startswith(prefix):
+            break
+        block.append(line)
+        if line[len(prefix):][:1] not in (" ", "") and len(block) > 1:
+            break
+    return "\n".join(block[-30:])
+
+
+def report(args, results: dict, notes: list[str], seconds: float) -> int:
+    summaries = [peers_report.summarize(peer, ranks) for peer, ranks in results.items()]
+    failures = []
+    if not args.fake_world and any(s["peer"] == REFERENCE for s in summaries):
+        failures = peers_report.loss_disagreements(summaries, REFERENCE, LOSS_RTOL[args.bf16])
+    world = args.fake_world or args.world
+    wire = args.device == "cpu" and not args.fake_world
+    spec = MODELS[args.model]
+    mode = ("fake process group (one process)" if args.fake_world else
+            f"{args.device}, {'NCCL' if args.device == 'cuda' else 'gloo'}")
+    describe = (f"{machine()}; {mode}; world size {world}; {args.model}: {spec.about}; "
+                f"{spec.batch_per_rank} × {spec.seq} tokens per rank; AdamW; "
+                f"{'bf16 compute' if args.bf16 else 'fp32'}; compiled peers: {args.backend}; "
+                f"{args.steps} steps, {args.warmup} untimed")
+    table = peers_report.markdown(summaries, REFERENCE, wire)
+    goals = peers_report.targets_markdown(peers_report.targets(summaries))
+    text = "\n\n".join([describe, table,
+                        "† trains the whole global batch in one process (no data parallelism).",
+                        goals, *notes, *failures])
+    name = args.name or f"peers-{args.model}-w{world}" + ("-fake" if args.fake_world else "")
+    path = write_json(name, {"machine": machine(), "description": describe, "args": vars(args),
+                             "summaries": summaries, "ranks": results,
+                             "targets": peers_report.targets(summaries), "notes": notes,
+                             "loss_failures": failures, "seconds": seconds})
+    with open(path[:-len(".json")] + ".md", "w") as f:
+        f.write(text + "\n")
+    print("\n" + text + f"\n\nwritten to {path} (and .md), {seconds / 60:.1f} min")
+    return 1 if failures else 0
+
+
+def drive(args, argv: list[str]) -> int:
+    start = time.perf_counter()
+    if args.device == "cpu":
+        os.environ.update(_peer_environment(args))
+        cpu_memory.build()  # once here, rather than by every rank at once
+    results, notes, failed = {}, [], False
+    for i, peer in enumerate(args.peers, 1):
+        missing = missing_package(peer)
+        if missing:
+            notes.append(f"{peer}: skipped, `{missing}` is not installed (pip install -e \".[bench]\")")
+            print(notes[-1], flush=True)
+            continue
+        print(f"[{i}/{len(args.peers)}] {peer} ...", flush=True)
+        rows, why = launch_peer(args, peer, argv)
+        if rows is None:
+            notes.append(f"{peer}: failed; its output ends:\n\n```\n{why}\n```")
+            print(notes[-1], flush=True)
+            failed = True
+            continue
+        results[peer] = rows
+    if not results:
+        print("no peer ran", file=sys.stderr)
+        return 1
+    code = report(args, results, notes, time.perf_counter() - start)
+    return 1 if failed else code
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker_of:
+        worker(args)
+        return 0
+    if "RANK" in os.environ:  # started by torchrun: every peer in these processes
+        start = time.perf_counter()
+        peers = [p for p in args.peers if not missing_package(p)]
+        results = run_in_ranks(args, peers)
+        code = 0
+        if dist.get_rank() == 0:
+            code = report(args, results, [], time.perf_counter() - start)
+        dist.destroy_process_group()
+        return code
+    return drive(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The peer benchmark measures what it says: its allocator meter counts bytes exactly, its
+wire counter sees what DDP's all-reduce sends, and one small run end to end trains every
+peer to the same losses. (Its timings are never asserted.)"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import peers_report  # noqa: E402
+
+FP32 = 4
+
+
+def run_bench(*args, timeout=600):
+    command = [sys.executable, "-m", "bench.peers", *args]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return run
+
+
+def test_counting_allocator_sees_every_cpu_tensor_byte():
+    code = (
+        "import torch\n"
+        "from bench import cpu_memory\n"
+        "cpu_memory.install()\n"
+        "base = cpu_memory.allocated()\n"
+        "a = torch.empty(1000, 250)\n"
+        "assert cpu_memory.allocated() - base == 1_000_000, cpu_memory.allocated() - base\n"
+        "cpu_memory.reset_peak()\n"
+        "b = torch.randn(500, 1000); del b\n"
+        "assert cpu_memory.allocated() - base == 1_000_000\n"
+        "assert cpu_memory.max_allocated() - base == 3_000_000, cpu_memory.max_allocated() - base\n"
+        "f = torch.compile(lambda x: (x * 2).relu() + 1, backend='inductor')\n"
+        "cpu_memory.reset_peak()\n"
+        "before = cpu_memory.allocated()\n"
+        "out = f(a)\n"  # Inductor's own buffer: not seen by Python dispatch
+        "assert cpu_memory.allocated() - before == 1_000_000, cpu_memory.allocated() - before\n"
+        "print('ok')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+
+
+def test_loss_disagreement_is_reported():
+    base = {"losses": [4.0, 3.0]}
+    summaries = [{"peer": "fsdp2", **base}, {"peer": "same", "losses": [4.0, 3.0001]},
+                 {"peer": "off", "losses": [4.0, 3.1]}]
+    bad = peers_report.loss_disagreements(summaries, "fsdp2", rtol=1e-3)
+    assert len(bad) == 1 and bad[0].startswith("off:")
+
+
+def test_peers_train_the_same_model_to_the_same_losses_and_meter_them():
+    run = run_bench("--model", "tiny", "--world", "2", "--peers", "ddp", "fsdp2", "zero_fx-3",
+                    "--backend", "aot_eager", "--steps", "4", "--warmup", "2",
+                    "--name", "peers-smoke-test")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(os.path.join(ROOT, "bench", "out", "peers-smoke-test.json")) as f:
+        result = json.load(f)
+    by_peer = {s["peer"]: s for s in result["summaries"]}
+    assert set(by_peer) == {"ddp", "fsdp2", "zero_fx-3"}
+    assert not result["loss_failures"]
+    losses = [s["losses"] for s in by_peer.values()]
+    assert all(len(l) == 4 for l in losses) and losses[0][-1] < losses[0][0]
+    psi_bytes = by_peer["ddp"]["psi"] * FP32
+    # DDP at 2 ranks: a ring all-reduce of the gradients sends their size once.
+    assert by_peer["ddp"]["sent_mib_per_step"] * 2 ** 20 == pytest.approx(psi_bytes, rel=0.1)
+    # Held between steps: DDP keeps parameters, AdamW's two states and its gradient
+    # buckets (4Ψ); FSDP2 shards all of it over 2 ranks but keeps no buckets.
+    ddp_held = by_peer["ddp"]["held_mib"] * 2 ** 20
+    fsdp_held = by_peer["fsdp2"]["held_mib"] * 2 ** 20
+    assert ddp_held >= 4 * psi_bytes
+    assert 1.5 * psi_bytes <= fsdp_held < ddp_held
+    assert "| zero_fx-3 |" in open(os.path.join(ROOT, "bench", "out", "peers-smoke-test.md")).read()
+
+
+def test_bad_arguments_are_refused_with_the_reason():
+    run = run_bench("--steps", "3", "--warmup", "3", timeout=120)
+    assert run.returncode == 2 and "nothing would be timed" in run.stderr
