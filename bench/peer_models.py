@@ -66,7 +66,7 @@ MODELS = {
                             about="GPT, 6 layers of width 320, vocabulary 8192 (10.0M parameters)"),
     "gpt2-125m": BenchModel(_gpt(GPTConfig(vocab_size=50304, block_size=1024, n_layer=12,
                                            n_head=12, n_embd=768, bias=False)),
-                            vocab_size=50304, seq=512, batch_per_rank=2, blocks=_gpt_blocks,
+                            vocab_size=50304, seq=512, batch_per_rank=1, blocks=_gpt_blocks,
                             about="GPT-2 small's shape: 12 layers of width 768, vocabulary 50304 "
                                   "(124M parameters)"),
     "hf-gpt2": BenchModel(_hf("gpt2", vocab_size=8192, seq=256, layers=6, width=320, heads=5),

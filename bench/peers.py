@@ -81,6 +81,12 @@ def setting_of(args) -> Setting:
     return Setting(device=device, backend=args.backend, bf16=args.bf16)
 
 
+NOT_SIMULATED = {"ddp": "DDP's C++ reducer needs a real process group",
+                 "ddp-compiled": "DDP's C++ reducer needs a real process group",
+                 "torch.compile": "one process training the whole batch has nothing to simulate"}
+"""Peers the fake-process-group mode leaves out, and why."""
+
+
 def missing_package(peer: str):
     for prefix, module in OPTIONAL_PEERS.items():
         if peer.startswith(prefix) and importlib.util.find_spec(module) is None:
@@ -97,6 +103,7 @@ def join(args) -> None:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
+        os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed asks for it
     elif "RANK" in os.environ:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
 
@@ -210,17 +217,18 @@ def report(args, results: dict, notes: list[str], seconds: float) -> int:
     world = args.fake_world or args.world
     wire = args.device == "cpu" and not args.fake_world
     spec = MODELS[args.model]
-    mode = ("fake process group (one process)" if args.fake_world else
+    mode = ("fake process group: one process, real per-rank memory, no communication "
+            "(step times leave it out)" if args.fake_world else
             f"{args.device}, {'NCCL' if args.device == 'cuda' else 'gloo'}")
     describe = (f"{machine()}; {mode}; world size {world}; {args.model}: {spec.about}; "
                 f"{spec.batch_per_rank} × {spec.seq} tokens per rank; AdamW; "
                 f"{'bf16 compute' if args.bf16 else 'fp32'}; compiled peers: {args.backend}; "
                 f"{args.steps} steps, {args.warmup} untimed")
-    table = peers_report.markdown(summaries, REFERENCE, wire)
+    table = peers_report.markdown(summaries, REFERENCE, wire, losses=not args.fake_world)
     goals = peers_report.targets_markdown(peers_report.targets(summaries))
-    text = "\n\n".join([describe, table,
-                        "† trains the whole global batch in one process (no data parallelism).",
-                        goals, *notes, *failures])
+    dagger = (["† trains the whole global batch in one process (no data parallelism)."]
+              if any(s["whole_batch"] for s in summaries) else [])
+    text = "\n\n".join([describe, table, *dagger, goals, *notes, *failures])
     name = args.name or f"peers-{args.model}-w{world}" + ("-fake" if args.fake_world else "")
     path = write_json(name, {"machine": machine(), "description": describe, "args": vars(args),
                              "summaries": summaries, "ranks": results,
@@ -239,6 +247,9 @@ def drive(args, argv: list[str]) -> int:
         cpu_memory.build()  # once here, rather than by every rank at once
     results, notes, failed = {}, [], False
     for i, peer in enumerate(args.peers, 1):
+        if args.fake_world and peer in NOT_SIMULATED:
+            notes.append(f"{peer}: not run with --fake-world: {NOT_SIMULATED[peer]}")
+            continue
         missing = missing_package(peer)
         if missing:
             notes.append(f"{peer}: skipped, `{missing}` is not installed (pip install -e \".[bench]\")")

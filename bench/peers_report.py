@@ -53,14 +53,17 @@ def _ratio(value, ref):
     return "" if value is None or not ref else f" ({value / ref:.2f}×)"
 
 
-def markdown(summaries: list[dict], reference: str, wire: bool) -> str:
+def markdown(summaries: list[dict], reference: str, wire: bool, losses: bool = True) -> str:
+    """The table; ``wire``: a column of bytes sent (gloo only); ``losses``: a column of
+    final losses (not with the fake process group, whose collectives return nothing)."""
     ref = next((s for s in summaries if s["peer"] == reference), None)
     psi_bytes = summaries[0]["psi"] * FP32
     head = ["peer", "step ms: median (min–max)", "peak MiB / rank", "held MiB", "first step s",
             "compile s"]
     if wire:
         head.append("sent / rank / step")
-    head.append("final loss")
+    if losses:
+        head.append("final loss")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
         step = f"{s['median_step_ms']:.1f} ({s['min_step_ms']:.1f}–{s['max_step_ms']:.1f})"
@@ -77,7 +80,8 @@ def markdown(summaries: list[dict], reference: str, wire: bool) -> str:
             sent = s["sent_mib_per_step"]
             cells.append(f"{sent:.1f} MiB = {sent * MIB / psi_bytes:.2f} Ψ"
                          + _ratio(sent, ref and ref["sent_mib_per_step"]))
-        cells.append(f"{s['final_loss']:.5f}")
+        if losses:
+            cells.append(f"{s['final_loss']:.5f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

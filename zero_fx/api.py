@@ -292,7 +292,8 @@ class CompiledStep:
                                        max_grad_norm=self.config.max_grad_norm, scaler=self._scaler)
         self._pipeline = build_pipeline(self.plan, disable=self.config.disable_passes,
                                         extra=self.config.passes)
-        self._agreement = RankAgreement(world.size if self.config.check_ranks else 1)
+        self._agreement = RankAgreement(
+            world.size if self.config.check_ranks and not world.simulated else 1)
         if self.plan.replicated:
             log.info("zero_fx: stage 0 over %d rank(s): %d parameters, %d elements, replicated",
                      world.size, len(self.plan.params), self.plan.total_numel)

@@ -16,6 +16,9 @@ class World:
     rank: int
     group_name: str
     """Name the functional collectives use to find the group ("" for a world of one)."""
+    simulated: bool = False
+    """The fake process group: one process stands for every rank (shapes and memory
+    are real, collectives return nothing), so there are no other ranks to ask."""
 
 
 def current_world() -> World:
@@ -23,7 +26,8 @@ def current_world() -> World:
     if not (dist.is_available() and dist.is_initialized()):
         return World(size=1, rank=0, group_name="")
     group = dist.group.WORLD
-    return World(size=dist.get_world_size(group), rank=dist.get_rank(group), group_name=group.group_name)
+    return World(size=dist.get_world_size(group), rank=dist.get_rank(group), group_name=group.group_name,
+                 simulated=dist.get_backend(group) == "fake")
 
 
 def world_timeout() -> Optional[timedelta]:
