@@ -12,8 +12,10 @@ the loss. The peers and what each compiles:
 - ``fsdp2`` / ``fsdp2-compiled``: ``fully_shard`` on each block and the root;
   compiled compiles each block before sharding it (the torchtitan recipe);
 - ``deepspeed-<s>``: ``deepspeed.initialize`` with ZeRO stage s, ``engine.backward``
-  and ``engine.step``; its buckets are set to zero_fx's default sizes (its own
-  defaults, 5e8 elements, allocate a 1.9 GiB reduce buffer whatever the model);
+  and ``engine.step``; its buckets, and in stage 3 how many gathered
+  parameters it keeps alive, are set to zero_fx's sizes (its own defaults, 5e8
+  elements, allocate a 1.9 GiB reduce buffer whatever the model, and keep up to
+  1e9 gathered elements for reuse);
 - ``torch.compile``: no data parallelism; plain ``torch.compile`` of the same
   whole step (dynamo's ``trace_autograd_ops``) on the whole global batch, so its
   loss agrees with the others. Its compile time is the reference for zero_fx's;
@@ -41,6 +43,8 @@ class Setting:
     """The ``torch.compile`` backend of every compiled peer: inductor, or aot_eager for smoke tests."""
     bf16: bool
     """Compute in bfloat16 with fp32 parameters, gradient reduction and optimizer (GPU mode)."""
+    bucket_bytes: Optional[int] = None
+    """Cap of a fused collective for zero_fx and DeepSpeed; None: zero_fx's defaults."""
 
 
 @dataclass
@@ -70,7 +74,8 @@ def zero_fx(stage: int):
         precision = (MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                     output_dtype=torch.float32) if setting.bf16 else None)
 
-        @zero_compile(stage=stage, backend=setting.backend, mixed_precision=precision)
+        @zero_compile(stage=stage, backend=setting.backend, mixed_precision=precision,
+                      bucket_bytes=setting.bucket_bytes)
         def train_step(model, opt, x, y):
             loss = loss_of(spec, model, x, y)
             loss.backward()
@@ -125,11 +130,15 @@ def deepspeed(stage: int):
 
         from zero_fx.config import DEFAULT_BUCKET_BYTES, DEFAULT_PERSISTENCE_THRESHOLD
 
-        bucket = DEFAULT_BUCKET_BYTES[stage] // 4  # elements of fp32
+        bucket = (setting.bucket_bytes or DEFAULT_BUCKET_BYTES[stage]) // 4  # fp32 elements
         zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
         if stage == 3:
+            # Its defaults keep up to 1e9 gathered elements alive for reuse in the
+            # backward: a small model is never released. Here it releases as zero_fx
+            # does: a bucket in use and one prefetched.
             zero.update(stage3_prefetch_bucket_size=bucket,
-                        stage3_param_persistence_threshold=DEFAULT_PERSISTENCE_THRESHOLD)
+                        stage3_param_persistence_threshold=DEFAULT_PERSISTENCE_THRESHOLD,
+                        stage3_max_live_parameters=2 * bucket, stage3_max_reuse_distance=bucket)
         config = {
             "train_micro_batch_size_per_gpu": spec.batch_per_rank,
             "gradient_accumulation_steps": 1,

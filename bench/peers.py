@@ -61,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"],
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--bf16", action="store_true", help="bfloat16 compute (GPU mode)")
+    p.add_argument("--bucket-mib", type=float,
+                   help="cap of a fused collective for zero_fx and DeepSpeed (default: zero_fx's, "
+                        "25 MiB, 16 MiB in stage 3)")
     p.add_argument("--name", help="output name (default peers-<model>-w<N>)")
     p.add_argument("--worker-of", help=argparse.SUPPRESS)
     p.add_argument("--result-file", help=argparse.SUPPRESS)
@@ -78,7 +81,8 @@ def setting_of(args) -> Setting:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    return Setting(device=device, backend=args.backend, bf16=args.bf16)
+    bucket = None if args.bucket_mib is None else int(args.bucket_mib * 2 ** 20)
+    return Setting(device=device, backend=args.backend, bf16=args.bf16, bucket_bytes=bucket)
 
 
 NOT_SIMULATED = {"ddp": "DDP's C++ reducer needs a real process group",
@@ -223,6 +227,7 @@ def report(args, results: dict, notes: list[str], seconds: float) -> int:
     describe = (f"{machine()}; {mode}; world size {world}; {args.model}: {spec.about}; "
                 f"{spec.batch_per_rank} × {spec.seq} tokens per rank; AdamW; "
                 f"{'bf16 compute' if args.bf16 else 'fp32'}; compiled peers: {args.backend}; "
+                f"buckets: {'default' if args.bucket_mib is None else f'{args.bucket_mib:g} MiB'}; "
                 f"{args.steps} steps, {args.warmup} untimed")
     table = peers_report.markdown(summaries, REFERENCE, wire, losses=not args.fake_world)
     goals = peers_report.targets_markdown(peers_report.targets(summaries))
