@@ -64,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-mib", type=float,
                    help="cap of a fused collective for zero_fx and DeepSpeed (default: zero_fx's, "
                         "25 MiB, 16 MiB in stage 3)")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="let compiled peers use Inductor's caches from earlier runs (default: "
+                        "each peer compiles from scratch in an empty cache)")
     p.add_argument("--name", help="output name (default peers-<model>-w<N>)")
     p.add_argument("--worker-of", help=argparse.SUPPRESS)
     p.add_argument("--result-file", help=argparse.SUPPRESS)
@@ -176,8 +179,11 @@ def launch_peer(args, peer: str, argv: list[str]) -> tuple[list | None, str]:
             command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                        "--nproc_per_node", str(args.world), "--master_addr", "127.0.0.1",
                        "--master_port", str(_free_port()), *tail]
+        env = _peer_environment(args)
+        if not args.warm_cache:  # every peer compiles from scratch, as on a user's first run
+            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
         with open(log, "w") as out:
-            code = subprocess.call(command, cwd=ROOT, env=_peer_environment(args), stdout=out,
+            code = subprocess.call(command, cwd=ROOT, env=env, stdout=out,
                                    stderr=subprocess.STDOUT)
         with open(log) as f:
             text = f.read()
@@ -228,6 +234,7 @@ def report(args, results: dict, notes: list[str], seconds: float) -> int:
                 f"{spec.batch_per_rank} × {spec.seq} tokens per rank; AdamW; "
                 f"{'bf16 compute' if args.bf16 else 'fp32'}; compiled peers: {args.backend}; "
                 f"buckets: {'default' if args.bucket_mib is None else f'{args.bucket_mib:g} MiB'}; "
+                f"Inductor caches: {'warm' if args.warm_cache else 'empty (cold compiles)'}; "
                 f"{args.steps} steps, {args.warmup} untimed")
     table = peers_report.markdown(summaries, REFERENCE, wire, losses=not args.fake_world)
     goals = peers_report.targets_markdown(peers_report.targets(summaries))
