@@ -26,21 +26,18 @@ import argparse
 import importlib.util
 import json
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
 from . import cpu_memory, peers_report
+from .peer_launch import launch_peer, peer_environment
 from .peer_models import MODELS
 from .peer_trainers import OPTIONAL_PEERS, PEERS, REFERENCE, Setting
 from .runs import machine, write_json
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS_RTOL = {False: 2e-3, True: 3e-2}
 """How far any step's loss may be from the reference's: fp32 (Inductor's fused
 kernels round differently from eager), and bf16."""
@@ -149,76 +146,6 @@ def worker(args) -> None:
 
 # -- the driver --------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _peer_environment(args) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, "bench", "out", "torch_extensions"))
-    if args.device == "cpu":
-        env.setdefault("DS_ACCELERATOR", "cpu")
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(args.world, 1))))
-    return env
-
-
-def launch_peer(args, peer: str, argv: list[str]) -> tuple[list | None, str]:
-    """Run one peer in fresh processes; its rows, or None and where its log is."""
-    logs = os.path.join(ROOT, "bench", "out", "peer-logs")
-    os.makedirs(logs, exist_ok=True)
-    log = os.path.join(logs, f"{args.model}-{peer}.log")
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "rows.json")
-        tail = ["-m", "bench.peers", *argv, "--worker-of", peer, "--result-file", result]
-        if args.fake_world:
-            command = [sys.executable, *tail]
-        else:
-            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                       "--nproc_per_node", str(args.world), "--master_addr", "127.0.0.1",
-                       "--master_port", str(_free_port()), *tail]
-        env = _peer_environment(args)
-        if not args.warm_cache:  # every peer compiles from scratch, as on a user's first run
-            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
-        with open(log, "w") as out:
-            code = subprocess.call(command, cwd=ROOT, env=env, stdout=out,
-                                   stderr=subprocess.STDOUT)
-        with open(log) as f:
-            text = f.read()
-        for line in text.splitlines():
-            if line.lstrip().startswith(peer + ": step"):
-                print(line, flush=True)
-        ranks = 1 if args.fake_world else args.world
-        files = [f"{result}.{rank}" for rank in range(ranks)]
-        if code != 0 or not all(os.path.exists(f) for f in files):
-            return None, f"{_first_error(text)}\n(whole log: {os.path.relpath(log, ROOT)})"
-        rows = []
-        for name in files:
-            with open(name) as f:
-                rows.append(json.load(f))
-        return rows, ""
-
-
-def _first_error(log: str) -> str:
-    """The first traceback of any rank in a torchrun log, or its last lines."""
-    lines = log.splitlines()
-    start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line),
-                 None)
-    if start is None:
-        return "\n".join(lines[-20:])
-    prefix = lines[start].split("Traceback")[0]
-    block = [lines[start]]
-    for line in lines[start + 1:]:
-        if not line.startswith(prefix):
-            break
-        block.append(line)
-        if line[len(prefix):][:1] not in (" ", "") and len(block) > 1:
-            break
-    return "\n".join(block[-30:])
-
-
 def report(args, results: dict, notes: list[str], seconds: float) -> int:
     summaries = [peers_report.summarize(peer, ranks) for peer, ranks in results.items()]
     failures = []
@@ -255,7 +182,7 @@ def report(args, results: dict, notes: list[str], seconds: float) -> int:
 def drive(args, argv: list[str]) -> int:
     start = time.perf_counter()
     if args.device == "cpu":
-        os.environ.update(_peer_environment(args))
+        os.environ.update(peer_environment(args))
         cpu_memory.build()  # once here, rather than by every rank at once
     results, notes, failed = {}, [], False
     for i, peer in enumerate(args.peers, 1):
@@ -270,7 +197,7 @@ def drive(args, argv: list[str]) -> int:
         print(f"[{i}/{len(args.peers)}] {peer} ...", flush=True)
         rows, why = launch_peer(args, peer, argv)
         if rows is None:
-            notes.append(f"{peer}: failed; its output ends:\n\n```\n{why}\n```")
+            notes.append(f"{peer}: failed:\n\n```\n{why}\n```")
             print(notes[-1], flush=True)
             failed = True
             continue

@@ -1,0 +1,83 @@
+"""Starting one peer of ``python -m bench.peers`` in fresh processes and reading its rows back."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peer_environment(args) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, "bench", "out", "torch_extensions"))
+    if args.device == "cpu":
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(args.world, 1))))
+    return env
+
+
+def launch_peer(args, peer: str, argv: list[str]) -> tuple[list | None, str]:
+    """Run one peer in fresh processes (torchrun, or one process with ``--fake-world``),
+    echoing its step lines as they come; its rows, or None and why."""
+    logs = os.path.join(ROOT, "bench", "out", "peer-logs")
+    os.makedirs(logs, exist_ok=True)
+    log = os.path.join(logs, f"{args.model}-{peer}.log")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "rows.json")
+        tail = ["-m", "bench.peers", *argv, "--worker-of", peer, "--result-file", result]
+        if args.fake_world:
+            command = [sys.executable, *tail]
+        else:
+            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                       "--nproc_per_node", str(args.world), "--master_addr", "127.0.0.1",
+                       "--master_port", str(_free_port()), *tail]
+        env = peer_environment(args)
+        if not args.warm_cache:  # every peer compiles from scratch, as on a user's first run
+            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
+        lines = []
+        with open(log, "w") as out, subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True) as process:
+            for line in process.stdout:
+                out.write(line)
+                lines.append(line.rstrip("\n"))
+                if line.lstrip().startswith(peer + ": step"):
+                    print(line, end="", flush=True)
+        ranks = 1 if args.fake_world else args.world
+        files = [f"{result}.{rank}" for rank in range(ranks)]
+        if process.returncode != 0 or not all(os.path.exists(f) for f in files):
+            return None, f"{_first_error(lines)}\n(whole log: {os.path.relpath(log, ROOT)})"
+        rows = []
+        for name in files:
+            with open(name) as f:
+                rows.append(json.load(f))
+        return rows, ""
+
+
+def _first_error(lines: list[str]) -> str:
+    """The first traceback of any rank in a torchrun log, or its last lines."""
+    start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line),
+                 None)
+    if start is None:
+        return "\n".join(lines[-20:])
+    prefix = lines[start].split("Traceback")[0]
+    block = [lines[start]]
+    for line in lines[start + 1:]:
+        if not line.startswith(prefix):
+            break
+        block.append(line)
+        if line[len(prefix):][:1] not in (" ", "") and len(block) > 1:
+            break
+    return "\n".join(block[-30:])
