@@ -177,6 +177,15 @@ class TestResidency:
             report.numel_by_kind()["all_gather"]
         assert saved == WIDTH * WIDTH
 
+    def test_residents_share_gather_buckets_only_with_each_other(self):
+        # One bucket would hold every weight; a resident in it would keep the whole
+        # gathered buffer alive until the backward (Inductor reads its slice in place).
+        gm, plan = rewritten(resident=("w1", "w3"), bucket_bytes=DEPTH * WEIGHT_BYTES)
+        forward = [set(carried_params(n)) for n in gm.graph.nodes
+                   if is_all_gather(n) and phase_of(n) is Phase.FORWARD]
+        assert sorted(map(sorted, forward)) == sorted(
+            [["w1", "w3"], sorted(set(NAMES) - {"w1", "w3"})])
+
     def test_residency_is_a_stage3_notion(self):
         plan = make_plan([("w", (4,), torch.float32, True)], world_size=2, stage=2,
                          resident=("w",))
