@@ -87,7 +87,9 @@ def zero_fx(stage: int):
     return make
 
 
-def _eager_loop(forward: nn.Module, spec: BenchModel, opt, setting: Setting) -> Trainer:
+def _training_step(forward: nn.Module, spec: BenchModel, opt, setting: Setting) -> Callable:
+    """Forward (under autocast with ``--bf16``), backward, optimizer step: the loop every
+    peer but zero_fx and DeepSpeed runs, eagerly or compiled whole."""
     def step(x, y):
         with _autocast(setting):
             loss = loss_of(spec, forward, x, y)
@@ -95,7 +97,7 @@ def _eager_loop(forward: nn.Module, spec: BenchModel, opt, setting: Setting) -> 
         opt.step()
         opt.zero_grad()
         return loss.detach()
-    return Trainer(step)
+    return step
 
 
 def ddp(compiled: bool):
@@ -105,7 +107,7 @@ def ddp(compiled: bool):
         ids = [setting.device] if setting.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=ids)
         forward = torch.compile(wrapped, backend=setting.backend) if compiled else wrapped
-        return _eager_loop(forward, spec, _adamw(model), setting)
+        return Trainer(_training_step(forward, spec, _adamw(model), setting))
     return make
 
 
@@ -120,7 +122,7 @@ def fsdp2(compiled: bool):
                 block.compile(backend=setting.backend)
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
-        return _eager_loop(model, spec, _adamw(model), setting)
+        return Trainer(_training_step(model, spec, _adamw(model), setting))
     return make
 
 
@@ -162,18 +164,8 @@ def deepspeed(stage: int):
 
 def plain_compile(model: nn.Module, spec: BenchModel, setting: Setting) -> Trainer:
     torch._dynamo.config.trace_autograd_ops = True  # capture loss.backward() in the graph
-    opt = _adamw(model)
-
-    @torch.compile(backend=setting.backend)
-    def train_step(x, y):
-        with _autocast(setting):
-            loss = loss_of(spec, model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    return Trainer(train_step, whole_batch=True)
+    step = _training_step(model, spec, _adamw(model), setting)
+    return Trainer(torch.compile(step, backend=setting.backend), whole_batch=True)
 
 
 PEERS = {

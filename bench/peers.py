@@ -36,7 +36,7 @@ from . import cpu_memory, peers_report
 from .peer_launch import launch_peer, peer_environment
 from .peer_models import MODELS
 from .peer_trainers import OPTIONAL_PEERS, PEERS, REFERENCE, Setting
-from .runs import machine, write_json
+from .runs import machine, rows_of_every_rank, write_json
 
 LOSS_RTOL = {False: 2e-3, True: 3e-2}
 """How far any step's loss may be from the reference's: fp32 (Inductor's fused
@@ -124,11 +124,7 @@ def run_in_ranks(args, peers: list[str], gather: bool = True) -> dict:
     for peer in peers:
         row = run_peer(peer, spec, setting, args.steps, args.warmup,
                        count_wire=args.device == "cpu" and not args.fake_world)
-        everyone = [row]
-        if gather and dist.is_initialized() and not args.fake_world:
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, row)
-        results[peer] = everyone
+        results[peer] = rows_of_every_rank(row) if gather and not args.fake_world else [row]
     return results
 
 
@@ -164,14 +160,15 @@ def report(args, results: dict, notes: list[str], seconds: float) -> int:
                 f"Inductor caches: {'warm' if args.warm_cache else 'empty (cold compiles)'}; "
                 f"{args.steps} steps, {args.warmup} untimed")
     table = peers_report.markdown(summaries, REFERENCE, wire, losses=not args.fake_world)
-    goals = peers_report.targets_markdown(peers_report.targets(summaries))
+    targets = peers_report.targets(summaries)
+    goals = peers_report.targets_markdown(targets)
     dagger = (["† trains the whole global batch in one process (no data parallelism)."]
               if any(s["whole_batch"] for s in summaries) else [])
     text = "\n\n".join([describe, table, *dagger, goals, *notes, *failures])
     name = args.name or f"peers-{args.model}-w{world}" + ("-fake" if args.fake_world else "")
     path = write_json(name, {"machine": machine(), "description": describe, "args": vars(args),
                              "summaries": summaries, "ranks": results,
-                             "targets": peers_report.targets(summaries), "notes": notes,
+                             "targets": targets, "notes": notes,
                              "loss_failures": failures, "seconds": seconds})
     with open(path[:-len(".json")] + ".md", "w") as f:
         f.write(text + "\n")
