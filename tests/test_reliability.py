@@ -18,7 +18,7 @@ from training import STEPS, parity_errors
 from zero_fx import zero_compile
 from zero_fx.failures import CollectiveFailedError
 from zero_fx.process_group import check_devices_match_backend
-from zero_fx.rank_agreement import RanksDisagreeError
+from zero_fx.rank_agreement import RanksDisagreeError, call_signature, disagreement, graph_signature
 
 
 def _setup(stage=3, **options):
@@ -151,6 +151,47 @@ def test_ranks_with_different_batches_fail_before_any_collective():
 def test_ranks_whose_step_branches_on_the_rank_are_caught():
     for result in run_ranks(2, disagreeing_rank, "branch"):
         assert "different computation" in result["error"], result
+
+
+def _signature(device: str, length: int = 8, op=torch.add):
+    """The signature of a graph that reads its device, as rank ``device``'s index would."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x: op(x, torch.arange(length, device=x.device)))(torch.ones(length))
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.arange.default):
+        node.kwargs = {**node.kwargs, "device": torch.device(device)}  # no GPU needed to edit
+    gm.recompile()
+    return call_signature(graph_signature(gm, None), [torch.ones(length)])
+
+
+def test_the_device_index_is_no_disagreement():
+    # rank r's graph reads cuda:r wherever the step writes device=x.device (HF models do)
+    assert _signature("cuda:0").fingerprint == _signature("cuda:1").fingerprint
+    assert _signature("cuda:0").fingerprint != _signature("cpu").fingerprint
+
+
+@pytest.mark.parametrize("other", [{"length": 6}, {"op": torch.mul}])
+def test_a_real_difference_on_the_same_device_type_is_named(other):
+    mine, theirs = _signature("cuda:0"), _signature("cuda:1", **other)
+    assert mine.fingerprint != theirs.fingerprint
+    message = disagreement([mine, theirs])
+    assert "rank 1 differs from rank 0" in message
+    if "length" in other:
+        assert "input 0: rank 0 has x_1: f32[8], rank 1 has x_1: f32[6]" in message
+    else:
+        assert "different computation" in message
+
+
+def test_a_difference_late_in_long_arguments_is_not_cut_off():
+    # the listing shortens arguments for people; the fingerprint must read all of them
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def permuted(order):
+        gm = make_fx(lambda x: x.permute(order) * 2)(torch.ones([1] * 40))
+        return graph_signature(gm, None).fingerprint
+
+    order = list(range(40))
+    assert permuted(order) != permuted(order[:-2] + order[:-3:-1])
 
 
 # -- 3. shapes that change ------------------------------------------------------------------

@@ -6,7 +6,8 @@ step was traced from other shapes (a smaller last batch on one rank) or whose
 code branches on the rank compiles another graph: its collectives then pair
 with the wrong peers' and the job hangs, or runs on mismatched buffers. So,
 right before running its graph, each rank all-gathers one 64-bit fingerprint of
-that graph (every node with its op, arguments, shape and dtype) and of the
+that graph (every node with its op, arguments, shape and dtype; a device by
+its type only, since each rank's graph names its own ``cuda:<rank>``) and of the
 shapes its inputs have in this call (a graph with dynamic sizes would run
 unequal batches without complaint) on a side gloo
 group (CPU tensors, whatever the training backend). All equal: run. Not: every
@@ -57,7 +58,7 @@ class CallSignature:
 
 
 def graph_signature(gm: GraphModule, plan) -> GraphSignature:
-    rows = graph_rows(gm, plan)
+    rows = graph_rows(gm, plan, rank_neutral=True)
     return GraphSignature(
         fingerprint=hashlib.sha256(format_rows(rows).encode()).digest(),
         input_names=tuple(r.name for r in rows if r.kind == "input"),

@@ -55,18 +55,23 @@ class NodeRow:
     """Names of the nodes it reads."""
 
 
-def graph_rows(gm: GraphModule, plan=None) -> list[NodeRow]:
-    """The rows of ``gm``, in graph order; ``plan`` (a ShardPlan) adds shard sizes."""
+def graph_rows(gm: GraphModule, plan=None, *, rank_neutral: bool = False) -> list[NodeRow]:
+    """The rows of ``gm``, in graph order; ``plan`` (a ShardPlan) adds shard sizes.
+
+    ``rank_neutral``: rows that are equal on every rank running the same graph, for
+    comparing ranks ([Note: checking that ranks agree]): arguments are not shortened, and a
+    device reads as its type (``cuda``), since rank r's graph reads its own ``cuda:r``
+    wherever the step writes ``device=x.device``."""
     grads = {}
     output = gm.graph.output_node()
     for index, name in grad_slots(gm).items():
         out = output.args[0][index]
         if isinstance(out, Node):
             grads[out] = name
-    return [_row(i, node, plan, grads) for i, node in enumerate(gm.graph.nodes)]
+    return [_row(i, node, plan, grads, rank_neutral) for i, node in enumerate(gm.graph.nodes)]
 
 
-def _row(index: int, node: Node, plan, grads: dict[Node, str]) -> NodeRow:
+def _row(index: int, node: Node, plan, grads: dict[Node, str], rank_neutral: bool) -> NodeRow:
     kind, note = _kind_and_note(node, plan)
     if node in grads:
         note = "; ".join(filter(None, [note, f"gradient of {grads[node]}"]))
@@ -75,7 +80,7 @@ def _row(index: int, node: Node, plan, grads: dict[Node, str]) -> NodeRow:
         phase=phase_of(node).value,
         name=node.name,
         op=_op(node),
-        args=_args(node),
+        args=_args(node, rank_neutral),
         value=_value(node.meta.get("val")),
         kind=kind,
         note=note,
@@ -138,22 +143,27 @@ def _op(node: Node) -> str:
     return name
 
 
-def _args(node: Node) -> str:
+def _args(node: Node, rank_neutral: bool = False) -> str:
     if node.op in ("placeholder",):
         return ""
-    parts = [_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()]
+    parts = ([_arg(a, rank_neutral) for a in node.args]
+             + [f"{k}={_arg(v, rank_neutral)}" for k, v in node.kwargs.items()])
     text = ", ".join(parts)
-    return text if len(text) <= ARGS_WIDTH else text[:ARGS_WIDTH - 1] + "…"
+    if rank_neutral or len(text) <= ARGS_WIDTH:
+        return text
+    return text[:ARGS_WIDTH - 1] + "…"
 
 
-def _arg(value) -> str:
+def _arg(value, rank_neutral: bool = False) -> str:
     if isinstance(value, Node):
         return value.name
     if isinstance(value, (list, tuple)):
-        inner = ", ".join(_arg(v) for v in value)
+        inner = ", ".join(_arg(v, rank_neutral) for v in value)
         return f"[{inner}]" if isinstance(value, list) else f"({inner})"
     if isinstance(value, torch.dtype):
         return short_dtype(value)
+    if isinstance(value, torch.device) and rank_neutral:
+        return value.type
     if isinstance(value, str):
         return repr(value)
     return str(value)
