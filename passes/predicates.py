@@ -66,6 +66,20 @@ def is_wait(node: Node) -> bool:
     return _target_is(node, _c10d.wait_tensor.default)
 
 
+ANCHOR_OPS = ("mm", "bmm", "addmm", "baddbmm", "convolution", "convolution_backward")
+"""Ops (besides attention) that Inductor runs as kernels of their own (see ``is_anchor_compute``)."""
+
+
+def is_anchor_compute(node: Node) -> bool:
+    """A matmul, attention or convolution: compute that Inductor never fuses into another
+    kernel nor inlines into its reader, so it has one well-defined place in the generated
+    program ([Note: pinning the schedule through Inductor] in zero_fx/pin_schedule.py)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    name = node.target._schema.name.split("::")[-1]
+    return name in ANCHOR_OPS or "scaled_dot_product" in name
+
+
 def is_gradient_seed(node: Node) -> bool:
     """The ``ones_like(loss)`` that autograd starts the backward from."""
     return _target_is(node, torch.ops.aten.ones_like.default)

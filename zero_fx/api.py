@@ -51,6 +51,7 @@ def zero_compile(
     elementwise_optimizer: Optional[bool] = None,
     bucket_bytes: Optional[int] = None,
     prefetch: int = 1,
+    pin_schedule: bool = True,
     memory_budget_bytes: Optional[int] = None,
     persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
     keep_resident: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
@@ -99,6 +100,9 @@ def zero_compile(
             default (25 MiB; 16 MiB in stage 3), 0: one per parameter.
         prefetch: buckets each all-gather is issued ahead of its use, and each
             reduction waited after its issue; 0: no overlap.
+        pin_schedule: Inductor: hold its generated program to that schedule (control
+            dependencies; ``explain()`` says whether it runs it). False lets
+            Inductor re-sort collectives; for comparison only.
         memory_budget_bytes: stage 3: cap on gathered bytes alive at once.
         persistence_threshold, keep_resident: stage 3: parameters of at most
             this many elements (default 16384), or those ``keep_resident(name,
@@ -138,6 +142,7 @@ def zero_compile(
         elementwise_optimizer=elementwise_optimizer,
         bucket_bytes=bucket_bytes,
         prefetch=prefetch,
+        pin_schedule=pin_schedule,
         memory_budget_bytes=memory_budget_bytes,
         persistence_threshold=persistence_threshold,
         keep_resident=keep_resident,
@@ -326,11 +331,15 @@ class CompiledStep:
         dynamic = has_dynamic_shapes(dynamo_gm)
         extra_inputs = self._extra_inputs(gm)
         inputs = self.state.graph_inputs(names, example_inputs) + extra_inputs
-        compiled = lower(gm, fakes_like_dynamo(inputs) if dynamic else inputs, self.config.backend,
-                         dynamic=dynamic)
+        compiled, order = lower(gm, fakes_like_dynamo(inputs) if dynamic else inputs,
+                                self.config.backend, dynamic=dynamic,
+                                pin_schedule=self.config.pin_schedule)
+        if order.difference:
+            log.warning("zero_fx: %s", order)
         signature = graph_signature(gm, self.plan) if self._agreement.group else None
         self.graphs.append(gm)
-        self.compilations.append(Compilation(seconds=time.perf_counter() - start, reason=reason))
+        self.compilations.append(Compilation(seconds=time.perf_counter() - start, reason=reason,
+                                             order=order))
         log.info("zero_fx: compiled %s with %s in %.1f s", self.__name__,
                  describe_backend(self.config.backend), self.compilations[-1].seconds)
         if dump:

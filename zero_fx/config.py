@@ -53,6 +53,12 @@ class ZeroConfig:
     """Collectives issued ahead of the compute that needs them: stage 3 issues
     an all-gather this many buckets early; reductions are waited for this many
     buckets late. 0: every collective is issued and waited where it is used."""
+    pin_schedule: bool = True
+    """Inductor: hold its generated program to our collective schedule with control
+    dependencies ([Note: pinning the schedule through Inductor] in zero_fx/pin_schedule.py);
+    ``explain()`` says whether the program runs it. False lets Inductor re-sort the
+    collectives (its peak-memory reordering waits on each one right after issuing it):
+    for comparison only."""
     memory_budget_bytes: Optional[int] = None
     """Stage 3: the most gathered (full) bytes alive at once; prefetch stops where
     it would exceed it. ``None``: bounded by ``prefetch`` only."""

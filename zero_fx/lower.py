@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -11,13 +11,24 @@ from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .capture import static_fakes
+from .lowered_schedule import OrderCheck, lowered_schedule, order_as_graph, planned_schedule
 from .passes.splice import outside_dynamo_tracing
+from .pin_schedule import inductor_passes_with_pin, tag_schedule
+
+
+class Lowered(NamedTuple):
+    run: Callable
+    order: OrderCheck
+    """Whether ``run`` keeps the graph's collective schedule ([Note: pinning the schedule
+    through Inductor] in pin_schedule.py)."""
 
 
 def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend, *,
-          dynamic: bool = False) -> Callable:
-    """A callable running ``gm``: "eager" runs it as is; "aot_eager" and "inductor"
-    trace it again through AOTAutograd; a callable backend gets it directly.
+          dynamic: bool = False, pin_schedule: bool = True) -> Lowered:
+    """``gm`` made runnable: "eager" runs it as is; "aot_eager" and "inductor" trace it again
+    through AOTAutograd; a callable backend gets it directly. Under Inductor, with
+    ``pin_schedule``, control dependencies keep our collective schedule, and the order
+    of its generated program is read back and compared with the graph's.
 
     [Note: no CSE across phases]
     In stage 3 the forward and the backward gather the same shard with two
@@ -26,9 +37,11 @@ def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend, *,
     the end of the backward: AOTAutograd's CSE is switched off while lowering.
     """
     if callable(backend) and not isinstance(backend, str):
-        return backend(gm, list(example_inputs))
+        return Lowered(backend(gm, list(example_inputs)), order_as_graph(
+            getattr(backend, "__name__", "the backend"), gm,
+            "a custom backend compiled the graph: its order is not checked"))
     if backend == "eager":
-        return gm
+        return Lowered(gm, order_as_graph("eager", gm, "eager runs the graph's own order"))
     if dynamic:
         # [Note: dynamic shapes] in capture.py: in dynamo's own tracing context, on
         # fakes of its fake mode, so what lowering assumes about a size is a guard.
@@ -39,12 +52,37 @@ def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend, *,
         if backend == "aot_eager":
             from torch._dynamo.backends.debugging import aot_eager
 
-            return aot_eager(gm, fakes)
+            return Lowered(aot_eager(gm, fakes), order_as_graph(
+                "aot_eager", gm, "aot_eager runs the graph op by op, in its own order"))
         if backend == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-
-            return compile_fx(gm, fakes)
+            return _inductor(gm, fakes, pin_schedule)
     raise ValueError(f"unknown backend {backend!r}")
+
+
+def _inductor(gm: GraphModule, fakes, pin_schedule: bool) -> Lowered:
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    planned = planned_schedule(gm)
+    sources: list[str] = []
+
+    def keeping_source(*args, **kwargs):
+        compiled = compile_fx_inner(*args, **kwargs)
+        sources.append(getattr(compiled, "source_code", "") or "")
+        return compiled
+
+    patches = {}
+    if pin_schedule:
+        tag_schedule(gm)
+        patches["post_grad_custom_pre_pass"] = inductor_passes_with_pin(
+            config.post_grad_custom_pre_pass)
+    with config.patch(patches):
+        run = compile_fx(gm, fakes, inner_compile=keeping_source)
+    lowered = lowered_schedule(sources[-1]) if len(sources) == 1 else None
+    note = "" if lowered is not None else (
+        f"Inductor produced {len(sources)} programs; the order of one Python wrapper is read"
+        if len(sources) != 1 else "Inductor's C++ wrapper is not read: the order is not checked")
+    return Lowered(run, OrderCheck("Inductor", planned, lowered, note))
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 from torch.fx import GraphModule, Node
 
 from ..cost_model import CollectiveTiming, Estimate, replay
+from ..lowered_schedule import OrderCheck
 from ..memory_timeline import MemoryTimeline, is_view, tensor_bytes
 from ..passes.predicates import gathered_param
 from ..formatting import format_bytes, format_seconds, short_dtype
@@ -33,6 +34,8 @@ class Compilation:
     """Wall time: capture, passes and lowering."""
     reason: str
     """Why it compiled: "first call", or the guard that failed (dynamo's words)."""
+    order: Optional[OrderCheck] = None
+    """Whether the lowered program runs the graph's collective schedule."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,9 @@ def _collectives_section(e: Explanation) -> str:
             f"{format_seconds(t.exposed):>9}  {_bucket(c.bucket)}")
     lines.append("  issued/waited: node index in the rewritten graph (see the graph dump); "
                  "exposed: time compute waits for it")
+    order = e.compilations[-1].order if e.compilations else None
+    if order is not None:
+        lines.append(f"  as lowered: {order}")
     return "\n".join(lines)
 
 

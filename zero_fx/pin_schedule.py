@@ -1,0 +1,112 @@
+"""Pinning: the collective schedule our passes chose is the order Inductor's program runs.
+
+[Note: pinning the schedule through Inductor]
+``schedule_collectives`` decides where each collective is issued and waited
+for, relative to the compute around it. Inductor, left alone, does not keep
+that order: its scheduler re-sorts the program (the peak-memory reordering
+waits on each collective right after issuing it; without it, horizontal fusion
+of kernels that read the same shards pulls backward gathers into the forward),
+so the FX order would be a plan nobody runs.
+
+We keep it with Inductor's own machinery for exactly this: the ``control_deps``
+higher-order op (``torch._inductor.fx_passes.control_dependencies``), which
+its overlap scheduler uses to keep ``start -> compute -> wait``. A control
+dependency is an extra input edge that every later stage (pattern rewrites,
+fusion, the peak-memory reordering, buffer reuse) must respect,
+because it is a real dependency to them. Two steps:
+
+1. ``tag_schedule`` (before lowering) writes each node's position in our
+   final graph into ``node.meta["custom"]``, which AOTAutograd copies onto
+   every node it retraces from it, so the post-grad graph Inductor lowers
+   still knows our order whatever it has moved since.
+2. ``PinSchedule`` (an Inductor ``post_grad_custom_pre_pass``) walks the
+   tagged *events* in our order: collective issues, waits, and *anchors*;
+   and makes each depend on the one before it. That chain holds every issue
+   and every wait between the same anchors as in our graph: the compute we
+   placed between an issue and its wait stays between them, a gather is not
+   issued earlier than planned (which would undo release and
+   ``memory_budget_bytes``), and a wait is neither hoisted nor sunk.
+
+Anchors are the ops Inductor always runs as kernels of their own, matmuls,
+attention and convolutions (``passes.predicates.is_anchor_compute``): a
+pointwise op may be fused into another kernel or inlined into its reader, so
+neither its place nor a dependency on it means anything in the generated code
+(a control dependency on an op that gets inlined is silently dropped).
+Pointwise work may still move between the anchors around it, which is what
+Inductor's fusion needs.
+
+Why a *pre* pass (before Inductor's pattern rewrites, not after): a pattern
+may move an anchor. Measured on a GPT with tied embeddings: ``add(mm, x)``
+becomes ``addmm(x, ...)`` placed where ``x`` is ready, so the last forward
+matmul's gradient moved to the end of the backward, keeping the logits'
+gradient alive through all of it. A wrapped anchor matches no pattern.
+
+Every added edge points from a later position to an earlier one, and data
+edges do too (our graph is topologically ordered), so no edge can close a
+cycle; Inductor's stable topological sort after its post-grad passes puts
+what its locality reordering moved back in our order.
+
+The pass has a ``uuid()`` (a hash of this file), so the FX graph cache still
+works. ``lowered_schedule.py`` reads the order back from the generated code;
+tests/test_lowered_order.py holds the two equal and shows that without this
+pass they differ.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.fx import Graph, GraphModule, Node
+from torch.utils._ordered_set import OrderedSet
+
+from .passes.predicates import is_anchor_compute, is_collective, is_wait
+
+POSITION_KEY = "zero_fx_position"
+"""Key in ``node.meta["custom"]``: the node's index in our final graph."""
+
+
+def tag_schedule(gm: GraphModule) -> None:
+    """Write each call's position in ``gm`` into its ``meta["custom"]`` (kept by retracing)."""
+    for position, node in enumerate(gm.graph.nodes):
+        if node.op == "call_function":
+            node.meta["custom"] = {**(node.meta.get("custom") or {}), POSITION_KEY: position}
+
+
+def position(node: Node) -> Optional[int]:
+    return (node.meta.get("custom") or {}).get(POSITION_KEY)
+
+
+class PinSchedule(CustomGraphPass):
+    """Inductor post-grad pre-pass: control dependencies that hold our collective schedule
+    ([Note: pinning the schedule through Inductor])."""
+
+    def __call__(self, graph: Graph) -> None:
+        deps = ordering_dependencies(graph.nodes)
+        if deps:
+            from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+            preserve_node_ordering(graph, deps)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))
+
+
+def ordering_dependencies(nodes: Iterable[Node]) -> dict[Node, OrderedSet[Node]]:
+    """``{node: the node it must run after}``: each tagged event after the one before it in
+    our order (dependents in that order, so a dependency is rewritten before its users)."""
+    events = [n for _, _, n in sorted((position(n), i, n) for i, n in enumerate(nodes)
+                                      if position(n) is not None and _is_event(n))]
+    return {node: OrderedSet([before]) for before, node in zip(events, events[1:])}
+
+
+def _is_event(node: Node) -> bool:
+    return node.op == "call_function" and (
+        is_collective(node) or is_wait(node) or is_anchor_compute(node))
+
+
+def inductor_passes_with_pin(existing) -> tuple:
+    """The post-grad pre-passes to run: the user's (``existing``, Inductor's config value),
+    then ours."""
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
+    return (*get_custom_graph_passes(existing), PinSchedule())
+
