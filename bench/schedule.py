@@ -4,6 +4,8 @@
 
 Per variant, on the same model and per-rank batch: median step time over the
 timed steps after warm-up, collective launches per step (counted as they run),
+whether the lowered program runs the graph's order (``pin_schedule``; one variant
+lets Inductor re-sort, for comparison),
 and the cost model's prediction: with the ``cpu-gloo`` preset, and with a
 ``Hardware`` calibrated on this machine a moment before (matmul FLOP/s, copy
 bandwidth, gloo all-gather speed). Writes bench/out/schedule-w<N>.json.
@@ -29,6 +31,8 @@ VARIANTS = {
     "stage 0 (DDP)": dict(stage=0),
     "stage 3 unscheduled": dict(stage=3, bucket_bytes=0, prefetch=0, persistence_threshold=0),
     "stage 3 scheduled": dict(stage=3, bucket_bytes=0, prefetch=1, persistence_threshold=0),
+    "stage 3 scheduled, Inductor's own order": dict(stage=3, bucket_bytes=0, prefetch=1,
+                                                     persistence_threshold=0, pin_schedule=False),
     "stage 3 scheduled + bucketed": dict(stage=3),
 }
 """zero_compile options of each row; the last is the default configuration."""
@@ -63,7 +67,9 @@ def measure_variant(options: dict, cfg: GPTConfig, batch: int, steps: int, backe
         train_step(model, opt, x, y)
         times.append(time.perf_counter() - start)
     preset, fitted = train_step.estimate("cpu-gloo"), train_step.estimate(calibrated)
+    order = train_step.compilations[0].order
     return {
+        "runs_plan": order.difference is None,
         "step_ms": 1e3 * statistics.median(times),
         "launches": sum(counted.launches.values()),
         "launches_per_block_per_phase": _per_block_per_phase(train_step, cfg.n_layer),
@@ -130,8 +136,8 @@ def _best_seconds(fn, repeat: int = 7) -> float:
 def markdown(rows: dict) -> str:
     lines = ["| variant | step (median) | vs stage 0 | launches / step | per block per phase | "
              "predicted, cpu-gloo preset | predicted, calibrated | error (calibrated) | "
-             "exposed comm. (predicted) | compile |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "exposed comm. (predicted) | compile | runs the planned order |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = rows["stage 0 (DDP)"]["step_ms"]
     for name, r in rows.items():
         error = r["predicted_ms_calibrated"] / r["step_ms"] - 1
@@ -139,7 +145,8 @@ def markdown(rows: dict) -> str:
             f"| {name} | {r['step_ms']:.1f} ms | {r['step_ms'] / base:.2f}x | {r['launches']} | "
             f"{r['launches_per_block_per_phase']:.2f} | {r['predicted_ms_preset']:.1f} ms | "
             f"{r['predicted_ms_calibrated']:.1f} ms | {100 * error:+.0f}% | "
-            f"{100 * r['exposed_fraction_calibrated']:.0f}% | {r['compile_s']:.1f} s |")
+            f"{100 * r['exposed_fraction_calibrated']:.0f}% | {r['compile_s']:.1f} s | "
+            f"{'yes' if r['runs_plan'] else 'no'} |")
     return "\n".join(lines)
 
 
