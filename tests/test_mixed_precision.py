@@ -10,6 +10,7 @@ near-zero gradient is its sign, which 16-bit noise flips.
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from feature_runs import reference_run, zero_fx_run
 from ranks import run_ranks
@@ -67,14 +68,21 @@ def test_bf16_halves_the_bytes_every_gather_moves(stage):
     assert {c.dtype for c in bf16.collectives if c.kind == "all_gather"} == {torch.bfloat16}
 
 
-def overflowing_fp16_rank(rank, world_size):
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
+    # skips an overflowed step on the device ([Note: clipping and overflow])
+    "fused adamw": lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True),
+}
+
+
+def overflowing_fp16_rank(rank, world_size, optimizer="sgd"):
     """fp16 with the loss itself in fp16: a loss scale above 65504 makes the backward's seed
     inf, so the step overflows until the scale has halved below it."""
     import models
     from zero_fx import zero_compile
 
     model = models.build("gpt")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = OPTIMIZERS[optimizer](model.parameters())
     policy = MixedPrecision(param_dtype=torch.float16, initial_scale=2.0 ** 17, growth_interval=2)
     step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager",
                         mixed_precision=policy)
@@ -87,11 +95,12 @@ def overflowing_fp16_rank(rank, world_size):
     return {"history": history, "params": params}
 
 
-def test_fp16_overflow_skips_the_step_and_the_scale_follows_gradscalers_rule():
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_fp16_overflow_skips_the_step_and_the_scale_follows_gradscalers_rule(optimizer):
     import models
 
     initial = {n: p.detach().clone() for n, p in models.build("gpt").named_parameters()}
-    result = run_ranks(2, overflowing_fp16_rank)[0]
+    result = run_ranks(2, overflowing_fp16_rank, optimizer)[0]
     assert result["history"] == [
         (2.0 ** 16, 1, 0),  # 2^17: the fp16 seed is inf, skipped, halved
         (2.0 ** 15, 2, 0),  # 2^16 = 65536 > 65504, still inf
@@ -103,6 +112,41 @@ def test_fp16_overflow_skips_the_step_and_the_scale_follows_gradscalers_rule():
         assert torch.equal(result["params"][1][name], value), name
     assert not torch.equal(result["params"][2]["wte.weight"], initial["wte.weight"])
     assert all(torch.equal(result["params"][4][n], result["params"][3][n]) for n in initial)
+
+
+class HostReads(TorchDispatchMode):
+    """Counts values read back to the host (``.item()``, ``bool(t)``): each waits for the
+    device on CUDA."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("optimizer, reads", [("fused adamw", 0), ("sgd", 1)])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_an_fp16_step_reads_nothing_on_the_host_but_the_overflow_of_an_unfused_optimizer(
+        optimizer, reads, clip):
+    """Unscaling, the norm, the overflow check and the new scale stay on the device; only an
+    optimizer that cannot skip on the device has the overflow flag read, once a step."""
+    import models
+    from zero_fx import zero_compile
+
+    model = models.build("gpt")
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager",
+                        mixed_precision=FP16[0][1], max_grad_norm=clip)
+    counts = []
+    for i in range(3):
+        with step.observing(HostReads()) as counted:  # the graph and the optimizer update
+            step(model, opt, *models.global_batch("gpt", i))
+        counts.append(counted.count)
+    assert counts == [reads] * 3
+    assert step.optimizer_steps == 3 and step.skipped_steps == 0
 
 
 @pytest.mark.parametrize("stage", [0, 3])

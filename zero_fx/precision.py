@@ -90,7 +90,11 @@ class MixedPrecision:
 class LossScaler:
     """The loss scale of fp16 training and GradScaler's rule for it: halve it on a step
     whose gradients overflowed (that step is skipped), double it after
-    ``growth_interval`` clean steps; a static scale never changes."""
+    ``growth_interval`` clean steps; a static scale never changes.
+
+    The scale and the counters live on the device and ``update`` reads nothing on the
+    host (``torch._amp_update_scale_``, as GradScaler does); reading ``skipped_steps``
+    or ``clean_steps`` waits for the device."""
 
     def __init__(self, policy: MixedPrecision, device: torch.device):
         initial = policy.initial_scale if policy.dynamic_scaling else float(policy.loss_scale)
@@ -98,23 +102,34 @@ class LossScaler:
         """Read by the graph on every call (the ``loss_scale`` input); updated in place."""
         self.dynamic = policy.dynamic_scaling
         self.growth_interval = policy.growth_interval
-        self.clean_steps = 0
-        self.skipped_steps = 0
-        """Optimizer steps skipped because the gradients overflowed."""
+        self._clean = torch.zeros((), dtype=torch.int32, device=device)
+        """Clean steps since the scale last changed (GradScaler's growth tracker)."""
+        self._skipped = torch.zeros((), dtype=torch.int64, device=device)
 
-    def update(self, overflowed: bool) -> None:
-        if overflowed:
-            self.skipped_steps += 1
-        if not self.dynamic:
-            return
-        if overflowed:
-            self.scale.mul_(0.5)
-            self.clean_steps = 0
-            return
-        self.clean_steps += 1
-        if self.clean_steps == self.growth_interval:
-            self.scale.mul_(2.0)
-            self.clean_steps = 0
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Count the optimizer step and move the scale; ``found_inf`` is a float32 scalar on
+        the device, 1.0 if the step's gradients overflowed (the step is skipped), else 0.0."""
+        self._skipped.add_(found_inf.to(self._skipped.dtype))
+        if self.dynamic:
+            torch._amp_update_scale_(self.scale, self._clean, found_inf, 2.0, 0.5,
+                                     self.growth_interval)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because the gradients overflowed."""
+        return int(self._skipped.item())
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped.fill_(value)
+
+    @property
+    def clean_steps(self) -> int:
+        return int(self._clean.item())
+
+    @clean_steps.setter
+    def clean_steps(self, value: int) -> None:
+        self._clean.fill_(value)
 
 
 def cast_at_model_edge(model: torch.nn.Module, policy: MixedPrecision) -> None:

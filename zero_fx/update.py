@@ -18,17 +18,31 @@ Where the sum is kept depends on the stage:
   last backward.
 
 [Note: clipping and overflow]
-The global gradient norm is computed on each rank's shards (sum of squares),
-all-reduced once as a single scalar, and square-rooted: the norm of the whole
-gradient, as ``torch.nn.utils.clip_grad_norm_`` computes it on one process.
-In stage 0, and in stages 1-2 at one rank, every rank holds the whole
-gradient and no collective is needed. The same norm detects overflow under
-fp16 loss scaling: it is inf or NaN exactly when some gradient element is.
+The global gradient norm is computed on each rank's shards, all-reduced once
+as a single scalar (the sum of squares), and square-rooted: the norm of the
+whole gradient, as ``torch.nn.utils.clip_grad_norm_`` computes it on one
+process (``torch._foreach_norm`` per gradient, then the norm of those: a few
+kernels, not a few per parameter). In stage 0, and in stages 1-2 at one rank,
+every rank holds the whole gradient and no collective is needed. The same
+norm detects overflow under fp16 loss scaling: it is inf or NaN exactly when
+some gradient element is (or, as for ``clip_grad_norm_``, when the sum of
+squares itself overflows fp32), and equal on every rank, so every rank skips
+the same steps.
+
+Nothing of this reads a value on the host: the gradients are divided by the
+scale (a device tensor), the overflow flag and the new scale are computed on
+the device (``LossScaler``). Skipping the optimizer step is the one place
+that may need the flag on the host: a fused ``Adam``/``AdamW``
+(``fused=True``) takes it as ``optimizer.found_inf`` and skips on the device,
+as under GradScaler, so an fp16 step reads nothing; any other optimizer
+reads the flag once per optimizer step (GradScaler does the same). Not
+fused SGD: with momentum, a skipped first step leaves its momentum buffers
+uninitialised (``torch.optim.sgd._fused_sgd`` allocates them with
+``empty_like`` and then skips the kernel that would fill them).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -37,6 +51,11 @@ from .precision import LossScaler
 from .sharded_state import ShardedState
 
 _c10d = torch.ops._c10d_functional
+
+
+SKIPS_ON_DEVICE = (torch.optim.Adam, torch.optim.AdamW)
+"""Optimizers that, built with ``fused=True``, skip their step on the device when given
+``found_inf`` ([Note: clipping and overflow])."""
 
 
 class OptimizerUpdate:
@@ -50,11 +69,18 @@ class OptimizerUpdate:
         self.scaler = scaler
         self.micro_step = 0
         """Calls since the last optimizer step (or skipped step)."""
-        self.optimizer_steps = 0
-        """Optimizer steps taken (skipped ones not counted)."""
+        self.windows = 0
+        """Accumulation windows ended: optimizer steps taken plus those skipped."""
         self.last_grad_norm: Optional[torch.Tensor] = None
         """The global gradient norm of the latest optimizer step, before clipping (computed
         when clipping or loss scaling, else None)."""
+        self._found_inf: Optional[torch.Tensor] = None
+        """For an optimizer that skips on the device: this window's overflow flag."""
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken (skipped ones not counted)."""
+        return self.windows - (self.scaler.skipped_steps if self.scaler is not None else 0)
 
     def accumulate(self) -> bool:
         """Take this call's gradients; True if this call ends an accumulation window and the
@@ -67,23 +93,39 @@ class OptimizerUpdate:
         self.micro_step = 0
         self.state.reduce_accumulated()
         grads = self.state.grads()
-        divisor = self.accumulation_steps * (self.scaler.scale.item() if self.scaler else 1.0)
-        if divisor != 1.0:
-            torch._foreach_div_(grads, divisor)
+        self._unscale(grads)
         if self.max_grad_norm is None and self.scaler is None:
+            self.windows += 1
             return True
         norm = self.grad_norm(grads)
+        self.windows += 1
         self.last_grad_norm = norm
         if self.scaler is not None:
-            overflowed = not math.isfinite(norm.item())
-            self.scaler.update(overflowed)
-            if overflowed:
+            found_inf = norm.isfinite().logical_not().to(torch.float32)
+            self.scaler.update(found_inf)
+            if self._skips_on_device():
+                self._found_inf = found_inf
+            elif found_inf.item():  # the one host read ([Note: clipping and overflow])
                 self.state.zero_grad()
                 return False
         if self.max_grad_norm is not None:
             coefficient = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coefficient)
         return True
+
+    def _unscale(self, grads: list[torch.Tensor]) -> None:
+        """The mean over the window's micro-batches, and the loss scale divided out."""
+        if not grads:
+            return
+        if self.scaler is not None:
+            torch._foreach_div_(grads, self.scaler.scale * self.accumulation_steps)
+        elif self.accumulation_steps != 1:
+            torch._foreach_div_(grads, float(self.accumulation_steps))
+
+    def _skips_on_device(self) -> bool:
+        optimizer = self.state.optimizer
+        return type(optimizer) in SKIPS_ON_DEVICE and getattr(
+            optimizer, "_step_supports_amp_scaling", False)
 
     def discard(self) -> None:
         """Drop the gradients of the current accumulation window (a failed call)."""
@@ -99,18 +141,28 @@ class OptimizerUpdate:
                 "skipped_steps": scaler.skipped_steps if scaler else 0}
 
     def restore_counters(self, saved: dict) -> None:
-        self.optimizer_steps = saved["optimizer_steps"]
+        self.windows = saved["optimizer_steps"]
         self.micro_step = 0
         if self.scaler is not None and saved["loss_scale"] is not None:
             self.scaler.scale.fill_(saved["loss_scale"])
             self.scaler.clean_steps = saved["clean_steps"]
             self.scaler.skipped_steps = saved["skipped_steps"]
+            self.windows += saved["skipped_steps"]
 
     def apply(self) -> None:
-        """The optimizer steps on the shards; gradients cleared; parameters refreshed."""
-        self.state.optimizer.step()
+        """The optimizer steps on the shards (or skips, on the device, an overflowed fp16
+        step); gradients cleared; parameters refreshed."""
+        optimizer = self.state.optimizer
+        if self._found_inf is not None:
+            optimizer.found_inf = self._found_inf
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf
+                self._found_inf = None
+        else:
+            optimizer.step()
         self.state.zero_grad()
-        self.optimizer_steps += 1
         self.state.refresh_parameters()
 
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -118,9 +170,11 @@ class OptimizerUpdate:
         overflow]); float32, a scalar, the same on every rank."""
         plan = self.state.plan
         if grads:
-            squares = torch.stack([g.float().square().sum() for g in grads]).sum()
+            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
         else:
-            squares = torch.zeros((), device=next(iter(self.state.shards.values())).device)
-        if not plan.replicated and plan.world_size > 1:
-            squares = _c10d.wait_tensor(_c10d.all_reduce(squares, "sum", plan.group_name))
+            norms = [torch.zeros((), device=next(iter(self.state.shards.values())).device)]
+        norm = torch.linalg.vector_norm(torch.stack(norms))  # clip_grad_norm_'s, of this part
+        if plan.replicated or plan.world_size == 1:
+            return norm
+        squares = _c10d.wait_tensor(_c10d.all_reduce(norm.square(), "sum", plan.group_name))
         return squares.sqrt()
