@@ -344,6 +344,52 @@ def test_a_dead_rank_fails_the_others_fast_with_state_intact(when):
     assert survivor["shards_unchanged"] and survivor["optimizer_unchanged"]
 
 
+def rank_dying_before_the_check(rank: int, world_size: int, stage: int):
+    """The NCCL completion check, run on gloo: rank 1 dies after its graph (stage 3) or after
+    its gathers following the update (stage 2), where only the check's all-reduce still
+    needs it."""
+    import zero_fx.failures
+
+    zero_fx.failures.CHECKED_BACKENDS = ("nccl", "gloo")
+    model = models.build("gpt")
+    opt = models.make_optimizer(model)
+    step = zero_compile(models.training_step("gpt"), stage=stage, backend="aot_eager")
+    x, y = models.global_batch("gpt", 0)
+    mine = slice(rank * 4, (rank + 1) * 4)
+    step(model, opt, x[mine], y[mine])
+    if rank == 1:
+        if stage == 3:
+            step.state.commit_grads = lambda: os._exit(0)
+        else:
+            refresh = step.state.refresh_parameters
+            step.state.refresh_parameters = lambda: (refresh(), os._exit(0))
+    before = {n: s.detach().clone() for n, s in step.state.shards.items()}
+    try:
+        step(model, opt, x[mine], y[mine])
+    except CollectiveFailedError as err:
+        after = step.state.shards
+        try:
+            step(model, opt, x[mine], y[mine])
+            refused = False
+        except RuntimeError as again:
+            refused = "restore from a checkpoint" in str(again)
+        return {"error": str(err), "refused": refused,
+                "shards_unchanged": all(torch.equal(before[n], after[n]) for n in before)}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("stage, message", [(3, "Nothing was updated"),
+                                            (2, "parameters are stale")])
+def test_the_nccl_completion_check_fails_the_step_where_it_stands(stage, message):
+    """[Note: failures on NCCL]: the check before the update turns a failure into "nothing
+    was updated"; the one after the gathers of stages 1-2 into "restore from a checkpoint"."""
+    survivor, dead = run_ranks(2, rank_dying_before_the_check, stage, timeout_s=30, may_die=True)
+    assert dead is None
+    assert survivor["error"] and message in survivor["error"], survivor
+    assert survivor["shards_unchanged"] == (stage == 3)
+    assert survivor["refused"] == (stage == 2)
+
+
 def test_a_failure_after_the_optimizer_refuses_further_calls(monkeypatch):
     model, opt, step = _setup(stage=2)
     step(model, opt, *models.global_batch("mlp", 0))

@@ -12,11 +12,62 @@ rank's training state is intact:
 - in the gathers after the optimizer (stages 1-2): the shards are updated but
   the parameters are not, so the step refuses every later call; restore from
   a checkpoint.
+
+That holds as stated on gloo, whose collectives fail on the thread that calls
+them. NCCL reports failures late; see the next note.
+
+[Note: failures on NCCL]
+NCCL runs each collective on a stream of its own; waiting for one in the graph
+(``wait_tensor``) only makes the compute stream wait for it on the GPU, so the
+host runs on and enqueues the optimizer's kernels behind it. A failure is found
+by ProcessGroupNCCL's watchdog thread: a collective past the group's timeout,
+or an error NCCL reports for the communicator. With PyTorch's default
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) the watchdog then ends the process, and
+no Python exception is raised anywhere.
+
+So on NCCL the optimizer update waits for the step's collectives first
+(``CompletionCheck``): before the update (``OptimizerUpdate.accumulate``), and
+in stages 1-2 again after the gathers that follow it, this rank all-reduces
+one element on the step's group and waits for that with the group's timeout
+(``Work.wait(timeout)``). Collectives of a group run in order on its stream,
+so when that one has finished, every one this rank issued before it has; and
+a wait with a timeout polls NCCL's error state of the communicator
+(``WorkNCCL::isCompleted``) and raises, in this thread, on an error or at the
+timeout. What this checks is completion and the error NCCL reports, not the
+data; what it costs is a one-element all-reduce and the host waiting for the
+GPU once per optimizer step (twice in stages 1-2), where it could otherwise
+enqueue the next step's kernels.
+
+What a user gets on NCCL, then: the update never runs on this rank after a
+collective that NCCL reported failed or that had not finished. A peer that
+dies or hangs leaves this rank's collective waiting; the watchdog, whose clock
+started when that collective was issued, ends the process at the group's
+timeout (its log names the collective); restart from the last checkpoint. An
+error NCCL reports before that raises ``CollectiveFailedError`` at the check,
+unless the watchdog has ended the process first. With
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (the watchdog only logs) or
+``TORCH_NCCL_BLOCKING_WAIT=1`` (every wait blocks the host and raises), every
+failure is a ``CollectiveFailedError`` with the guarantees above. None of this
+has run on a GPU in zero_fx's tests; it follows PyTorch's ProcessGroupNCCL
+source (``WorkNCCL::wait``), and the check itself is tested on gloo.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
+from typing import Optional
+
+import torch
 import torch.distributed as dist
+
+from .process_group import World, world_timeout
+
+CHECKED_BACKENDS = ("nccl",)
+"""Backends that report a failed collective late, so the update checks first ([Note:
+failures on NCCL]); gloo raises where the collective is called."""
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+"""NCCL's default group timeout, for a group whose own cannot be read."""
 
 _TRANSPORT_WORDS = ("gloo", "nccl", "connection closed", "timed out", "timeout", "socket",
                     "connection reset", "broken pipe")
@@ -24,6 +75,32 @@ _TRANSPORT_WORDS = ("gloo", "nccl", "connection closed", "timed out", "timeout",
 
 class CollectiveFailedError(RuntimeError):
     """A collective of the step failed: a peer died, hung past the timeout, or the network broke."""
+
+
+class CompletionCheck:
+    """Waits until every collective this rank has issued on ``group`` has finished, and
+    raises if the backend reports one failed or the wait outlasts ``timeout`` ([Note:
+    failures on NCCL])."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout: timedelta):
+        self.group = group
+        self.device = device
+        self.timeout = timeout
+
+    def __call__(self) -> None:
+        fence = torch.zeros(1, device=self.device)
+        dist.all_reduce(fence, group=self.group, async_op=True).wait(self.timeout)
+
+
+def completion_check(world: World, device: torch.device) -> Optional[CompletionCheck]:
+    """The check for the step's group where its backend reports failures late (NCCL);
+    None where a failed collective raises at once, or there are no other ranks."""
+    if world.size == 1 or world.simulated:
+        return None
+    group = dist.distributed_c10d._resolve_process_group(world.group_name)
+    if str(dist.get_backend(group)).lower() not in CHECKED_BACKENDS:
+        return None
+    return CompletionCheck(group, device, world_timeout() or DEFAULT_TIMEOUT)
 
 
 def is_communication_failure(err: BaseException) -> bool:

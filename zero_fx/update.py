@@ -47,6 +47,7 @@ from typing import Optional
 
 import torch
 
+from .failures import completion_check
 from .precision import LossScaler
 from .sharded_state import ShardedState
 
@@ -76,6 +77,9 @@ class OptimizerUpdate:
         when clipping or loss scaling, else None)."""
         self._found_inf: Optional[torch.Tensor] = None
         """For an optimizer that skips on the device: this window's overflow flag."""
+        self._check = completion_check(state.world, next(iter(state.shards.values())).device)
+        """NCCL: wait for the step's collectives before the update ([Note: failures on
+        NCCL] in failures.py); None on gloo, whose collectives raise where they fail."""
 
     @property
     def optimizer_steps(self) -> int:
@@ -94,11 +98,13 @@ class OptimizerUpdate:
         self.state.reduce_accumulated()
         grads = self.state.grads()
         self._unscale(grads)
-        if self.max_grad_norm is None and self.scaler is None:
-            self.windows += 1
-            return True
-        norm = self.grad_norm(grads)
+        norms = self.max_grad_norm is not None or self.scaler is not None
+        norm = self.grad_norm(grads) if norms else None
+        if self._check is not None:  # the last collective before the update has been issued
+            self._check()
         self.windows += 1
+        if norm is None:
+            return True
         self.last_grad_norm = norm
         if self.scaler is not None:
             found_inf = norm.isfinite().logical_not().to(torch.float32)
@@ -164,6 +170,8 @@ class OptimizerUpdate:
             optimizer.step()
         self.state.zero_grad()
         self.state.refresh_parameters()
+        if self._check is not None and self.state.plan.gathers_after_step:
+            self._check()
 
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The 2-norm of the whole gradient from this rank's part of it ([Note: clipping and
