@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+
+GROUP_TIMEOUT = timedelta(minutes=5)
+"""How long a rank waits at a collective for its peers before the step fails (gloo raises
+zero_fx's CollectiveFailedError; on NCCL the watchdog ends the process: README, "When a
+collective fails"). PyTorch's defaults, 10 minutes for NCCL and 30 for gloo, leave a job
+with a dead rank idle that long. It must cover the longest a rank waits for a slower
+one: the first call's compilation and a checkpoint save included; raise it for big models."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +43,8 @@ class Launch:
 
 def launch() -> Launch:
     if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=GROUP_TIMEOUT)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if torch.cuda.is_available():

@@ -1,14 +1,18 @@
 """When a collective fails: say so in words, and say what state the rank is left in.
 
+[Note: what a failure leaves]
 A peer that dies makes gloo fail at once ("Connection closed by peer"); a
 peer that hangs makes it fail after the process group's timeout
 (``init_process_group(timeout=...)``). Either way the error surfaces on the
 ranks still alive as a ``CollectiveFailedError`` that says whether this
 rank's training state is intact:
 
-- inside the compiled graph (forward, backward, gradient reduction) or the
-  check that ranks agree: the optimizer has not run, so parameters, shards
-  and optimizer state are exactly as before the call;
+- inside the compiled graph (forward, backward, gradient reduction), the
+  check that ranks agree, or the reduction and gradient norm before the
+  update (``OptimizerUpdate.accumulate``): the optimizer has not run, so
+  parameters, shards, optimizer state and the loss scale are exactly as
+  before the call (after the graph, the accumulation window's gradients are
+  dropped);
 - in the gathers after the optimizer (stages 1-2): the shards are updated but
   the parameters are not, so the step refuses every later call; restore from
   a checkpoint.
