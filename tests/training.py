@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import weakref
@@ -22,9 +23,10 @@ SMALL_BUCKETS = (("bucket_bytes", 4096), ("persistence_threshold", 0), ("prefetc
 
 
 def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, optimizer: str,
-                 stage: int = 3, broken: str = "", options: tuple = ()):
+                 stage: int = 3, broken: str = "", options: tuple = (), meta: bool = False):
     """Train STEPS steps with @zero_compile(stage=..., **dict(options)) on this rank's slice
-    of each global batch."""
+    of each global batch; ``meta``: the model is built on the meta device (zero_fx
+    initializes it, seeded as ``models.build`` seeds it)."""
     if broken == "skip_divide":  # a deliberately broken reduce pass, to prove the parity test bites
         import sys
 
@@ -33,7 +35,8 @@ def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, opti
         sys.modules["zero_fx.passes.collective_code"]._average = lambda summed, world_size: summed
     # world size 1 runs in the test process, next to earlier runs' results
     alive_before = _live_tensors()
-    model = models.build(model_name)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = models.build(model_name)
     opt = models.make_optimizer(model, optimizer)
 
     train_step = zero_compile(models.training_step(model_name), stage=stage, backend=backend,
@@ -102,9 +105,9 @@ def _held_memory(model, train_step, alive_before: dict) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def zero_fx_run(world_size: int, model_name: str, backend: str, optimizer: str = "adamw",
-                stage: int = 3, broken: str = "", options: tuple = ()):
+                stage: int = 3, broken: str = "", options: tuple = (), meta: bool = False):
     return run_ranks(world_size, zero_fx_rank, model_name, backend, optimizer, stage, broken,
-                     options)
+                     options, meta)
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,6 +8,7 @@ from .cost_model import PRESETS, Estimate, Hardware, estimate
 from .offline import rewritten_step_on_fake
 from .inspection.explain import Compilation, Explanation
 from .logs import set_logs, set_logs_from_environment
+from .materialize import MaterializeError, load_pretrained
 from .passes.pipeline import after, before
 from .precision import MixedPrecision
 from .plan import ParamLayout, ShardPlan, make_plan, plan_for_module
@@ -24,7 +25,9 @@ __all__ = [
     "explain",
     "Explanation",
     "Hardware",
+    "load_pretrained",
     "make_plan",
+    "MaterializeError",
     "MixedPrecision",
     "ParamLayout",
     "plan_for_module",

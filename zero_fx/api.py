@@ -23,6 +23,7 @@ from .inspection.dump import GraphDump
 from .inspection.explain import Compilation, Explanation, explain_graph
 from .config import DEFAULT_PERSISTENCE_THRESHOLD, ZeroConfig, describe_backend
 from .lower import lower
+from .materialize import PretrainedWeights, materialize
 from .passes import build_pipeline, run_pipeline
 from .passes.predicates import LOSS_SCALE_META, grad_slots
 from .plan import ShardPlan, plan_for_module
@@ -61,6 +62,7 @@ def zero_compile(
     mixed_precision: Optional[MixedPrecision] = None,
     accumulation_steps: int = 1,
     max_grad_norm: Optional[float] = None,
+    init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
 ):
     """Compile a whole training step (forward, ``loss.backward()``, ``opt.step()``) with ZeRO.
 
@@ -124,6 +126,10 @@ def zero_compile(
             every K-th call, with the mean gradient of the K micro-batches.
         max_grad_norm: clip the gradient to this global norm before each optimizer
             step; ``step.last_grad_norm`` is the norm before clipping.
+        init_fn: a model built on the meta device is initialized on the first call one
+            module at a time, each rank keeping its shards; ``init_fn(module)`` is the
+            model's own init after its modules are built (nanoGPT's ``self.apply(
+            self._init_weights)``). README, "Models too big for one device".
 
     Inspect a compiled step with ``step.explain()``, ``step.traffic()``,
     ``step.estimate()`` and ``step.graphs``; see the README, "Inspecting a
@@ -152,6 +158,7 @@ def zero_compile(
         mixed_precision=mixed_precision,
         accumulation_steps=accumulation_steps,
         max_grad_norm=max_grad_norm,
+        init_fn=init_fn,
     )
 
     def wrap(step_fn: Callable) -> "CompiledStep":
@@ -278,14 +285,20 @@ class CompiledStep:
             leaves, torch.optim.Optimizer, "optimizer", "optimizer=")
         return model, optimizer
 
-    def _shard(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def _shard(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               pretrained: Optional[PretrainedWeights] = None) -> None:
         world = current_world()
         check_devices_match_backend(model.parameters())
         _claim(model, optimizer, self.__name__)
         self.plan = plan_for_module(model, world_size=world.size, rank=world.rank,
                                     stage=self.config.stage, group_name=world.group_name,
                                     **self.config.plan_options())
-        self.state = ShardedState(model, optimizer, self.plan, world,
+        try:  # a meta model, or pretrained weights: this rank's values (the model is unchanged on error)
+            masters = materialize(model, self.plan, init_fn=self.config.init_fn, pretrained=pretrained)
+        except Exception:
+            _claim(model, optimizer, None)
+            raise
+        self.state = ShardedState(model, optimizer, self.plan, world, masters=masters,
                                   elementwise_optimizer=self.config.elementwise_optimizer)
         precision = self.config.mixed_precision
         if precision is not None:
@@ -547,9 +560,13 @@ _OWNER_ATTRIBUTE = "_zero_fx_sharded_by"
 (An attribute, not a weak dictionary: looking a tensor up there compares tensors.)"""
 
 
-def _claim(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_name: str) -> None:
+def _claim(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_name: Optional[str]) -> None:
     """One model and one optimizer belong to one compiled step: a second step would shard
-    what is already sharded (in stage 3, parameters whose storage is gone)."""
+    what is already sharded (in stage 3, parameters whose storage is gone). None: release them."""
+    if step_name is None:
+        for obj in (optimizer, *model.parameters()):
+            obj.__dict__.pop(_OWNER_ATTRIBUTE, None)
+        return
     for name, param in model.named_parameters():
         owner = getattr(param, _OWNER_ATTRIBUTE, None)
         if owner is not None:

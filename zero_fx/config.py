@@ -87,6 +87,11 @@ class ZeroConfig:
     max_grad_norm: Optional[float] = None
     """Clip the gradient to this global 2-norm before each optimizer step
     (``clip_grad_norm_`` semantics). None: no clipping."""
+    init_fn: Optional[Callable[[torch.nn.Module], None]] = None
+    """A model built on the meta device: its own initialization after its modules are built,
+    ``init_fn(module)`` for every module, children first ([Note: replaying construction] in
+    zero_fx/materialize/events.py). None: each module's ``reset_parameters()`` (and
+    HuggingFace models' ``_init_weights``)."""
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -125,6 +130,8 @@ class ZeroConfig:
         if self.max_grad_norm is not None and not (
                 isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a number > 0 or None, got {self.max_grad_norm!r}")
+        if self.init_fn is not None and not callable(self.init_fn):
+            raise TypeError(f"init_fn must be a callable init_fn(module), got {type(self.init_fn).__name__}")
 
     def plan_options(self) -> dict:
         """What ``plan_for_module`` takes from this config: residency, buckets, schedule,

@@ -53,7 +53,8 @@ class ShardedState:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 plan: ShardPlan, world: World, *, elementwise_optimizer: Optional[bool] = None):
+                 plan: ShardPlan, world: World, *, elementwise_optimizer: Optional[bool] = None,
+                 masters: Optional[dict[str, torch.Tensor]] = None):
         if not plan.replicated:
             check_elementwise(optimizer, elementwise_optimizer)
         self.model = model
@@ -76,9 +77,12 @@ class ShardedState:
         if self.shards_are_params:
             self.shards.update(self.params)
             return
+        masters = masters or {}  # shards made while materializing a meta model (zero_fx.materialize)
         for name, param in self.params.items():
-            master = (param.detach().clone() if plan.replicated
-                      else cut_shard(param, plan.layout(name), world.rank))
+            master = masters.get(name)
+            if master is None:
+                master = (param.detach().clone() if plan.replicated
+                          else cut_shard(param, plan.layout(name), world.rank))
             self.shards[name] = torch.nn.Parameter(master, requires_grad=param.requires_grad)
         rebind_to_shards(
             optimizer,

@@ -1,0 +1,140 @@
+"""Give a model its values as it is sharded: from its construction replayed (a meta model) or from
+pretrained weights, keeping only what this rank holds."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..plan import ShardPlan
+from ..sharded_state import cut_shard
+from . import hf
+from .events import construction_events
+from .model_tensors import ModelTensor, model_tensors, own_slots
+from .replay import MaterializeError, replay
+
+if TYPE_CHECKING:
+    from .pretrained import PretrainedWeights
+
+log = logging.getLogger("zero_fx")
+
+
+def materialize(model: nn.Module, plan: ShardPlan, *,
+                init_fn: Optional[Callable[[nn.Module], None]] = None,
+                pretrained: Optional["PretrainedWeights"] = None,
+                device: Optional[torch.device] = None) -> Optional[dict[str, torch.Tensor]]:
+    """Give ``model``'s meta tensors values, and with ``pretrained`` every tensor the files
+    hold, keeping only what this rank holds: in stage 3 each parameter's shard (returned,
+    by plan name; the parameter keeps its shape with no storage), in stages 0-2 whole
+    parameters; buffers whole. Meta tensors not in the files are initialized as the
+    model's construction would ([Note: replaying construction] in events.py), one
+    module at a time. The model changes only once everything succeeded (its tensors
+    keep their identity: the optimizer's references stay valid). New tensors go on
+    ``device``, by default where this rank trains (``training_device``).
+
+    Returns the stage-3 shards, or None when the caller cuts them from whole parameters
+    (stages 0-2, or nothing to materialize)."""
+    tensors = model_tensors(model)
+    meta = [mt for mt in tensors if mt.is_meta]
+    if not meta and pretrained is None:
+        if init_fn is not None:
+            log.warning("zero_fx: init_fn is for models built on the meta device; this model "
+                        "already has values, so init_fn did not run")
+        return None
+    device = device if device is not None else training_device()
+    sink = _Sink(plan, device)
+    loaded = pretrained.read_into(tensors, sink) if pretrained is not None else set()
+    wanted = [mt for mt in meta if id(mt.tensor) not in loaded]
+    if wanted:
+        _initialize(model, tensors, wanted, sink, device, init_fn, loading=pretrained is not None)
+    sink.install(tensors)
+    if meta:
+        log.info("zero_fx: materialized %d tensor(s) of the meta model on %s (%s)", len(meta),
+                 device, "from pretrained weights" if pretrained is not None and not wanted else
+                 "initialized as its construction would" if pretrained is None else
+                 f"{len(meta) - len(wanted)} from pretrained weights, {len(wanted)} initialized")
+    return sink.masters if plan.params_sharded else None
+
+
+def training_device() -> torch.device:
+    """Where this rank trains: its CUDA device under NCCL, else the CPU."""
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _initialize(model, tensors, wanted, sink, device, init_fn, *, loading: bool) -> None:
+    events = construction_events(model, init_fn)
+    uses_hf_init = init_fn is None and hf.is_pretrained_model(model)
+    if loading:  # the random stream does not matter: only the events that write what is missing
+        by_id = {id(mt.tensor): mt for mt in tensors}
+        wanted_ids = {id(mt.tensor) for mt in wanted}
+        events = [e for e in events
+                  if any(id(mt.tensor) in wanted_ids for _, mt in own_slots(e.module, by_id))]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) \
+            if loading else contextlib.nullcontext():
+        unwritten = replay(tensors, wanted, events, device, sink.put_full,
+                           tie_owner=model.get_input_embeddings() if uses_hf_init else None)
+    if not unwritten:
+        return
+    computed = (hf.computed_buffers(model, [mt.name for mt in unwritten], device)
+                if hf.is_pretrained_model(model) else {})
+    for mt in unwritten:
+        if mt.name not in computed:
+            raise MaterializeError(
+                f"buffer {mt.name!r} of {type(mt.slots[0].module).__name__} has no values on the "
+                "meta model: its module computes it in __init__, which ran on the meta device, "
+                "and no reset_parameters() or init_fn wrote it. Pass zero_compile(init_fn=fn) "
+                "with fn(module) computing it, or build the model on a real device")
+        sink.put_full(mt, computed[mt.name].to(mt.tensor.dtype))
+
+
+class _Sink:
+    """Where materialized values go: this rank's shards (stage-3 parameters) or whole
+    tensors, held until ``install`` puts them into the model all at once."""
+
+    def __init__(self, plan: ShardPlan, device: torch.device):
+        self.plan = plan
+        self.device = device
+        self.masters: dict[str, torch.Tensor] = {}
+        self._values: dict[int, torch.Tensor] = {}
+
+    def sharded(self, mt: ModelTensor) -> bool:
+        return mt.is_param and self.plan.params_sharded
+
+    def put_full(self, mt: ModelTensor, full: torch.Tensor) -> None:
+        """``full``: the tensor's whole value (this call may free it)."""
+        if self.sharded(mt):
+            self.masters[mt.name] = cut_shard(full, self.plan.layout(mt.name), self.plan.rank)
+            full.untyped_storage().resize_(0)  # the parameter keeps its shape, not its values
+        if mt.is_meta:
+            self._values[id(mt.tensor)] = full
+        elif not self.sharded(mt):
+            with torch.no_grad():
+                mt.tensor.copy_(full)
+
+    def put_shard(self, mt: ModelTensor, shard: torch.Tensor) -> None:
+        """A stage-3 parameter's shard, read directly."""
+        self.masters[mt.name] = shard
+        if mt.is_meta:
+            empty = torch.empty(mt.tensor.shape, dtype=mt.tensor.dtype, device=self.device)
+            empty.untyped_storage().resize_(0)
+            self._values[id(mt.tensor)] = empty
+
+    def install(self, tensors: list[ModelTensor]) -> None:
+        """Swap each meta tensor's contents for its value (``torch.utils.swap_tensors``: the
+        Python object stays, so the modules, ties and the optimizer keep referring to it)."""
+        for mt in tensors:
+            value = self._values.get(id(mt.tensor))
+            if value is None:
+                continue
+            if mt.is_param:
+                value = nn.Parameter(value, requires_grad=mt.tensor.requires_grad)
+            value.__dict__.update(mt.tensor.__dict__)
+            torch.utils.swap_tensors(mt.tensor, value)
+        self._values.clear()
