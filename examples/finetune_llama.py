@@ -14,7 +14,6 @@ attention mask hides the padding. Both keep every shape fixed, which one graph n
 import argparse
 import os
 import sys
-import time
 
 import torch
 
@@ -22,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples import hf_models  # noqa: E402
 from examples.launch import launch  # noqa: E402
 from examples.progress import Progress  # noqa: E402
-from examples.summary import summary  # noqa: E402
+from examples.summary import StepClock, summary  # noqa: E402
 from zero_fx import MixedPrecision, zero_compile  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -103,15 +102,15 @@ def answer_accuracy(tokens, mask, labels) -> float:
     return right.item()
 
 
-times, loss = [], None
+clock, loss = StepClock(run.device), None  # waits for a GPU before reading the time
 progress = Progress(args.steps, enabled=run.rank == 0)
 for step in range(args.steps):
-    start = time.perf_counter()
+    clock.start()
     loss = run.mean_over_ranks(train_step(model, opt, *get_batch(step)))
-    times.append(time.perf_counter() - start)
-    progress.update(f"loss {loss.item():.4f}  {1e3 * times[-1]:8.1f} ms")
+    seconds = clock.stop()
+    progress.update(f"loss {loss.item():.4f}  {1e3 * seconds:8.1f} ms")
 
 accuracy = answer_accuracy(*get_batch(10_000))  # a batch the loop never saw
-run.log("\n" + summary(train_step, final_loss=loss.item(), step_seconds=times, device=run.device))
+run.log("\n" + summary(train_step, final_loss=loss.item(), clock=clock))
 run.log(f"answer accuracy on held-out examples: {accuracy:.1%}")
 run.finish()

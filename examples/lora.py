@@ -12,7 +12,6 @@ the reduce-scatter carries the adapters' elements only, and the base is bitwise 
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn as nn
@@ -22,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 from examples.launch import launch  # noqa: E402
 from examples.progress import Progress  # noqa: E402
-from examples.summary import summary  # noqa: E402
+from examples.summary import StepClock, summary  # noqa: E402
 from zero_fx import zero_compile  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -96,18 +95,18 @@ def train_step(model, opt, x, y):
     return loss
 
 
-times, loss = [], None
+clock, loss = StepClock(run.device), None  # waits for a GPU before reading the time
 progress = Progress(args.steps, enabled=run.rank == 0)
 for step in range(args.steps):
-    start = time.perf_counter()
+    clock.start()
     loss = run.mean_over_ranks(train_step(model, opt, *get_batch(step)))
-    times.append(time.perf_counter() - start)
-    progress.update(f"loss {loss.item():.4f}  {1e3 * times[-1]:8.1f} ms")
+    seconds = clock.stop()
+    progress.update(f"loss {loss.item():.4f}  {1e3 * seconds:8.1f} ms")
 
 after = train_step.full_parameters()  # a collective: every rank
 unchanged = all(torch.equal(after[n], p) for n, p in base_before.items())
 reduced = sum(train_step.traffic().numel_by_kind().get(k, 0) for k in ("reduce_scatter", "all_reduce"))
-run.log("\n" + summary(train_step, final_loss=loss.item(), step_seconds=times, device=run.device))
+run.log("\n" + summary(train_step, final_loss=loss.item(), clock=clock))
 run.log(f"gradient reduction per step: {reduced:,} elements (the adapters: "
         f"{sum(p.numel() for p in trainable):,} parameters); frozen base unchanged: {unchanged}")
 run.finish()

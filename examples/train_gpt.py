@@ -12,7 +12,6 @@ end, and a run started again with the same folder resumes where the last one sav
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 from examples.launch import launch  # noqa: E402
 from examples.progress import Progress  # noqa: E402
-from examples.summary import summary  # noqa: E402
+from examples.summary import StepClock, summary  # noqa: E402
 from zero_fx import MixedPrecision, zero_compile  # noqa: E402
 
 # -- arguments ------------------------------------------------------------------
@@ -105,18 +104,18 @@ def save(step):
 
 
 # -- training loop -----------------------------------------------------------------
-times, loss = [], None
+clock, loss = StepClock(device), None  # waits for a GPU before reading the time
 progress = Progress(args.steps, start=first_step, enabled=rank == 0)
 for step in range(first_step, args.steps):  # one optimizer step: accumulation-steps calls
-    start = time.perf_counter()
+    clock.start()
     loss = 0.0
     for micro in range(args.accumulation_steps):
         x, y = get_batch(step * args.accumulation_steps + micro)
         loss += train_step(model, opt, x, y) / args.accumulation_steps
     loss = run.mean_over_ranks(loss)  # the mean over ranks is the loss of the global batch
-    times.append(time.perf_counter() - start)
+    seconds = clock.stop()
     norm = train_step.last_grad_norm
-    progress.update(f"loss {loss.item():.4f}  {1e3 * times[-1]:8.1f} ms"
+    progress.update(f"loss {loss.item():.4f}  {1e3 * seconds:8.1f} ms"
                     + (f"  grad norm {norm.item():.3f}" if norm is not None else ""))
     if checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
         save(step + 1)
@@ -125,7 +124,7 @@ for step in range(first_step, args.steps):  # one optimizer step: accumulation-s
 if loss is None:
     log(f"nothing to do: the checkpoint is at step {first_step} of {args.steps}")
 else:
-    log("\n" + summary(train_step, final_loss=loss.item(), step_seconds=times, device=device))
+    log("\n" + summary(train_step, final_loss=loss.item(), clock=clock))
     log(f"(stage 0 would hold {3 * 4 * num_params / 2**20:.2f} MiB between steps)")
 if args.explain and loss is not None:
     log(train_step.explain())

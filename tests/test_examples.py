@@ -61,3 +61,28 @@ def test_lora_trains_the_adapters_and_leaves_the_frozen_base_alone():
         r"gradient reduction per step: ([\d,]+) elements \(the adapters: ([\d,]+) parameters\)", out).groups()
     assert reduced == adapters  # no gradient of the frozen base is reduced
     assert "frozen base unchanged: True" in out
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_step_clock_waits_for_a_gpu_and_measures_the_peak_after_compiling(monkeypatch, device):
+    """No GPU needed: the CUDA calls are recorded, not made."""
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from examples.summary import StepClock
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append("reset peak"))
+    clock = StepClock(torch.device(device))
+    for step in range(3):
+        clock.start()
+        calls.append(f"step {step}")
+        clock.stop()
+    if device == "cpu":
+        assert calls == ["step 0", "step 1", "step 2"]
+    else:  # the clock is read only after the device has finished; the peak leaves the first out
+        assert calls == ["synchronize", "step 0", "synchronize",
+                         "synchronize", "reset peak", "step 1", "synchronize",
+                         "synchronize", "step 2", "synchronize"]
+    assert len(clock.seconds) == 3 and clock.peak_span == "steps after the first"
