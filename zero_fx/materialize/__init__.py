@@ -14,8 +14,8 @@ plan when the step shards it, and hands ``ShardedState`` this rank's shards:
 """
 
 from .materialize import materialize, training_device
-from .pretrained import PretrainedWeights, load_pretrained
+from .pretrained import LoadedWeights, PretrainedWeights, load_pretrained
 from .replay import MaterializeError
 
-__all__ = ["load_pretrained", "materialize", "MaterializeError", "PretrainedWeights",
+__all__ = ["LoadedWeights", "load_pretrained", "materialize", "MaterializeError", "PretrainedWeights",
            "training_device"]

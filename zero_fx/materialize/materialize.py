@@ -48,10 +48,12 @@ def materialize(model: nn.Module, plan: ShardPlan, *,
         return None
     device = device if device is not None else training_device()
     sink = _Sink(plan, device)
-    loaded = pretrained.read_into(tensors, sink) if pretrained is not None else set()
-    wanted = [mt for mt in meta if id(mt.tensor) not in loaded]
-    if wanted:
+    in_files = pretrained.key_of if pretrained is not None else {}
+    wanted = [mt for mt in meta if id(mt.tensor) not in in_files]
+    if wanted:  # first: what it allocates on the way is gone before the shards fill up
         _initialize(model, tensors, wanted, sink, device, init_fn, loading=pretrained is not None)
+    if pretrained is not None:
+        pretrained.read_into(tensors, sink)
     sink.install(tensors)
     if meta:
         log.info("zero_fx: materialized %d tensor(s) of the meta model on %s (%s)", len(meta),
@@ -118,13 +120,18 @@ class _Sink:
             with torch.no_grad():
                 mt.tensor.copy_(full)
 
-    def put_shard(self, mt: ModelTensor, shard: torch.Tensor) -> None:
-        """A stage-3 parameter's shard, read directly."""
-        self.masters[mt.name] = shard
-        if mt.is_meta:
+    def put_shard(self, mt: ModelTensor, fill: Callable[[torch.Tensor, int, int], None]) -> None:
+        """A stage-3 parameter's shard, filled directly by ``fill(out, start, stop)`` with its
+        flat elements ``[start, stop)`` (the padding stays zero)."""
+        if mt.is_meta:  # made first: it allocates the whole tensor for a moment
             empty = torch.empty(mt.tensor.shape, dtype=mt.tensor.dtype, device=self.device)
             empty.untyped_storage().resize_(0)
             self._values[id(mt.tensor)] = empty
+        layout = self.plan.layout(mt.name)
+        start, stop = layout.owned_range(self.plan.rank)
+        shard = torch.zeros(layout.shard_numel, dtype=layout.dtype, device=self.device)
+        fill(shard[: stop - start], start, stop)
+        self.masters[mt.name] = shard
 
     def install(self, tensors: list[ModelTensor]) -> None:
         """Swap each meta tensor's contents for its value (``torch.utils.swap_tensors``: the
