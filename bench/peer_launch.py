@@ -1,4 +1,5 @@
-"""Starting one peer of ``python -m bench.peers`` in fresh processes and reading its rows back."""
+"""Starting one peer of ``python -m bench.peers`` in fresh processes and reading its rows back:
+all its ranks from here (``launch_peer``), or, under torchrun, this rank's (``launch_peer_here``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+
+from .runs import rows_of_every_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,9 +46,7 @@ def launch_peer(args, peer: str, argv: list[str]) -> tuple[list | None, str]:
             command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                        "--nproc_per_node", str(args.world), "--master_addr", "127.0.0.1",
                        "--master_port", str(_free_port()), *tail]
-        env = peer_environment(args)
-        if not args.warm_cache:  # every peer compiles from scratch, as on a user's first run
-            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
+        env = _fresh_environment(args, tmp)
         lines = []
         with open(log, "w") as out, subprocess.Popen(
                 command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -64,6 +65,35 @@ def launch_peer(args, peer: str, argv: list[str]) -> tuple[list | None, str]:
             with open(name) as f:
                 rows.append(json.load(f))
         return rows, ""
+
+
+def launch_peer_here(args, peer: str, argv: list[str], index: int) -> tuple[list | None, str]:
+    """Under torchrun, which started this script once per rank: this rank's process of
+    ``peer``, fresh, in a process group of the peer's own (over torchrun's store, its keys
+    prefixed by the peer); every rank's rows, or None and each failed rank's reason.
+    A collective over the launcher's group: call it on every rank."""
+    rank = int(os.environ["RANK"])
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "rows.json")
+        command = [sys.executable, "-m", "bench.peers", *argv, "--worker-of", peer,
+                   "--result-file", result, "--store-prefix", f"bench.peers/{index}/{peer}"]
+        # its output is this rank's: torchrun's (rank 0 prints the step lines)
+        code = subprocess.run(command, cwd=ROOT, env=_fresh_environment(args, tmp)).returncode
+        row, why = None, f"rank {rank}: exit code {code}, no row (its output is above)"
+        if code == 0 and os.path.exists(f"{result}.{rank}"):
+            with open(f"{result}.{rank}") as f:
+                row, why = json.load(f), ""
+    everyone = rows_of_every_rank((row, why))
+    if any(row is None for row, _ in everyone):
+        return None, "\n".join(why for row, why in everyone if row is None)
+    return [row for row, _ in everyone], ""
+
+
+def _fresh_environment(args, tmp: str) -> dict:
+    env = peer_environment(args)
+    if not args.warm_cache:  # every peer compiles from scratch, as on a user's first run
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
+    return env
 
 
 def _first_error(lines: list[str]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 
@@ -87,6 +88,7 @@ def run_peer(name: str, spec: BenchModel, setting: Setting, steps: int, warmup: 
     row = {
         "peer": name,
         "rank": rank,
+        "pid": os.getpid(),
         "psi": psi,
         "first_step_s": first_step_s,
         "step_s": times,

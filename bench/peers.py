@@ -4,11 +4,11 @@ batches, same steps, one run.
     python -m bench.peers --model gpt-small --world 2          # CPU, gloo, 2 ranks per peer
     python -m bench.peers --model gpt2-125m --world 8 --bf16   # a CUDA machine: NCCL
     python -m bench.peers --model gpt2-125m --fake-world 8     # one process simulating 8 ranks
-    torchrun --nproc_per_node 8 -m bench.peers --model gpt2-125m --bf16   # peers share processes
+    torchrun --nproc_per_node 8 -m bench.peers --model gpt2-125m --bf16   # a launcher of yours
 
-Each peer runs in fresh processes (``torchrun`` started by this script), so one
-peer's compiled code, caches and memory cannot leak into the next one's
-numbers. Per peer it reports: the step time (the slowest rank's, median, min and
+Each peer runs in fresh processes (``torchrun`` started by this script; under a
+torchrun of yours, one started by each rank), so one peer's compiled code,
+caches and memory cannot leak into the next one's numbers. Per peer it reports: the step time (the slowest rank's, median, min and
 max over the timed steps after warm-up), the peak and the held bytes of the
 allocator per rank (CUDA's statistics, or on CPU the counting allocator of
 bench/cpu_memory.py: the same meter for everyone), the first step's time and
@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 
 from . import cpu_memory, peers_report
-from .peer_launch import launch_peer, peer_environment
+from .peer_launch import launch_peer, launch_peer_here, peer_environment
 from .peer_models import MODELS
 from .peer_trainers import OPTIONAL_PEERS, PEERS, REFERENCE, Setting
-from .runs import machine, rows_of_every_rank, write_json
+from .runs import GROUP_TIMEOUT, machine, write_json
 
 LOSS_RTOL = {False: 2e-3, True: 3e-2}
 """How far any step's loss may be from the reference's: fp32 (Inductor's fused
@@ -67,7 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--name", help="output name (default peers-<model>-w<N>)")
     p.add_argument("--worker-of", help=argparse.SUPPRESS)
     p.add_argument("--result-file", help=argparse.SUPPRESS)
+    p.add_argument("--store-prefix", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.fake_world and "RANK" in os.environ and not args.worker_of:
+        p.error("--fake-world simulates the ranks in one process: start it with python, "
+                "not torchrun")
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): nothing would be timed")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -109,33 +113,29 @@ def join(args) -> None:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
         os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed asks for it
     elif "RANK" in os.environ:
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-
-
-def run_in_ranks(args, peers: list[str], gather: bool = True) -> dict:
-    """Run ``peers`` one after another in this process group; by peer, every rank's
-    rows (``gather``) or this rank's alone."""
-    from .peer_run import run_peer
-
-    join(args)
-    setting = setting_of(args)
-    spec = MODELS[args.model]
-    results = {}
-    for peer in peers:
-        row = run_peer(peer, spec, setting, args.steps, args.warmup,
-                       count_wire=args.device == "cpu" and not args.fake_world)
-        results[peer] = rows_of_every_rank(row) if gather and not args.fake_world else [row]
-    return results
+        backend = "nccl" if args.device == "cuda" else "gloo"
+        if args.store_prefix:  # started by a rank under torchrun: a group of the peer's own
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False, timeout=GROUP_TIMEOUT)
+            dist.init_process_group(backend, store=dist.PrefixStore(args.store_prefix, store),
+                                    rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=GROUP_TIMEOUT)
+        else:
+            dist.init_process_group(backend, timeout=GROUP_TIMEOUT)
 
 
 def worker(args) -> None:
     """One peer in processes of its own: each rank writes its row, then leaves at once.
     (Skipping the teardown of the process group and the interpreter: a rare abort in
     gloo's teardown would otherwise lose rows that were measured.)"""
-    rows = run_in_ranks(args, [args.worker_of], gather=False)[args.worker_of]
+    from .peer_run import run_peer
+
+    join(args)
+    row = run_peer(args.worker_of, MODELS[args.model], setting_of(args), args.steps, args.warmup,
+                   count_wire=args.device == "cpu" and not args.fake_world)
     rank = dist.get_rank() if dist.is_initialized() and not args.fake_world else 0
     with open(f"{args.result_file}.{rank}", "w") as f:
-        json.dump(rows[0], f)
+        json.dump(row, f)
     sys.stdout.flush()
     os._exit(0)
 
@@ -176,8 +176,11 @@ def report(args, results: dict, notes: list[str], seconds: float) -> int:
     return 1 if failures else 0
 
 
-def drive(args, argv: list[str]) -> int:
+def drive(args, argv: list[str], launch=launch_peer) -> int:
+    """Each peer in turn, in fresh processes (``launch``); the report on rank 0."""
     start = time.perf_counter()
+    leader = not dist.is_initialized() or dist.get_rank() == 0
+    say = print if leader else (lambda *a, **k: None)
     if args.device == "cpu":
         os.environ.update(peer_environment(args))
         cpu_memory.build()  # once here, rather than by every rank at once
@@ -189,19 +192,21 @@ def drive(args, argv: list[str]) -> int:
         missing = missing_package(peer)
         if missing:
             notes.append(f"{peer}: skipped, `{missing}` is not installed (pip install -e \".[bench]\")")
-            print(notes[-1], flush=True)
+            say(notes[-1], flush=True)
             continue
-        print(f"[{i}/{len(args.peers)}] {peer} ...", flush=True)
-        rows, why = launch_peer(args, peer, argv)
+        say(f"[{i}/{len(args.peers)}] {peer} ...", flush=True)
+        rows, why = launch(args, peer, argv)
         if rows is None:
             notes.append(f"{peer}: failed:\n\n```\n{why}\n```")
-            print(notes[-1], flush=True)
+            say(notes[-1], flush=True)
             failed = True
             continue
         results[peer] = rows
     if not results:
-        print("no peer ran", file=sys.stderr)
+        say("no peer ran", file=sys.stderr)
         return 1
+    if not leader:
+        return 1 if failed else 0
     code = report(args, results, notes, time.perf_counter() - start)
     return 1 if failed else code
 
@@ -212,15 +217,15 @@ def main(argv=None) -> int:
     if args.worker_of:
         worker(args)
         return 0
-    if "RANK" in os.environ:  # started by torchrun: every peer in these processes
-        start = time.perf_counter()
-        peers = [p for p in args.peers if not missing_package(p)]
-        results = run_in_ranks(args, peers)
-        code = 0
-        if dist.get_rank() == 0:
-            code = report(args, results, [], time.perf_counter() - start)
-        dist.destroy_process_group()
-        return code
+    if "RANK" in os.environ:  # started by torchrun: each rank starts its process of each peer
+        # the launched processes only agree on rows and failures, over gloo (no GPU context)
+        dist.init_process_group("gloo")
+        args.world = dist.get_world_size()
+        try:
+            return drive(args, argv, launch=lambda args, peer, argv: launch_peer_here(
+                args, peer, argv, args.peers.index(peer)))
+        finally:
+            dist.destroy_process_group()
     return drive(args, argv)
 
 

@@ -6,17 +6,23 @@ from __future__ import annotations
 import json
 import os
 import platform
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 OUT = os.path.join(os.path.dirname(__file__), "out")
 
+GROUP_TIMEOUT = timedelta(minutes=10)
+"""How long a rank waits at a collective for its peers before the run fails, instead of
+PyTorch's 10 (NCCL) or 30 (gloo) minutes: long enough for the slowest rank's cold compile
+of the largest benchmark model (about 2 minutes for GPT-2 125M on 2 CPU cores)."""
+
 
 def join_group() -> tuple[int, int]:
     """``(rank, world size)``: gloo under torchrun, else one rank."""
     if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=GROUP_TIMEOUT)
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(), dist.get_world_size()

@@ -79,6 +79,22 @@ def test_peers_train_the_same_model_to_the_same_losses_and_meter_them():
     assert "| zero_fx-3 |" in open(os.path.join(ROOT, "bench", "out", "peers-smoke-test.md")).read()
 
 
+def test_under_torchrun_each_peer_still_runs_in_fresh_processes():
+    """The GPU mode's `torchrun -m bench.peers`: each rank starts a process per peer, which
+    joins a group of the peer's own; on CPU here, the same code path."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_addr", "127.0.0.1", "--master_port", "29517", "-m", "bench.peers",
+               "--model", "tiny", "--peers", "ddp", "fsdp2", "--steps", "3", "--warmup", "1",
+               "--name", "peers-torchrun-test"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(os.path.join(ROOT, "bench", "out", "peers-torchrun-test.json")) as f:
+        result = json.load(f)
+    pids = {peer: {row["pid"] for row in rows} for peer, rows in result["ranks"].items()}
+    assert len(pids["ddp"]) == len(pids["fsdp2"]) == 2 and not pids["ddp"] & pids["fsdp2"]
+    assert not result["loss_failures"] and result["args"]["world"] == 2
+
+
 def test_bad_arguments_are_refused_with_the_reason():
     run = run_bench("--steps", "3", "--warmup", "3", timeout=120)
     assert run.returncode == 2 and "nothing would be timed" in run.stderr
