@@ -134,6 +134,22 @@ def test_tied_and_bf16_weights_load_as_from_pretrained(tmp_path):
                for n, p in model.named_parameters())
 
 
+def test_gpt2_loads_with_its_tie_and_computed_buffers(tmp_path):
+    """GPT-2's files lack lm_head.weight (tied to wte) and its causal-mask buffers (computed in
+    __init__, which on a meta model ran without values)."""
+    torch.manual_seed(6)
+    hf_models.tiny_gpt2(VOCAB, models.SEQ).save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = hf_models.tiny_gpt2(VOCAB, models.SEQ)
+    load_pretrained(model, str(tmp_path))
+    reference = from_pretrained(str(tmp_path))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    for mine, theirs in ((model.named_parameters(), reference.named_parameters()),
+                         (model.named_buffers(), reference.named_buffers())):
+        theirs = dict(theirs)
+        assert all(torch.equal(t, theirs[name]) for name, t in mine)
+
+
 def test_weights_that_do_not_fit_are_refused(saved, tmp_path):
     with pytest.raises(CheckpointError, match=r"model.embed_tokens.weight .* has shape \[256, 64\], "
                                               r"the model's .* \[256, 32\]"):

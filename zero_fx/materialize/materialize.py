@@ -71,17 +71,20 @@ def training_device() -> torch.device:
 
 
 def _initialize(model, tensors, wanted, sink, device, init_fn, *, loading: bool) -> None:
-    events = construction_events(model, init_fn)
     uses_hf_init = init_fn is None and hf.is_pretrained_model(model)
-    if loading:  # the random stream does not matter: only the events that write what is missing
-        by_id = {id(mt.tensor): mt for mt in tensors}
-        wanted_ids = {id(mt.tensor) for mt in wanted}
-        events = [e for e in events
-                  if any(id(mt.tensor) in wanted_ids for _, mt in own_slots(e.module, by_id))]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) \
-            if loading else contextlib.nullcontext():
-        unwritten = replay(tensors, wanted, events, device, sink.put_full,
-                           tie_owner=model.get_input_embeddings() if uses_hf_init else None)
+    if loading and hf.is_pretrained_model(model):
+        unwritten = wanted  # what the files lack are buffers its __init__ computes: rebuilt below
+    else:
+        events = construction_events(model, init_fn)
+        if loading:  # the random stream does not matter: only the events that write what is missing
+            by_id = {id(mt.tensor): mt for mt in tensors}
+            wanted_ids = {id(mt.tensor) for mt in wanted}
+            events = [e for e in events
+                      if any(id(mt.tensor) in wanted_ids for _, mt in own_slots(e.module, by_id))]
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) \
+                if loading else contextlib.nullcontext():
+            unwritten = replay(tensors, wanted, events, device, sink.put_full,
+                               tie_owner=model.get_input_embeddings() if uses_hf_init else None)
     if not unwritten:
         return
     computed = (hf.computed_buffers(model, [mt.name for mt in unwritten], device)
