@@ -13,9 +13,8 @@ plan when the step shards it, and hands ``ShardedState`` this rank's shards:
 - ``materialize.py``: puts either into the model, keeping what this rank holds.
 """
 
-from .materialize import materialize, training_device
+from .materialize import materialize
 from .pretrained import LoadedWeights, PretrainedWeights, load_pretrained
 from .replay import MaterializeError
 
-__all__ = ["LoadedWeights", "load_pretrained", "materialize", "MaterializeError", "PretrainedWeights",
-           "training_device"]
+__all__ = ["LoadedWeights", "load_pretrained", "materialize", "MaterializeError", "PretrainedWeights"]

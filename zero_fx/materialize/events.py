@@ -22,7 +22,7 @@ of it, derived from the module tree (``construction_events``):
      ``LlamaModel`` inside ``LlamaForCausalLM`` is initialized before the
      ``lm_head`` is even built). ``hf.post_init_events`` replays exactly that.
 
-An event writes only tensors registered on its own module (``run_event``
+An event writes only tensors registered on its own module (``replay.py``
 refuses anything else: a write to another module's tensor would land on a meta
 tensor and be lost). Tied tensors (``lm_head.weight is wte.weight``): when
 ``reset_parameters()`` and HuggingFace's ``post_init`` ran, the tie did not

@@ -33,8 +33,9 @@ def materialize(model: nn.Module, plan: ShardPlan, *,
     by plan name; the parameter keeps its shape with no storage), in stages 0-2 whole
     parameters; buffers whole. Meta tensors not in the files are initialized as the
     model's construction would ([Note: replaying construction] in events.py), one
-    module at a time. The model changes only once everything succeeded (its tensors
-    keep their identity: the optimizer's references stay valid). New tensors go on
+    module at a time. Meta tensors change only once everything succeeded (swapped in
+    place: the modules, ties and the optimizer keep referring to the same objects);
+    tensors that have values are overwritten as they are read. New tensors go on
     ``device``, by default where this rank trains (``training_device``).
 
     Returns the stage-3 shards, or None when the caller cuts them from whole parameters

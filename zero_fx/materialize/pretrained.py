@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint_files import CheckpointError
+from ..formatting import format_bytes
 from ..plan import plan_for_module
 from .model_tensors import ModelTensor, model_tensors
 from .safetensors_files import WeightFiles
@@ -43,10 +44,10 @@ def load_pretrained(target, path: str, model: Optional[nn.Module] = None,
     before its first call; the model (ideally built on the meta device: ``with
     torch.device("meta"): model = ...``) is sharded now, as the first call would, and
     each rank reads only what it keeps: in stage 3 its slice of every parameter (rows of
-    the file, memory-mapped, copied into its shard), in stages 0-2 whole parameters. No
-    rank holds more than its shards and one tensor's rows. The model and optimizer may be
-    left out when the step names them (``zero_compile(model=..., optimizer=...)``). A
-    collective only in that every rank must call it.
+    the file, memory-mapped, copied into its shard), in stages 0-2 whole parameters.
+    Besides what it keeps, a rank allocates one tensor at a time. The model and
+    optimizer may be left out when the step names them (``zero_compile(model=...,
+    optimizer=...)``). A collective, as sharding is: call it on every rank.
 
     ``load_pretrained(model, path)``: a model no step has sharded: whole tensors, read
     one at a time into it (meta tensors are created on the CPU), like ``from_pretrained``.
@@ -123,12 +124,13 @@ class PretrainedWeights:
             if plan.rank == 0:
                 log.info("zero_fx: load_pretrained: file %d of %d, %s: %d tensor(s); this rank "
                          "read %s", number, len(groups), os.path.basename(file), len(keys),
-                         _size(self.files.bytes_read - before))
+                         format_bytes(self.files.bytes_read - before))
         self.loaded = LoadedWeights(files=len(groups), tensors=len(by_key), file_bytes=total,
                                     bytes_read=self.files.bytes_read)
         if plan.rank == 0:
             log.info("zero_fx: load_pretrained: %d tensor(s), %s in %s; this rank read %s",
-                     len(by_key), _size(total), self.files.path, _size(self.files.bytes_read))
+                     len(by_key), format_bytes(total), self.files.path,
+                     format_bytes(self.files.bytes_read))
 
     def _read(self, opened, key: str, mt: ModelTensor, sink) -> None:
         if sink.sharded(mt):
@@ -198,10 +200,3 @@ def _mismatch(files: WeightFiles, missing: list[str], unexpected: list[str], by_
         advice = (f"the files name tensors like {unexpected[0]!r}, the model like "
                   f"{missing[0]!r}: {advice}")
     return f"the weights at {files.path} do not fit the model: {'; '.join(parts)}. {advice}"
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} B"

@@ -58,7 +58,7 @@ def replay(tensors: list[ModelTensor], wanted: list[ModelTensor], events: list[I
 class _Replay:
     def __init__(self, tensors, wanted, events, device, put_full, tie_owner):
         self.by_id = {id(mt.tensor): mt for mt in tensors}
-        self.wanted = [mt for mt in wanted]
+        self.wanted = wanted
         self.events = events
         self.device = device
         self.put_full = put_full
@@ -217,10 +217,12 @@ def _no_values(mt: ModelTensor, events: list[InitEvent]) -> str:
     module = mt.slots[0].module
     kind = type(module).__name__
     ran = sorted({e.what for e in events if e.module is module})
+    why = (f"{' and '.join(ran)} did not write it" if ran else
+           f"{kind} has no reset_parameters() and no init_fn ran on it")
     return (f"{'parameter' if mt.is_param else 'buffer'} {mt.name!r} of {kind} has no values on "
-            f"the meta model: {', '.join(ran) + ' did not write it' if ran else f'{kind} has no reset_parameters() and no init_fn ran on it'}. "
-            f"Pass zero_compile(init_fn=fn) with fn(module) initializing it as {kind}.__init__ "
-            f"does, give {kind} a reset_parameters(), or build the model on a real device")
+            f"the meta model: {why}. Pass zero_compile(init_fn=fn) with fn(module) initializing "
+            f"it as {kind}.__init__ does, give {kind} a reset_parameters(), or build the model "
+            "on a real device")
 
 
 class _Generators:
