@@ -87,14 +87,32 @@ class MixedPrecision:
                 "loss_scaled": self.scales_loss}
 
 
+class _DeviceCount:
+    """An int counter kept in a device tensor (``_<name>``), so that counting reads nothing on
+    the host; reading it does, and waits for the device."""
+
+    def __set_name__(self, owner, name: str):
+        self.tensor = f"_{name}"
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else int(getattr(obj, self.tensor).item())
+
+    def __set__(self, obj, value: int) -> None:
+        getattr(obj, self.tensor).fill_(value)
+
+
 class LossScaler:
     """The loss scale of fp16 training and GradScaler's rule for it: halve it on a step
     whose gradients overflowed (that step is skipped), double it after
     ``growth_interval`` clean steps; a static scale never changes.
 
     The scale and the counters live on the device and ``update`` reads nothing on the
-    host (``torch._amp_update_scale_``, as GradScaler does); reading ``skipped_steps``
-    or ``clean_steps`` waits for the device."""
+    host (``torch._amp_update_scale_``, as GradScaler does)."""
+
+    skipped_steps = _DeviceCount()
+    """Optimizer steps skipped because the gradients overflowed."""
+    clean_steps = _DeviceCount()
+    """Clean steps since the scale last changed (GradScaler's growth tracker)."""
 
     def __init__(self, policy: MixedPrecision, device: torch.device):
         initial = policy.initial_scale if policy.dynamic_scaling else float(policy.loss_scale)
@@ -102,34 +120,16 @@ class LossScaler:
         """Read by the graph on every call (the ``loss_scale`` input); updated in place."""
         self.dynamic = policy.dynamic_scaling
         self.growth_interval = policy.growth_interval
-        self._clean = torch.zeros((), dtype=torch.int32, device=device)
-        """Clean steps since the scale last changed (GradScaler's growth tracker)."""
-        self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self._skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
+        self._clean_steps = torch.zeros((), dtype=torch.int32, device=device)
 
     def update(self, found_inf: torch.Tensor) -> None:
         """Count the optimizer step and move the scale; ``found_inf`` is a float32 scalar on
         the device, 1.0 if the step's gradients overflowed (the step is skipped), else 0.0."""
-        self._skipped.add_(found_inf.to(self._skipped.dtype))
+        self._skipped_steps.add_(found_inf.to(self._skipped_steps.dtype))
         if self.dynamic:
-            torch._amp_update_scale_(self.scale, self._clean, found_inf, 2.0, 0.5,
+            torch._amp_update_scale_(self.scale, self._clean_steps, found_inf, 2.0, 0.5,
                                      self.growth_interval)
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped because the gradients overflowed."""
-        return int(self._skipped.item())
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self._skipped.fill_(value)
-
-    @property
-    def clean_steps(self) -> int:
-        return int(self._clean.item())
-
-    @clean_steps.setter
-    def clean_steps(self, value: int) -> None:
-        self._clean.fill_(value)
 
 
 def cast_at_model_edge(model: torch.nn.Module, policy: MixedPrecision) -> None:
