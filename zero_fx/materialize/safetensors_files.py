@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
 
 from ..checkpoint_files import CheckpointError
 
@@ -32,6 +31,16 @@ DTYPES = {
     "U8": torch.uint8, "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+
+
+def safe_open(file: str, framework: str):
+    """``safetensors.safe_open``, imported when first needed: zero_fx itself needs torch only."""
+    try:
+        from safetensors import safe_open as open_file
+    except ImportError:
+        raise ImportError("reading pretrained weights needs the safetensors package: pip install "
+                          "safetensors (HuggingFace transformers installs it)") from None
+    return open_file(file, framework=framework)
 
 
 @dataclass(frozen=True)
