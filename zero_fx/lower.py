@@ -76,7 +76,9 @@ def _inductor(gm: GraphModule, fakes, pin_schedule: bool) -> Lowered:
         tag_schedule(gm)
         patches["post_grad_custom_pre_pass"] = inductor_passes_with_pin(
             config.post_grad_custom_pre_pass)
-    with config.patch(patches):
+    # AOTAutograd's own cache, on a hit, skips inner_compile (no source to read); with it
+    # off, Inductor's FX graph cache still hits and its compiled graph carries the source.
+    with config.patch(patches), torch._functorch.config.patch(enable_autograd_cache=False):
         run = compile_fx(gm, fakes, inner_compile=keeping_source)
     lowered = lowered_schedule(sources[-1]) if len(sources) == 1 else None
     note = "" if lowered is not None else (
