@@ -82,7 +82,7 @@ def _inductor(gm: GraphModule, fakes, pin_schedule: bool) -> Lowered:
         run = compile_fx(gm, fakes, inner_compile=keeping_source)
     lowered = lowered_schedule(sources[-1]) if len(sources) == 1 else None
     note = "" if lowered is not None else (
-        f"Inductor produced {len(sources)} programs; the order of one Python wrapper is read"
+        f"Inductor produced {len(sources)} programs, not one: the order is not checked"
         if len(sources) != 1 else "Inductor's C++ wrapper is not read: the order is not checked")
     return Lowered(run, OrderCheck("Inductor", planned, lowered, note))
 
