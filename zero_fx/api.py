@@ -344,20 +344,19 @@ class CompiledStep:
         dynamic = has_dynamic_shapes(dynamo_gm)
         extra_inputs = self._extra_inputs(gm)
         inputs = self.state.graph_inputs(names, example_inputs) + extra_inputs
-        compiled, order = lower(gm, fakes_like_dynamo(inputs) if dynamic else inputs,
-                                self.config.backend, dynamic=dynamic,
-                                pin_schedule=self.config.pin_schedule)
-        if order.difference:
-            log.warning("zero_fx: %s", order)
+        lowered = lower(gm, fakes_like_dynamo(inputs) if dynamic else inputs,
+                        self.config.backend, dynamic=dynamic, pin_schedule=self.config.pin_schedule)
+        if lowered.order.difference:
+            log.warning("zero_fx: %s", lowered.order)
         signature = graph_signature(gm, self.plan) if self._agreement.group else None
         self.graphs.append(gm)
         self.compilations.append(Compilation(seconds=time.perf_counter() - start, reason=reason,
-                                             order=order))
+                                             order=lowered.order, memory=lowered.memory))
         log.info("zero_fx: compiled %s with %s in %.1f s", self.__name__,
                  describe_backend(self.config.backend), self.compilations[-1].seconds)
         if dump:
             dump.finish(self.explain())
-        return _StepRunner(compiled, names, grad_slots(gm), self.state, self._observers,
+        return _StepRunner(lowered.run, names, grad_slots(gm), self.state, self._observers,
                            self._agreement, signature, extra_inputs)
 
     def _extra_inputs(self, gm: GraphModule) -> list[torch.Tensor]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -11,6 +11,7 @@ from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .capture import static_fakes
+from .lowered_memory import LoweredMemory, lowered_memory
 from .lowered_schedule import OrderCheck, lowered_schedule, order_as_graph, planned_schedule
 from .passes.splice import outside_dynamo_tracing
 from .pin_schedule import inductor_passes_with_pin, tag_schedule
@@ -21,6 +22,10 @@ class Lowered(NamedTuple):
     order: OrderCheck
     """Whether ``run`` keeps the graph's collective schedule ([Note: pinning the schedule
     through Inductor] in pin_schedule.py)."""
+    memory: Optional[LoweredMemory] = None
+    """The buffers of Inductor's generated program over its statements; None for the
+    other backends, which free what the graph frees ([Note: reading buffer lifetimes from
+    generated code] in lowered_memory.py)."""
 
 
 def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend, *,
@@ -81,10 +86,11 @@ def _inductor(gm: GraphModule, fakes, pin_schedule: bool) -> Lowered:
     with config.patch(patches), torch._functorch.config.patch(enable_autograd_cache=False):
         run = compile_fx(gm, fakes, inner_compile=keeping_source)
     lowered = lowered_schedule(sources[-1]) if len(sources) == 1 else None
+    memory = lowered_memory(sources[-1]) if len(sources) == 1 else None
     note = "" if lowered is not None else (
         f"Inductor produced {len(sources)} programs, not one: the order is not checked"
         if len(sources) != 1 else "Inductor's C++ wrapper is not read: the order is not checked")
-    return Lowered(run, OrderCheck("Inductor", planned, lowered, note))
+    return Lowered(run, OrderCheck("Inductor", planned, lowered, note), memory)
 
 
 @contextlib.contextmanager

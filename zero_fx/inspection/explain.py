@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 from torch.fx import GraphModule, Node
 
 from ..cost_model import CollectiveTiming, Estimate, replay
+from ..lowered_memory import LoweredMemory
 from ..lowered_schedule import OrderCheck
 from ..memory_timeline import MemoryTimeline, is_view, tensor_bytes
 from ..passes.predicates import gathered_param
@@ -36,6 +37,8 @@ class Compilation:
     """Why it compiled: "first call", or the guard that failed (dynamo's words)."""
     order: Optional[OrderCheck] = None
     """Whether the lowered program runs the graph's collective schedule."""
+    memory: Optional[LoweredMemory] = None
+    """The buffers of the lowered program (Inductor's), read from its code."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ class Explanation:
 
     def __str__(self) -> str:
         sections = [self.title, _plan_section(self.plan), _collectives_section(self),
-                    _lifetimes_section(self), _memory_section(self.memory),
+                    _lifetimes_section(self), _memory_section(self.memory, self.compilations),
                     f"Estimate\n  {self.estimate}", _compilations_section(self.compilations)]
         return "\n\n".join(s for s in sections if s) + "\n"
 
@@ -204,7 +207,7 @@ def _lifetimes_section(e: Explanation) -> str:
     return "\n".join(lines)
 
 
-def _memory_section(m: MemoryTimeline) -> str:
+def _memory_section(m: MemoryTimeline, compilations: Sequence[Compilation] = ()) -> str:
     peak = m.peak_index
     lines = ["Memory per rank over the step (estimated, [Note: the memory timeline])",
              f"  persistent {format_bytes(m.persistent_bytes)} (graph inputs and optimizer "
@@ -217,6 +220,13 @@ def _memory_section(m: MemoryTimeline) -> str:
     for t in live[:LIVE_AT_PEAK_SHOWN]:
         lines.append(f"    {format_bytes(t.bytes):>10}  {t.node} ({t.what}, {t.phase}; "
                      f"nodes {t.index}–{t.last_use})")
+    lowered = compilations[-1].memory if compilations else None
+    if lowered is not None:
+        graph_peak = m.peak_bytes - m.persistent_bytes
+        lines.append(f"  as lowered: Inductor's program peaks at {format_bytes(lowered.peak_bytes)} "
+                     f"besides the persistent bytes ({lowered.peak_bytes / max(graph_peak, 1):.2f}x "
+                     f"the graph's {format_bytes(graph_peak)}; read from its code, [Note: reading "
+                     f"buffer lifetimes from generated code])")
     return "\n".join(lines)
 
 
