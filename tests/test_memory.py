@@ -74,23 +74,28 @@ def test_peak_memory_follows_the_table_at_four_ranks():
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
 def test_stage3_release_survives_inductor(monkeypatch):
     """Inductor must not undo the release (say, by merging the forward and backward
-    gathers, which would keep every parameter whole from forward to backward).
+    gathers, which would keep every parameter whole from forward to backward), measured
+    on real ranks (test_lowered_order.py reads the same from the generated code, exactly).
 
     Measured by resident memory (the tensor probe cannot see Inductor's buffers;
     see [Note: peak RSS on Linux] in bench/rss.py), 16 layers of 1024 x 1024 at 2
     ranks: 64 MiB of parameters, one layer (4 MiB) per bucket. A step holds the
-    gradient shards (32 MiB) and a few layers in use or in flight; a broken
-    release would add all 64 MiB. (With 16 MiB buckets Inductor holds about
-    one bucket more than aot_eager: a known gap, not a release failure.)
+    gradient shards (32 MiB) and the layers in use or in flight: 42 MiB by the graph's
+    timeline and by Inductor's program alike. A broken release would add all 64 MiB.
+    On top, gloo copies the buffer of each collective while it runs (measured: 4 MiB
+    for a 4 MiB gather or reduce-scatter), and with the schedule's overlap one or two
+    run at Inductor's peak, depending on thread timing: measured 45-50 MiB against
+    aot_eager's 42, so the bound is three such copies.
     """
     for name, value in MALLOC_ENV.items():
         monkeypatch.setenv(name, value)  # read by glibc when each spawned rank starts
-    one_layer = (("bucket_bytes", 1024 * 1024 * 4),)
+    bucket = 1024 * 1024 * 4
+    one_layer = (("bucket_bytes", bucket),)
     growth = {backend: rss_growth_run(2, 3, backend, 1024, 16, one_layer)
               for backend in ("aot_eager", "inductor")}
     for rank in range(2):
         param_bytes = growth["inductor"][rank]["param_bytes"]
         inductor, aot_eager = (growth[b][rank]["growth_bytes"] for b in ("inductor", "aot_eager"))
-        assert inductor < 0.75 * param_bytes, f"rank {rank}: rose {inductor / 2**20:.1f} MiB"
-        assert inductor < aot_eager + param_bytes / 8, (
+        assert inductor < param_bytes, f"rank {rank}: rose {inductor / 2**20:.1f} MiB"
+        assert inductor < aot_eager + 3 * bucket, (
             f"rank {rank}: Inductor {inductor / 2**20:.1f} MiB vs aot_eager {aot_eager / 2**20:.1f} MiB")
