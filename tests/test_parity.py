@@ -28,12 +28,13 @@ def test_parity_aot_eager(stage, world_size, model_name):
     assert_parity(world_size, model_name, "aot_eager", stage=stage)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("stage", STAGES)
-def test_parity_with_several_buckets_and_deep_prefetch(stage, world_size):
+def test_parity_with_several_buckets_and_deep_prefetch(stage):
     """The grid above runs the defaults (one bucket per phase for these small models,
-    small parameters resident); this splits every phase into several buckets."""
-    assert_parity(world_size, "gpt", "aot_eager", stage=stage, options=SMALL_BUCKETS)
+    small parameters resident); this splits every phase into several buckets. At two
+    ranks only: four ranks of the same graph add ~50 s of CI and little that the grid's
+    four-rank runs and these do not already cover."""
+    assert_parity(2, "gpt", "aot_eager", stage=stage, options=SMALL_BUCKETS)
 
 
 def test_parity_unscheduled_stage3():
