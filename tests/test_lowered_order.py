@@ -141,3 +141,19 @@ def test_inductor_keeps_stage3_release(fake_world_of_two):
     lowered = step.compilations[-1].memory
     assert lowered.peak_bytes == graph_peak, lowered.summary()
     assert "peaks at 42.0 MiB besides the persistent bytes (1.00x the graph" in str(step.explain())
+
+
+def test_a_matmul_inductor_decomposes_is_no_anchor():
+    """A rotary embedding's ``inv_freq @ positions`` (inner dimension 1) becomes pointwise
+    code that Inductor fuses anywhere: the planned schedule must not count it, or the
+    generated program of every HuggingFace Llama would read as out of order."""
+    from zero_fx.lowered_schedule import inductor_keeps_as_kernel
+
+    def kept(a_shape, b_shape):
+        graph = torch.fx.Graph()
+        a, b = graph.placeholder("a"), graph.placeholder("b")
+        a.meta["val"], b.meta["val"] = torch.empty(a_shape), torch.empty(b_shape)
+        return inductor_keeps_as_kernel(graph.call_function(torch.ops.aten.bmm.default, (a, b)))
+
+    assert not kept((1, 32, 1), (1, 1, 256))  # outer product: a broadcast multiply
+    assert kept((4, 16, 32), (4, 32, 16))

@@ -12,7 +12,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .capture import static_fakes
 from .lowered_memory import LoweredMemory, lowered_memory
-from .lowered_schedule import OrderCheck, lowered_schedule, order_as_graph, planned_schedule
+from .lowered_schedule import (OrderCheck, inductor_keeps_as_kernel, lowered_schedule, order_as_graph,
+                               planned_schedule)
 from .passes.splice import outside_dynamo_tracing
 from .pin_schedule import inductor_passes_with_pin, tag_schedule
 
@@ -68,7 +69,7 @@ def _inductor(gm: GraphModule, fakes, pin_schedule: bool) -> Lowered:
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    planned = planned_schedule(gm)
+    planned = planned_schedule(gm, inductor_keeps_as_kernel)
     sources: list[str] = []
 
     def keeping_source(*args, **kwargs):

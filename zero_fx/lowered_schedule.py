@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
-from torch.fx import GraphModule
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule, Node
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .passes.predicates import (
     ANCHOR_OPS,
@@ -90,8 +93,10 @@ class Schedule:
         return counts
 
 
-def planned_schedule(gm: GraphModule) -> Schedule:
-    """The schedule of our rewritten graph, in node order."""
+def planned_schedule(gm: GraphModule, is_anchor: Callable[[Node], bool] = is_anchor_compute
+                      ) -> Schedule:
+    """The schedule of our rewritten graph, in node order; ``is_anchor`` says which compute
+    counts (for Inductor: ``inductor_keeps_as_kernel``)."""
     events, number = [], {}
     for node in gm.graph.nodes:
         if is_collective(node):
@@ -99,9 +104,32 @@ def planned_schedule(gm: GraphModule) -> Schedule:
             events.append(Event(ISSUE, number[node], _kind(node)))
         elif is_wait(node) and node.args[0] in number:
             events.append(Event(WAIT, number[node.args[0]]))
-        elif is_anchor_compute(node):
+        elif is_anchor(node):
             events.append(Event(COMPUTE))
     return Schedule(tuple(events))
+
+
+def inductor_keeps_as_kernel(node: Node) -> bool:
+    """An anchor that Inductor runs as a kernel of its own: not one its decompositions turn
+    into pointwise code for these shapes (on CPU, a matmul whose inner dimension is 1, as
+    a rotary embedding's ``inv_freq @ positions``), which then fuses where Inductor likes
+    and is no anchor in the generated program. Asked of Inductor's own decomposition
+    table, on the node's fake values."""
+    if not is_anchor_compute(node):
+        return False
+    from torch._inductor.decomposition import select_decomp_table
+
+    decomposition = select_decomp_table().get(node.target)
+    if decomposition is None:
+        return True
+    values = tree_map_only(Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+    tensors = [v for v in tree_leaves(values) if isinstance(v, torch.Tensor)]
+    if not all(isinstance(s, int) for t in tensors for s in (*t.shape, *t.stride())):
+        return True  # dynamic shapes: assume a kernel
+    with FakeTensorMode():  # fresh fakes: the graph's values may come from several modes
+        args, kwargs = tree_map_only(torch.Tensor, lambda t: torch.empty_strided(
+            t.shape, t.stride(), dtype=t.dtype, device=t.device), values)
+        return decomposition(*args, **kwargs) is NotImplemented
 
 
 def _kind(node) -> str:
