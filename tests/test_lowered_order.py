@@ -10,6 +10,8 @@ tests/test_parity.py does that under Inductor with real ranks)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -157,3 +159,46 @@ def test_a_matmul_inductor_decomposes_is_no_anchor():
 
     assert not kept((1, 32, 1), (1, 1, 256))  # outer product: a broadcast multiply
     assert kept((4, 16, 32), (4, 32, 16))
+
+
+@pytest.mark.inductor
+def test_the_gathered_embedding_is_read_once_in_the_forward(fake_world_of_two):
+    """Inductor recomputes ``wte[ids] + wpe[pos]`` inside every kernel that reads it unless
+    it is stored, and each such kernel reads the gathered embedding: on GPT-2 125M one in
+    block 0's layer norm backward kept the forward's gather (147 MiB) alive to the end of
+    the backward, 1.24x the graph's peak ([Note: a released gather's readers are stored] in
+    zero_fx/realize_readers.py). Here (the first gather is the tied token embedding):
+    without the fix five kernels read it besides the head's matmul, with it one."""
+    step, _ = compiled_order(3, prefetch=1)
+    program = step.compilations[-1].program
+    body = program[program.index("def call("):]
+    gathered = re.search(r"(buf\d+) = torch\.ops\._c10d_functional\.all_gather_into_tensor", body)[1]
+    readers = [line.strip() for line in body.splitlines()
+               if re.search(rf"\b{gathered}\b", line) and not line.strip().startswith(
+                   ("assert", "del ", "torch.ops._c10d_functional", f"{gathered} = "))
+               and "# reuse" not in line]
+    assert len(readers) == 2, readers
+    assert sum(r.startswith("extern_kernels.mm(") for r in readers) == 1, readers
+
+
+def test_the_readers_of_a_released_gather_are_marked_to_be_stored():
+    """On a post-grad-like graph: an embedding of a released gather is stored; a matmul
+    reading it is not marked (Inductor stores it anyway), nor what reads a resident."""
+    from zero_fx.realize_readers import REALIZE_META, RELEASED_KEY, StoreReleasedReaders
+
+    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+    graph = torch.fx.Graph()
+    shard, ids, x, resident_shard = (graph.placeholder(n) for n in ("shard", "ids", "x", "r"))
+    gathers = []
+    for source in (shard, resident_shard):
+        gather = graph.call_function(c10d.all_gather_into_tensor.default, (source, 2, "0"))
+        gathers.append(graph.call_function(c10d.wait_tensor.default, (gather,)))
+    gather.meta["custom"] = {}
+    gathers[0].args[0].meta["custom"] = {RELEASED_KEY: True}
+    weight = graph.call_function(aten.view.default, (gathers[0], [8, 4]))
+    embedding = graph.call_function(aten.embedding.default, (weight, ids))
+    matmul = graph.call_function(aten.mm.default, (x, graph.call_function(aten.t.default, (weight,))))
+    scaled = graph.call_function(aten.mul.Tensor, (x, gathers[1]))
+    graph.output((embedding, matmul, scaled))
+    StoreReleasedReaders()(graph)
+    assert [n.name for n in graph.nodes if n.meta.get(REALIZE_META)] == [embedding.name]

@@ -345,13 +345,15 @@ class CompiledStep:
         extra_inputs = self._extra_inputs(gm)
         inputs = self.state.graph_inputs(names, example_inputs) + extra_inputs
         lowered = lower(gm, fakes_like_dynamo(inputs) if dynamic else inputs,
-                        self.config.backend, dynamic=dynamic, pin_schedule=self.config.pin_schedule)
+                        self.config.backend, dynamic=dynamic, pin_schedule=self.config.pin_schedule,
+                        resident=self.plan.resident)
         if lowered.order.difference:
             log.warning("zero_fx: %s", lowered.order)
         signature = graph_signature(gm, self.plan) if self._agreement.group else None
         self.graphs.append(gm)
         self.compilations.append(Compilation(seconds=time.perf_counter() - start, reason=reason,
-                                             order=lowered.order, memory=lowered.memory))
+                                             order=lowered.order, memory=lowered.memory,
+                                             program=lowered.program))
         log.info("zero_fx: compiled %s with %s in %.1f s", self.__name__,
                  describe_backend(self.config.backend), self.compilations[-1].seconds)
         if dump:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Collection, NamedTuple, Optional, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -15,7 +15,8 @@ from .lowered_memory import LoweredMemory, lowered_memory
 from .lowered_schedule import (OrderCheck, inductor_keeps_as_kernel, lowered_schedule, order_as_graph,
                                planned_schedule)
 from .passes.splice import outside_dynamo_tracing
-from .pin_schedule import inductor_passes_with_pin, tag_schedule
+from .pin_schedule import PinSchedule, after_user_passes, tag_schedule
+from .realize_readers import StoreReleasedReaders, tag_released_gathers
 
 
 class Lowered(NamedTuple):
@@ -27,14 +28,20 @@ class Lowered(NamedTuple):
     """The buffers of Inductor's generated program over its statements; None for the
     other backends, which free what the graph frees ([Note: reading buffer lifetimes from
     generated code] in lowered_memory.py)."""
+    program: str = ""
+    """Inductor's generated Python wrapper (what ``TORCH_LOGS=output_code`` prints); empty for
+    the other backends."""
 
 
 def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend, *,
-          dynamic: bool = False, pin_schedule: bool = True) -> Lowered:
+          dynamic: bool = False, pin_schedule: bool = True,
+          resident: Collection[str] = ()) -> Lowered:
     """``gm`` made runnable: "eager" runs it as is; "aot_eager" and "inductor" trace it again
     through AOTAutograd; a callable backend gets it directly. Under Inductor, with
     ``pin_schedule``, control dependencies keep our collective schedule, and the order
-    of its generated program is read back and compared with the graph's.
+    of its generated program is read back and compared with the graph's; what reads a
+    gathered parameter that is not in ``resident`` is stored ([Note: a released gather's
+    readers are stored] in realize_readers.py).
 
     [Note: no CSE across phases]
     In stage 3 the forward and the backward gather the same shard with two
@@ -61,11 +68,11 @@ def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend, *,
             return Lowered(aot_eager(gm, fakes), order_as_graph(
                 "aot_eager", gm, "aot_eager runs the graph op by op, in its own order"))
         if backend == "inductor":
-            return _inductor(gm, fakes, pin_schedule)
+            return _inductor(gm, fakes, pin_schedule, resident)
     raise ValueError(f"unknown backend {backend!r}")
 
 
-def _inductor(gm: GraphModule, fakes, pin_schedule: bool) -> Lowered:
+def _inductor(gm: GraphModule, fakes, pin_schedule: bool, resident: Collection[str]) -> Lowered:
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -77,11 +84,12 @@ def _inductor(gm: GraphModule, fakes, pin_schedule: bool) -> Lowered:
         sources.append(getattr(compiled, "source_code", "") or "")
         return compiled
 
-    patches = {}
+    tag_released_gathers(gm, resident)
+    ours = [StoreReleasedReaders()]  # before the pin wraps matmuls in control_deps
     if pin_schedule:
         tag_schedule(gm)
-        patches["post_grad_custom_pre_pass"] = inductor_passes_with_pin(
-            config.post_grad_custom_pre_pass)
+        ours.append(PinSchedule())
+    patches = {"post_grad_custom_pre_pass": after_user_passes(config.post_grad_custom_pre_pass, ours)}
     # AOTAutograd's own cache, on a hit, skips inner_compile (no source to read); with it
     # off, Inductor's FX graph cache still hits and its compiled graph carries the source.
     with config.patch(patches), torch._functorch.config.patch(enable_autograd_cache=False):
@@ -91,7 +99,8 @@ def _inductor(gm: GraphModule, fakes, pin_schedule: bool) -> Lowered:
     note = "" if lowered is not None else (
         f"Inductor produced {len(sources)} programs, not one: the order is not checked"
         if len(sources) != 1 else "Inductor's C++ wrapper is not read: the order is not checked")
-    return Lowered(run, OrderCheck("Inductor", planned, lowered, note), memory)
+    return Lowered(run, OrderCheck("Inductor", planned, lowered, note), memory,
+                   sources[-1] if len(sources) == 1 else "")
 
 
 @contextlib.contextmanager

@@ -104,9 +104,9 @@ def _is_event(node: Node) -> bool:
         is_collective(node) or is_wait(node) or is_anchor_compute(node))
 
 
-def inductor_passes_with_pin(existing) -> tuple:
+def after_user_passes(existing, ours: Iterable[CustomGraphPass]) -> tuple:
     """The post-grad pre-passes to run: the user's (``existing``, Inductor's config value),
-    then ours."""
+    then ``ours``."""
     from torch._inductor.custom_graph_pass import get_custom_graph_passes
-    return (*get_custom_graph_passes(existing), PinSchedule())
+    return (*get_custom_graph_passes(existing), *ours)
 

@@ -39,6 +39,8 @@ class Compilation:
     """Whether the lowered program runs the graph's collective schedule."""
     memory: Optional[LoweredMemory] = None
     """The buffers of the lowered program (Inductor's), read from its code."""
+    program: str = ""
+    """The lowered program's code (Inductor's Python wrapper); empty for other backends."""
 
 
 @dataclass(frozen=True)
