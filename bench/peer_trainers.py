@@ -131,8 +131,11 @@ def deepspeed(stage: int):
         import deepspeed as ds
 
         from zero_fx.config import DEFAULT_BUCKET_BYTES, DEFAULT_PERSISTENCE_THRESHOLD
+        from zero_fx.plan.layout import RESIDENT_BUCKET_BYTES
 
-        bucket = (setting.bucket_bytes or DEFAULT_BUCKET_BYTES[stage]) // 4  # fp32 elements
+        default = DEFAULT_BUCKET_BYTES[stage]  # zero_fx-3 buckets by block: DeepSpeed by bytes
+        bucket = (setting.bucket_bytes or (default if isinstance(default, int)
+                                           else RESIDENT_BUCKET_BYTES)) // 4  # fp32 elements
         zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
         if stage == 3:
             # Its defaults keep up to 1e9 gathered elements alive for reuse in the

@@ -15,7 +15,8 @@ from .splice import splice
 
 def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
     """Replace runs of per-parameter gathers (per phase) and of gradient reductions by
-    one collective per bucket of at most ``plan.bucket_bytes`` (``plan.buckets``).
+    one collective per bucket (``plan.buckets``: one repeated block each, or at most
+    ``plan.bucket_bytes``).
 
     Requires: ``gather_params`` and ``reduce_grads`` have run; each inserted
     chain carries exactly its own parameter (``meta["zero_carries"]``).
@@ -49,8 +50,9 @@ def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
         # [Note: resident parameters share buckets only with each other]
         resident = [n for n in results if carried_params(n)[0] in plan.resident]
         released = [n for n in results if carried_params(n)[0] not in plan.resident]
-        for group in (resident, released):
-            replaced |= _fuse(gm, plan, group, order, _gather_code(plan), insert_at_first=True)
+        for group, is_resident in ((resident, True), (released, False)):
+            replaced |= _fuse(gm, plan, group, order, _gather_code(plan), insert_at_first=True,
+                              resident=is_resident)
     if plan.reduces_in_graph:
         output = gm.graph.output_node()
         slots = {i: output.args[0][i] for i in grad_slots(gm) if output.args[0][i] is not None}
@@ -72,12 +74,13 @@ def _gather_code(plan):
     return code
 
 
-def _fuse(gm, plan, results: list[Node], order, code_for, *, insert_at_first: bool) -> dict:
+def _fuse(gm, plan, results: list[Node], order, code_for, *, insert_at_first: bool,
+          resident: bool = False) -> dict:
     """Splice one bucketed chain per bucket of ``results`` (per-parameter chain results,
     in order); return {old result: new result}. Old chains are left for ``_erase_dead_chains``."""
     by_name = {carried_params(r)[0]: r for r in results}
     replaced: dict[Node, Node] = {}
-    for bucket in plan.buckets(list(by_name)):
+    for bucket in plan.buckets(list(by_name), resident=resident):
         if len(bucket) == 1:
             continue
         olds = [by_name[name] for name in bucket]

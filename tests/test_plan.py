@@ -2,11 +2,13 @@
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zero_fx import make_plan
+from zero_fx.plan.layout import BLOCKS
 from zero_fx.sharded_state import cut_shard
 
 shapes = st.lists(st.lists(st.integers(1, 9), min_size=0, max_size=3).map(tuple), min_size=1, max_size=6)
@@ -62,3 +64,20 @@ def test_bad_world_sizes_are_rejected():
         make_plan([("w", (2,), torch.float32, True)], world_size=0)
     with pytest.raises(ValueError, match="rank 3"):
         make_plan([("w", (2,), torch.float32, True)], world_size=2, rank=3)
+
+
+def test_buckets_follow_blocks_and_residents_a_byte_cap():
+    """[Note: buckets by block]: runs of one block each (whatever their bytes); the embedding
+    and the head are units of their own; resident parameters (gathered once) are cut by
+    RESIDENT_BUCKET_BYTES instead; a byte cap still overrides."""
+    names = ["wte.weight", "wpe.weight", "blocks.0.attn.weight", "blocks.0.mlp.weight",
+             "blocks.1.attn.weight", "blocks.1.mlp.weight", "blocks.10.attn.weight", "head.weight"]
+    shapes = [(name, (64, 64), torch.float32, True) for name in names]
+    plan = make_plan(shapes, world_size=2, bucket_bytes=BLOCKS)
+    assert plan.buckets(names) == [["wte.weight"], ["wpe.weight"], names[2:4], names[4:6],
+                                   ["blocks.10.attn.weight"], ["head.weight"]]
+    assert plan.buckets(names, resident=True) == [names]  # 8 x 16 KiB, under 16 MiB
+    assert make_plan(shapes, world_size=2, bucket_bytes=2 * 64 * 64 * 4).buckets(names) == [
+        names[0:2], names[2:4], names[4:6], names[6:8]]
+    with pytest.raises(ValueError, match="'blocks'"):
+        make_plan(shapes, world_size=2, bucket_bytes="layers")

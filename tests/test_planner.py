@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zero_fx.plan.models import model_source
-from zero_fx.plan.planner import plan_model
+from zero_fx.plan.planner import format_report, plan_model
 from zero_fx.table import model_state_bytes
 
 GB = 1e9
@@ -56,13 +56,20 @@ def test_traffic_is_the_table_in_psi_and_a_ring_sends_n_minus_1_over_n():
         (n - 1) / n * sum(report.stages[1].traffic.values()))
 
 
-def test_every_trainable_parameter_is_in_one_bucket_under_the_cap():
+def test_every_trainable_parameter_is_in_one_bucket_of_its_block():
+    """Stage 3 cuts buckets by block ([Note: buckets by block]): GPT-2's 12 blocks, its two
+    embeddings and its final norm, each one reduce-scatter; the gathers leave out the
+    residents (norm weights and biases), so a block's gather holds its four weights."""
     hf("transformers")
     report = plan_model(model_source("gpt2"), world_size=4, stage=3, dtype=torch.bfloat16)
     names = [n for b in report.buckets["reduce_scatter"] for n in b.names]
     assert len(names) == len(set(names)) == report.tensors
-    assert all(b.bytes <= report.bucket_cap or len(b.names) == 1
-               for buckets in report.buckets.values() for b in buckets)
+    assert [b.names[0].rsplit(".", 1)[0] for b in report.buckets["reduce_scatter"]][:3] == [
+        "transformer.wte", "transformer.wpe", "transformer.h.0.ln_1"]
+    assert len(report.buckets["reduce_scatter"]) == 2 + 12 + 1
+    gathers = report.buckets["all_gather"]
+    assert len(gathers) == 2 + 12 and all(len(b.names) == 4 for b in gathers[2:]), gathers
+    assert "Buckets in stage 3 (one per repeated block" in format_report(report)
 
 
 def test_the_70b_llama_is_planned_on_meta():

@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from .passes.pipeline import pass_names
+from .plan.layout import BLOCKS
 from .precision import MixedPrecision
 
 BackendName = str
@@ -20,10 +21,10 @@ DUMP_ENV = "ZERO_FX_DUMP"
 """Set to a folder to dump every compiled step's graphs there (see ``ZeroConfig.dump_dir``)."""
 
 MiB = 1 << 20
-DEFAULT_BUCKET_BYTES = {0: 25 * MiB, 1: 25 * MiB, 2: 25 * MiB, 3: 16 * MiB}
-"""Byte cap of one fused collective, per stage. 25 MiB is DDP's gradient bucket.
-Stage 3's all-gather buckets are working memory (with prefetch, two are alive
-at once on top of the shards), so its cap is smaller."""
+DEFAULT_BUCKET_BYTES = {0: 25 * MiB, 1: 25 * MiB, 2: 25 * MiB, 3: BLOCKS}
+"""Bucketing per stage. 25 MiB is DDP's gradient bucket. Stage 3's all-gather buckets
+are working memory (with prefetch, two are alive at once on top of the shards): one
+repeated block of the model per bucket ([Note: buckets by block] in plan/layout.py)."""
 DEFAULT_PERSISTENCE_THRESHOLD = 1 << 14
 """Stage 3 keeps parameters of at most this many elements resident: norm
 weights and biases of models up to a 16K hidden size, never a weight matrix of
@@ -45,10 +46,11 @@ class ZeroConfig:
     """Declare that an optimizer zero_fx does not know updates each element
     independently (so it may step on flat shards). ``None``: known torch.optim
     optimizers only."""
-    bucket_bytes: Optional[int] = None
+    bucket_bytes: Union[int, str, None] = None
     """Fuse all-gathers, reduce-scatters and all-reduces up to this many bytes per
-    launch. ``None``: the stage's default (``DEFAULT_BUCKET_BYTES``); 0: one
-    collective per parameter."""
+    launch; ``"blocks"``: one launch per repeated block of the model ([Note: buckets by
+    block] in plan/layout.py). ``None``: the stage's default (``DEFAULT_BUCKET_BYTES``:
+    blocks in stage 3, 25 MiB below); 0: one collective per parameter."""
     prefetch: int = 1
     """Collectives issued ahead of the compute that needs them: stage 3 issues
     an all-gather this many buckets early; reductions are waited for this many
@@ -113,8 +115,11 @@ class ZeroConfig:
             object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV])
         for name in ("bucket_bytes", "memory_budget_bytes"):
             value = getattr(self, name)
+            if name == "bucket_bytes" and value == BLOCKS:
+                continue
             if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be a number of bytes >= 0 or None, got {value!r}")
+                also = f", {BLOCKS!r}" if name == "bucket_bytes" else ""
+                raise ValueError(f"{name} must be a number of bytes >= 0{also} or None, got {value!r}")
         for name in ("prefetch", "persistence_threshold"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:

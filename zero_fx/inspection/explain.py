@@ -18,6 +18,7 @@ from torch.fx import GraphModule, Node
 from ..cost_model import CollectiveTiming, Estimate, replay
 from ..lowered_memory import LoweredMemory
 from ..lowered_schedule import OrderCheck
+from ..plan.layout import BLOCKS
 from ..memory_timeline import MemoryTimeline, is_view, tensor_bytes
 from ..passes.predicates import gathered_param
 from ..formatting import format_bytes, format_seconds, short_dtype
@@ -141,7 +142,8 @@ def _plan_section(plan) -> str:
             f"  {plan.world_size} rank(s), group {plan.group_name!r}; Ψ = {plan.total_numel:,} "
             f"parameters in {len(plan.params)} tensors ({'/'.join(dtypes)}); each rank holds "
             f"{plan.shard_numel:,} elements ({plan.padding_numel:,} of padding in all)")
-    lines.append(f"  buckets of at most {format_bytes(plan.bucket_bytes)}"
+    lines.append("  buckets: one per repeated block (bucket_bytes='blocks')" if plan.bucket_bytes == BLOCKS
+                 else f"  buckets of at most {format_bytes(plan.bucket_bytes)}"
                  if plan.bucket_bytes else "  one collective per parameter (bucket_bytes=0)")
     lines[-1] += (f", prefetch {plan.prefetch}, memory budget "
                   f"{format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else 'none'}")

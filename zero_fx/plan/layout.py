@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -62,6 +62,36 @@ class ParamLayout:
         return start, stop
 
 
+BLOCKS = "blocks"
+"""``bucket_bytes`` value: one bucket per repeated block of the model (stage 3's default)."""
+RESIDENT_BUCKET_BYTES = 16 << 20
+"""With ``BLOCKS``: the cap of a bucket of resident parameters (norm weights and biases of
+many blocks, gathered once per step)."""
+
+
+def block_of(name: str) -> str:
+    """The unit a parameter is bucketed with ([Note: buckets by block]): its path up to the
+    first numeric part, the index into the model's repeated blocks ("blocks.3.attn.qkv.weight"
+    -> "blocks.3", "model.layers.0.mlp.up_proj.weight" -> "model.layers.0"); outside any
+    block, its own module ("wte.weight" -> "wte", "lm_head.weight" -> "lm_head").
+
+    [Note: buckets by block]
+    A byte cap fits no model: 16 MiB gathers several blocks of a small model at once
+    (more memory in flight than needed) and splits one block of a large model into
+    many launches. Stage 3 gathers and reduce-scatters one repeated block per
+    collective instead, what FSDP2 calls a unit (torchtitan wraps each block): the
+    parameter names say which block a parameter is in, the same on every rank and
+    on a meta model, so the passes and the planner cut the same buckets
+    (``ShardPlan.buckets``). The embedding and the head are units of their own.
+    ``bucket_bytes=<bytes>`` still overrides.
+    """
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1]) or name
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """The whole model's layout for one world size and stage. Computed once."""
@@ -75,8 +105,9 @@ class ShardPlan:
     resident: frozenset = frozenset()
     """Stage 3: parameters gathered once per step and kept whole through forward
     and backward (selective residency): they cost memory, not backward traffic."""
-    bucket_bytes: int = 0
-    """Byte cap of one fused collective (``bucket_collectives``); 0: one per parameter."""
+    bucket_bytes: Union[int, str] = 0
+    """Byte cap of one fused collective (``bucket_collectives``); 0: one per parameter;
+    ``BLOCKS``: one per repeated block of the model ([Note: buckets by block])."""
     prefetch: int = 0
     """How many collectives ``schedule_collectives`` lets run ahead of the compute
     that needs them; 0: issue each right before its first use."""
@@ -137,17 +168,24 @@ class ShardPlan:
     def padding_numel(self) -> int:
         return sum(p.padding for p in self.params)
 
-    def buckets(self, names: Sequence[str]) -> list[list[str]]:
-        """``names``, in order, cut into runs of at most ``bucket_bytes`` (padded, whole
-        parameters; one larger than the cap is a bucket of its own). The same on every
-        rank: it reads only the plan."""
+    def buckets(self, names: Sequence[str], *, resident: bool = False) -> list[list[str]]:
+        """``names``, in order, cut into buckets: by block (``bucket_bytes == BLOCKS``: runs
+        of the same ``block_of``; resident parameters, gathered once for the whole step, in
+        runs of at most ``RESIDENT_BUCKET_BYTES`` instead) or into runs of at most
+        ``bucket_bytes`` (padded, whole parameters; one larger than the cap is a bucket of
+        its own). A bucket holds one dtype. The same on every rank: it reads only the plan.
+        The passes and the planner both cut with this."""
+        by_block = self.bucket_bytes == BLOCKS and not resident
+        cap = RESIDENT_BUCKET_BYTES if self.bucket_bytes == BLOCKS else self.bucket_bytes
         buckets: list[list[str]] = []
         filled = 0
         for name in names:
             layout = self.layout(name)
             size = layout.padded_numel * self.gather_dtype(layout).itemsize
             same_dtype = buckets and self.layout(buckets[-1][0]).dtype == layout.dtype
-            if same_dtype and filled + size <= self.bucket_bytes:
+            fits = (block_of(buckets[-1][-1]) == block_of(name) if by_block
+                    else filled + size <= cap) if buckets else False
+            if same_dtype and fits:
                 buckets[-1].append(name)
                 filled += size
             else:
@@ -178,7 +216,7 @@ def make_plan(
     stage: int = 3,
     group_name: str = "",
     resident: Iterable[str] = (),
-    bucket_bytes: int = 0,
+    bucket_bytes: Union[int, str] = 0,
     prefetch: int = 0,
     memory_budget_bytes: Optional[int] = None,
     compute_dtype: Optional[torch.dtype] = None,
@@ -222,8 +260,11 @@ def make_plan(
     unknown = resident - seen
     if unknown:
         raise ValueError(f"resident parameters {sorted(unknown)} are not in the model")
-    if bucket_bytes < 0 or prefetch < 0:
-        raise ValueError(f"bucket_bytes and prefetch must be >= 0, got {bucket_bytes}, {prefetch}")
+    if not (bucket_bytes == BLOCKS or isinstance(bucket_bytes, int) and bucket_bytes >= 0):
+        raise ValueError(f"bucket_bytes must be a number of bytes >= 0 or {BLOCKS!r}, got "
+                         f"{bucket_bytes!r}")
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     if accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
     return ShardPlan(

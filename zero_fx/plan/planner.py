@@ -27,14 +27,14 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from ..config import DEFAULT_BUCKET_BYTES, DEFAULT_PERSISTENCE_THRESHOLD
 from ..memory_timeline import memory_timeline
 from ..table import TRAFFIC_IN_PSI, model_state_breakdown, zero_paper_bytes
-from .layout import ShardPlan, plan_for_module
+from .layout import BLOCKS, ShardPlan, plan_for_module
 from .models import ModelSource, on_meta
 
 GB = 1e9
@@ -77,7 +77,8 @@ class PlanReport:
     stages: list[StagePlan]
     buckets: dict[str, list[Bucket]]
     """Collective kind -> its buckets in the chosen stage (parameter order)."""
-    bucket_cap: int
+    bucket_cap: Union[int, str]
+    """Bytes, or ``BLOCKS`` (one bucket per repeated block)."""
     resident: int
     """Stage 3: parameters kept whole through the step (persistence threshold)."""
     working_set: Optional[float] = None
@@ -224,7 +225,9 @@ def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = Non
         in_psi = sum(s.traffic.values()) / (report.psi * report.dtype.itemsize)
         lines.append(f"| {s.stage} | " + " | ".join(cells) + f" | {s.wire_bytes / GB:.2f} | "
                      f"{in_psi:.2f} |")
-    lines += ["", f"Buckets in stage {report.stage} (cap {report.bucket_cap / 2**20:.0f} MiB"
+    cut = ("one per repeated block" if report.bucket_cap == BLOCKS
+           else f"cap {report.bucket_cap / 2**20:.0f} MiB")
+    lines += ["", f"Buckets in stage {report.stage} ({cut}"
               + (f"; {report.resident} small parameters stay resident" if report.stage == 3 else "")
               + "):"]
     for kind, buckets in report.buckets.items():
