@@ -79,7 +79,7 @@ def lowered_memory(source: str) -> Optional[LoweredMemory]:
         return None
     dtypes = {m[1]: _dtype(m[2]) for m in _ARG_DTYPE.finditer(source)}
     storage_of: dict[str, int] = {}   # name -> storage
-    tuple_of: dict[str, list[int]] = {}  # a multi-output result -> the storages it holds
+    tuple_of: dict[str, list[str]] = {}  # a multi-output result -> the names of its items
     named: dict[int, tuple[str, str]] = {}  # storage -> (its latest name, its source nodes)
     sizes: dict[int, int] = {}
     unsourced: list[int] = []  # storages whose kernel's "Source Nodes" comment comes next
@@ -153,7 +153,7 @@ def lowered_memory(source: str) -> Optional[LoweredMemory]:
                 release(storage_of.pop(name))
         if live > peak:
             peak, peak_statement = live, statement
-            alive_at_peak = tuple(sorted((Buffer(*named[s][:1], sizes[s], named[s][1])
+            alive_at_peak = tuple(sorted((Buffer(named[s][0], sizes[s], named[s][1])
                                           for s, n in holders.items() if n),
                                          key=lambda b: -b.bytes))
     return LoweredMemory(peak, peak_statement, alive_at_peak)
