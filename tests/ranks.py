@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -15,18 +16,33 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+JOIN_TIMEOUT_S = 900
+"""How long the ranks together may take before the test fails and they are killed: the
+slowest multi-rank test (Inductor compiling on each rank of a loaded 2-core box) takes
+about a minute, so a rank still running after this is stuck, not slow."""
+
+
 def run_ranks(world_size: int, fn, *args, timeout_s: int = 120, may_die: bool = False):
     """``fn(rank, world_size, *args)`` on each rank (in-process, no group, for world size 1).
 
-    ``may_die``: a rank may exit on purpose (a failure test); its result is None.
+    ``timeout_s``: the process group's (a collective waiting on a dead peer fails after it).
+    ``may_die``: a rank may exit on purpose (a failure test); its result is None. A rank
+    still running after ``JOIN_TIMEOUT_S`` prints its threads' stacks, is killed, and fails
+    the test.
     """
     if world_size == 1:
         return [fn(0, 1, *args)]
     with tempfile.TemporaryDirectory() as tmp:
         context = mp.start_processes(_rank_main, args=(world_size, tmp, fn, args, timeout_s),
                                      nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
         for process in context.processes:  # a rank stuck on a dead peer fails after timeout_s
-            process.join()
+            process.join(max(0.0, deadline - time.monotonic()))
+        stuck = [rank for rank, p in enumerate(context.processes) if p.is_alive()]
+        if stuck:
+            _kill_with_stacks([context.processes[r] for r in stuck])
+            raise RuntimeError(f"rank(s) {stuck} still running after {JOIN_TIMEOUT_S} s: killed "
+                               "(their stacks are in the output above)")
         results = []
         for rank, process in enumerate(context.processes):
             path = os.path.join(tmp, f"rank{rank}.pt")
@@ -48,6 +64,15 @@ def run_ranks(world_size: int, fn, *args, timeout_s: int = 120, may_die: bool = 
         return results
 
 
+def _kill_with_stacks(processes) -> None:
+    for process in processes:
+        os.kill(process.pid, signal.SIGUSR1)  # faulthandler prints every thread's stack
+    time.sleep(2)
+    for process in processes:
+        process.kill()
+        process.join()
+
+
 def _exit_status(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
@@ -59,6 +84,7 @@ class _RankFailure:
 
 def _rank_main(rank, world_size, tmp, fn, args, timeout_s):
     faulthandler.enable()  # a rank that crashes in C++ prints its Python stack
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # and a stuck one, when asked
     # a rank that fails makes its peers' collectives time out instead of hanging the suite
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
