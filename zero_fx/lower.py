@@ -94,13 +94,13 @@ def _inductor(gm: GraphModule, fakes, pin_schedule: bool, resident: Collection[s
     # off, Inductor's FX graph cache still hits and its compiled graph carries the source.
     with config.patch(patches), torch._functorch.config.patch(enable_autograd_cache=False):
         run = compile_fx(gm, fakes, inner_compile=keeping_source)
-    lowered = lowered_schedule(sources[-1]) if len(sources) == 1 else None
-    memory = lowered_memory(sources[-1]) if len(sources) == 1 else None
+    program = sources[0] if len(sources) == 1 else ""  # both readers return None for ""
+    lowered = lowered_schedule(program)
     note = "" if lowered is not None else (
         f"Inductor produced {len(sources)} programs, not one: the order is not checked"
         if len(sources) != 1 else "Inductor's C++ wrapper is not read: the order is not checked")
-    return Lowered(run, OrderCheck("Inductor", planned, lowered, note), memory,
-                   sources[-1] if len(sources) == 1 else "")
+    return Lowered(run, OrderCheck("Inductor", planned, lowered, note), lowered_memory(program),
+                   program)
 
 
 @contextlib.contextmanager
