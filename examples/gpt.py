@@ -21,6 +21,13 @@ class GPTConfig:
     """Biases in Linear and LayerNorm layers. The key part of the qkv bias has a
     gradient that is zero in exact arithmetic, which Adam turns into updates of
     pure rounding noise; parity tests use bias=False to compare real signal."""
+    dropout: float = 0.0
+    """Dropout after the embeddings and on each block's two residual branches (nanoGPT's
+    places, less attention dropout); 0 leaves no dropout op in the model."""
+
+
+def _dropout(p: float) -> nn.Module:
+    return nn.Dropout(p) if p else nn.Identity()
 
 
 class CausalSelfAttention(nn.Module):
@@ -29,13 +36,14 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_dropout = _dropout(cfg.dropout)
 
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)))
 
 
 class Block(nn.Module):
@@ -45,7 +53,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias), nn.GELU(),
-                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias))
+                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias),
+                                 _dropout(cfg.dropout))
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -58,6 +67,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = _dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -73,7 +83,7 @@ class GPT(nn.Module):
 
     def forward(self, idx):
         pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))

@@ -14,6 +14,7 @@ from .annotate_phases import annotate_phases
 from .bucket_collectives import bucket_collectives
 from .check_invariants import check_invariants
 from .gather_params import gather_params
+from .recompute_activations import recompute_activations
 from .recompute_param_views import recompute_param_views
 from .reduce_grads import reduce_grads
 from .scale_loss import scale_loss
@@ -55,6 +56,7 @@ def after(name: str, graph_pass: Callable[[GraphModule], Optional[GraphModule]])
 PASS_ORDER = (
     ("annotate_phases", annotate_phases),
     ("scale_loss", scale_loss),
+    ("recompute_activations", recompute_activations),
     ("recompute_param_views", recompute_param_views),
     ("gather_params", gather_params),
     ("reduce_grads", reduce_grads),

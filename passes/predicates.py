@@ -80,6 +80,32 @@ def is_anchor_compute(node: Node) -> bool:
     return name in ANCHOR_OPS or "scaled_dot_product" in name
 
 
+def is_view(node: Node) -> bool:
+    """The op's results alias its input (so they cost no memory of their own)."""
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.returns and all(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns))
+
+
+def is_impure(node: Node) -> bool:
+    """An op that changes a tensor in place or draws random numbers: running it twice is not
+    running it once (``bernoulli_`` of dropout, ``native_dropout``, ``rand_like``; attention
+    only with ``dropout_p`` > 0)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target._schema.is_mutable:
+        return True
+    if torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    for position, argument in enumerate(target._schema.arguments):
+        if argument.name == "dropout_p":
+            given = (node.args[position] if position < len(node.args)
+                     else node.kwargs.get("dropout_p", argument.default_value))
+            return given != 0
+    return True
+
+
 def is_gradient_seed(node: Node) -> bool:
     """The ``ones_like(loss)`` that autograd starts the backward from."""
     return _target_is(node, torch.ops.aten.ones_like.default)

@@ -29,9 +29,9 @@ def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if name == "mlp":
         return MLP()
-    if name == "gpt":
+    if name in ("gpt", "gpt_dropout"):
         return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32,
-                             bias=False))
+                             bias=False, dropout=0.1 if name == "gpt_dropout" else 0.0))
     if name in HF_MODELS:
         from examples import hf_models
         return {"hf_gpt2": hf_models.tiny_gpt2, "hf_llama": hf_models.tiny_llama}[name](VOCAB, SEQ)
@@ -62,6 +62,13 @@ def make_optimizer(model: nn.Module, kind: str = "adamw") -> torch.optim.Optimiz
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def save_matmuls(node) -> str:
+    """A selective recompute policy: keep what matrix products and attention computed,
+    recompute the rest (norms, activations, residual adds)."""
+    name = str(node.target)
+    return "save" if "mm" in name or "scaled_dot_product" in name else "recompute"
 
 
 def training_step(name: str):

@@ -2,8 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import models
 from ranks import run_ranks
@@ -28,16 +26,6 @@ def selects_with_a_mask(model, opt, x, y):
     return loss
 
 
-def checkpoints_dropout(model, opt, x, y):
-    def block(x):
-        return F.dropout(model(x), p=0.1, training=True)
-    loss = F.mse_loss(checkpoint(block, x, use_reentrant=False), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
-
-
 def _capture_error(rank, world_size, step_fn, model_name="mlp", loss_type="unchanged"):
     model = models.build(model_name)
     if loss_type != "unchanged":
@@ -55,7 +43,6 @@ def _capture_error(rank, world_size, step_fn, model_name="mlp", loss_type="uncha
 @pytest.mark.parametrize("step_fn, advice", [
     (branches_on_a_value, "use `torch.where`"),
     (selects_with_a_mask, "Use a fixed-shape form"),
-    (checkpoints_dropout, "cannot recompute random ops"),
 ])
 def test_the_error_names_the_fix(step_fn, advice):
     message = run_ranks(1, _capture_error, step_fn)[0]
@@ -69,30 +56,3 @@ def test_a_logging_hf_model_says_what_to_set():
     message = run_ranks(1, _capture_error, models.training_step("hf_gpt2"), "hf_gpt2", None)[0]
     assert "logging.Logger" in message
     assert 'model.loss_type = "ForCausalLM"' in message
-
-
-def _checkpointed_and_plain(rank, world_size):
-    def checkpointed(model, opt, x, y):
-        loss = F.mse_loss(checkpoint(model, x, use_reentrant=False), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    out = []
-    for step_fn in (models.training_step("mlp"), checkpointed):
-        model = models.build("mlp")
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        step = zero_compile(step_fn, stage=3, backend="aot_eager")
-        losses = []
-        for i in range(3):
-            x, y = models.global_batch("mlp", i)
-            losses.append(step(model, opt, x[rank::world_size], y[rank::world_size]).item())
-        out.append((losses, step.full_parameters()))
-    return out
-
-
-def test_activation_checkpointing_without_random_ops_trains_as_without():
-    (plain_losses, plain_params), (losses, params) = run_ranks(2, _checkpointed_and_plain)[0]
-    assert losses == pytest.approx(plain_losses, rel=1e-6)
-    assert all(torch.allclose(params[n], plain_params[n], rtol=1e-5, atol=1e-7) for n in params)

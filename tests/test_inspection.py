@@ -239,7 +239,7 @@ def test_one_switch_shows_the_pass_pipeline(capfd):
     finally:
         set_logs(None)
     err = capfd.readouterr().err
-    assert "zero_fx pipeline: annotate_phases -> scale_loss -> recompute_param_views" in err
+    assert "zero_fx pipeline: annotate_phases -> scale_loss -> recompute_activations -> recompute_param_views" in err
     for name, _ in PASS_ORDER:
         assert re.search(rf"zero_fx pass {name}: [\d.]+ ms, \d+ nodes, op count changes", err), name
     assert re.search(r"zero_fx pass gather_params: .* changes .*\+\d+", err)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -15,10 +16,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from . import checkpoint
-from .capture import CaptureError, capture_step_graph, fakes_like_dynamo, has_dynamic_shapes
+from .capture import (CHECKPOINTED_META, CaptureError, capture_step_graph, fakes_like_dynamo,
+                      has_dynamic_shapes)
 from .capture_hints import capture_hint
 from .collective_counter import CollectiveCounter
-from .cost_model import Estimate, estimate
+from .cost_model import Estimate, estimate, hardware_for
 from .inspection.dump import GraphDump
 from .inspection.explain import Compilation, Explanation, explain_graph
 from .config import DEFAULT_PERSISTENCE_THRESHOLD, ZeroConfig, describe_backend
@@ -63,6 +65,8 @@ def zero_compile(
     accumulation_steps: int = 1,
     max_grad_norm: Optional[float] = None,
     init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
+    recompute: Any = None,
+    activation_memory_budget: Optional[float] = None,
 ):
     """Compile a whole training step (forward, ``loss.backward()``, ``opt.step()``) with ZeRO.
 
@@ -130,6 +134,11 @@ def zero_compile(
             module at a time, each rank keeping its shards; ``init_fn(module)`` is the
             model's own init after its modules are built (nanoGPT's ``self.apply(
             self._init_weights)``). README, "Models too big for one device".
+        recompute: recompute forward values in the backward instead of keeping them:
+            ``"blocks"`` keeps only each repeated block's input (activation
+            checkpointing), ``"auto"`` keeps what fits ``activation_memory_budget``
+            (a fraction of the activations, or bytes), a policy ``fn(node) -> "save" |
+            "recompute"`` decides per op. Dropout replays its mask. README, "Recompute".
 
     Inspect a compiled step with ``step.explain()``, ``step.traffic()``,
     ``step.estimate()`` and ``step.graphs``; see the README, "Inspecting a
@@ -159,6 +168,8 @@ def zero_compile(
         accumulation_steps=accumulation_steps,
         max_grad_norm=max_grad_norm,
         init_fn=init_fn,
+        recompute=recompute,
+        activation_memory_budget=activation_memory_budget,
     )
 
     def wrap(step_fn: Callable) -> "CompiledStep":
@@ -292,7 +303,7 @@ class CompiledStep:
         _claim(model, optimizer, self.__name__)
         self.plan = plan_for_module(model, world_size=world.size, rank=world.rank,
                                     stage=self.config.stage, group_name=world.group_name,
-                                    **self.config.plan_options())
+                                    **self.config.plan_options(hardware_for(model)))
         try:  # a meta model, or pretrained weights: this rank's values (the model is unchanged on error)
             masters = materialize(model, self.plan, init_fn=self.config.init_fn, pretrained=pretrained)
         except Exception:
@@ -340,7 +351,7 @@ class CompiledStep:
         gm = capture_step_graph(dynamo_gm, example_inputs, names)
         dump = (GraphDump(self.config.dump_dir, self.__name__, self.plan.rank,
                           len(self.compilations), self.plan) if self.config.dump_dir else None)
-        gm = run_pipeline(gm, self._pipeline, observe=dump.observe if dump else None)
+        gm = run_pipeline(gm, self._pipeline_for(gm), observe=dump.observe if dump else None)
         dynamic = has_dynamic_shapes(dynamo_gm)
         extra_inputs = self._extra_inputs(gm)
         inputs = self.state.graph_inputs(names, example_inputs) + extra_inputs
@@ -360,6 +371,17 @@ class CompiledStep:
             dump.finish(self.explain())
         return _StepRunner(lowered.run, names, grad_slots(gm), self.state, self._observers,
                            self._agreement, signature, extra_inputs)
+
+    def _pipeline_for(self, gm: GraphModule):
+        """Our passes; with ``recompute="blocks"`` when the model checkpoints activations
+        itself and the user chose no recompute ([Note: torch.utils.checkpoint in a captured
+        step] in inline_checkpoints.py)."""
+        if not gm.meta.get(CHECKPOINTED_META) or self.plan.recompute is not None:
+            return self._pipeline
+        log.info("zero_fx: the model checkpoints %d region(s) with torch.utils.checkpoint; "
+                 "zero_fx recomputes them with recompute='blocks'", gm.meta[CHECKPOINTED_META])
+        return build_pipeline(dataclasses.replace(self.plan, recompute="blocks"),
+                              disable=self.config.disable_passes, extra=self.config.passes)
 
     def _extra_inputs(self, gm: GraphModule) -> list[torch.Tensor]:
         """The graph's inputs after the step's own: the loss scale, if ``scale_loss`` added it."""

@@ -23,10 +23,15 @@ from torch.fx.node import map_aggregate
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .inline_checkpoints import inline_checkpoints
 from .passes.predicates import GRAD_SLOTS_META, PARAM_META
 from .passes.splice import outside_dynamo_tracing
 
 aten = torch.ops.aten
+
+CHECKPOINTED_META = "zero_checkpointed"
+"""GraphModule meta key: how many ``torch.utils.checkpoint`` regions the model had
+([Note: torch.utils.checkpoint in a captured step] in inline_checkpoints.py)."""
 
 
 class CaptureError(RuntimeError):
@@ -41,7 +46,9 @@ def capture_step_graph(
     ``param_names[i]`` is the plan name of graph input ``i`` if it is a model
     parameter, else None.
     """
+    checkpointed = inline_checkpoints(dynamo_gm)
     gm = _trace(dynamo_gm, example_inputs)
+    gm.meta[CHECKPOINTED_META] = checkpointed
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     sources = [n.name for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
     for node, name, source in zip(placeholders, param_names, sources):

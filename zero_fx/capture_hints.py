@@ -25,11 +25,6 @@ _HINTS = (
      "An op's output shape depends on the values (boolean-mask indexing `x[mask]`, `nonzero`, "
      "`unique`, `masked_select`). Use a fixed-shape form: `torch.where`, `masked_fill`, or "
      "`ignore_index=-100` in the labels for tokens the loss should skip."),
-    (("does not support RNG ops in recompute regions",
-      "Tensor cached during selective activation checkpoint has been mutated"),
-     "Activation checkpointing inside the step cannot recompute random ops, and dropout is one "
-     "even with p=0 in train mode. Turn gradient checkpointing off, or take the dropout "
-     "modules out of the checkpointed blocks."),
 )
 
 

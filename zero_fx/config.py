@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
@@ -9,6 +10,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from .passes.pipeline import pass_names
+from .passes.recompute_activations import ActivationBudget
 from .plan.layout import BLOCKS
 from .precision import MixedPrecision
 
@@ -25,6 +27,9 @@ DEFAULT_BUCKET_BYTES = {0: 25 * MiB, 1: 25 * MiB, 2: 25 * MiB, 3: BLOCKS}
 """Bucketing per stage. 25 MiB is DDP's gradient bucket. Stage 3's all-gather buckets
 are working memory (with prefetch, two are alive at once on top of the shards): one
 repeated block of the model per bucket ([Note: buckets by block] in plan/layout.py)."""
+RECOMPUTE_MODES = (None, "blocks", "auto")
+DEFAULT_ACTIVATION_BUDGET = 0.5
+"""``recompute="auto"`` without ``activation_memory_budget``: keep half the activations."""
 DEFAULT_PERSISTENCE_THRESHOLD = 1 << 14
 """Stage 3 keeps parameters of at most this many elements resident: norm
 weights and biases of models up to a 16K hidden size, never a weight matrix of
@@ -94,6 +99,18 @@ class ZeroConfig:
     ``init_fn(module)`` for every module, children first ([Note: replaying construction] in
     zero_fx/materialize/events.py). None: each module's ``reset_parameters()`` (and
     HuggingFace models' ``_init_weights``)."""
+    recompute: Union[None, str, Callable[[torch.fx.Node], str]] = None
+    """What the backward recomputes instead of keeping from the forward ([Note: recompute as
+    a graph pass] in passes/recompute_activations.py): None (keep what eager keeps);
+    ``"blocks"``: keep only each repeated block's input (full activation checkpointing);
+    ``"auto"``: keep what fits ``activation_memory_budget``, the rest chosen by the cost
+    model's recompute time per byte; or a policy ``fn(node) -> "save" | "recompute"``
+    asked for every forward op. Random ops (dropout) are never recomputed: their results
+    are kept, so a recomputed dropout applies the forward's mask."""
+    activation_memory_budget: Union[float, int, None] = None
+    """``recompute="auto"``: a fraction (0-1, as torch's partitioner knob) of the bytes kept
+    for the backward without recompute, or a number of bytes (> 1). Setting it alone means
+    ``recompute="auto"``; default with ``"auto"``: ``DEFAULT_ACTIVATION_BUDGET``."""
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -135,13 +152,26 @@ class ZeroConfig:
         if self.max_grad_norm is not None and not (
                 isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a number > 0 or None, got {self.max_grad_norm!r}")
+        if self.recompute not in RECOMPUTE_MODES and not callable(self.recompute):
+            raise ValueError(f"recompute must be None, 'blocks', 'auto' or a policy "
+                             f"fn(node) -> 'save' | 'recompute'; got {self.recompute!r}")
+        budget = self.activation_memory_budget
+        if budget is not None:
+            if self.recompute not in (None, "auto"):
+                raise ValueError(f"activation_memory_budget goes with recompute='auto', not "
+                                 f"recompute={self.recompute!r}")
+            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+                raise ValueError("activation_memory_budget must be a fraction in (0, 1] of the "
+                                 f"activations or a number of bytes > 1; got {budget!r}")
         if self.init_fn is not None and not callable(self.init_fn):
             raise TypeError(f"init_fn must be a callable init_fn(module), got {type(self.init_fn).__name__}")
 
-    def plan_options(self) -> dict:
+    def plan_options(self, hardware: str = "cpu-gloo") -> dict:
         """What ``plan_for_module`` takes from this config: residency, buckets, schedule,
-        precision, accumulation."""
+        precision, accumulation, recompute (``"auto"`` ranks ops with the cost model's
+        ``hardware`` preset)."""
         return {
+            "recompute": self._recompute_for_plan(hardware),
             "persistence_threshold": self.persistence_threshold,
             "keep_resident": self.keep_resident,
             "bucket_bytes": (DEFAULT_BUCKET_BYTES[self.stage] if self.bucket_bytes is None
@@ -151,6 +181,15 @@ class ZeroConfig:
             "accumulation_steps": self.accumulation_steps,
             **(self.mixed_precision.plan_options() if self.mixed_precision else {}),
         }
+
+    def _recompute_for_plan(self, preset: str):
+        if self.recompute != "auto" and self.activation_memory_budget is None:
+            return self.recompute
+        from .cost_model import hardware, node_seconds
+
+        budget = self.activation_memory_budget
+        return ActivationBudget(DEFAULT_ACTIVATION_BUDGET if budget is None else budget,
+                                seconds=functools.partial(node_seconds, hw=hardware(preset)))
 
 
 def describe_backend(backend: Any) -> str:

@@ -90,6 +90,12 @@ def hardware(preset_or_hardware) -> Hardware:
                          f"presets: {sorted(PRESETS)}, or pass a Hardware(...)") from None
 
 
+def hardware_for(model: torch.nn.Module) -> str:
+    """The preset for where ``model`` runs: a GPU preset on CUDA, ``cpu-gloo`` otherwise."""
+    param = next(model.parameters(), None)
+    return "8xh100-nvlink" if param is not None and param.device.type == "cuda" else "cpu-gloo"
+
+
 @dataclass(frozen=True)
 class Estimate:
     """The cost model's answer for one step."""

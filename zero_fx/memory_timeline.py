@@ -25,7 +25,7 @@ from typing import Mapping
 import torch
 from torch.fx import GraphModule, Node
 
-from .passes.predicates import carried_params, gathered_param, is_collective, is_wait, phase_of
+from .passes.predicates import carried_params, gathered_param, is_collective, is_view, is_wait, phase_of
 
 
 @dataclass(frozen=True)
@@ -148,13 +148,6 @@ def _what(node: Node) -> str:
     if node.op != "call_function":
         return node.op
     return str(node.target).removeprefix("aten.").removesuffix(".default")
-
-
-def is_view(node: Node) -> bool:
-    """The op's results alias its input (so they cost no memory of their own)."""
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema and schema.returns and all(
-        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns))
 
 
 def vals(nodes) -> list:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -126,6 +126,14 @@ class ShardPlan:
     """Calls of the step per optimizer step. Above 1, stages 0 and 1 keep whole
     gradients across calls and reduce them once, outside the graph
     (``reduces_in_graph`` is False); see [Note: gradient accumulation]."""
+    recompute: Any = None
+    """What the backward recomputes instead of keeping (``recompute_activations``): None,
+    ``"blocks"``, a policy ``fn(node) -> "save" | "recompute"`` or an ``ActivationBudget``."""
+
+    def unit_of(self, name: str) -> str:
+        """The block a parameter belongs to ([Note: buckets by block]); the recompute pass
+        finds the model's repeated blocks with it."""
+        return block_of(name)
 
     @property
     def reduces_in_graph(self) -> bool:
@@ -223,6 +231,7 @@ def make_plan(
     reduce_dtype: Optional[torch.dtype] = None,
     loss_scaled: bool = False,
     accumulation_steps: int = 1,
+    recompute: Any = None,
 ) -> ShardPlan:
     """Lay out parameters ``(name, shape, dtype, requires_grad)`` over ``world_size`` ranks.
 
@@ -281,6 +290,7 @@ def make_plan(
         reduce_dtype=reduce_dtype,
         loss_scaled=loss_scaled,
         accumulation_steps=accumulation_steps,
+        recompute=recompute,
     )
 
 
