@@ -205,3 +205,17 @@ def test_blocks_on_a_model_without_blocks_says_what_to_use():
 
     with pytest.raises(ValueError, match="found no repeated blocks"):
         zero_compile(step, stage=0, backend="eager", recompute="blocks")(model, opt, torch.ones(2, 4))
+
+
+def test_explain_and_the_graph_view_show_what_is_recomputed(tmp_path):
+    model = models.build("gpt")
+    opt = models.make_optimizer(model, "adamw")
+    step = zero_compile(models.training_step("gpt"), stage=3, backend="eager", recompute="blocks",
+                        dump_dir=str(tmp_path))
+    step(model, opt, *models.global_batch("gpt", 0))
+    summary = step.graphs[-1].meta[RECOMPUTE_META]
+    assert str(summary) in str(step.explain())
+    assert summary.recomputed_ops > 0 and summary.kept_bytes < summary.kept_bytes_before / 2
+    final = sorted(tmp_path.rglob("*check_invariants.html"))[-1].read_text()
+    assert final.count("class='recomputed backward") == sum(
+        1 for n in step.graphs[-1].graph.nodes if n.meta.get(RECOMPUTED_META))

@@ -25,6 +25,7 @@ from torch.fx import GraphModule
 
 from .explain import Explanation
 from .graph_listing import COLLECTIVE_KINDS, format_rows, graph_rows
+from ..passes.recompute_activations import RECOMPUTE_META
 from .html_view import render_graph_html
 from .memory_plot import MATPLOTLIB_MISSING, plot_available, plot_memory
 from ..memory_timeline import memory_timeline
@@ -58,6 +59,8 @@ class GraphDump:
         title = f"{self.step_name}: {'captured graph' if after == 'captured' else 'after ' + after}"
         subtitle = (f"stage {self.plan.stage}, {self.plan.world_size} rank(s); {len(rows)} nodes, "
                     f"{collectives} collectives")
+        if RECOMPUTE_META in gm.meta:
+            subtitle += f"; {gm.meta[RECOMPUTE_META]}"
         (self.folder / f"{stem}.txt").write_text(format_rows(rows, f"{title} ({subtitle})"))
         memory = memory_timeline(gm).transient
         (self.folder / f"{stem}.html").write_text(render_graph_html(

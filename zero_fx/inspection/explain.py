@@ -20,6 +20,7 @@ from ..lowered_memory import LoweredMemory
 from ..lowered_schedule import OrderCheck
 from ..plan.layout import BLOCKS
 from ..memory_timeline import MemoryTimeline, is_view, tensor_bytes
+from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary
 from ..passes.predicates import gathered_param
 from ..formatting import format_bytes, format_seconds, short_dtype
 
@@ -72,10 +73,13 @@ class Explanation:
     memory: MemoryTimeline
     estimate: Estimate
     compilations: tuple[Compilation, ...]
+    recompute: Optional[RecomputeSummary] = None
+    """What ``recompute_activations`` recomputed and the memory it saves; None: nothing."""
 
     def __str__(self) -> str:
         sections = [self.title, _plan_section(self.plan), _collectives_section(self),
-                    _lifetimes_section(self), _memory_section(self.memory, self.compilations),
+                    _lifetimes_section(self),
+                    _memory_section(self.memory, self.compilations, self.recompute),
                     f"Estimate\n  {self.estimate}", _compilations_section(self.compilations)]
         return "\n\n".join(s for s in sections if s) + "\n"
 
@@ -94,6 +98,7 @@ def explain_graph(gm: GraphModule, plan, *, hardware="cpu-gloo", title: str = ""
         memory=memory,
         estimate=replayed.estimate,
         compilations=tuple(compilations),
+        recompute=gm.meta.get(RECOMPUTE_META),
     )
 
 
@@ -211,7 +216,8 @@ def _lifetimes_section(e: Explanation) -> str:
     return "\n".join(lines)
 
 
-def _memory_section(m: MemoryTimeline, compilations: Sequence[Compilation] = ()) -> str:
+def _memory_section(m: MemoryTimeline, compilations: Sequence[Compilation] = (),
+                    recompute: Optional[RecomputeSummary] = None) -> str:
     peak = m.peak_index
     lines = ["Memory per rank over the step (estimated, [Note: the memory timeline])",
              f"  persistent {format_bytes(m.persistent_bytes)} (graph inputs and optimizer "
@@ -224,6 +230,8 @@ def _memory_section(m: MemoryTimeline, compilations: Sequence[Compilation] = ())
     for t in live[:LIVE_AT_PEAK_SHOWN]:
         lines.append(f"    {format_bytes(t.bytes):>10}  {t.node} ({t.what}, {t.phase}; "
                      f"nodes {t.index}–{t.last_use})")
+    if recompute is not None:
+        lines.append(f"  {recompute}")
     lowered = compilations[-1].memory if compilations else None
     if lowered is not None:
         graph_peak = m.peak_bytes - m.persistent_bytes

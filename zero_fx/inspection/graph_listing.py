@@ -22,6 +22,7 @@ from ..passes.predicates import (
     param_name,
     phase_of,
 )
+from ..passes.recompute_activations import RECOMPUTED_META
 from ..memory_timeline import is_view, tensor_bytes
 from ..formatting import format_bytes, short_dtype
 
@@ -109,6 +110,8 @@ def _kind_and_note(node: Node, plan) -> tuple[str, str]:
     if carried_params(node):
         quiet = node.target is operator.getitem or is_view(node)
         return "comm", "" if quiet else f"zero_fx: moves {_members(carried_params(node))}"
+    if node.meta.get(RECOMPUTED_META):
+        return "recomputed", f"recomputes {node.meta[RECOMPUTED_META]} of the forward"
     return "compute", ""
 
 

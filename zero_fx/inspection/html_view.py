@@ -23,6 +23,7 @@ LEGEND = (
     ("gathered", "full parameter"),
     ("param", "parameter input"),
     ("comm", "zero_fx copy in/out"),
+    ("recomputed", "recomputed in the backward"),
 )
 
 _STYLE = """
@@ -41,7 +42,7 @@ td.lane { width: 6px; padding: 0; } td.lane.on { border-left: 3px solid #888; }
 .all_reduce { background: #f3d4f7; } td.lane.all_reduce { border-color: #a23bb5; background: none; }
 tr.all_gather td, tr.reduce_scatter td, tr.all_reduce td { font-weight: 600; }
 .wait { background: #e6e6e6; } .gathered { background: #d9f2d9; } .param { background: #eef8e6; }
-.comm { background: #f7f7fb; }
+.comm { background: #f7f7fb; } .recomputed { background: #fff1c2; }
 tr.hl-in td { outline: 2px solid #2a2; } tr.hl-out td { outline: 2px solid #d22; }
 tr.hl td { outline: 2px solid #000; }
 #errors { color: #b00; font-weight: 600; }

@@ -36,6 +36,11 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int, default=None,
                         help="tokens per sequence: trace the step's working set at this length")
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank (with --seq)")
+    parser.add_argument("--recompute", default="none", choices=("none", "blocks", "auto"),
+                        help="activation recompute, as zero_compile(recompute=...), in the "
+                             "working set")
+    parser.add_argument("--activation-budget", type=float, default=None, metavar="FRACTION",
+                        help="with --recompute auto: the fraction of activations kept (default 0.5)")
     parser.add_argument("--device-memory", type=float, default=None, metavar="GB",
                         help="say whether the estimate fits in this many GB per device")
     parser.add_argument("--buckets", action="store_true", help="list every bucket")
@@ -48,7 +53,9 @@ def main(argv=None) -> None:
     print(f"building {source.description} on the meta device ...", file=sys.stderr, flush=True)
     report = plan_model(source, world_size=args.world, stage=args.stage,
                         dtype=DTYPES[args.dtype], optimizer=args.optimizer,
-                        batch=args.batch, seq=args.seq)
+                        batch=args.batch, seq=args.seq,
+                        recompute=None if args.recompute == "none" else args.recompute,
+                        activation_memory_budget=args.activation_budget)
     print(format_report(report, device_memory_gb=args.device_memory, all_buckets=args.buckets))
 
 

@@ -97,8 +97,11 @@ class PlanReport:
 
 def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
                dtype: torch.dtype = torch.float32, optimizer: str = "adamw",
-               batch: Optional[int] = None, seq: Optional[int] = None) -> PlanReport:
-    """Plan ``source``'s model on ``world_size`` ranks; trace the working set when ``seq`` is given."""
+               batch: Optional[int] = None, seq: Optional[int] = None,
+               recompute: Optional[str] = None,
+               activation_memory_budget: Optional[float] = None) -> PlanReport:
+    """Plan ``source``'s model on ``world_size`` ranks; trace the working set when ``seq`` is
+    given, with ``recompute`` (and its budget) as ``zero_compile`` takes them."""
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     start = time.perf_counter()
@@ -118,7 +121,8 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
         buckets=_buckets(plan, item), bucket_cap=plan.bucket_bytes, resident=len(plan.resident))
     if seq is not None:
         report.working_set, report.working_set_how = _working_set(
-            source, world_size=world_size, stage=stage, dtype=dtype, batch=batch or 1, seq=seq)
+            source, world_size=world_size, stage=stage, dtype=dtype, batch=batch or 1, seq=seq,
+            recompute={"recompute": recompute, "activation_memory_budget": activation_memory_budget})
     report.seconds = time.perf_counter() - start
     return report
 
@@ -158,13 +162,13 @@ def _buckets(plan: ShardPlan, item: int) -> dict[str, list[Bucket]]:
 
 
 def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: torch.dtype,
-                 batch: int, seq: int) -> tuple[float, str]:
+                 batch: int, seq: int, recompute: dict) -> tuple[float, str]:
     from ..offline import rewritten_step_on_fake  # traces through the passes: import on use
 
     def traced_peak(layers: Optional[int]) -> int:
         gm, _ = rewritten_step_on_fake(
             lambda: source.build(layers), batch=batch, seq=seq, vocab_size=source.vocab_size,
-            world_size=world_size, stage=stage, dtype=dtype, loss_fn=_causal_lm_loss)
+            world_size=world_size, stage=stage, dtype=dtype, loss_fn=_causal_lm_loss, **recompute)
         return max(memory_timeline(gm).transient)
 
     if source.vocab_size is None:
@@ -175,7 +179,9 @@ def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: tor
         return float(traced_peak(None)), f"traced whole, batch {batch} x {seq} tokens per rank"
     one, two = traced_peak(1), traced_peak(2)
     total = one + (source.layers - 1) * (two - one)
-    how = (f"batch {batch} x {seq} tokens per rank; traced with 1 and 2 of {source.layers} blocks "
+    chosen = recompute["recompute"] or ("auto" if recompute["activation_memory_budget"] else None)
+    how = (f"batch {batch} x {seq} tokens per rank, recompute {chosen or 'none'}; "
+           f"traced with 1 and 2 of {source.layers} blocks "
            f"on fake tensors: {one / GB:.2f} GB + {source.layers - 1} x {(two - one) / GB:.3f} GB")
     return float(total), how
 
