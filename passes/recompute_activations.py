@@ -44,9 +44,9 @@ from typing import Callable, Optional, Union
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.node import map_arg
 
-from .predicates import PHASE_META, Phase, is_impure, is_param_input, is_view, param_name, phase_of
+from .backward_copies import copy_into_backward
+from .predicates import Phase, is_impure, is_param_input, is_view, param_name, phase_of
 
 RECOMPUTE_META = "zero_recompute"
 """GraphModule meta key: the ``RecomputeSummary`` of ``recompute_activations``."""
@@ -286,27 +286,11 @@ def _within_budget(units: _Units, budget: ActivationBudget, kept_before: int) ->
 
 def _recompute(gm: GraphModule, units: _Units, keep: set[Node]) -> list[Node]:
     """Copy what is not kept into the backward, before its first backward reader."""
-    graph = gm.graph
     forward = set(units.forward)
-    copies: dict[Node, Node] = {}
 
-    def recomputed(value: Node, before: Node) -> Node:
-        if (value not in forward or value in units.param_only or _pinned(value)
-                or storage_root(value) in keep):
-            return value
-        if value not in copies:
-            args = map_arg(value.args, lambda v: recomputed(v, before))
-            kwargs = map_arg(value.kwargs, lambda v: recomputed(v, before))
-            with graph.inserting_before(before):
-                copy = graph.call_function(value.target, args, kwargs)
-            copy.meta.update(value.meta)
-            copy.meta[PHASE_META] = Phase.BACKWARD
-            copy.meta[RECOMPUTED_META] = value.name
-            copies[value] = copy
-        return copies[value]
+    def recomputed(value: Node) -> bool:
+        return (value in forward and value not in units.param_only and not _pinned(value)
+                and storage_root(value) not in keep)
 
-    for node in list(graph.nodes):
-        if phase_of(node) is Phase.BACKWARD and node.op == "call_function":
-            node.args = map_arg(node.args, lambda v: recomputed(v, node))
-            node.kwargs = map_arg(node.kwargs, lambda v: recomputed(v, node))
+    copies = copy_into_backward(gm, recomputed, lambda original: {RECOMPUTED_META: original.name})
     return list(copies.values())

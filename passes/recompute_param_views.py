@@ -15,9 +15,9 @@ same as the forward originals: views and casts, almost always.
 from __future__ import annotations
 
 from torch.fx import GraphModule, Node
-from torch.fx.node import map_arg
 
-from .predicates import PHASE_META, Phase, is_param_input, phase_of
+from .backward_copies import copy_into_backward
+from .predicates import Phase, is_param_input, phase_of
 
 
 def recompute_param_views(gm: GraphModule, plan) -> GraphModule:
@@ -34,26 +34,7 @@ def recompute_param_views(gm: GraphModule, plan) -> GraphModule:
     param_only = _param_only_forward_nodes(gm)
     if not param_only:
         return gm
-    copies: dict[Node, Node] = {}
-
-    def backward_copy(value: Node, before: Node) -> Node:
-        if value not in param_only:
-            return value
-        if value not in copies:
-            # inputs are copied first, so the chain stays topologically ordered
-            args = map_arg(value.args, lambda v: backward_copy(v, before))
-            kwargs = map_arg(value.kwargs, lambda v: backward_copy(v, before))
-            with graph.inserting_before(before):
-                new = graph.call_function(value.target, args, kwargs)
-            new.meta.update(value.meta)
-            new.meta[PHASE_META] = Phase.BACKWARD
-            copies[value] = new
-        return copies[value]
-
-    for node in list(graph.nodes):
-        if phase_of(node) is Phase.BACKWARD and node.op == "call_function":
-            node.args = map_arg(node.args, lambda v: backward_copy(v, node))
-            node.kwargs = map_arg(node.kwargs, lambda v: backward_copy(v, node))
+    copy_into_backward(gm, param_only.__contains__)
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
