@@ -104,4 +104,11 @@ def run_peer(name: str, spec: BenchModel, setting: Setting, steps: int, warmup: 
         row["compile_s"] = trainer.zero_fx_step.compile_seconds[0]
         row["ring_bytes_per_step"] = report.wire_bytes()
         row["traffic_psi"] = report.psi_by_kind()
+        # the graph's own estimate of its peak ([Note: the memory timeline]) and, under
+        # Inductor, its generated program's (read from its code), beside the measure
+        timeline = trainer.zero_fx_step.explain().memory
+        row["predicted_peak_bytes"] = timeline.peak_bytes
+        lowered = trainer.zero_fx_step.compilations[-1].memory
+        if lowered is not None:
+            row["predicted_lowered_peak_bytes"] = timeline.persistent_bytes + lowered.peak_bytes
     return row

@@ -6,16 +6,22 @@ Every factory takes the model (built from the same seed on every rank), the
 the loss. The peers and what each compiles:
 
 - ``zero_fx-<s>``: ``@zero_compile(stage=s)`` over the whole step (one graph);
+  ``zero_fx-3-blocks`` / ``zero_fx-3-auto``: with ``recompute="blocks"`` /
+  ``recompute="auto"`` (``activation_memory_budget`` 0.5);
 - ``ddp`` / ``ddp-compiled``: ``DistributedDataParallel``; compiled is
   ``torch.compile(DDP(model))`` (forward and backward; dynamo splits the graph at
   DDP's buckets), the optimizer stays eager;
 - ``fsdp2`` / ``fsdp2-compiled``: ``fully_shard`` on each block and the root;
   compiled compiles each block before sharding it (the torchtitan recipe);
+  ``fsdp2-ac``: each block also checkpoints its activations (torch's composable
+  ``checkpoint``, as torchtitan's full activation checkpointing), eager;
 - ``deepspeed-<s>``: ``deepspeed.initialize`` with ZeRO stage s, ``engine.backward``
   and ``engine.step``; its buckets, and in stage 3 how many gathered
   parameters it keeps alive, are set to zero_fx's sizes (its own defaults, 5e8
   elements, allocate a 1.9 GiB reduce buffer whatever the model, and keep up to
-  1e9 gathered elements for reuse);
+  1e9 gathered elements for reuse); ``deepspeed-3-ac`` checkpoints each block with
+  ``torch.utils.checkpoint`` (what HF's ``gradient_checkpointing_enable`` does under
+  DeepSpeed);
 - ``torch.compile``: no data parallelism; plain ``torch.compile`` of the same
   whole step (dynamo's ``trace_autograd_ops``) on the whole global batch, so its
   loss agrees with the others. Its compile time is the reference for zero_fx's;
@@ -66,7 +72,7 @@ def _autocast(setting: Setting):
     return torch.autocast(setting.device.type, dtype=torch.bfloat16)
 
 
-def zero_fx(stage: int):
+def zero_fx(stage: int, recompute: Optional[str] = None):
     def make(model: nn.Module, spec: BenchModel, setting: Setting) -> Trainer:
         from zero_fx import MixedPrecision, zero_compile
 
@@ -75,7 +81,7 @@ def zero_fx(stage: int):
                                     output_dtype=torch.float32) if setting.bf16 else None)
 
         @zero_compile(stage=stage, backend=setting.backend, mixed_precision=precision,
-                      bucket_bytes=setting.bucket_bytes)
+                      bucket_bytes=setting.bucket_bytes, recompute=recompute)
         def train_step(model, opt, x, y):
             loss = loss_of(spec, model, x, y)
             loss.backward()
@@ -111,10 +117,22 @@ def ddp(compiled: bool):
     return make
 
 
-def fsdp2(compiled: bool):
+def _checkpoint_blocks(model: nn.Module, spec: BenchModel) -> None:
+    """Full activation checkpointing: each block keeps only its input for the backward."""
+    from torch.distributed._composable import checkpoint
+
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False  # a recomputed HF layer would append to the KV cache again
+    for block in spec.blocks(model):
+        checkpoint(block)
+
+
+def fsdp2(compiled: bool, checkpointed: bool = False):
     def make(model: nn.Module, spec: BenchModel, setting: Setting) -> Trainer:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        if checkpointed:
+            _checkpoint_blocks(model, spec)
         policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                   if setting.bf16 else MixedPrecisionPolicy())
         for block in spec.blocks(model):
@@ -126,10 +144,12 @@ def fsdp2(compiled: bool):
     return make
 
 
-def deepspeed(stage: int):
+def deepspeed(stage: int, checkpointed: bool = False):
     def make(model: nn.Module, spec: BenchModel, setting: Setting) -> Trainer:
         import deepspeed as ds
 
+        if checkpointed:
+            _checkpoint_blocks(model, spec)
         from zero_fx.config import DEFAULT_BUCKET_BYTES, DEFAULT_PERSISTENCE_THRESHOLD
         from zero_fx.plan.layout import RESIDENT_BUCKET_BYTES
 
@@ -173,11 +193,15 @@ def plain_compile(model: nn.Module, spec: BenchModel, setting: Setting) -> Train
 
 PEERS = {
     **{f"zero_fx-{s}": zero_fx(s) for s in range(4)},
+    "zero_fx-3-blocks": zero_fx(3, recompute="blocks"),
+    "zero_fx-3-auto": zero_fx(3, recompute="auto"),
     "ddp": ddp(compiled=False),
     "ddp-compiled": ddp(compiled=True),
     "fsdp2": fsdp2(compiled=False),
     "fsdp2-compiled": fsdp2(compiled=True),
+    "fsdp2-ac": fsdp2(compiled=False, checkpointed=True),
     **{f"deepspeed-{s}": deepspeed(s) for s in (1, 2, 3)},
+    "deepspeed-3-ac": deepspeed(3, checkpointed=True),
     "torch.compile": plain_compile,
 }
 """Every peer by its command-line name, in the table's order."""

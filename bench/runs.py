@@ -41,8 +41,8 @@ def machine() -> str:
 
 
 def write_json(name: str, result: dict) -> str:
-    os.makedirs(OUT, exist_ok=True)
     path = os.path.join(OUT, f"{name}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)  # a --name may hold a folder
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     return path

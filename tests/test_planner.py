@@ -79,7 +79,8 @@ def test_the_70b_llama_is_planned_on_meta():
     assert report.stages[3].state_bytes == pytest.approx(16 * report.psi / 64)
 
 
-def test_the_working_set_extrapolated_from_two_blocks_matches_tracing_all(tmp_path):
+@pytest.mark.parametrize("recompute", [None, "blocks", "auto"])
+def test_the_working_set_extrapolated_from_two_blocks_matches_tracing_all(tmp_path, recompute):
     hf("transformers")
     config = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -87,12 +88,17 @@ def test_the_working_set_extrapolated_from_two_blocks_matches_tracing_all(tmp_pa
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     source = model_source(str(path))
-    report = plan_model(source, world_size=2, stage=3, seq=32, batch=2)
+    report = plan_model(source, world_size=2, stage=3, seq=32, batch=2, recompute=recompute)
     source.layers = None  # trace all four blocks instead
-    traced = plan_model(source, world_size=2, stage=3, seq=32, batch=2)
+    traced = plan_model(source, world_size=2, stage=3, seq=32, batch=2, recompute=recompute)
     assert "1 and 2 of 4 blocks" in report.working_set_how
+    assert f"recompute {recompute or 'none'}" in report.working_set_how
     assert report.working_set == pytest.approx(traced.working_set, rel=0.02)
     assert report.peak_bytes > report.stages[3].state_bytes
+    if recompute:
+        source.layers = 4
+        without = plan_model(source, world_size=2, stage=3, seq=32, batch=2)
+        assert report.working_set < without.working_set
 
 
 def _plan_cli(*args):

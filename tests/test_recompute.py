@@ -80,9 +80,16 @@ def test_blocks_train_as_single_process(stage):
 
 
 @pytest.mark.parametrize("world_size, stage, mode", [(4, 3, "auto"), (2, 1, "auto"),
-                                                     (2, 2, models.save_matmuls)])
-def test_auto_and_policies_train_as_single_process(world_size, stage, mode):
+                                                     (2, 2, models.save_matmuls), (4, 0, "blocks")])
+def test_other_modes_and_worlds_train_as_single_process(world_size, stage, mode):
     results = zero_fx_run(world_size, "gpt", "aot_eager", stage=stage, options=(("recompute", mode),))
+    errors = parity_errors(results, reference_run("gpt"))
+    assert max(errors.values()) < TOLERANCE, max(errors, key=errors.get)
+
+
+@pytest.mark.inductor
+def test_blocks_under_inductor_train_as_single_process():
+    results = zero_fx_run(2, "gpt", "inductor", stage=3, options=(("recompute", "blocks"),))
     errors = parity_errors(results, reference_run("gpt"))
     assert max(errors.values()) < TOLERANCE, max(errors, key=errors.get)
 
