@@ -11,6 +11,7 @@ from .check_invariants import InvariantError, check_invariants
 from .gather_params import gather_params
 from .pipeline import PASS_ORDER, NamedPass, Placed, after, before, build_pipeline, pass_names, run_pipeline
 from .predicates import mark_step_graph
+from .recompute_activations import recompute_activations
 from .recompute_param_views import recompute_param_views
 from .reduce_grads import reduce_grads
 from .scale_loss import scale_loss
@@ -29,6 +30,7 @@ __all__ = [
     "check_invariants",
     "gather_params",
     "mark_step_graph",
+    "recompute_activations",
     "recompute_param_views",
     "reduce_grads",
     "pass_names",

@@ -16,7 +16,9 @@ The step's working set (activations, gathered parameters, gradients before
 they are reduced) depends on batch and sequence length. It is the cost model's
 memory timeline ([Note: the memory timeline]) of the rewritten step traced on
 fake tensors, with one and with two transformer blocks; each further block
-adds what the second added. The peak estimate is the model states without
+adds what the second added. With activation recompute, with two and three: the
+first block adds less (the one block being recomputed sets the peak from the second
+block on). The peak estimate is the model states without
 their gradients, plus the larger of the working set (which holds the
 gradients until they are reduced) and the gradients.
 """
@@ -177,12 +179,15 @@ def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: tor
         raise SystemExit(f"--seq {seq} is longer than the model's {source.max_positions} positions")
     if source.layers is None:
         return float(traced_peak(None)), f"traced whole, batch {batch} x {seq} tokens per rank"
-    one, two = traced_peak(1), traced_peak(2)
-    total = one + (source.layers - 1) * (two - one)
     chosen = recompute["recompute"] or ("auto" if recompute["activation_memory_budget"] else None)
+    # With recompute the first block adds less than the others (its recomputed activations
+    # set the peak only from the second block on): extrapolate from the second and third.
+    first = 2 if chosen and source.layers >= 3 else 1
+    base, grown = traced_peak(first), traced_peak(first + 1)
+    total = base + (source.layers - first) * (grown - base)
     how = (f"batch {batch} x {seq} tokens per rank, recompute {chosen or 'none'}; "
-           f"traced with 1 and 2 of {source.layers} blocks "
-           f"on fake tensors: {one / GB:.2f} GB + {source.layers - 1} x {(two - one) / GB:.3f} GB")
+           f"traced with {first} and {first + 1} of {source.layers} blocks on fake tensors: "
+           f"{base / GB:.2f} GB + {source.layers - first} x {(grown - base) / GB:.3f} GB")
     return float(total), how
 
 
