@@ -138,7 +138,8 @@ def zero_compile(
             ``"blocks"`` keeps only each repeated block's input (activation
             checkpointing), ``"auto"`` keeps what fits ``activation_memory_budget``
             (a fraction of the activations, or bytes), a policy ``fn(node) -> "save" |
-            "recompute"`` decides per op. Dropout replays its mask. README, "Recompute".
+            "recompute"`` decides per op. Dropout replays its mask. README, "Activation
+            recompute".
 
     Inspect a compiled step with ``step.explain()``, ``step.traffic()``,
     ``step.estimate()`` and ``step.graphs``; see the README, "Inspecting a
