@@ -87,6 +87,26 @@ def is_view(node: Node) -> bool:
         r.alias_info is not None and not r.alias_info.is_write for r in schema.returns))
 
 
+def vals(nodes) -> list:
+    """The ``meta["val"]`` of each node, multi-output values flattened."""
+    out = []
+    for n in nodes:
+        val = n.meta.get("val")
+        out.extend(val if isinstance(val, (list, tuple)) else [val])
+    return out
+
+
+def tensor_bytes(val) -> int:
+    """Bytes of a (fake) tensor; a symbolic size counts at the value it was traced with."""
+    return hint(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def hint(size) -> int:
+    """An int, or a symbolic size's value when it was traced ([Note: dynamic shapes] in
+    zero_fx/capture.py)."""
+    return size if isinstance(size, int) else int(size.node.hint)
+
+
 def is_impure(node: Node) -> bool:
     """An op that changes a tensor in place or draws random numbers: running it twice is not
     running it once (``bernoulli_`` of dropout, ``native_dropout``, ``rand_like``; attention

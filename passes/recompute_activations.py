@@ -46,7 +46,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .backward_copies import copy_into_backward
-from .predicates import Phase, is_impure, is_param_input, is_view, param_name, phase_of
+from .predicates import (Phase, is_impure, is_param_input, is_view, param_name, phase_of,
+                         tensor_bytes, vals)
 
 RECOMPUTE_META = "zero_recompute"
 """GraphModule meta key: the ``RecomputeSummary`` of ``recompute_activations``."""
@@ -173,9 +174,7 @@ def _aliases(node: Node) -> bool:
 
 
 def _bytes(node: Node) -> int:
-    val = node.meta.get("val")
-    values = val if isinstance(val, (list, tuple)) else [val]
-    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+    return sum(map(tensor_bytes, vals([node])))
 
 
 class _Units:

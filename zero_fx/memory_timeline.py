@@ -25,7 +25,8 @@ from typing import Mapping
 import torch
 from torch.fx import GraphModule, Node
 
-from .passes.predicates import carried_params, gathered_param, is_collective, is_view, is_wait, phase_of
+from .passes.predicates import (carried_params, gathered_param, hint, is_collective, is_view, is_wait,
+                               phase_of, tensor_bytes, vals)
 
 
 @dataclass(frozen=True)
@@ -148,22 +149,3 @@ def _what(node: Node) -> str:
     if node.op != "call_function":
         return node.op
     return str(node.target).removeprefix("aten.").removesuffix(".default")
-
-
-def vals(nodes) -> list:
-    """The ``meta["val"]`` of each node, multi-output values flattened."""
-    out = []
-    for n in nodes:
-        val = n.meta.get("val")
-        out.extend(val if isinstance(val, (list, tuple)) else [val])
-    return out
-
-
-def tensor_bytes(val) -> int:
-    """Bytes of a (fake) tensor; a symbolic size counts at the value it was traced with."""
-    return hint(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
-
-
-def hint(size) -> int:
-    """An int, or a symbolic size's value when it was traced ([Note: dynamic shapes])."""
-    return size if isinstance(size, int) else int(size.node.hint)
