@@ -86,21 +86,6 @@ class RecomputeSummary:
     def dropped_bytes(self) -> int:
         return self.kept_bytes_before - self.kept_bytes
 
-    def __str__(self) -> str:
-        cost = (f", about {self.recompute_seconds * 1e3:.1f} ms more compute per step (cost model)"
-                if self.recompute_seconds is not None else "")
-        return (f"recompute ({self.mode}): {self.recomputed_ops} ops recomputed in the backward; "
-                f"the backward keeps {_mib(self.kept_bytes)} of the forward's values instead of "
-                f"{_mib(self.kept_bytes_before)} (saves {_mib(self.dropped_bytes)}){cost}")
-
-
-def _mib(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if nbytes < 1024:
-            return f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.2f} GiB"
-
 
 def recompute_activations(gm: GraphModule, plan) -> GraphModule:
     """Recompute forward values in the backward instead of keeping them ([Note: recompute

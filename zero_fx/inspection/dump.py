@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from torch.fx import GraphModule
 
-from .explain import Explanation
+from .explain import Explanation, describe_recompute
 from .graph_listing import COLLECTIVE_KINDS, format_rows, graph_rows
 from ..passes.recompute_activations import RECOMPUTE_META
 from .html_view import render_graph_html
@@ -60,7 +60,7 @@ class GraphDump:
         subtitle = (f"stage {self.plan.stage}, {self.plan.world_size} rank(s); {len(rows)} nodes, "
                     f"{collectives} collectives")
         if RECOMPUTE_META in gm.meta:
-            subtitle += f"; {gm.meta[RECOMPUTE_META]}"
+            subtitle += f"; {describe_recompute(gm.meta[RECOMPUTE_META])}"
         (self.folder / f"{stem}.txt").write_text(format_rows(rows, f"{title} ({subtitle})"))
         memory = memory_timeline(gm).transient
         (self.folder / f"{stem}.html").write_text(render_graph_html(

@@ -231,7 +231,7 @@ def _memory_section(m: MemoryTimeline, compilations: Sequence[Compilation] = (),
         lines.append(f"    {format_bytes(t.bytes):>10}  {t.node} ({t.what}, {t.phase}; "
                      f"nodes {t.index}–{t.last_use})")
     if recompute is not None:
-        lines.append(f"  {recompute}")
+        lines.append(f"  {describe_recompute(recompute)}")
     lowered = compilations[-1].memory if compilations else None
     if lowered is not None:
         graph_peak = m.peak_bytes - m.persistent_bytes
@@ -240,6 +240,16 @@ def _memory_section(m: MemoryTimeline, compilations: Sequence[Compilation] = (),
                      f"the graph's {format_bytes(graph_peak)}; read from its code, [Note: reading "
                      f"buffer lifetimes from generated code])")
     return "\n".join(lines)
+
+
+def describe_recompute(summary: RecomputeSummary) -> str:
+    """One line on what ``recompute_activations`` did (explain() and the graph dumps)."""
+    cost = (f", about {format_seconds(summary.recompute_seconds)} more compute per step "
+            f"(cost model)" if summary.recompute_seconds is not None else "")
+    return (f"recompute ({summary.mode}): {summary.recomputed_ops} ops recomputed in the "
+            f"backward; the backward keeps {format_bytes(summary.kept_bytes)} of the forward's "
+            f"values instead of {format_bytes(summary.kept_bytes_before)} (saves "
+            f"{format_bytes(summary.dropped_bytes)}){cost}")
 
 
 def _compilations_section(compilations: Sequence[Compilation]) -> str:
