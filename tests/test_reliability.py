@@ -209,8 +209,11 @@ def changing_batch_rank(rank: int, world_size: int):
         x, y = models.global_batch("gpt", i, GLOBAL_BATCHES[i])
         per_rank = x.shape[0] // world_size
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        losses.append(step(model, opt, x[mine], y[mine]).item())
-    return {"losses": losses, "params": step.full_parameters(), "compilations": len(step.compilations)}
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            losses.append(step(model, opt, x[mine], y[mine]).item())
+    gathers = {e.name for e in prof.events() if "all_gather" in e.name}
+    return {"losses": losses, "params": step.full_parameters(), "compilations": len(step.compilations),
+            "all_gather_ops": gathers}
 
 
 def test_a_new_batch_size_recompiles_once_and_stays_correct():
@@ -219,6 +222,11 @@ def test_a_new_batch_size_recompiles_once_and_stays_correct():
     assert all(r["compilations"] == 2 for r in results)
     errors = parity_errors(results, reference)
     assert max(errors.values()) < 1e-5, errors
+    # [Note: gloo's coalesced all-gather corrupts the heap]: every gather of the step takes
+    # gloo's one-tensor path (bench/gloo_all_gather_crash.py shows the other one dying)
+    for r in results:
+        assert "_c10d_functional::all_gather_into_tensor_out" in r["all_gather_ops"], r
+        assert not any("coalesced" in name for name in r["all_gather_ops"]), r
 
 
 def reference_run_with(sizes):

@@ -30,6 +30,7 @@ from .passes import build_pipeline, run_pipeline
 from .passes.predicates import LOSS_SCALE_META, grad_slots
 from .plan import ShardPlan, plan_for_module
 from .failures import failed_after_update, failed_before_update, is_communication_failure
+from .gloo_all_gather import use_gloo_single_tensor_all_gather
 from .process_group import check_devices_match_backend, current_world
 from .rank_agreement import GraphSignature, RankAgreement, call_signature, graph_signature
 from .precision import LossScaler, MixedPrecision, cast_at_model_edge
@@ -301,6 +302,8 @@ class CompiledStep:
                pretrained: Optional[PretrainedWeights] = None) -> None:
         world = current_world()
         check_devices_match_backend(model.parameters())
+        if world.backend == "gloo":  # [Note: gloo's coalesced all-gather corrupts the heap]
+            use_gloo_single_tensor_all_gather()
         _claim(model, optimizer, self.__name__)
         self.plan = plan_for_module(model, world_size=world.size, rank=world.rank,
                                     stage=self.config.stage, group_name=world.group_name,

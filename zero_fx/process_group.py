@@ -19,6 +19,8 @@ class World:
     simulated: bool = False
     """The fake process group: one process stands for every rank (shapes and memory
     are real, collectives return nothing), so there are no other ranks to ask."""
+    backend: str = ""
+    """The default group's backend ("gloo", "nccl", "fake"; "" for a world of one)."""
 
 
 def current_world() -> World:
@@ -26,8 +28,9 @@ def current_world() -> World:
     if not (dist.is_available() and dist.is_initialized()):
         return World(size=1, rank=0, group_name="")
     group = dist.group.WORLD
+    backend = str(dist.get_backend(group)).lower()
     return World(size=dist.get_world_size(group), rank=dist.get_rank(group), group_name=group.group_name,
-                 simulated=dist.get_backend(group) == "fake")
+                 simulated=backend == "fake", backend=backend)
 
 
 def world_timeout() -> Optional[timedelta]:
