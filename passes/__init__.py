@@ -5,6 +5,7 @@ metadata only. See README.md in this folder for what every graph between
 passes satisfies.
 """
 
+from .accumulate_embedding_grads import accumulate_embedding_grads
 from .annotate_phases import annotate_phases
 from .bucket_collectives import bucket_collectives
 from .check_invariants import InvariantError, check_invariants
@@ -20,6 +21,7 @@ from .schedule_collectives import schedule_collectives
 __all__ = [
     "PASS_ORDER",
     "InvariantError",
+    "accumulate_embedding_grads",
     "NamedPass",
     "Placed",
     "after",

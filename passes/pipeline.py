@@ -10,6 +10,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from torch.fx import GraphModule
 
+from .accumulate_embedding_grads import accumulate_embedding_grads
 from .annotate_phases import annotate_phases
 from .bucket_collectives import bucket_collectives
 from .check_invariants import check_invariants
@@ -59,6 +60,7 @@ PASS_ORDER = (
     ("recompute_activations", recompute_activations),
     ("recompute_param_views", recompute_param_views),
     ("gather_params", gather_params),
+    ("accumulate_embedding_grads", accumulate_embedding_grads),
     ("reduce_grads", reduce_grads),
     ("bucket_collectives", bucket_collectives),
     ("schedule_collectives", schedule_collectives),

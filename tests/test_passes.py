@@ -5,7 +5,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from zero_fx import make_plan
-from zero_fx.passes import (InvariantError, annotate_phases, check_invariants, gather_params,
+from zero_fx.memory_timeline import memory_timeline
+from zero_fx.passes import (InvariantError, accumulate_embedding_grads, annotate_phases,
+                            check_invariants, gather_params,
                             recompute_param_views, reduce_grads)
 from zero_fx.passes.predicates import (GRAD_SLOTS_META, PARAM_META, Phase, is_all_gather,
                                        is_all_reduce, is_reduce_scatter, is_wait, phase_of)
@@ -137,6 +139,47 @@ class TestStages:
         first = next(i for i, n in enumerate(nodes) if is_reduce_scatter(n))
         assert any(n.target == aten.mm.default for n in nodes[first:]), \
             "the first reduce-scatter waits for the whole backward"
+
+
+def tied_embedding_step(wte, ids, targets, padding_idx=None):
+    """A token embedding whose weight is also the output head (GPT-2's tying)."""
+    hidden = torch.tanh(torch.nn.functional.embedding(ids, wte, padding_idx=padding_idx))
+    logits = torch.nn.functional.linear(hidden, wte)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    (grad,) = torch.autograd.grad(loss, [wte])
+    return loss.detach(), grad
+
+
+class TestAccumulateEmbeddingGrads:
+    VOCAB, WIDTH, TOKENS = 1000, 64, 16
+
+    def traced(self, padding_idx=None):
+        torch.manual_seed(0)
+        inputs = (torch.randn(self.VOCAB, self.WIDTH, requires_grad=True),
+                  torch.randint(0, self.VOCAB, (2, self.TOKENS // 2)),
+                  torch.randint(0, self.VOCAB, (2, self.TOKENS // 2)))
+        gm = make_fx(lambda *a: tied_embedding_step(*a, padding_idx=padding_idx),
+                     tracing_mode="fake")(*inputs)
+        next(iter(gm.graph.nodes)).meta[PARAM_META] = "wte"
+        gm.meta[GRAD_SLOTS_META] = {1: "wte"}
+        return annotate_phases(gm, None), inputs
+
+    def test_the_rows_go_into_the_heads_gradient_one_table_fewer(self):
+        gm, inputs = self.traced()
+        expected = gm(*inputs)[1]
+        peak_before = max(memory_timeline(gm).transient)
+        gm = accumulate_embedding_grads(gm)
+        assert count(gm, lambda n: n.target == aten.embedding_dense_backward.default) == 0
+        assert count(gm, lambda n: n.target == aten.index_put.default) == 1
+        torch.testing.assert_close(gm(*inputs)[1], expected, rtol=0, atol=1e-7)  # measured 0
+        table, rows = self.VOCAB * self.WIDTH * 4, self.TOKENS * self.WIDTH * 4
+        assert peak_before - max(memory_timeline(gm).transient) == table - rows
+
+    def test_an_embedding_with_a_padding_index_is_left_alone(self):
+        gm, _ = self.traced(padding_idx=0)  # its row's gradient is dropped, not summed
+        gm = accumulate_embedding_grads(gm)
+        assert count(gm, lambda n: n.target == aten.embedding_dense_backward.default) == 1
+        assert count(gm, lambda n: n.target == aten.index_put.default) == 0
 
 
 class TestCheckInvariants:
