@@ -16,25 +16,40 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+PRELOADED = ["torch", "torch.distributed", "zero_fx", "models", "training"]
+"""Imported once by the fork server the ranks are forked from, instead of by every rank
+(about 4 s of each spawned rank's start on the 2-core CI box)."""
+
 JOIN_TIMEOUT_S = 900
 """How long the ranks together may take before the test fails and they are killed: the
 slowest multi-rank test (Inductor compiling on each rank of a loaded 2-core box) takes
 about a minute, so a rank still running after this is stuck, not slow."""
 
 
-def run_ranks(world_size: int, fn, *args, timeout_s: int = 120, may_die: bool = False):
+def run_ranks(world_size: int, fn, *args, timeout_s: int = 120, may_die: bool = False,
+              fresh_interpreter: bool = False):
     """``fn(rank, world_size, *args)`` on each rank (in-process, no group, for world size 1).
 
     ``timeout_s``: the process group's (a collective waiting on a dead peer fails after it).
     ``may_die``: a rank may exit on purpose (a failure test); its result is None. A rank
     still running after ``JOIN_TIMEOUT_S`` prints its threads' stacks, is killed, and fails
     the test.
+
+    Ranks are forked from a fork server that has imported ``PRELOADED``, and take the
+    caller's environment variables as they are now. ``fresh_interpreter``: spawn each rank
+    instead, for what is read only when a process starts (glibc's ``MALLOC_*``).
     """
     if world_size == 1:
         return [fn(0, 1, *args)]
+    if fresh_interpreter:
+        start_method = "spawn"
+    else:
+        start_method = "forkserver"
+        mp.get_context("forkserver").set_forkserver_preload(PRELOADED)
     with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(_rank_main, args=(world_size, tmp, fn, args, timeout_s),
-                                     nprocs=world_size, join=False, start_method="spawn")
+        context = mp.start_processes(
+            _rank_main, args=(world_size, tmp, fn, args, timeout_s, dict(os.environ)),
+            nprocs=world_size, join=False, start_method=start_method)
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         for process in context.processes:  # a rank stuck on a dead peer fails after timeout_s
             process.join(max(0.0, deadline - time.monotonic()))
@@ -82,7 +97,9 @@ class _RankFailure:
         self.text = text
 
 
-def _rank_main(rank, world_size, tmp, fn, args, timeout_s):
+def _rank_main(rank, world_size, tmp, fn, args, timeout_s, environment):
+    os.environ.clear()  # a forked rank has the fork server's, from when it started
+    os.environ.update(environment)
     faulthandler.enable()  # a rank that crashes in C++ prints its Python stack
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # and a stuck one, when asked
     # a rank that fails makes its peers' collectives time out instead of hanging the suite

@@ -152,4 +152,5 @@ def peak_memory_run(world_size: int, stages: tuple, width: int, depth: int):
 def rss_growth_run(world_size: int, stage: int, backend: str, width: int, depth: int,
                    options: tuple = ()):
     """Per rank: resident memory growth during a step (the ranks inherit os.environ)."""
-    return run_ranks(world_size, rss_growth_during_step, stage, backend, width, depth, options)
+    return run_ranks(world_size, rss_growth_during_step, stage, backend, width, depth, options,
+                     fresh_interpreter=True)  # MALLOC_* are read when a process starts
