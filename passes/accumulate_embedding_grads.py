@@ -7,9 +7,10 @@ nanoGPT), autograd computes that weight's gradient in two pieces: the head's
 end, and adds them. Recorded as functional ops, the end of the backward holds
 three full tables at once: the head's gradient (alive through the whole
 backward), the embedding's (a table of zeros with the token rows summed in) and
-their sum. For GPT-2's 50304 x 768 that is 3 x 147 MiB, at the point where the
-step's memory peaks. Eager autograd holds two, since it adds into ``.grad`` in
-place. This pass writes the rows straight into the head's gradient,
+their sum. For GPT-2's 50304 x 768 that is 3 x 147 MiB: in GPT-2 125M at stage
+3 over 2 ranks, the graph's timeline over the last 15 % of the step peaks at
+609 MiB without this pass and 467 MiB with it. Eager autograd holds two tables,
+since it adds into ``.grad`` in place. This pass writes the rows straight into the head's gradient,
 ``index_put(head_grad, [ids], rows, accumulate=True)``: one table fewer, and
 Inductor may write the result into the head's buffer. The sum is the same up to
 the order of the additions.
