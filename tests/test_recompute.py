@@ -82,7 +82,9 @@ def test_blocks_train_as_single_process(stage):
     assert max(errors.values()) < TOLERANCE, max(errors, key=errors.get)
 
 
-@pytest.mark.parametrize("world_size, stage, mode", [(4, 3, "auto"), (2, 2, models.save_matmuls)])
+@pytest.mark.parametrize("world_size, stage, mode", [
+    (4, 3, "auto"), (2, 0, "auto"), (2, 1, "auto"), (4, 3, "blocks"), (2, 2, models.save_matmuls),
+    (2, 3, models.save_matmuls)])
 def test_other_modes_and_worlds_train_as_single_process(world_size, stage, mode):
     results = zero_fx_run(world_size, "gpt", "aot_eager", stage=stage, options=(("recompute", mode),))
     errors = parity_errors(results, reference_run("gpt"))
