@@ -302,8 +302,8 @@ class CompiledStep:
                pretrained: Optional[PretrainedWeights] = None) -> None:
         world = current_world()
         check_devices_match_backend(model.parameters())
-        if world.backend == "gloo":  # [Note: gloo's coalesced all-gather corrupts the heap]
-            use_gloo_single_tensor_all_gather()
+        if "gloo" in world.backend:  # or "cpu:gloo,cuda:nccl"; see
+            use_gloo_single_tensor_all_gather()  # [Note: gloo's coalesced all-gather corrupts the heap]
         _claim(model, optimizer, self.__name__)
         self.plan = plan_for_module(model, world_size=world.size, rank=world.rank,
                                     stage=self.config.stage, group_name=world.group_name,
