@@ -21,9 +21,9 @@ from .schedule_collectives import schedule_collectives
 __all__ = [
     "PASS_ORDER",
     "InvariantError",
-    "accumulate_embedding_grads",
     "NamedPass",
     "Placed",
+    "accumulate_embedding_grads",
     "after",
     "annotate_phases",
     "before",

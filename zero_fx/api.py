@@ -302,8 +302,9 @@ class CompiledStep:
                pretrained: Optional[PretrainedWeights] = None) -> None:
         world = current_world()
         check_devices_match_backend(model.parameters())
-        if "gloo" in world.backend:  # or "cpu:gloo,cuda:nccl"; see
-            use_gloo_single_tensor_all_gather()  # [Note: gloo's coalesced all-gather corrupts the heap]
+        # "gloo", or e.g. "cpu:gloo,cuda:nccl": [Note: gloo's coalesced all-gather corrupts the heap]
+        if "gloo" in world.backend:
+            use_gloo_single_tensor_all_gather()
         _claim(model, optimizer, self.__name__)
         self.plan = plan_for_module(model, world_size=world.size, rank=world.rank,
                                     stage=self.config.stage, group_name=world.group_name,

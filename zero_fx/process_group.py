@@ -23,12 +23,20 @@ class World:
     """The default group's backend ("gloo", "nccl", "fake"; "" for a world of one)."""
 
 
+def default_backend() -> str:
+    """The default group's backend in lower case ("gloo", "nccl", "cpu:gloo,cuda:nccl",
+    "fake"), or "" when no group is initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return ""
+    return str(dist.get_backend()).lower()
+
+
 def current_world() -> World:
     """The default process group if one is initialised; otherwise world size 1."""
-    if not (dist.is_available() and dist.is_initialized()):
+    backend = default_backend()
+    if not backend:
         return World(size=1, rank=0, group_name="")
     group = dist.group.WORLD
-    backend = str(dist.get_backend(group)).lower()
     return World(size=dist.get_world_size(group), rank=dist.get_rank(group), group_name=group.group_name,
                  simulated=backend == "fake", backend=backend)
 
@@ -52,9 +60,9 @@ def check_devices_match_backend(params: Iterable[torch.Tensor]) -> None:
     if len(devices) > 1:
         raise ValueError(f"the model's parameters are on several device types {devices}; zero_fx "
                          f"shards a model that lives on one (call model.to(device) first)")
-    if not devices or not (dist.is_available() and dist.is_initialized()):
+    backend = default_backend()
+    if not devices or not backend:
         return
-    backend = str(dist.get_backend()).lower()
     device = devices[0]
     if device == "cuda" and backend == "gloo":
         raise ValueError("the model is on CUDA but the process group uses gloo, which zero_fx's "

@@ -8,10 +8,10 @@ import logging
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..plan import ShardPlan
+from ..process_group import default_backend
 from ..sharded_state import cut_shard
 from . import hf
 from .events import construction_events
@@ -66,7 +66,7 @@ def materialize(model: nn.Module, plan: ShardPlan, *,
 
 def training_device() -> torch.device:
     """Where this rank trains: its CUDA device under NCCL, else the CPU."""
-    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()).lower():
+    if "nccl" in default_backend():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
