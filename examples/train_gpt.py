@@ -21,7 +21,7 @@ from examples.gpt import GPT, GPTConfig  # noqa: E402
 from examples.launch import launch  # noqa: E402
 from examples.progress import Progress  # noqa: E402
 from examples.summary import StepClock, summary  # noqa: E402
-from zero_fx import MixedPrecision, zero_compile  # noqa: E402
+from zero_fx import MixedPrecision, checkpoint_exists, zero_compile  # noqa: E402
 
 # -- arguments ------------------------------------------------------------------
 parser = argparse.ArgumentParser()
@@ -93,7 +93,7 @@ def train_step(model, opt, x, y):
 # -- resume: the model, optimizer, RNG and our step counter, at any world size/stage --
 checkpoint = os.path.join(args.checkpoint_dir, "latest") if args.checkpoint_dir else None
 first_step = 0
-if checkpoint and os.path.exists(checkpoint):
+if checkpoint and checkpoint_exists(checkpoint):
     first_step = train_step.load_checkpoint(checkpoint, model, opt)["step"]
     log(f"resumed from {checkpoint} after step {first_step}")
 

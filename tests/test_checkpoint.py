@@ -9,42 +9,20 @@ import torch
 
 import models
 from ranks import run_ranks
+from training import checkpointed_training_rank
 from zero_fx import CheckpointError, MixedPrecision, zero_compile
 from zero_fx.checkpoint import load_full
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def training_rank(rank, world_size, stage, steps, load_from=None, save_to=None, save_after=None,
-                  precision=None):
-    """Train the test GPT (AdamW) on this rank's slice of each global batch; optionally start
-    from a checkpoint and save one after ``save_after`` steps."""
-    model = models.build("gpt", seed=1)
-    opt = models.make_optimizer(model)
-    step = zero_compile(models.training_step("gpt"), stage=stage, backend="aot_eager",
-                        mixed_precision=precision)
-    first = 0
-    if load_from:
-        first = step.load_checkpoint(load_from, model, opt)["next_step"]
-    losses = {}
-    for i in range(first, steps):
-        if save_to and save_after == i:
-            step.save_checkpoint(save_to, extra={"next_step": i})
-        x, y = models.global_batch("gpt", i)
-        losses[i] = step(model, opt, x[rank::world_size], y[rank::world_size]).item()
-    if save_to and save_after == steps:
-        step.save_checkpoint(save_to, extra={"next_step": steps})
-    return {"losses": losses, "params": step.full_parameters(),
-            "optimizer_steps": step.optimizer_steps, "loss_scale": step.loss_scale}
-
-
 @pytest.mark.parametrize("stage, precision", [(3, None), (0, None),
                                               (1, MixedPrecision(param_dtype=torch.float16))])
 def test_a_resumed_run_continues_bitwise_like_the_uninterrupted_one(tmp_path, stage, precision):
     path = str(tmp_path / "ckpt")
-    whole = run_ranks(2, training_rank, stage, 6, None, None, None, precision)
-    run_ranks(2, training_rank, stage, 3, None, path, 3, precision)
-    resumed = run_ranks(2, training_rank, stage, 6, path, None, None, precision)
+    whole = run_ranks(2, checkpointed_training_rank, stage, 6, None, None, None, precision)
+    run_ranks(2, checkpointed_training_rank, stage, 3, None, path, 3, precision)
+    resumed = run_ranks(2, checkpointed_training_rank, stage, 6, path, None, None, precision)
     for rank in range(2):
         assert resumed[rank]["losses"] == {i: whole[rank]["losses"][i] for i in (3, 4, 5)}
         for name, value in whole[rank]["params"].items():

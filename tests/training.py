@@ -60,6 +60,29 @@ def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, opti
     }
 
 
+def checkpointed_training_rank(rank, world_size, stage, steps, load_from=None, save_to=None,
+                               save_after=None, precision=None):
+    """Train the test GPT (AdamW) on this rank's slice of each global batch; optionally start
+    from a checkpoint and save one after ``save_after`` steps."""
+    model = models.build("gpt", seed=1)
+    opt = models.make_optimizer(model)
+    step = zero_compile(models.training_step("gpt"), stage=stage, backend="aot_eager",
+                        mixed_precision=precision)
+    first = 0
+    if load_from:
+        first = step.load_checkpoint(load_from, model, opt)["next_step"]
+    losses = {}
+    for i in range(first, steps):
+        if save_to and save_after == i:
+            step.save_checkpoint(save_to, extra={"next_step": i})
+        x, y = models.global_batch("gpt", i)
+        losses[i] = step(model, opt, x[rank::world_size], y[rank::world_size]).item()
+    if save_to and save_after == steps:
+        step.save_checkpoint(save_to, extra={"next_step": steps})
+    return {"losses": losses, "params": step.full_parameters(),
+            "optimizer_steps": step.optimizer_steps, "loss_scale": step.loss_scale}
+
+
 def _live_tensors() -> dict:
     gc.collect()
     return {id(obj): weakref.ref(obj)

@@ -2,7 +2,7 @@
 
 from .api import CompiledStep, explain, zero_compile
 from .capture import CaptureError
-from .checkpoint_files import CheckpointError
+from .checkpoint_files import CheckpointError, checkpoint_exists
 from .config import ZeroConfig
 from .cost_model import PRESETS, Estimate, Hardware, estimate
 from .offline import rewritten_step_on_fake
@@ -18,6 +18,7 @@ __all__ = [
     "before",
     "CaptureError",
     "CheckpointError",
+    "checkpoint_exists",
     "Compilation",
     "CompiledStep",
     "Estimate",

@@ -29,9 +29,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from .checkpoint_files import (CheckpointError, check_files, clear_staging, publish,
-                               raise_if_damaged, read_manifest, staging_path)
+from .checkpoint_files import (CheckpointError, check_files, clear_staging, prepare_save, publish,
+                               raise_if_damaged, read_manifest, readable_path, staging_path)
 from .sharded_state import ShardedState
 
 log = logging.getLogger("zero_fx")
@@ -41,25 +42,29 @@ def save(state: ShardedState, path: str, counters: dict, extra: Any = None) -> N
     """Write ``state`` (and the runtime's ``counters``, ``extra``) to ``path``; a collective."""
     path = os.fspath(path)
     world = state.world
-    if world.rank == 0:
-        clear_staging(path)
-    _barrier(world)
+    _on_rank_0(world, prepare_save, path)
     entries = _tensors(state, _mesh(state))
     entries.update(_objects(state, counters, extra))
     entries.update(_rng_states(world.rank))
-    with _single_process_quietly():
-        dcp.save(entries, checkpoint_id=staging_path(path), no_dist=world.size == 1)
+    try:
+        with _single_process_quietly():
+            dcp.save(entries, checkpoint_id=staging_path(path), no_dist=world.size == 1)
+    except CheckpointException as failed:  # every rank gets it, with each rank's cause
+        _on_rank_0(world, clear_staging, path)
+        causes = "; ".join(f"rank {rank}: {type(error).__name__}: {error}"
+                           for rank, (error, _) in sorted(failed.failures.items()))
+        raise CheckpointError(f"could not save the checkpoint {path} ({causes}); the previous "
+                              "checkpoint there, if any, is unchanged. A full disk or a file-size "
+                              "limit? Free space or save elsewhere") from None
     _barrier(world)
-    if world.rank == 0:
-        publish(path, _manifest(state))
-    _barrier(world)
+    _on_rank_0(world, publish, path, _manifest(state))
     log.info("zero_fx: saved a checkpoint of %d parameters at %s", len(state.plan.params), path)
 
 
 def load(state: ShardedState, path: str) -> tuple[dict, Any]:
     """Read ``path`` into ``state`` (any world size or stage it was saved at); return the
     saved runtime counters and ``extra``. A collective."""
-    path = os.fspath(path)
+    path = _readable(os.fspath(path))
     manifest = read_manifest(path)
     _check_files_on_all_ranks(state, path, manifest)
     _check_same_model(state, manifest)
@@ -277,9 +282,36 @@ def _barrier(world) -> None:
         dist.barrier()
 
 
+def _on_rank_0(world, fn, *args) -> None:
+    """``fn(*args)`` on rank 0, the others waiting for it; what it raises is raised on every
+    rank (a CheckpointError elsewhere), so no rank is left waiting at the next collective."""
+    error = None
+    if world.rank == 0:
+        try:
+            fn(*args)
+        except Exception as err:  # noqa: BLE001 - shared with the other ranks, then re-raised
+            error = err
+    if world.size > 1:
+        message = [f"{type(error).__name__}: {error}" if error is not None else None]
+        dist.broadcast_object_list(message, src=0)
+        if world.rank != 0 and message[0] is not None:
+            raise CheckpointError(f"rank 0 failed while saving the checkpoint: {message[0]}")
+    if error is not None:
+        raise error
+
+
+def _readable(path: str) -> str:
+    found = readable_path(path)
+    if found != path:
+        log.warning("zero_fx: a save into %s was interrupted after moving the previous checkpoint "
+                    "aside; loading it from %s (the next save puts it back)", path, found)
+    return found
+
+
 def load_full(path: str) -> dict[str, torch.Tensor]:
     """Offline, one process: every tensor of the checkpoint, whole (parameters reshaped),
     keyed as saved. Checks the files first."""
+    path = _readable(os.fspath(path))
     manifest = read_manifest(path)
     raise_if_damaged(path, check_files(path, manifest, lambda index: True))
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -298,6 +330,7 @@ def model_state_dict(path: str, dtype: Optional[torch.dtype] = None) -> dict[str
     """A full ``model.state_dict()`` from a checkpoint: parameters (tied names too) in
     ``dtype`` (None: as saved, fp32 masters) and buffers; loads into the model with plain
     ``model.load_state_dict``."""
+    path = _readable(os.fspath(path))
     manifest = read_manifest(path)
     entries = load_full(path)
     state = {}

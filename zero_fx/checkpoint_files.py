@@ -5,11 +5,22 @@
 rank 0 writes ``.metadata``. zero_fx writes all of that into
 ``<path>.incomplete``; once every rank has finished, rank 0 records each
 file's size and CRC-32 in ``zero_fx.json`` (the manifest, written last) and
-renames the folder to ``<path>`` (an earlier checkpoint there is moved aside
-first and deleted after). A crash at any point leaves either the previous
-checkpoint or a folder without a manifest, which ``read_manifest`` refuses.
-Loading checks every file against the manifest, spread over the ranks, so a
-truncated or corrupted file is an error that names it, not a wrong model.
+renames the folder to ``<path>`` (an earlier checkpoint there is moved to
+``<path>.replaced`` first and deleted after). A crash (a rank killed) at any
+point leaves a loadable checkpoint, the previous one or the new one:
+
+- before the manifest: ``<path>`` is the previous checkpoint, and the staged
+  folder has no manifest, so ``read_manifest`` refuses it if named;
+- between the two renames: ``<path>`` is gone and ``<path>.replaced`` holds
+  the previous checkpoint. ``readable_path`` loads it from there, and the next
+  save moves it back first (``prepare_save``);
+- after the second rename: ``<path>`` is the new checkpoint; the old one left
+  in ``<path>.replaced`` is deleted by the next save.
+
+A save that fails (a full disk) leaves ``<path>`` as it was. Loading checks
+every file against the manifest, spread over the ranks, so a truncated or
+corrupted file is an error that names it, not a wrong model.
+tests/test_checkpoint_crashes.py kills a rank at each of these points.
 """
 
 from __future__ import annotations
@@ -32,11 +43,40 @@ def staging_path(path: str) -> str:
     return f"{os.fspath(path).rstrip(os.sep)}.incomplete"
 
 
-def clear_staging(path: str) -> str:
-    """Rank 0: remove what an interrupted save left; return the folder to write into."""
-    staging = staging_path(path)
-    shutil.rmtree(staging, ignore_errors=True)
-    return staging
+def replaced_path(path: str) -> str:
+    return f"{os.fspath(path).rstrip(os.sep)}.replaced"
+
+
+def checkpoint_exists(path: str) -> bool:
+    """Whether ``path`` names a checkpoint that loads (possibly from where a killed save
+    moved it: [Note: atomic checkpoints])."""
+    return _has_manifest(readable_path(path))
+
+
+def readable_path(path: str) -> str:
+    """The folder to load ``path``'s checkpoint from: ``path``, or the previous checkpoint
+    that a save killed between its two renames left in ``<path>.replaced``."""
+    if not os.path.exists(path) and _has_manifest(replaced_path(path)):
+        return replaced_path(path)
+    return path
+
+
+def prepare_save(path: str) -> None:
+    """Rank 0, before a save: put back a checkpoint a killed save left aside, remove what
+    an interrupted save staged, and refuse to replace a folder that is not a checkpoint."""
+    if readable_path(path) != path:
+        os.rename(replaced_path(path), path)
+    if os.path.isdir(path) and os.listdir(path) and not _has_manifest(path):
+        raise CheckpointError(f"{path} exists and is not a zero_fx checkpoint (it has no "
+                              f"{MANIFEST}); a save would replace it: choose another folder")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path} is a file; a checkpoint is a folder: choose another path")
+    shutil.rmtree(staging_path(path), ignore_errors=True)
+
+
+def clear_staging(path: str) -> None:
+    """Rank 0, after a failed save: remove what it staged (the previous checkpoint is untouched)."""
+    shutil.rmtree(staging_path(path), ignore_errors=True)
 
 
 def publish(path: str, manifest: dict) -> None:
@@ -46,18 +86,31 @@ def publish(path: str, manifest: dict) -> None:
         name: {"bytes": os.path.getsize(os.path.join(staging, name)),
                "crc32": _crc32(os.path.join(staging, name))}
         for name in sorted(os.listdir(staging))})
-    partial = os.path.join(staging, MANIFEST + ".partial")
+    _write_manifest(staging, manifest)
+    replaced = replaced_path(path)
+    if os.path.exists(path):
+        shutil.rmtree(replaced, ignore_errors=True)
+        _rename(path, replaced)
+    _rename(staging, path)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _write_manifest(folder: str, manifest: dict) -> None:
+    partial = os.path.join(folder, MANIFEST + ".partial")
     with open(partial, "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(partial, os.path.join(staging, MANIFEST))
-    replaced = f"{os.fspath(path).rstrip(os.sep)}.replaced"
-    shutil.rmtree(replaced, ignore_errors=True)
-    if os.path.exists(path):
-        os.rename(path, replaced)
-    os.rename(staging, path)
-    shutil.rmtree(replaced, ignore_errors=True)
+    os.replace(partial, os.path.join(folder, MANIFEST))
+
+
+def _rename(source: str, destination: str) -> None:
+    """Each of publish's two renames (one function: the crash tests kill a rank between them)."""
+    os.rename(source, destination)
+
+
+def _has_manifest(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
 
 
 def read_manifest(path: str) -> dict:
