@@ -41,10 +41,18 @@ class Launch:
             dist.destroy_process_group()
 
 
-def launch() -> Launch:
+def launch(timeout: timedelta = GROUP_TIMEOUT) -> Launch:
     if "RANK" in os.environ and not dist.is_initialized():
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        # Under torchrun --max-restarts, each attempt's group sets up in keys of its own:
+        # torchrun's store outlives a restart with the dead attempt's keys in it (static
+        # rendezvous, the default on one node), and a restarted rank that reads a dead
+        # peer's address fails with "Gloo connectFullMesh failed ... Connection refused"
+        # (NCCL: its unique id; pytorch#135712 is the same for shared stores).
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                timeout=GROUP_TIMEOUT)
+                                store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
+                                world_size=world, timeout=timeout)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if torch.cuda.is_available():

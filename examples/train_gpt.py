@@ -7,18 +7,23 @@
 With --checkpoint-dir, a checkpoint is saved every --checkpoint-every steps and at the
 end, and a run started again with the same folder resumes where the last one saved
 (any world size, any stage): the same losses as a run that was never interrupted.
+Under torchrun --max-restarts N, a rank that dies or hangs (past --timeout) restarts the
+group, which resumes from the last checkpoint:
+
+    torchrun --nproc_per_node 2 --max-restarts 2 examples/train_gpt.py --checkpoint-dir ckpt
 """
 
 import argparse
 import os
 import sys
+from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples.gpt import GPT, GPTConfig  # noqa: E402
-from examples.launch import launch  # noqa: E402
+from examples.launch import GROUP_TIMEOUT, launch  # noqa: E402
 from examples.progress import Progress  # noqa: E402
 from examples.summary import StepClock, summary  # noqa: E402
 from zero_fx import MixedPrecision, checkpoint_exists, zero_compile  # noqa: E402
@@ -42,10 +47,12 @@ parser.add_argument("--dump-dir", default=None,
 parser.add_argument("--checkpoint-dir", default=None,
                     help="save checkpoints here, and resume from the one there if any")
 parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+parser.add_argument("--timeout", type=float, default=GROUP_TIMEOUT.total_seconds(),
+                    help="seconds a rank waits at a collective for a dead or hung peer before failing")
 args = parser.parse_args()
 
 # -- distributed setup (torchrun sets the environment; without it, world size 1) --
-run = launch()
+run = launch(timedelta(seconds=args.timeout))
 rank, world, device, log = run.rank, run.world, run.device, run.log
 
 # -- data: a synthetic corpus with structure to learn (repeating arithmetic patterns) --
