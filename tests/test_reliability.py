@@ -348,6 +348,9 @@ def test_a_dead_rank_fails_the_others_fast_with_state_intact(when):
     assert dead is None
     assert survivor["error"], "the step ran without its peer"
     assert "failed on rank 0" in survivor["error"] and "Nothing was updated" in survivor["error"]
+    where = {"between steps": ", in the check that ranks agree (an all-gather",  # the collective
+             "mid-step": ", in the compiled step at `wait_tensor"}[when]
+    assert where in survivor["error"], survivor["error"]
     assert survivor["seconds"] < 35
     assert survivor["shards_unchanged"] and survivor["optimizer_unchanged"]
 
@@ -394,6 +397,7 @@ def test_the_nccl_completion_check_fails_the_step_where_it_stands(stage, message
     survivor, dead = run_ranks(2, rank_dying_before_the_check, stage, timeout_s=30, may_die=True)
     assert dead is None
     assert survivor["error"] and message in survivor["error"], survivor
+    assert "in the check that the step's collectives completed" in survivor["error"], survivor
     assert survivor["shards_unchanged"] == (stage == 3)
     assert survivor["refused"] == (stage == 2)
 

@@ -58,6 +58,8 @@ source (``WorkNCCL::wait``), and the check itself is tested on gloo.
 
 from __future__ import annotations
 
+import os
+import traceback
 from datetime import timedelta
 from typing import Optional
 
@@ -116,7 +118,8 @@ def is_communication_failure(err: BaseException) -> bool:
 
 def failed_before_update(rank: int, err: BaseException) -> CollectiveFailedError:
     return CollectiveFailedError(
-        f"a collective of the step failed on rank {rank}: {_first_line(err)}\n"
+        f"a collective of the step failed on rank {rank}{where_it_failed(err)}: "
+        f"{_first_line(err)}\n"
         "Another rank probably died or stopped calling the step (its log says why), or the "
         "process group timed out (init_process_group(timeout=...)). Nothing was updated on this "
         "rank: parameters, shards and optimizer state are as before the call.")
@@ -124,9 +127,36 @@ def failed_before_update(rank: int, err: BaseException) -> CollectiveFailedError
 
 def failed_after_update(rank: int, err: BaseException) -> CollectiveFailedError:
     return CollectiveFailedError(
-        f"gathering the updated shards into the parameters failed on rank {rank}: "
+        f"gathering the updated shards into the parameters failed on rank {rank}"
+        f"{where_it_failed(err)}: "
         f"{_first_line(err)}\nThe optimizer had already updated this rank's shards, so its "
         "parameters are stale and this step refuses further calls: restore from a checkpoint.")
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def where_it_failed(err: BaseException) -> str:
+    """Which collective failed, in words (", in ..."), from the innermost frame of the
+    traceback that is zero_fx's or the compiled graph's; "" if none is."""
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        line = (frame.line or "").strip()
+        ours = frame.filename.startswith(_PACKAGE)
+        generated = frame.filename.startswith("<eval_with_key>") or "torchinductor" in frame.filename
+        if ours and os.path.basename(frame.filename) == "rank_agreement.py":
+            return (", in the check that ranks agree (an all-gather, the call's first "
+                    "collective: a peer that has not reached this call fails it here)")
+        if ours and frame.name == "__call__" and frame.filename == os.path.abspath(__file__):
+            return ", in the check that the step's collectives completed (an all-reduce)"
+        if generated and "_c10d_functional." in line:
+            return f", in the compiled step at `{_shortened(line.split(';')[0])}`"
+        if ours and line:
+            return f", in {frame.name} ({os.path.basename(frame.filename)}): `{_shortened(line)}`"
+    return ""
+
+
+def _shortened(line: str, limit: int = 120) -> str:
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def _first_line(err: BaseException) -> str:
