@@ -651,5 +651,18 @@ def _optimizer_calls_deferred(optimizer, step, zero_grad):
 def _capture_failed(err: BaseException) -> CaptureError:
     """PyTorch could not capture the step as one graph: its message, and ours on what to do."""
     advice = capture_hint(str(err)) or "Move the unsupported code out of the decorated step."
-    return CaptureError(
-        f"zero_fx captures the whole step as one graph, and PyTorch could not: {err}\n{advice}")
+    return CaptureError(f"zero_fx captures the whole step as one graph, and PyTorch could not: "
+                        f"{_without_user_stack(str(err))}\n{advice}")
+
+
+def _without_user_stack(message: str) -> str:
+    """Dynamo's message up to its user stack and debugging tips (the traceback chained to
+    the CaptureError shows the stack; the message keeps the cause and the line it names)."""
+    kept = []
+    for line in message.splitlines():
+        if line.startswith(("User Stack", "For more information", "For extended logs",
+                            "If you suspect", "For more debugging help")):
+            break
+        if line.strip():
+            kept.append(line)
+    return "\n".join(kept)

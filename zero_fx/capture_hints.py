@@ -3,8 +3,8 @@
 zero_fx needs the whole step as one graph (see DESIGN.md), so a graph break is an
 error, never a silent fallback to several graphs. PyTorch's own messages name the
 construct but not the way out for a training step; these hints do. Each pattern was
-met on a real model (HuggingFace GPT-2 and Llama among them; README, "Models that do
-not capture").
+met on a real model (HuggingFace GPT-2, Llama and Mixtral among them; README, "Models
+that do not capture").
 """
 
 from __future__ import annotations
@@ -21,6 +21,14 @@ _HINTS = (
      "The step branches on a tensor's value (`if loss.item() > x:`, `if tensor:`). Every rank "
      "must run the same collectives, so the graph cannot depend on values: use `torch.where`, "
      "or read the value after the step returns."),
+    (("Could not extract specialized integer from data-dependent expression",),
+     "A loop count or a size depends on a tensor's values (`for i in tensor:`, a `.item()` or "
+     "`.tolist()` used as a size). Mixture-of-experts layers do this when they loop over the "
+     "experts that received tokens (HuggingFace Mixtral, Qwen2-MoE). Every rank must run the same "
+     "collectives, so no shape in the step may depend on values. A fixed-shape routing layer "
+     "captures: run every expert on every token and weight its output by the router's weight "
+     "(zero where the token did not pick it), or give each expert a fixed capacity of tokens "
+     "(scatter into a [experts, capacity, hidden] buffer, dropping the overflow)."),
     (("aten.nonzero", "DynamicOutputShapeException", "DataDependentOutputException"),
      "An op's output shape depends on the values (boolean-mask indexing `x[mask]`, `nonzero`, "
      "`unique`, `masked_select`). Use a fixed-shape form: `torch.where`, `masked_fill`, or "
