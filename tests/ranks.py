@@ -6,7 +6,6 @@ import datetime
 import faulthandler
 import os
 import signal
-import sys
 import tempfile
 import time
 import traceback
@@ -31,9 +30,10 @@ def run_ranks(world_size: int, fn, *args, timeout_s: int = 120, may_die: bool = 
     """``fn(rank, world_size, *args)`` on each rank (in-process, no group, for world size 1).
 
     ``timeout_s``: the process group's (a collective waiting on a dead peer fails after it).
-    ``may_die``: a rank may exit on purpose (a failure test); its result is None. A rank
-    still running after ``JOIN_TIMEOUT_S`` prints its threads' stacks, is killed, and fails
-    the test.
+    ``may_die``: a rank may exit on purpose (a failure test); its result is None. Otherwise
+    a rank that exits other than with 0, at any point (a crash at exit included), fails the
+    test, as it would fail a torchrun job. A rank still running after ``JOIN_TIMEOUT_S``
+    prints its threads' stacks, is killed, and fails the test.
 
     Ranks are forked from a fork server that has imported ``PRELOADED``, and take the
     caller's environment variables as they are now. ``fresh_interpreter``: spawn each rank
@@ -48,7 +48,7 @@ def run_ranks(world_size: int, fn, *args, timeout_s: int = 120, may_die: bool = 
         mp.get_context("forkserver").set_forkserver_preload(PRELOADED)
     with tempfile.TemporaryDirectory() as tmp:
         context = mp.start_processes(
-            _rank_main, args=(world_size, tmp, fn, args, timeout_s, dict(os.environ)),
+            _rank_main, args=(world_size, tmp, fn, args, timeout_s, may_die, dict(os.environ)),
             nprocs=world_size, join=False, start_method=start_method)
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         for process in context.processes:  # a rank stuck on a dead peer fails after timeout_s
@@ -67,14 +67,13 @@ def run_ranks(world_size: int, fn, *args, timeout_s: int = 120, may_die: bool = 
                     continue
                 raise RuntimeError(f"rank {rank} exited ({_exit_status(process.exitcode)}) without "
                                    "a result; if it crashed, its stack is in the output above")
-            if process.exitcode != 0:
-                # Its result is saved, so its work is done: seen rarely, a crash inside gloo's
-                # teardown. Reported, not failed: the results are checked all the same.
-                print(f"ranks.py: rank {rank} returned its result, then exited "
-                      f"({_exit_status(process.exitcode)})", file=sys.stderr)
             result = torch.load(path, weights_only=False)
             if isinstance(result, _RankFailure):
                 raise RuntimeError(f"rank {rank} failed:\n{result.text}")
+            if process.exitcode != 0 and not may_die:
+                raise RuntimeError(f"rank {rank} returned its result, then exited "
+                                   f"({_exit_status(process.exitcode)}): a rank must exit "
+                                   "cleanly; its stack, if it crashed, is in the output above")
             results.append(result)
         return results
 
@@ -97,7 +96,7 @@ class _RankFailure:
         self.text = text
 
 
-def _rank_main(rank, world_size, tmp, fn, args, timeout_s, environment):
+def _rank_main(rank, world_size, tmp, fn, args, timeout_s, may_die, environment):
     os.environ.clear()  # a forked rank has the fork server's, from when it started
     os.environ.update(environment)
     faulthandler.enable()  # a rank that crashes in C++ prints its Python stack
@@ -112,16 +111,11 @@ def _rank_main(rank, world_size, tmp, fn, args, timeout_s, environment):
     finally:  # written aside and renamed, so a result file is always whole
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt.partial"))
         os.replace(os.path.join(tmp, f"rank{rank}.pt.partial"), os.path.join(tmp, f"rank{rank}.pt"))
-    # no rank tears gloo down while a peer may still be finishing its last collective
-    # (seen once: a rank aborting with SIGABRT at exit); a peer that died on purpose fails it
+    # as a training script ends: no rank tears gloo down while a peer may still be in its
+    # last collective; where a peer died on purpose, the barrier fails, as it should
     try:
         dist.barrier()
-        dist.destroy_process_group()
     except RuntimeError:
-        pass
-    # The results are saved. Skip interpreter teardown, where a C++ thread is
-    # sometimes destroyed while joinable ("terminate called without an active
-    # exception", SIGABRT) after all work is done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        if not may_die:
+            raise
+    dist.destroy_process_group()
