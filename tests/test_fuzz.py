@@ -1,11 +1,14 @@
 """Hypothesis over random small models and world sizes 1-4: every stage trains exactly like
 single-process PyTorch. Odd widths force padding; widths of 1 leave ranks with nothing but
-padding; a tied weight is read twice. Bounded to a few examples so CI stays short."""
+padding; a tied weight is read twice. Then HuggingFace GPT-2 and Llama of random sizes, fed
+padded batches (left or right) with their attention masks and -100 labels, heads tied or
+not. Bounded to a few examples so CI stays short."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -119,6 +122,122 @@ def test_random_models_match_single_process_training(spec):
     mean_losses = torch.tensor([losses for losses, _ in results]).mean(0)
     torch.testing.assert_close(mean_losses, torch.tensor(expected_losses), rtol=1e-5, atol=1e-6)
     for losses, params in results:
+        for name, expected in expected_params.items():
+            torch.testing.assert_close(params[name], expected, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"{spec}: {n}: {m}")
+
+
+# -- HuggingFace-style models: attention masks, padding, tied or untied heads ----------------
+
+HF_BATCH, HF_SEQ = 4, 8  # 4 rows split over 1, 2 or 4 ranks
+
+
+@dataclass(frozen=True)
+class HFSpec:
+    kind: str  # "gpt2" (head tied to the embedding) or "llama"
+    vocab: int
+    heads: int
+    head_width: int
+    tied: bool  # llama only; GPT-2's head is always tied
+    padding: tuple[int, ...]  # per row: how many of its HF_SEQ tokens are padding
+    left_padded: bool
+    world_size: int
+    stage: int
+
+
+def build_hf(spec: HFSpec):
+    from examples.hf_models import causal_lm, gpt2_config, llama_config
+
+    torch.manual_seed(0)
+    width = spec.heads * spec.head_width
+    if spec.kind == "gpt2":
+        config = gpt2_config(spec.vocab, HF_SEQ, layers=1, width=width, heads=spec.heads)
+    else:
+        config = llama_config(spec.vocab, HF_SEQ, layers=1, width=width, heads=spec.heads,
+                              kv_heads=1, ffn=2 * width)
+        config.tie_word_embeddings = spec.tied
+    model = causal_lm(config)
+    # SGD, not Adam: GPT-2's key bias has a gradient of zero up to rounding (softmax ignores
+    # a shift shared by all keys), which Adam would scale up to full steps of noise
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def hf_batch(spec: HFSpec, step: int):
+    """Token ids, the attention mask (0 on padding) and labels (-100 on padding)."""
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, spec.vocab, (HF_BATCH, HF_SEQ), generator=g)
+    positions = torch.arange(HF_SEQ)
+    pads = torch.tensor(spec.padding)[:, None]
+    real = positions >= pads if spec.left_padded else positions < HF_SEQ - pads
+    return ids, real.long(), torch.where(real, ids, -100)
+
+
+def hf_loss(model, ids, mask, labels):
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+def hf_fuzz_rank(rank: int, world_size: int, spec: HFSpec):
+    model, opt = build_hf(spec)
+
+    @zero_compile(stage=spec.stage, backend="aot_eager", persistence_threshold=0)
+    def train_step(model, opt, ids, mask, labels):
+        loss = hf_loss(model, ids, mask, labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    rows = slice(rank * HF_BATCH // world_size, (rank + 1) * HF_BATCH // world_size)
+    losses = [train_step(model, opt, *(t[rows] for t in hf_batch(spec, s))).item()
+              for s in range(STEPS)]
+    return losses, train_step.full_parameters()
+
+
+def hf_reference(spec: HFSpec):
+    """Single-process training on the mean over ranks of each rank's loss (what data
+    parallelism optimizes: ranks with more padding weigh each of their tokens more)."""
+    model, opt = build_hf(spec)
+    per_rank = HF_BATCH // spec.world_size
+    losses = []
+    for s in range(STEPS):
+        batch = hf_batch(spec, s)
+        rank_losses = [hf_loss(model, *(t[r * per_rank:(r + 1) * per_rank] for t in batch))
+                       for r in range(spec.world_size)]
+        loss = torch.stack(rank_losses).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append([l.item() for l in rank_losses])
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+hf_specs = st.builds(
+    HFSpec,
+    kind=st.sampled_from(["gpt2", "llama"]),
+    vocab=st.integers(5, 40),
+    heads=st.integers(1, 2),
+    head_width=st.sampled_from([2, 4, 6]),  # rotary embeddings need an even head width
+    tied=st.booleans(),
+    padding=st.lists(st.integers(0, HF_SEQ - 2), min_size=HF_BATCH, max_size=HF_BATCH).map(tuple),
+    left_padded=st.booleans(),
+    world_size=st.sampled_from([1, 2, 2, 4]),
+    stage=st.integers(0, 3),
+)
+
+
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(hf_specs)
+@example(HFSpec(kind="llama", vocab=7, heads=2, head_width=2, tied=False, padding=(0, 6, 3, 0),
+                left_padded=True, world_size=2, stage=3))
+def test_random_hf_models_with_padding_match_single_process_training(spec):
+    pytest.importorskip("transformers")
+    expected_losses, expected_params = hf_reference(spec)
+    results = run_ranks(spec.world_size, hf_fuzz_rank, spec)
+    for rank, (losses, params) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses),
+                                   torch.tensor([step[rank] for step in expected_losses]),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"{spec}: rank {rank}: {m}")
         for name, expected in expected_params.items():
             torch.testing.assert_close(params[name], expected, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, n=name: f"{spec}: {n}: {m}")
