@@ -102,6 +102,9 @@ class ShardedState:
         if plan.params_sharded:
             model.register_forward_pre_hook(self._refuse_sharded_forward)
             model.register_state_dict_pre_hook(self._refuse_sharded_state_dict)
+        for module in model.modules():
+            if any(True for _ in module.parameters()):
+                module._apply = RefuseConversion(module)
 
     @property
     def shards_are_params(self) -> bool:
@@ -325,3 +328,28 @@ class ShardedState:
         yield from self._unreduced.values()
         for state in self.optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class RefuseConversion:
+    """Each module's ``_apply`` once zero_fx has sharded the model: ``model.to(dtype or
+    device)``, ``.half()``, ``.cuda()`` would change the parameters under the plan and the
+    shards (the fp32 masters, made on the first call); in stage 3, whose parameters have no
+    storage, the copy reads freed memory (a SIGSEGV). Conversions that change nothing
+    (``.to("cpu")`` on CPU, ``.float()`` of fp32) and the others ``_apply`` serves
+    (``share_memory()``) go through."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, fn, recurse: bool = True):
+        kinds = {(p.dtype, p.device) for p in self.module.parameters()}
+        for dtype, device in kinds:
+            probe = fn(torch.empty(0, dtype=dtype, device=device))
+            if (probe.dtype, probe.device) != (dtype, device):
+                raise ValueError(
+                    f"this would turn the model's {dtype} parameters on {device} into {probe.dtype} "
+                    f"on {probe.device}, after its @zero_compile step sharded them (the plan and "
+                    "the fp32 master shards are made on the first call): move and cast the model "
+                    "before the first call; for 16-bit compute, zero_compile(mixed_precision="
+                    "MixedPrecision(param_dtype=torch.bfloat16)) keeps fp32 masters")
+        return type(self.module)._apply(self.module, fn, recurse)
