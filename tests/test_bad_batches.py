@@ -122,8 +122,11 @@ def test_a_model_cast_after_compiling_is_refused_and_keeps_training():
         with pytest.raises(ValueError, match=r"turn the model's torch.float32 parameters on cpu "
                                              r"into torch.(float64|float16|bfloat16) on cpu"):
             convert(model)
+    with pytest.raises(ValueError, match=r"replace the model's parameters with new tensors"):
+        model.to_empty(device="cpu")
     model.to("cpu")  # changes nothing: allowed
     model.float()
+    model.share_memory()
     losses, params = _eager([models.global_batch("gpt", i) for i in range(2)])
     assert step(model, opt, *models.global_batch("gpt", 1)).item() == pytest.approx(losses[1],
                                                                                       rel=1e-6)
