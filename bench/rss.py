@@ -32,11 +32,16 @@ def _status(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def resident_bytes() -> int:
+    """This process's resident size now, in bytes."""
+    return _status("VmRSS")
+
+
 def reset_peak_rss() -> int:
     """Reset the high-water mark to the current resident size; return that size in bytes."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    return _status("VmRSS")
+    return resident_bytes()
 
 
 def peak_rss() -> int:

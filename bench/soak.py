@@ -40,7 +40,7 @@ from examples.gpt import GPT, GPTConfig
 from examples.summary import held_bytes
 from zero_fx import zero_compile
 
-from .rss import MALLOC_ENV, _status
+from .rss import MALLOC_ENV, resident_bytes
 from .runs import OUT, join_group, leave_group, machine, write_json
 
 LOSS_RTOL = 1e-4
@@ -128,7 +128,7 @@ def soak(rank: int, world: int, steps: int, backend: str) -> dict:
                 "step": step + 1,
                 "held_bytes": {str(s): held_bytes(runs[s][2]) for s in runs},
                 "live_tensors": _live_tensors(),
-                "rss_bytes": _status("VmRSS"),
+                "rss_bytes": resident_bytes(),
             })
             if rank == 0:
                 print(f"step {step + 1}/{steps}  loss {losses[3][-1]:.4f} (stage 0: "

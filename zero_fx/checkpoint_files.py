@@ -71,11 +71,12 @@ def prepare_save(path: str) -> None:
                               f"{MANIFEST}); a save would replace it: choose another folder")
     if os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointError(f"{path} is a file; a checkpoint is a folder: choose another path")
-    shutil.rmtree(staging_path(path), ignore_errors=True)
+    clear_staging(path)
 
 
 def clear_staging(path: str) -> None:
-    """Rank 0, after a failed save: remove what it staged (the previous checkpoint is untouched)."""
+    """Rank 0: remove what a save staged, before a save or after one failed (the checkpoint
+    at ``path`` is untouched)."""
     shutil.rmtree(staging_path(path), ignore_errors=True)
 
 
