@@ -29,7 +29,8 @@ def batches(case: str):
     if case == "empty":
         return good + [tuple(t[:0] for t in models.global_batch("gpt", 2))]
     if case == "int32 ids":
-        return good + [(models.global_batch("gpt", 2)[0].int(), models.global_batch("gpt", 2)[1])]
+        x, y = models.global_batch("gpt", 2)
+        return good + [(x.int(), y)]
     return good
 
 
@@ -42,7 +43,7 @@ def bad_batch_rank(rank, world_size, case):
         per_rank = x.shape[0] // world_size
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         losses.append(step(model, opt, x[mine], y[mine]).item())
-    return losses, step.full_parameters()
+    return losses, step.full_parameters(), len(step.compilations)
 
 
 @pytest.mark.parametrize("case", ["empty", "int32 ids"])
@@ -52,12 +53,25 @@ def test_an_unusual_batch_trains_as_eager_does(case):
     (one recompilation)."""
     expected_losses, expected_params = _eager(batches(case))
     results = run_ranks(2, bad_batch_rank, case)
-    mean_losses = torch.tensor([losses for losses, _ in results]).mean(0)
+    mean_losses = torch.tensor([losses for losses, _, _ in results]).mean(0)
     torch.testing.assert_close(mean_losses, torch.tensor(expected_losses), rtol=1e-6, atol=0,
                                equal_nan=True)
-    for _, params in results:  # relative to the norm, as the parity tests (AdamW's m/sqrt(v)
-        for name, value in expected_params.items():  # makes single near-zero elements noisy)
-            assert relative_error(params[name], value) < 1e-5, name
+    for _, params, compilations in results:  # relative to the norm, as the parity tests
+        for name, value in expected_params.items():  # (AdamW's m/sqrt(v) makes single
+            assert relative_error(params[name], value) < 1e-5, name  # near-zero elements noisy)
+        if case == "int32 ids":
+            assert compilations == 2  # the new dtype recompiles once
+
+
+def test_int32_targets_raise_what_eager_raises():
+    x, y = models.global_batch("gpt", 0)
+    model = models.build("gpt", seed=1)
+    with pytest.raises(RuntimeError, match="expected target dtype to be Long") as eager:
+        models.loss_fn("gpt", model, x, y.int())
+    step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager")
+    with pytest.raises(RuntimeError) as ours:
+        step(model, models.make_optimizer(model), x, y.int())
+    assert str(eager.value) in str(ours.value)
 
 
 def nan_rank(rank, world_size, precision):
