@@ -16,7 +16,7 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
 
     Stage 3 only: in stages 0-2 every rank holds whole parameters, which
     enter the graph as they are (see [Note: stages 1 and 2 keep whole
-    parameters] in zero_fx/sharded_state.py).
+    parameters] in zero_fx/runtime/sharded_state.py).
 
     Requires: phases annotated; parameter placeholders tagged with their plan
     name; ``recompute_param_views`` has run.

@@ -73,7 +73,7 @@ ANCHOR_OPS = ("mm", "bmm", "addmm", "baddbmm", "convolution", "convolution_backw
 def is_anchor_compute(node: Node) -> bool:
     """A matmul, attention or convolution: compute that Inductor never fuses into another
     kernel nor inlines into its reader, so it has one well-defined place in the generated
-    program ([Note: pinning the schedule through Inductor] in zero_fx/pin_schedule.py)."""
+    program ([Note: pinning the schedule through Inductor] in zero_fx/compiler/pin_schedule.py)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
     name = node.target._schema.name.split("::")[-1]
@@ -103,7 +103,7 @@ def tensor_bytes(val) -> int:
 
 def hint(size) -> int:
     """An int, or a symbolic size's value when it was traced ([Note: dynamic shapes] in
-    zero_fx/capture.py)."""
+    zero_fx/capture/step_graph.py)."""
     return size if isinstance(size, int) else int(size.node.hint)
 
 

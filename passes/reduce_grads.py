@@ -33,7 +33,7 @@ def reduce_grads(gm: GraphModule, plan) -> GraphModule:
     gradient is cast to it before the collective. Does nothing when the graph
     has no gradient outputs, or when the plan reduces outside the graph
     (stages 0-1 with gradient accumulation: [Note: gradient accumulation] in
-    zero_fx/sharded_state.py).
+    zero_fx/runtime/sharded_state.py).
     """
     slots = grad_slots(gm)
     if not slots or not plan.reduces_in_graph:

@@ -21,7 +21,7 @@ compute, and never across the forward/backward boundary:
 Collectives are issued in an order read off the graph: the same on every
 rank. The gloo and NCCL backends run one process group's collectives in issue
 order, so a prefetched gather may queue behind a reduction; that is the price
-of one communication stream, and the cost model (zero_fx/cost_model.py) shows it.
+of one communication stream, and the cost model (zero_fx/analysis/cost_model.py) shows it.
 """
 
 from __future__ import annotations

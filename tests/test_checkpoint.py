@@ -11,7 +11,7 @@ import models
 from ranks import run_ranks
 from training import checkpointed_training_rank
 from zero_fx import CheckpointError, MixedPrecision, zero_compile
-from zero_fx.checkpoint import load_full
+from zero_fx.checkpoint.save_load import load_full
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

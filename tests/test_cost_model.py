@@ -9,7 +9,7 @@ import torch
 
 from test_schedule import WEIGHT_BYTES, rewritten
 from zero_fx import Hardware, estimate, rewritten_step_on_fake
-from zero_fx.cost_model import node_seconds
+from zero_fx.analysis.cost_model import node_seconds
 
 # Slow links, fast compute: communication dominates, so overlap shows.
 SLOW_LINK = Hardware(name="test", flops=1e9, memory_bandwidth=1e9, link_bandwidth=1e6,

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from zero_fx.checkpoint import load_full
+from zero_fx.checkpoint.save_load import load_full
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_gpt.py")

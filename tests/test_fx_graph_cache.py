@@ -1,5 +1,5 @@
 """Inductor's FX graph cache: the second compilation of the same rewritten step is a hit,
-with the user's passes in the pipeline too ([Note: the FX graph cache] in zero_fx/lower.py)."""
+with the user's passes in the pipeline too ([Note: the FX graph cache] in zero_fx/compiler/lower.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from zero_fx.live_memory import LiveTensorBytes
+from zero_fx.analysis.live_memory import LiveTensorBytes
 
 FLOAT = 4
 

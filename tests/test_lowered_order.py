@@ -1,8 +1,8 @@
 """What runs is what the plan says: the order of collectives and compute in the code Inductor
 generates equals the order ``schedule_collectives`` put in the graph
-([Note: pinning the schedule through Inductor] in zero_fx/pin_schedule.py), and its buffers
+([Note: pinning the schedule through Inductor] in zero_fx/compiler/pin_schedule.py), and its buffers
 live no longer than the graph's ([Note: reading buffer lifetimes from generated code] in
-zero_fx/lowered_memory.py).
+zero_fx/compiler/lowered_memory.py).
 
 The Inductor tests run one process with the fake process group at world 2: the graph, its
 collectives and Inductor's program are those of a real rank (values are not checked here;
@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from zero_fx import zero_compile
-from zero_fx.lowered_memory import lowered_memory
-from zero_fx.lowered_schedule import COMPUTE, ISSUE, WAIT, Event, lowered_schedule
-from zero_fx.memory_timeline import memory_timeline
+from zero_fx.compiler.lowered_memory import lowered_memory
+from zero_fx.compiler.lowered_schedule import COMPUTE, ISSUE, WAIT, Event, lowered_schedule
+from zero_fx.analysis.memory_timeline import memory_timeline
 
 import models
 
@@ -149,7 +149,7 @@ def test_a_matmul_inductor_decomposes_is_no_anchor():
     """A rotary embedding's ``inv_freq @ positions`` (inner dimension 1) becomes pointwise
     code that Inductor fuses anywhere: the planned schedule must not count it, or the
     generated program of every HuggingFace Llama would read as out of order."""
-    from zero_fx.lowered_schedule import inductor_keeps_as_kernel
+    from zero_fx.compiler.lowered_schedule import inductor_keeps_as_kernel
 
     def kept(a_shape, b_shape):
         graph = torch.fx.Graph()
@@ -167,7 +167,7 @@ def test_the_gathered_embedding_is_read_once_in_the_forward(fake_world_of_two):
     it is stored, and each such kernel reads the gathered embedding: on GPT-2 125M one in
     block 0's layer norm backward kept the forward's gather (147 MiB) alive to the end of
     the backward, 1.24x the graph's peak ([Note: a released gather's readers are stored] in
-    zero_fx/realize_readers.py). Here (the first gather is the tied token embedding):
+    zero_fx/compiler/realize_readers.py). Here (the first gather is the tied token embedding):
     without the fix five kernels read it besides the head's matmul, with it one."""
     step, _ = compiled_order(3, prefetch=1)
     program = step.compilations[-1].program
@@ -184,7 +184,7 @@ def test_the_gathered_embedding_is_read_once_in_the_forward(fake_world_of_two):
 def test_the_readers_of_a_released_gather_are_marked_to_be_stored():
     """On a post-grad-like graph: an embedding of a released gather is stored; a matmul
     reading it is not marked (Inductor stores it anyway), nor what reads a resident."""
-    from zero_fx.realize_readers import REALIZE_META, RELEASED_KEY, StoreReleasedReaders
+    from zero_fx.compiler.realize_readers import REALIZE_META, RELEASED_KEY, StoreReleasedReaders
 
     c10d, aten = torch.ops._c10d_functional, torch.ops.aten
     graph = torch.fx.Graph()

@@ -2,7 +2,7 @@
 
 Measured on the tensors themselves, not on what the plan says. The peak during
 a step is counted by ``LiveTensorBytes`` (see [Note: measuring peak memory on
-CPU] in zero_fx/live_memory.py): bytes of tensor storage alive, from the
+CPU] in zero_fx/analysis/live_memory.py): bytes of tensor storage alive, from the
 compiled graph's start to the end of the optimizer step.
 """
 

@@ -5,13 +5,13 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from zero_fx import make_plan
-from zero_fx.memory_timeline import memory_timeline
+from zero_fx.analysis.memory_timeline import memory_timeline
 from zero_fx.passes import (InvariantError, accumulate_embedding_grads, annotate_phases,
                             check_invariants, gather_params,
                             recompute_param_views, reduce_grads)
 from zero_fx.passes.predicates import (GRAD_SLOTS_META, PARAM_META, Phase, is_all_gather,
                                        is_all_reduce, is_reduce_scatter, is_wait, phase_of)
-from zero_fx.traffic import traffic_report
+from zero_fx.analysis.traffic import traffic_report
 
 aten = torch.ops.aten
 WORLD = 2

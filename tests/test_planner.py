@@ -9,7 +9,7 @@ import torch
 
 from zero_fx.plan.models import model_source
 from zero_fx.plan.planner import format_report, plan_model
-from zero_fx.table import model_state_bytes
+from zero_fx.plan.table import model_state_bytes
 
 GB = 1e9
 

@@ -16,9 +16,9 @@ import models
 from ranks import run_ranks
 from training import STEPS, parity_errors
 from zero_fx import zero_compile
-from zero_fx.failures import CollectiveFailedError
-from zero_fx.process_group import check_devices_match_backend
-from zero_fx.rank_agreement import RanksDisagreeError, call_signature, disagreement, graph_signature
+from zero_fx.runtime.failures import CollectiveFailedError
+from zero_fx.runtime.process_group import check_devices_match_backend
+from zero_fx.runtime.rank_agreement import RanksDisagreeError, call_signature, disagreement, graph_signature
 
 
 def _setup(stage=3, **options):
@@ -359,9 +359,9 @@ def rank_dying_before_the_check(rank: int, world_size: int, stage: int):
     """The NCCL completion check, run on gloo: rank 1 dies after its graph (stage 3) or after
     its gathers following the update (stage 2), where only the check's all-reduce still
     needs it."""
-    import zero_fx.failures
+    import zero_fx.runtime.failures
 
-    zero_fx.failures.CHECKED_BACKENDS = ("nccl", "gloo")
+    zero_fx.runtime.failures.CHECKED_BACKENDS = ("nccl", "gloo")
     model = models.build("gpt")
     opt = models.make_optimizer(model)
     step = zero_compile(models.training_step("gpt"), stage=stage, backend="aot_eager")

@@ -11,7 +11,7 @@ from zero_fx.passes import (annotate_phases, bucket_collectives, check_invariant
 from zero_fx.passes.predicates import (GRAD_SLOTS_META, PARAM_META, Phase, carried_params,
                                        is_all_gather, is_collective, is_reduce_scatter, is_wait,
                                        phase_of)
-from zero_fx.traffic import traffic_report
+from zero_fx.analysis.traffic import traffic_report
 
 DEPTH = 6
 WIDTH = 8  # one weight: 64 fp32 = 256 bytes, 128 bytes per shard over 2 ranks

@@ -2,7 +2,7 @@
 
 The count comes from ``CollectiveCounter``, a dispatch mode around the
 compiled graph and the optimizer step, on the last of 5 steps of the parity
-runs (GPT, aot_eager; one Inductor run). The table's multiples of Ψ are in zero_fx/table.py;
+runs (GPT, aot_eager; one Inductor run). The table's multiples of Ψ are in zero_fx/plan/table.py;
 every all-gather and reduce-scatter works on padded parameters (Ψ + padding),
 an all-reduce on the parameters as they are.
 """
@@ -15,8 +15,8 @@ import models
 from training import SMALL_BUCKETS, UNSCHEDULED, zero_fx_run
 from zero_fx import plan_for_module
 from zero_fx.config import ZeroConfig
-from zero_fx.table import TRAFFIC_IN_PSI
-from zero_fx.traffic import KINDS
+from zero_fx.plan.table import TRAFFIC_IN_PSI
+from zero_fx.analysis.traffic import KINDS
 
 # In stage 3 the backward re-gathers only the parameters its gradient formulas
 # read; the GPT's position embedding is an embedding: its gradient is a

@@ -1,16 +1,16 @@
 """zero_fx: compiler-based ZeRO for PyTorch."""
 
 from .api import CompiledStep, explain, zero_compile
-from .capture import CaptureError
-from .checkpoint_files import CheckpointError, checkpoint_exists
+from .capture.step_graph import CaptureError
+from .checkpoint.files import CheckpointError, checkpoint_exists
 from .config import ZeroConfig
-from .cost_model import PRESETS, Estimate, Hardware, estimate
-from .offline import rewritten_step_on_fake
+from .analysis.cost_model import PRESETS, Estimate, Hardware, estimate
+from .analysis.offline import rewritten_step_on_fake
 from .inspection.explain import Compilation, Explanation
 from .logs import set_logs, set_logs_from_environment
 from .materialize import MaterializeError, load_pretrained
 from .passes.pipeline import after, before
-from .precision import MixedPrecision
+from .runtime.precision import MixedPrecision
 from .plan import ParamLayout, ShardPlan, make_plan, plan_for_module
 
 __all__ = [

@@ -15,28 +15,28 @@ from torch.fx import GraphModule
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from . import checkpoint
-from .capture import (CHECKPOINTED_META, CaptureError, capture_step_graph, fakes_like_dynamo,
+from .checkpoint import save_load as checkpoint
+from .capture.step_graph import (CHECKPOINTED_META, CaptureError, capture_step_graph, fakes_like_dynamo,
                       has_dynamic_shapes)
-from .capture_hints import capture_hint
-from .collective_counter import CollectiveCounter
-from .cost_model import Estimate, estimate, hardware_for
+from .capture.hints import capture_hint
+from .analysis.collective_counter import CollectiveCounter
+from .analysis.cost_model import Estimate, estimate, hardware_for
 from .inspection.dump import GraphDump
 from .inspection.explain import Compilation, Explanation, explain_graph
 from .config import DEFAULT_PERSISTENCE_THRESHOLD, ZeroConfig, describe_backend
-from .lower import lower
+from .compiler.lower import lower
 from .materialize import PretrainedWeights, materialize
 from .passes import build_pipeline, run_pipeline
 from .passes.predicates import LOSS_SCALE_META, grad_slots
 from .plan import ShardPlan, plan_for_module
-from .failures import failed_after_update, failed_before_update, is_communication_failure
-from .gloo_all_gather import use_gloo_single_tensor_all_gather
-from .process_group import check_devices_match_backend, current_world
-from .rank_agreement import GraphSignature, RankAgreement, call_signature, graph_signature
-from .precision import LossScaler, MixedPrecision, cast_at_model_edge
-from .sharded_state import ShardedState
-from .update import OptimizerUpdate
-from .traffic import TrafficReport, traffic_report
+from .runtime.failures import failed_after_update, failed_before_update, is_communication_failure
+from .runtime.gloo_all_gather import use_gloo_single_tensor_all_gather
+from .runtime.process_group import check_devices_match_backend, current_world
+from .runtime.rank_agreement import GraphSignature, RankAgreement, call_signature, graph_signature
+from .runtime.precision import LossScaler, MixedPrecision, cast_at_model_edge
+from .runtime.sharded_state import ShardedState
+from .runtime.update import OptimizerUpdate
+from .analysis.traffic import TrafficReport, traffic_report
 
 log = logging.getLogger("zero_fx")
 
@@ -434,8 +434,8 @@ class CompiledStep:
 
     def estimate(self, hardware="cpu-gloo") -> Estimate:
         """The cost model's step time, exposed communication and peak memory for the latest
-        compilation on ``hardware`` (a preset name in ``zero_fx.cost_model.PRESETS`` or a
-        ``Hardware``); print it. See [Note: the cost model] in zero_fx/cost_model.py."""
+        compilation on ``hardware`` (a preset name in ``zero_fx.analysis.cost_model.PRESETS`` or a
+        ``Hardware``); print it. See [Note: the cost model] in zero_fx/analysis/cost_model.py."""
         if not self.graphs:
             raise RuntimeError("the step has not been compiled yet; call it once first")
         return estimate(self.graphs[-1], self.plan, hardware)

@@ -12,7 +12,7 @@ import torch
 from .passes.pipeline import pass_names
 from .passes.recompute_activations import ActivationBudget
 from .plan.layout import BLOCKS
-from .precision import MixedPrecision
+from .runtime.precision import MixedPrecision
 
 BackendName = str
 Compiler = Callable[[torch.fx.GraphModule, list], Callable]
@@ -62,7 +62,7 @@ class ZeroConfig:
     buckets late. 0: every collective is issued and waited where it is used."""
     pin_schedule: bool = True
     """Inductor: hold its generated program to our collective schedule with control
-    dependencies ([Note: pinning the schedule through Inductor] in zero_fx/pin_schedule.py);
+    dependencies ([Note: pinning the schedule through Inductor] in zero_fx/compiler/pin_schedule.py);
     ``explain()`` says whether the program runs it. False lets Inductor re-sort the
     collectives (its peak-memory reordering waits on each one right after issuing it):
     for comparison only."""
@@ -84,13 +84,13 @@ class ZeroConfig:
     environment variable ``ZERO_FX_DUMP``, if set; otherwise no dumps."""
     check_ranks: bool = True
     """Before each call's first collective, check that all ranks are about to run the
-    same graph ([Note: checking that ranks agree] in zero_fx/rank_agreement.py)."""
+    same graph ([Note: checking that ranks agree] in zero_fx/runtime/rank_agreement.py)."""
     mixed_precision: Optional[MixedPrecision] = None
     """Compute and gather in a lower precision, keep fp32 masters ([Note: mixed
-    precision] in zero_fx/precision.py). None: everything in the parameters' dtype."""
+    precision] in zero_fx/runtime/precision.py). None: everything in the parameters' dtype."""
     accumulation_steps: int = 1
     """Calls of the step per optimizer step ([Note: gradient accumulation] in
-    zero_fx/update.py)."""
+    zero_fx/runtime/update.py)."""
     max_grad_norm: Optional[float] = None
     """Clip the gradient to this global 2-norm before each optimizer step
     (``clip_grad_norm_`` semantics). None: no clipping."""
@@ -185,7 +185,7 @@ class ZeroConfig:
     def _recompute_for_plan(self, preset: str):
         if self.recompute != "auto" and self.activation_memory_budget is None:
             return self.recompute
-        from .cost_model import hardware, node_seconds
+        from .analysis.cost_model import hardware, node_seconds
 
         budget = self.activation_memory_budget
         return ActivationBudget(DEFAULT_ACTIVATION_BUDGET if budget is None else budget,

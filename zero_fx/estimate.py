@@ -13,11 +13,11 @@ import time
 
 import torch
 
-from .cost_model import PRESETS, estimate
-from .offline import rewritten_step_on_fake
+from .analysis.cost_model import PRESETS, estimate
+from .analysis.offline import rewritten_step_on_fake
 from .inspection.explain import explain_graph
 from .plan.models import embedding_rows, import_builder, on_meta
-from .traffic import traffic_report
+from .analysis.traffic import traffic_report
 
 MODELS = {"gpt-1b": "examples.gpt:gpt_1b", "llama-8b": "examples.llama:llama_8b"}
 """Shortcuts for --model (they live in this repository's examples/)."""

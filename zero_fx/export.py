@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .checkpoint import model_state_dict
+from .checkpoint.save_load import model_state_dict
 from .formatting import format_bytes
 
 

@@ -28,7 +28,7 @@ from .graph_listing import COLLECTIVE_KINDS, format_rows, graph_rows
 from ..passes.recompute_activations import RECOMPUTE_META
 from .html_view import render_graph_html
 from .memory_plot import MATPLOTLIB_MISSING, plot_available, plot_memory
-from ..memory_timeline import memory_timeline
+from ..analysis.memory_timeline import memory_timeline
 
 log = logging.getLogger("zero_fx")
 

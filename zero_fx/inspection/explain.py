@@ -15,11 +15,11 @@ from typing import Optional, Sequence
 
 from torch.fx import GraphModule, Node
 
-from ..cost_model import CollectiveTiming, Estimate, replay
-from ..lowered_memory import LoweredMemory
-from ..lowered_schedule import OrderCheck
+from ..analysis.cost_model import CollectiveTiming, Estimate, replay
+from ..compiler.lowered_memory import LoweredMemory
+from ..compiler.lowered_schedule import OrderCheck
 from ..plan.layout import BLOCKS
-from ..memory_timeline import MemoryTimeline, is_view, tensor_bytes
+from ..analysis.memory_timeline import MemoryTimeline, is_view, tensor_bytes
 from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary
 from ..passes.predicates import gathered_param
 from ..formatting import format_bytes, format_seconds, short_dtype

@@ -23,7 +23,7 @@ from ..passes.predicates import (
     phase_of,
 )
 from ..passes.recompute_activations import RECOMPUTED_META
-from ..memory_timeline import is_view, tensor_bytes
+from ..analysis.memory_timeline import is_view, tensor_bytes
 from ..formatting import format_bytes, short_dtype
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from ..memory_timeline import MemoryTimeline
+from ..analysis.memory_timeline import MemoryTimeline
 
 MATPLOTLIB_MISSING = ("the memory plot (memory.png) needs matplotlib: pip install 'zero_fx[viz]' "
                       "(the same curve is in the HTML view)")

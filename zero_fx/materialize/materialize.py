@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 from ..plan import ShardPlan
-from ..process_group import default_backend
-from ..sharded_state import cut_shard
+from ..runtime.process_group import default_backend
+from ..runtime.sharded_state import cut_shard
 from . import hf
 from .events import construction_events
 from .model_tensors import ModelTensor, model_tensors, own_slots

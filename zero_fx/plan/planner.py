@@ -2,7 +2,7 @@
 memory is spent: the model is built on the meta device, only its shapes are read.
 
 [Note: what the planner counts]
-Model states follow ``zero_fx.table.model_state_breakdown``: what zero_fx holds per
+Model states follow ``zero_fx.plan.table.model_state_breakdown``: what zero_fx holds per
 rank at the peak of a step, by stage. Under mixed precision that is the ZeRO
 paper's table with one difference the planner prints beside it: zero_fx keeps
 the gradient the optimizer reads in the master's dtype (fp32; it sums
@@ -34,8 +34,8 @@ from typing import Optional, Union
 import torch
 
 from ..config import DEFAULT_BUCKET_BYTES, DEFAULT_PERSISTENCE_THRESHOLD
-from ..memory_timeline import memory_timeline
-from ..table import TRAFFIC_IN_PSI, model_state_breakdown, zero_paper_bytes
+from ..analysis.memory_timeline import memory_timeline
+from .table import TRAFFIC_IN_PSI, model_state_breakdown, zero_paper_bytes
 from .layout import BLOCKS, ShardPlan, plan_for_module
 from .models import ModelSource, on_meta
 
@@ -165,7 +165,7 @@ def _buckets(plan: ShardPlan, item: int) -> dict[str, list[Bucket]]:
 
 def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: torch.dtype,
                  batch: int, seq: int, recompute: dict) -> tuple[float, str]:
-    from ..offline import rewritten_step_on_fake  # traces through the passes: import on use
+    from ..analysis.offline import rewritten_step_on_fake  # traces through the passes: import on use
 
     def traced_peak(layers: Optional[int]) -> int:
         gm, _ = rewritten_step_on_fake(

@@ -24,8 +24,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .inline_checkpoints import inline_checkpoints
-from .passes.predicates import GRAD_SLOTS_META, PARAM_META
-from .passes.splice import outside_dynamo_tracing
+from ..passes.predicates import GRAD_SLOTS_META, PARAM_META
+from ..passes.splice import outside_dynamo_tracing
 
 aten = torch.ops.aten
 

@@ -15,10 +15,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .config import ZeroConfig
-from .passes import build_pipeline, run_pipeline
-from .passes.predicates import mark_step_graph
-from .plan import ShardPlan, plan_for_module
+from ..config import ZeroConfig
+from ..passes import build_pipeline, run_pipeline
+from ..passes.predicates import mark_step_graph
+from ..plan import ShardPlan, plan_for_module
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 

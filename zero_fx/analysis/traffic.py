@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from .passes.predicates import (
+from ..passes.predicates import (
     carried_params,
     grad_slots,
     is_all_gather,

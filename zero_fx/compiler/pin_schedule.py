@@ -60,7 +60,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch.fx import Graph, GraphModule, Node
 from torch.utils._ordered_set import OrderedSet
 
-from .passes.predicates import is_anchor_compute, is_collective, is_wait
+from ..passes.predicates import is_anchor_compute, is_collective, is_wait
 
 POSITION_KEY = "zero_fx_position"
 """Key in ``node.meta["custom"]``: the node's index in our final graph."""

@@ -7,10 +7,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from .passes.collective_code import gather_bucket
-from .passes.reduce_grads import reduction
+from ..passes.collective_code import gather_bucket
+from ..passes.reduce_grads import reduction
 from .optimizer import check_elementwise, rebind_to_shards
-from .plan import ParamLayout, ShardPlan
+from ..plan import ParamLayout, ShardPlan
 from .process_group import World
 
 

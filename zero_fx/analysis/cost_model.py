@@ -38,9 +38,9 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from .formatting import format_bytes
+from ..formatting import format_bytes
 from .memory_timeline import MemoryTimeline, hint, is_view, memory_timeline, tensor_bytes, vals
-from .passes.predicates import is_collective, is_wait
+from ..passes.predicates import is_collective, is_wait
 from .traffic import Collective, traffic_report
 
 aten = torch.ops.aten

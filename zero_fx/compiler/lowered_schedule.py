@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from .passes.predicates import (
+from ..passes.predicates import (
     ANCHOR_OPS,
     is_all_gather,
     is_anchor_compute,
