@@ -43,7 +43,7 @@ def test_user_passes_run_where_they_are_placed():
     _run(step)
     # before annotate_phases nothing is tagged; after gather_params full parameters are
     assert seen == [("first", False), ("after_gather", True), ("last", True)]
-    assert [p.name for p in step._pipeline] == pass_names(extra=step.config.passes) == [
+    assert [p.name for p in step._compiler.pipeline] == pass_names(extra=step.config.passes) == [
         "first", "annotate_phases", "scale_loss", "recompute_activations", "recompute_param_views",
         "gather_params", "after_gather", "accumulate_embedding_grads", "reduce_grads",
         "bucket_collectives", "schedule_collectives", "last", "check_invariants"]
@@ -69,7 +69,7 @@ def test_a_user_pass_changes_what_runs():
 def test_disabled_passes_do_not_run():
     step = _compiled(disable_passes=["schedule_collectives", "bucket_collectives"])
     _run(step)
-    names = [p.name for p in step._pipeline]
+    names = [p.name for p in step._compiler.pipeline]
     assert "schedule_collectives" not in names and "bucket_collectives" not in names
 
 

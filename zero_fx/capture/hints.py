@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .step_graph import CaptureError
+
 _HINTS = (
     (("logging.Logger", "warning_once"),
      "The model logs from inside the step. HuggingFace models do this when `model.loss_type` "
@@ -42,3 +44,23 @@ def capture_hint(message: str) -> Optional[str]:
         if any(needle in message for needle in needles):
             return hint
     return None
+
+
+def capture_failed(err: BaseException) -> CaptureError:
+    """PyTorch could not capture the step as one graph: its message, and ours on what to do."""
+    advice = capture_hint(str(err)) or "Move the unsupported code out of the decorated step."
+    return CaptureError(f"zero_fx captures the whole step as one graph, and PyTorch could not: "
+                        f"{_without_user_stack(str(err))}\n{advice}")
+
+
+def _without_user_stack(message: str) -> str:
+    """Dynamo's message up to its user stack and debugging tips (the traceback chained to
+    the CaptureError shows the stack; the message keeps the cause and the line it names)."""
+    kept = []
+    for line in message.splitlines():
+        if line.startswith(("User Stack", "For more information", "For extended logs",
+                            "If you suspect", "For more debugging help")):
+            break
+        if line.strip():
+            kept.append(line)
+    return "\n".join(kept)

@@ -1,0 +1,127 @@
+"""The dynamo backend of a compiled step: each compilation captures dynamo's graph as the
+whole step (``capture``), runs our passes on it (``passes``), lowers it (``lower``) and
+hands dynamo a ``StepRunner`` that feeds it shards."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+import torch
+from torch.fx import GraphModule
+
+from ..capture.step_graph import (CHECKPOINTED_META, CaptureError, capture_step_graph,
+                                  fakes_like_dynamo, has_dynamic_shapes)
+from ..config import ZeroConfig, describe_backend
+from ..inspection.dump import GraphDump
+from ..inspection.explain import Compilation
+from ..passes import build_pipeline, run_pipeline
+from ..passes.predicates import LOSS_SCALE_META, grad_slots
+from ..runtime.rank_agreement import graph_signature
+from ..runtime.sharding import Sharded
+from ..runtime.step_runner import StepRunner
+from .lower import lower
+
+log = logging.getLogger("zero_fx")
+
+RECOMPILES_WARNED_AT = 4
+"""The compilation of a step that logs a warning: shapes change more than a few times."""
+
+
+class StepCompiler:
+    """Compiles one step's graphs; ``graphs`` and ``compilations`` are the step's own lists."""
+
+    def __init__(self, step_name: str, config: ZeroConfig, sharded: Sharded, *,
+                 graphs: list, compilations: list, observers: list, explain: Callable):
+        self.step_name = step_name
+        self.config = config
+        self.sharded = sharded
+        self.graphs = graphs
+        """The rewritten graph of each compilation."""
+        self.compilations = compilations
+        """Each compilation: its wall time, why it happened, the lowered program's order."""
+        self.observers = observers
+        self.explain = explain
+        """The step's ``explain()``, written into the dumps."""
+        self.pipeline = build_pipeline(sharded.plan, disable=config.disable_passes,
+                                       extra=config.passes)
+
+    def __call__(self, dynamo_gm: GraphModule, example_inputs: list) -> StepRunner:
+        start = time.perf_counter()
+        reason = self._why_compiling()
+        plan, state = self.sharded.plan, self.sharded.state
+        names = [state.param_name(t) if isinstance(t, torch.Tensor) else None
+                 for t in example_inputs]
+        gm = capture_step_graph(dynamo_gm, example_inputs, names)
+        dump = (GraphDump(self.config.dump_dir, self.step_name, plan.rank,
+                          len(self.compilations), plan) if self.config.dump_dir else None)
+        gm = run_pipeline(gm, self._pipeline_for(gm), observe=dump.observe if dump else None)
+        dynamic = has_dynamic_shapes(dynamo_gm)
+        extra_inputs = self._extra_inputs(gm)
+        inputs = state.graph_inputs(names, example_inputs) + extra_inputs
+        lowered = lower(gm, fakes_like_dynamo(inputs) if dynamic else inputs,
+                        self.config.backend, dynamic=dynamic, pin_schedule=self.config.pin_schedule,
+                        resident=plan.resident)
+        if lowered.order.difference:
+            log.warning("zero_fx: %s", lowered.order)
+        agreement = self.sharded.agreement
+        signature = graph_signature(gm, plan) if agreement.group else None
+        self.graphs.append(gm)
+        self.compilations.append(Compilation(seconds=time.perf_counter() - start, reason=reason,
+                                             order=lowered.order, memory=lowered.memory,
+                                             program=lowered.program))
+        log.info("zero_fx: compiled %s with %s in %.1f s", self.step_name,
+                 describe_backend(self.config.backend), self.compilations[-1].seconds)
+        if dump:
+            dump.finish(self.explain())
+        return StepRunner(lowered.run, names, grad_slots(gm), state, self.observers,
+                          agreement, signature, extra_inputs)
+
+    def _why_compiling(self) -> str:
+        if not self.compilations:
+            return "first call"
+        reason = _recompile_reason()
+        log.info("zero_fx: recompiling %s (compilation %d): %s", self.step_name,
+                 len(self.compilations), reason)
+        if len(self.compilations) + 1 == RECOMPILES_WARNED_AT:
+            log.warning(
+                "zero_fx: %s is compiling for the %dth time (this time: %s). Every new input shape "
+                "compiles once (each takes seconds to minutes, and dynamo gives up at "
+                "torch._dynamo.config.recompile_limit); pad or bucket batches to a few fixed "
+                "shapes. step.explain() lists every compilation and its reason.",
+                self.step_name, RECOMPILES_WARNED_AT, reason)
+        return reason
+
+    def _pipeline_for(self, gm: GraphModule):
+        """Our passes; with ``recompute="blocks"`` when the model checkpoints activations
+        itself and the user chose no recompute ([Note: torch.utils.checkpoint in a captured
+        step] in inline_checkpoints.py)."""
+        plan = self.sharded.plan
+        if not gm.meta.get(CHECKPOINTED_META) or plan.recompute is not None:
+            return self.pipeline
+        log.info("zero_fx: the model checkpoints %d region(s) with torch.utils.checkpoint; "
+                 "zero_fx recomputes them with recompute='blocks'", gm.meta[CHECKPOINTED_META])
+        return build_pipeline(dataclasses.replace(plan, recompute="blocks"),
+                              disable=self.config.disable_passes, extra=self.config.passes)
+
+    def _extra_inputs(self, gm: GraphModule) -> list[torch.Tensor]:
+        """The graph's inputs after the step's own: the loss scale, if ``scale_loss`` added it."""
+        takes_scale = any(n.meta.get(LOSS_SCALE_META) for n in gm.graph.find_nodes(op="placeholder"))
+        scaler = self.sharded.scaler
+        if scaler is not None and not takes_scale:
+            raise CaptureError("fp16 loss scaling needs a scalar loss: call loss.backward() on a "
+                               "0-dimensional loss, without gradient=")
+        return [scaler.scale] if takes_scale else []
+
+
+def _recompile_reason() -> str:
+    """Why dynamo compiles again: the guard that failed, in dynamo's words."""
+    try:  # dynamo records it in its (private) metrics context before calling the backend
+        from torch._dynamo.utils import get_metrics_context
+
+        reason = get_metrics_context()._metrics.get("recompile_reason")
+    except (ImportError, AttributeError):
+        reason = None
+    return reason or "unknown (dynamo did not say; TORCH_LOGS=recompiles prints its guards)"

@@ -1,0 +1,70 @@
+"""``opt.step()`` and ``opt.zero_grad()`` inside the captured step only record that they
+ran; after the compiled graph, the update runs on the shards (``OptimizerUpdate``)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from ..capture.step_graph import CaptureError
+from .failures import failed_after_update, failed_before_update, is_communication_failure
+from .step_runner import entered
+from .update import OptimizerUpdate
+
+
+class DeferredOptimizerCalls:
+    """The optimizer calls of one call of the step, and the update they stand for."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.broken = ""
+        """Why the step refuses calls (an update failed half-way, so ranks may differ);
+        "" if it does not."""
+
+    @contextlib.contextmanager
+    def deferring(self, optimizer):
+        """Inside, ``optimizer.step()`` and ``optimizer.zero_grad()`` only record that they ran."""
+        self.calls.clear()
+        saved = {k: optimizer.__dict__[k] for k in ("step", "zero_grad") if k in optimizer.__dict__}
+        optimizer.step, optimizer.zero_grad = self._record_step, self._record_zero_grad
+        try:
+            yield
+        finally:
+            del optimizer.step, optimizer.zero_grad
+            optimizer.__dict__.update(saved)
+
+    # Same function objects on every call, so dynamo's guards on them hold.
+    def _record_step(self, *args, **kwargs):
+        self.calls.append("step")
+
+    def _record_zero_grad(self, *args, **kwargs):
+        self.calls.append("zero_grad")
+
+    def run(self, update: OptimizerUpdate, rank: int, observers: list) -> None:
+        """Check the step made the calls zero_fx needs, then accumulate the gradient shards
+        and, at the end of an accumulation window, update the shards."""
+        if self.calls.count("step") != 1:
+            raise CaptureError(
+                f"the step called opt.step() {self.calls.count('step')} times; zero_fx needs "
+                "exactly one")
+        if "zero_grad" not in self.calls:
+            raise CaptureError(
+                "the step never calls opt.zero_grad(); call it after opt.step() (to accumulate "
+                "gradients over several calls, use zero_compile(accumulation_steps=K))")
+        with entered(observers):
+            try:
+                ready = update.accumulate()
+            except RuntimeError as err:
+                if not is_communication_failure(err):
+                    raise
+                update.discard()
+                raise failed_before_update(rank, err) from err
+            if not ready:
+                return
+            try:
+                update.apply()
+            except RuntimeError as err:
+                if not is_communication_failure(err):
+                    raise
+                failure = failed_after_update(rank, err)
+                self.broken = str(failure)
+                raise failure from err

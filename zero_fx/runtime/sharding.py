@@ -1,0 +1,131 @@
+"""The first call of a compiled step: find its model and optimizer, plan the layout, shard
+them, and make what runs around the graph (the optimizer update, the loss scaler, the
+ranks' agreement check)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from ..analysis.cost_model import hardware_for
+from ..config import ZeroConfig
+from ..materialize import PretrainedWeights, materialize
+from ..plan import ShardPlan, plan_for_module
+from .gloo_all_gather import use_gloo_single_tensor_all_gather
+from .precision import LossScaler, cast_at_model_edge
+from .process_group import check_devices_match_backend, current_world
+from .rank_agreement import RankAgreement
+from .sharded_state import ShardedState
+from .update import OptimizerUpdate
+
+log = logging.getLogger("zero_fx")
+
+
+@dataclass
+class Sharded:
+    """What a step's first call set up; it lives as long as the step."""
+
+    plan: ShardPlan
+    state: ShardedState
+    update: OptimizerUpdate
+    scaler: Optional[LossScaler]
+    """The fp16 loss scaler; None without loss scaling."""
+    agreement: RankAgreement
+
+
+def find_model_and_optimizer(args, kwargs, model: Optional[torch.nn.Module],
+                             optimizer: Optional[torch.optim.Optimizer]):
+    """The model and optimizer the step shards: those named to ``zero_compile``, else the one
+    of each among the call's arguments."""
+    leaves = tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(
+        x, (torch.nn.Module, torch.optim.Optimizer)))
+    if model is None:
+        model = _the_one(leaves, torch.nn.Module, "model", "model=")
+    if optimizer is None:
+        optimizer = _the_one(leaves, torch.optim.Optimizer, "optimizer", "optimizer=")
+    return model, optimizer
+
+
+def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig,
+          step_name: str, pretrained: Optional[PretrainedWeights] = None) -> Sharded:
+    """Plan and shard ``model`` and ``optimizer`` over the default process group (a world of
+    one if none); in place: the model and optimizer are the user's, rebound to shards."""
+    world = current_world()
+    check_devices_match_backend(model.parameters())
+    # "gloo", or e.g. "cpu:gloo,cuda:nccl": [Note: gloo's coalesced all-gather corrupts the heap]
+    if "gloo" in world.backend:
+        use_gloo_single_tensor_all_gather()
+    claim(model, optimizer, step_name)
+    plan = plan_for_module(model, world_size=world.size, rank=world.rank, stage=config.stage,
+                           group_name=world.group_name, **config.plan_options(hardware_for(model)))
+    try:  # a meta model, or pretrained weights: this rank's values (the model is unchanged on error)
+        masters = materialize(model, plan, init_fn=config.init_fn, pretrained=pretrained)
+    except Exception:
+        claim(model, optimizer, None)
+        raise
+    state = ShardedState(model, optimizer, plan, world, masters=masters,
+                         elementwise_optimizer=config.elementwise_optimizer)
+    precision = config.mixed_precision
+    if precision is not None:
+        cast_at_model_edge(model, precision)
+    scaler = (LossScaler(precision, next(model.parameters()).device)
+              if precision is not None and precision.scales_loss else None)
+    update = OptimizerUpdate(state, accumulation_steps=config.accumulation_steps,
+                             max_grad_norm=config.max_grad_norm, scaler=scaler)
+    agreement = RankAgreement(world.size if config.check_ranks and not world.simulated else 1)
+    _log_plan(plan, world.size)
+    return Sharded(plan, state, update, scaler, agreement)
+
+
+def _log_plan(plan: ShardPlan, world_size: int) -> None:
+    if plan.replicated:
+        log.info("zero_fx: stage 0 over %d rank(s): %d parameters, %d elements, replicated",
+                 world_size, len(plan.params), plan.total_numel)
+    else:
+        log.info("zero_fx: stage %d over %d rank(s): %d parameters, %d elements "
+                 "(%d padding), %d elements per rank", plan.stage, world_size,
+                 len(plan.params), plan.total_numel, plan.padding_numel, plan.shard_numel)
+
+
+_OWNER_ATTRIBUTE = "_zero_fx_sharded_by"
+"""Set on model parameters and optimizers once sharded: the name of the step that did it.
+(An attribute, not a weak dictionary: looking a tensor up there compares tensors.)"""
+
+
+def claim(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_name: Optional[str]) -> None:
+    """One model and one optimizer belong to one compiled step: a second step would shard
+    what is already sharded (in stage 3, parameters whose storage is gone). None: release them."""
+    if step_name is None:
+        for obj in (optimizer, *model.parameters()):
+            obj.__dict__.pop(_OWNER_ATTRIBUTE, None)
+        return
+    for name, param in model.named_parameters():
+        owner = getattr(param, _OWNER_ATTRIBUTE, None)
+        if owner is not None:
+            raise ValueError(
+                f"parameter {name!r} is already sharded by the compiled step {owner!r}; a model "
+                f"(and its optimizer) belong to one @zero_compile step: call that step, or build "
+                f"a new model for {step_name!r}")
+    owner = getattr(optimizer, _OWNER_ATTRIBUTE, None)
+    if owner is not None:
+        raise ValueError(f"this optimizer already steps on the shards of {owner!r}; give "
+                         f"{step_name!r} its own optimizer over its own model")
+    for param in model.parameters():
+        setattr(param, _OWNER_ATTRIBUTE, step_name)
+    setattr(optimizer, _OWNER_ATTRIBUTE, step_name)
+
+
+def _the_one(leaves, cls, what: str, keyword: str):
+    found = [x for x in leaves if isinstance(x, cls)]
+    unique = list({id(x): x for x in found}.values())
+    if len(unique) == 1:
+        return unique[0]
+    if not unique:
+        raise ValueError(f"no {what} among the step's arguments; pass it as an argument or name "
+                         f"it with @zero_compile({keyword}...)")
+    raise ValueError(f"{len(unique)} different {what}s among the step's arguments; name the one "
+                     f"to shard with @zero_compile({keyword}...)")

@@ -1,0 +1,52 @@
+"""What dynamo calls in place of the captured step: the compiled program, fed this rank's
+shards for the parameters, handing the gradient shards it returns to the sharded state."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+from .rank_agreement import GraphSignature, RankAgreement, call_signature
+from .sharded_state import ShardedState
+
+
+class StepRunner:
+    """Feeds shards for parameters, hands gradient shards to the state."""
+
+    def __init__(self, compiled, param_names, slots, state: ShardedState, observers: list,
+                 agreement: RankAgreement, signature: Optional[GraphSignature],
+                 extra_inputs: list):
+        self.compiled = compiled
+        self.extra_inputs = extra_inputs
+        """Inputs the graph takes after the step's own (the loss scale), read on every call."""
+        self.agreement = agreement
+        self.signature = signature
+        """What the ranks compare before each call ([Note: checking that ranks agree]);
+        None: no check."""
+        self.param_names = param_names
+        self.slots = slots
+        self.state = state
+        self.observers = observers
+        """Dispatch modes to run the graph under (the CompiledStep's list, which it edits)."""
+
+    def __call__(self, *args):
+        inputs = self.state.graph_inputs(self.param_names, args) + self.extra_inputs
+        if self.signature is not None:
+            others = [a for a, name in zip(args, self.param_names) if name is None]
+            self.agreement.check(call_signature(self.signature, others))
+        with entered(self.observers):
+            outs = list(self.compiled(*inputs))
+        for index, name in self.slots.items():
+            if outs[index] is not None:
+                self.state.receive_grad(name, outs[index])
+            outs[index] = None  # dynamo assigns this to the full parameter's .grad
+        return outs
+
+
+@contextlib.contextmanager
+def entered(modes: list):
+    """Enter every dispatch mode of ``modes`` (observers: counters, trackers), in order."""
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        yield
