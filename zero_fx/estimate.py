@@ -15,9 +15,9 @@ import torch
 
 from .analysis.cost_model import PRESETS, estimate
 from .analysis.offline import rewritten_step_on_fake
+from .analysis.traffic import traffic_report
 from .inspection.explain import explain_graph
 from .plan.models import embedding_rows, import_builder, on_meta
-from .analysis.traffic import traffic_report
 
 MODELS = {"gpt-1b": "examples.gpt:gpt_1b", "llama-8b": "examples.llama:llama_8b"}
 """Shortcuts for --model (they live in this repository's examples/)."""

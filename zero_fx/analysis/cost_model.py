@@ -39,8 +39,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..formatting import format_bytes
-from .memory_timeline import MemoryTimeline, hint, is_view, memory_timeline, tensor_bytes, vals
 from ..passes.predicates import is_collective, is_wait
+from .memory_timeline import MemoryTimeline, hint, is_view, memory_timeline, tensor_bytes, vals
 from .traffic import Collective, traffic_report
 
 aten = torch.ops.aten

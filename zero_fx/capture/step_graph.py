@@ -23,9 +23,9 @@ from torch.fx.node import map_aggregate
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .inline_checkpoints import inline_checkpoints
 from ..passes.predicates import GRAD_SLOTS_META, PARAM_META
 from ..passes.splice import outside_dynamo_tracing
+from .inline_checkpoints import inline_checkpoints
 
 aten = torch.ops.aten
 

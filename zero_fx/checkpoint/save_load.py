@@ -31,9 +31,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..runtime.sharded_state import ShardedState
 from .files import (CheckpointError, check_files, clear_staging, prepare_save, publish,
                                raise_if_damaged, read_manifest, readable_path, staging_path)
-from ..runtime.sharded_state import ShardedState
 
 log = logging.getLogger("zero_fx")
 

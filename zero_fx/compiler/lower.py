@@ -11,10 +11,10 @@ from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..capture.step_graph import static_fakes
+from ..passes.splice import outside_dynamo_tracing
 from .lowered_memory import LoweredMemory, lowered_memory
 from .lowered_schedule import (OrderCheck, inductor_keeps_as_kernel, lowered_schedule, order_as_graph,
                                planned_schedule)
-from ..passes.splice import outside_dynamo_tracing
 from .pin_schedule import PinSchedule, after_user_passes, tag_schedule
 from .realize_readers import StoreReleasedReaders, tag_released_gathers
 

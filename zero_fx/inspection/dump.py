@@ -23,12 +23,12 @@ from typing import NamedTuple
 
 from torch.fx import GraphModule
 
+from ..analysis.memory_timeline import memory_timeline
+from ..passes.recompute_activations import RECOMPUTE_META
 from .explain import Explanation, describe_recompute
 from .graph_listing import COLLECTIVE_KINDS, format_rows, graph_rows
-from ..passes.recompute_activations import RECOMPUTE_META
 from .html_view import render_graph_html
 from .memory_plot import MATPLOTLIB_MISSING, plot_available, plot_memory
-from ..analysis.memory_timeline import memory_timeline
 
 log = logging.getLogger("zero_fx")
 

@@ -16,13 +16,13 @@ from typing import Optional, Sequence
 from torch.fx import GraphModule, Node
 
 from ..analysis.cost_model import CollectiveTiming, Estimate, replay
+from ..analysis.memory_timeline import MemoryTimeline, is_view, tensor_bytes
 from ..compiler.lowered_memory import LoweredMemory
 from ..compiler.lowered_schedule import OrderCheck
-from ..plan.layout import BLOCKS
-from ..analysis.memory_timeline import MemoryTimeline, is_view, tensor_bytes
-from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary
-from ..passes.predicates import gathered_param
 from ..formatting import format_bytes, format_seconds, short_dtype
+from ..passes.predicates import gathered_param
+from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary
+from ..plan.layout import BLOCKS
 
 LIVE_AT_PEAK_SHOWN = 8
 SPARKLINE_WIDTH = 64

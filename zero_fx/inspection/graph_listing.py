@@ -10,6 +10,8 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from ..analysis.memory_timeline import is_view, tensor_bytes
+from ..formatting import format_bytes, short_dtype
 from ..passes.predicates import (
     carried_params,
     gathered_param,
@@ -23,8 +25,6 @@ from ..passes.predicates import (
     phase_of,
 )
 from ..passes.recompute_activations import RECOMPUTED_META
-from ..analysis.memory_timeline import is_view, tensor_bytes
-from ..formatting import format_bytes, short_dtype
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 

@@ -33,11 +33,11 @@ from typing import Optional, Union
 
 import torch
 
-from ..config import DEFAULT_BUCKET_BYTES, DEFAULT_PERSISTENCE_THRESHOLD
 from ..analysis.memory_timeline import memory_timeline
-from .table import TRAFFIC_IN_PSI, model_state_breakdown, zero_paper_bytes
+from ..config import DEFAULT_BUCKET_BYTES, DEFAULT_PERSISTENCE_THRESHOLD
 from .layout import BLOCKS, ShardPlan, plan_for_module
 from .models import ModelSource, on_meta
+from .table import TRAFFIC_IN_PSI, model_state_breakdown, zero_paper_bytes
 
 GB = 1e9
 OPTIMIZER_BYTES = {"adamw": 8, "sgd-momentum": 4, "sgd": 0}

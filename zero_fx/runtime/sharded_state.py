@@ -9,8 +9,8 @@ import torch
 
 from ..passes.collective_code import gather_bucket
 from ..passes.reduce_grads import reduction
-from .optimizer import check_elementwise, rebind_to_shards
 from ..plan import ParamLayout, ShardPlan
+from .optimizer import check_elementwise, rebind_to_shards
 from .process_group import World
 
 
