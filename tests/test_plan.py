@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from zero_fx import make_plan
 from zero_fx.plan.layout import BLOCKS
-from zero_fx.runtime.sharded_state import cut_shard
+from zero_fx.plan.layout import cut_shard
 
 shapes = st.lists(st.lists(st.integers(1, 9), min_size=0, max_size=3).map(tuple), min_size=1, max_size=6)
 

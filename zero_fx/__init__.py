@@ -1,17 +1,17 @@
 """zero_fx: compiler-based ZeRO for PyTorch."""
 
 from .analysis.cost_model import PRESETS, Estimate, Hardware, estimate
-from .analysis.offline import rewritten_step_on_fake
 from .api import CompiledStep, explain, zero_compile
 from .capture.step_graph import CaptureError
 from .checkpoint.files import CheckpointError, checkpoint_exists
-from .config import ZeroConfig
-from .inspection.explain import Compilation, Explanation
+from .compiler.backend import Compilation
+from .config import MixedPrecision, ZeroConfig
+from .inspection.explain import Explanation
 from .logs import set_logs, set_logs_from_environment
 from .materialize import MaterializeError, load_pretrained
 from .passes.pipeline import after, before
 from .plan import ParamLayout, ShardPlan, make_plan, plan_for_module
-from .runtime.precision import MixedPrecision
+from .plan.offline import rewritten_step_on_fake
 
 __all__ = [
     "after",

@@ -19,14 +19,13 @@ from .analysis.traffic import TrafficReport, traffic_report
 from .capture.hints import capture_failed, capture_hint
 from .capture.step_graph import CaptureError
 from .checkpoint import save_load as checkpoint
-from .compiler.backend import StepCompiler
-from .config import DEFAULT_PERSISTENCE_THRESHOLD, ZeroConfig, describe_backend
-from .inspection.explain import Compilation, Explanation, explain_graph
+from .compiler.backend import Compilation, StepCompiler
+from .config import DEFAULT_PERSISTENCE_THRESHOLD, MixedPrecision, ZeroConfig, describe_backend
+from .inspection.explain import Explanation, explain_graph
 from .materialize import PretrainedWeights
 from .plan import ShardPlan
 from .runtime.deferred_optimizer import DeferredOptimizerCalls
 from .runtime.failures import failed_before_update, is_communication_failure
-from .runtime.precision import MixedPrecision
 from .runtime.sharded_state import ShardedState
 from .runtime.sharding import Sharded, find_model_and_optimizer, shard
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from .analysis.cost_model import PRESETS, estimate
-from .analysis.offline import rewritten_step_on_fake
+from .plan.offline import rewritten_step_on_fake
 from .analysis.traffic import traffic_report
 from .inspection.explain import explain_graph
 from .plan.models import embedding_rows, import_builder, on_meta

@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from torch.fx import GraphModule
@@ -16,18 +17,35 @@ from ..capture.step_graph import (CHECKPOINTED_META, CaptureError, capture_step_
                                   fakes_like_dynamo, has_dynamic_shapes)
 from ..config import ZeroConfig, describe_backend
 from ..inspection.dump import GraphDump
-from ..inspection.explain import Compilation
 from ..passes import build_pipeline, run_pipeline
 from ..passes.predicates import LOSS_SCALE_META, grad_slots
 from ..runtime.rank_agreement import graph_signature
 from ..runtime.sharding import Sharded
 from ..runtime.step_runner import StepRunner
 from .lower import lower
+from .lowered_memory import LoweredMemory
+from .lowered_schedule import OrderCheck
 
 log = logging.getLogger("zero_fx")
 
 RECOMPILES_WARNED_AT = 4
 """The compilation of a step that logs a warning: shapes change more than a few times."""
+
+
+@dataclass(frozen=True)
+class Compilation:
+    """One compilation of a step."""
+
+    seconds: float
+    """Wall time: capture, passes and lowering."""
+    reason: str
+    """Why it compiled: "first call", or the guard that failed (dynamo's words)."""
+    order: Optional[OrderCheck] = None
+    """Whether the lowered program runs the graph's collective schedule."""
+    memory: Optional[LoweredMemory] = None
+    """The buffers of the lowered program (Inductor's), read from its code."""
+    program: str = ""
+    """The lowered program's code (Inductor's Python wrapper); empty for other backends."""
 
 
 class StepCompiler:

@@ -11,38 +11,23 @@ off the rewritten graph and the plan; times and bytes are the cost model's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from torch.fx import GraphModule, Node
 
 from ..analysis.cost_model import CollectiveTiming, Estimate, replay
 from ..analysis.memory_timeline import MemoryTimeline, is_view, tensor_bytes
-from ..compiler.lowered_memory import LoweredMemory
-from ..compiler.lowered_schedule import OrderCheck
 from ..formatting import format_bytes, format_seconds, short_dtype
 from ..passes.predicates import gathered_param
 from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary
 from ..plan.layout import BLOCKS
 
+if TYPE_CHECKING:  # the report reads compilations; the compiler does not import it back
+    from ..compiler.backend import Compilation
+
 LIVE_AT_PEAK_SHOWN = 8
 SPARKLINE_WIDTH = 64
 _BARS = " ▁▂▃▄▅▆▇█"
-
-
-@dataclass(frozen=True)
-class Compilation:
-    """One compilation of a step."""
-
-    seconds: float
-    """Wall time: capture, passes and lowering."""
-    reason: str
-    """Why it compiled: "first call", or the guard that failed (dynamo's words)."""
-    order: Optional[OrderCheck] = None
-    """Whether the lowered program runs the graph's collective schedule."""
-    memory: Optional[LoweredMemory] = None
-    """The buffers of the lowered program (Inductor's), read from its code."""
-    program: str = ""
-    """The lowered program's code (Inductor's Python wrapper); empty for other backends."""
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..plan import ShardPlan
-from ..runtime.process_group import default_backend
-from ..runtime.sharded_state import cut_shard
+from ..plan.layout import cut_shard
 from . import hf
 from .events import construction_events
 from .model_tensors import ModelTensor, model_tensors, own_slots
@@ -36,7 +35,7 @@ def materialize(model: nn.Module, plan: ShardPlan, *,
     module at a time. Meta tensors change only once everything succeeded (swapped in
     place: the modules, ties and the optimizer keep referring to the same objects);
     tensors that have values are overwritten as they are read. New tensors go on
-    ``device``, by default where this rank trains (``training_device``).
+    ``device``, by default the CPU (the first call passes where this rank trains).
 
     Returns the stage-3 shards, or None when the caller cuts them from whole parameters
     (stages 0-2, or nothing to materialize)."""
@@ -47,7 +46,7 @@ def materialize(model: nn.Module, plan: ShardPlan, *,
             log.warning("zero_fx: init_fn is for models built on the meta device; this model "
                         "already has values, so init_fn did not run")
         return None
-    device = device if device is not None else training_device()
+    device = device if device is not None else torch.device("cpu")
     sink = _Sink(plan, device)
     in_files = pretrained.key_of if pretrained is not None else {}
     wanted = [mt for mt in meta if id(mt.tensor) not in in_files]
@@ -62,13 +61,6 @@ def materialize(model: nn.Module, plan: ShardPlan, *,
                  "initialized as its construction would" if pretrained is None else
                  f"{len(meta) - len(wanted)} from pretrained weights, {len(wanted)} initialized")
     return sink.masters if plan.params_sharded else None
-
-
-def training_device() -> torch.device:
-    """Where this rank trains: its CUDA device under NCCL, else the CPU."""
-    if "nccl" in default_backend():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _initialize(model, tensors, wanted, sink, device, init_fn, *, loading: bool) -> None:

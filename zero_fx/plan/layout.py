@@ -324,3 +324,12 @@ def plan_for_module(
         resident=resident,
         **schedule,
     )
+
+
+def cut_shard(full: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
+    """This rank's flat, padded slice of a parameter-shaped tensor (a fresh copy)."""
+    flat = full.detach().reshape(-1)
+    start, stop = layout.owned_range(rank)
+    shard = flat.new_zeros(layout.shard_numel)
+    shard[: stop - start] = flat[start:stop]
+    return shard

@@ -165,7 +165,7 @@ def _buckets(plan: ShardPlan, item: int) -> dict[str, list[Bucket]]:
 
 def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: torch.dtype,
                  batch: int, seq: int, recompute: dict) -> tuple[float, str]:
-    from ..analysis.offline import rewritten_step_on_fake  # traces through the passes: import on use
+    from ..plan.offline import rewritten_step_on_fake  # traces through the passes: import on use
 
     def traced_peak(layers: Optional[int]) -> int:
         gm, _ = rewritten_step_on_fake(

@@ -1,4 +1,5 @@
-"""Mixed precision: the policy, the loss scaler of fp16 training, and the casts at the model's edge.
+"""Mixed precision: the loss scaler of fp16 training and the casts at the model's edge (the
+policy, ``MixedPrecision``, is one of the user's options in config.py).
 
 [Note: mixed precision]
 With ``MixedPrecision(param_dtype=torch.bfloat16)`` the optimizer keeps fp32:
@@ -23,68 +24,10 @@ whose gradients hold an inf or NaN is skipped and the scale halved
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Union
-
 import torch
 from torch.utils._pytree import tree_map_only
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """How a compiled step computes, communicates and scales (``zero_compile(mixed_precision=...)``).
-
-    Like FSDP2's ``MixedPrecisionPolicy``; see [Note: mixed precision].
-    """
-
-    param_dtype: torch.dtype = torch.bfloat16
-    """Forward and backward compute, and all-gathers move, this dtype."""
-    reduce_dtype: Optional[torch.dtype] = None
-    """Gradients are reduced in this dtype; None: ``param_dtype``. ``torch.float32``
-    reduces more precisely, at twice the reduce traffic of bf16."""
-    output_dtype: Optional[torch.dtype] = None
-    """Cast the model's floating-point outputs to this dtype (e.g. float32 logits for
-    the loss); None: leave them in ``param_dtype``."""
-    cast_forward_inputs: bool = True
-    """Cast the model's floating-point inputs to ``param_dtype``."""
-    loss_scale: Union[str, float, None] = "auto"
-    """"dynamic": GradScaler's dynamic loss scaling; a number: a static scale; None:
-    no scaling; "auto": dynamic for float16, none otherwise."""
-    initial_scale: float = 2.0 ** 16
-    growth_interval: int = 2000
-    """Dynamic scaling doubles the scale after this many steps without an overflow."""
-
-    def __post_init__(self):
-        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
-            dtype = getattr(self, name)
-            if dtype is not None and dtype not in FLOAT_DTYPES:
-                raise ValueError(f"MixedPrecision.{name} must be a floating dtype "
-                                 f"({', '.join(map(str, FLOAT_DTYPES))}), got {dtype!r}")
-        scale = self.loss_scale
-        if not (scale is None or scale in ("auto", "dynamic")
-                or (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0)):
-            raise ValueError(f'MixedPrecision.loss_scale must be "auto", "dynamic", a positive '
-                             f"number or None, got {scale!r}")
-        if self.initial_scale <= 0 or self.growth_interval < 1:
-            raise ValueError("MixedPrecision.initial_scale must be > 0 and growth_interval >= 1")
-
-    @property
-    def scales_loss(self) -> bool:
-        if self.loss_scale == "auto":
-            return self.param_dtype == torch.float16
-        return self.loss_scale is not None
-
-    @property
-    def dynamic_scaling(self) -> bool:
-        return self.scales_loss and self.loss_scale in ("auto", "dynamic")
-
-    def plan_options(self) -> dict:
-        """What the shard plan records of this policy."""
-        return {"compute_dtype": self.param_dtype,
-                "reduce_dtype": self.reduce_dtype or self.param_dtype,
-                "loss_scaled": self.scales_loss}
+from ..config import MixedPrecision
 
 
 class _DeviceCount:

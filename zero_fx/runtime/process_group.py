@@ -71,3 +71,10 @@ def check_devices_match_backend(params: Iterable[torch.Tensor]) -> None:
         raise ValueError("the model is on the CPU but the process group uses NCCL, which moves CUDA "
                          "tensors only: model.to('cuda') (one GPU per rank), or "
                          "init_process_group('gloo') to train on CPUs")
+
+
+def training_device() -> torch.device:
+    """Where this rank trains: its CUDA device under NCCL, else the CPU."""
+    if "nccl" in default_backend():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -9,18 +9,10 @@ import torch
 
 from ..passes.collective_code import gather_bucket
 from ..passes.reduce_grads import reduction
-from ..plan import ParamLayout, ShardPlan
+from ..plan import ShardPlan
+from ..plan.layout import cut_shard
 from .optimizer import check_elementwise, rebind_to_shards
 from .process_group import World
-
-
-def cut_shard(full: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
-    """This rank's flat, padded slice of a parameter-shaped tensor (a fresh copy)."""
-    flat = full.detach().reshape(-1)
-    start, stop = layout.owned_range(rank)
-    shard = flat.new_zeros(layout.shard_numel)
-    shard[: stop - start] = flat[start:stop]
-    return shard
 
 
 class ShardedState:

@@ -17,7 +17,7 @@ from ..materialize import PretrainedWeights, materialize
 from ..plan import ShardPlan, plan_for_module
 from .gloo_all_gather import use_gloo_single_tensor_all_gather
 from .precision import LossScaler, cast_at_model_edge
-from .process_group import check_devices_match_backend, current_world
+from .process_group import check_devices_match_backend, current_world, training_device
 from .rank_agreement import RankAgreement
 from .sharded_state import ShardedState
 from .update import OptimizerUpdate
@@ -63,7 +63,8 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     plan = plan_for_module(model, world_size=world.size, rank=world.rank, stage=config.stage,
                            group_name=world.group_name, **config.plan_options(hardware_for(model)))
     try:  # a meta model, or pretrained weights: this rank's values (the model is unchanged on error)
-        masters = materialize(model, plan, init_fn=config.init_fn, pretrained=pretrained)
+        masters = materialize(model, plan, init_fn=config.init_fn, pretrained=pretrained,
+                              device=training_device())
     except Exception:
         claim(model, optimizer, None)
         raise

@@ -18,7 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..config import ZeroConfig
 from ..passes import build_pipeline, run_pipeline
 from ..passes.predicates import mark_step_graph
-from ..plan import ShardPlan, plan_for_module
+from .layout import ShardPlan, plan_for_module
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
