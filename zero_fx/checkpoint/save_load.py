@@ -14,7 +14,7 @@ parameter-sized state sharded like the parameter, scalars such as ``step``
 replicated), with the hyper-parameters of each parameter group; then the
 persistent buffers (rank 0's), each rank's RNG state, zero_fx's counters (loss
 scale, optimizer steps) and the caller's ``extra`` object. Files:
-[Note: atomic checkpoints] in checkpoint_files.py.
+[Note: atomic checkpoints] in checkpoint/files.py.
 """
 
 from __future__ import annotations

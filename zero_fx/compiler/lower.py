@@ -56,7 +56,7 @@ def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend, *,
     if backend == "eager":
         return Lowered(gm, order_as_graph("eager", gm, "eager runs the graph's own order"))
     if dynamic:
-        # [Note: dynamic shapes] in capture.py: in dynamo's own tracing context, on
+        # [Note: dynamic shapes] in capture/step_graph.py: in dynamo's own tracing context, on
         # fakes of its fake mode, so what lowering assumes about a size is a guard.
         context = contextlib.nullcontext(list(example_inputs))
     else:
