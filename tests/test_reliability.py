@@ -16,6 +16,7 @@ import models
 from ranks import run_ranks
 from training import STEPS, parity_errors
 from zero_fx import zero_compile
+from zero_fx.compiler import progress as compile_progress
 from zero_fx.runtime.failures import CollectiveFailedError
 from zero_fx.runtime.process_group import check_devices_match_backend
 from zero_fx.runtime.rank_agreement import RanksDisagreeError, call_signature, disagreement, graph_signature
@@ -290,6 +291,29 @@ def test_many_recompiles_warn(caplog):
     warnings = [r.getMessage() for r in caplog.records if "th time" in r.getMessage()]
     assert len(warnings) == 1 and "pad or bucket" in warnings[0]
 
+
+
+def sleeping_pass(gm):
+    """A user pass that takes 2 s: a compilation slow enough to warn about."""
+    time.sleep(2.0)
+
+
+def test_a_slow_compilation_warns_once_naming_its_phase_and_info_logs_each_phase(caplog, monkeypatch):
+    monkeypatch.setattr(compile_progress, "SLOW_COMPILE_SECONDS", 0.2)
+    model, opt, step = _setup(passes=[sleeping_pass])
+    with caplog.at_level(logging.INFO, logger="zero_fx"):
+        step(model, opt, *models.global_batch("mlp", 0))
+        step(model, opt, *models.global_batch("mlp", 1))  # no compilation, no warning
+    messages = [r.getMessage() for r in caplog.records]
+    slow = [m for m in messages if "so far" in m]
+    assert len(slow) == 1, messages
+    assert slow[0].startswith(f"zero_fx: compiling {step.__name__} has taken 0 s so far, now "
+                              "rewriting its "), slow[0]
+    phases = [m.split(": ", 2)[2] for m in messages if m.startswith(f"zero_fx: {step.__name__}: ")]
+    assert [p.split(" ")[0] for p in phases] == ["capturing", "rewriting", "lowering"], phases
+    assert phases[2].startswith(f"lowering {len(step.graphs[0].graph.nodes)} nodes with aot_eager in ")
+    rewriting_seconds = float(phases[1].rsplit(" in ", 1)[1].removesuffix(" s"))
+    assert rewriting_seconds >= 2.0
 
 # -- 4. failures ----------------------------------------------------------------------------
 

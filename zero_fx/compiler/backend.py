@@ -25,6 +25,7 @@ from ..runtime.step_runner import StepRunner
 from .lower import lower
 from .lowered_memory import LoweredMemory
 from .lowered_schedule import OrderCheck
+from .progress import CompileProgress
 
 log = logging.getLogger("zero_fx")
 
@@ -72,16 +73,22 @@ class StepCompiler:
         plan, state = self.sharded.plan, self.sharded.state
         names = [state.param_name(t) if isinstance(t, torch.Tensor) else None
                  for t in example_inputs]
-        gm = capture_step_graph(dynamo_gm, example_inputs, names)
-        dump = (GraphDump(self.config.dump_dir, self.step_name, plan.rank,
-                          len(self.compilations), plan) if self.config.dump_dir else None)
-        gm = run_pipeline(gm, self._pipeline_for(gm), observe=dump.observe if dump else None)
-        dynamic = has_dynamic_shapes(dynamo_gm)
-        extra_inputs = self._extra_inputs(gm)
-        inputs = state.graph_inputs(names, example_inputs) + extra_inputs
-        lowered = lower(gm, fakes_like_dynamo(inputs) if dynamic else inputs,
-                        self.config.backend, dynamic=dynamic, pin_schedule=self.config.pin_schedule,
-                        resident=plan.resident)
+        with CompileProgress(self.step_name) as progress:
+            with progress.phase("capturing the step as one graph"):
+                gm = capture_step_graph(dynamo_gm, example_inputs, names)
+            dump = (GraphDump(self.config.dump_dir, self.step_name, plan.rank,
+                              len(self.compilations), plan) if self.config.dump_dir else None)
+            with progress.phase(f"rewriting its {len(gm.graph.nodes)} nodes with zero_fx's passes"):
+                gm = run_pipeline(gm, self._pipeline_for(gm),
+                                  observe=dump.observe if dump else None)
+            dynamic = has_dynamic_shapes(dynamo_gm)
+            extra_inputs = self._extra_inputs(gm)
+            inputs = state.graph_inputs(names, example_inputs) + extra_inputs
+            with progress.phase(f"lowering {len(gm.graph.nodes)} nodes with "
+                                f"{describe_backend(self.config.backend)}"):
+                lowered = lower(gm, fakes_like_dynamo(inputs) if dynamic else inputs,
+                                self.config.backend, dynamic=dynamic,
+                                pin_schedule=self.config.pin_schedule, resident=plan.resident)
         if lowered.order.difference:
             log.warning("zero_fx: %s", lowered.order)
         agreement = self.sharded.agreement
