@@ -1,6 +1,7 @@
 """A save killed midway (SIGKILL at each step of [Note: atomic checkpoints]) or failing on a
 full disk leaves a checkpoint that loads and resumes the run exactly; the next save cleans up."""
 
+import errno
 import os
 import pickle
 import resource
@@ -123,14 +124,20 @@ def test_a_save_killed_at_any_point_leaves_a_checkpoint_that_resumes_the_run(
     assert saved_extra(path)["next_step"] == STEPS
 
 
-def full_disk_rank(rank, world_size, path):
-    """Rank 1 may write files of at most 4 KiB (as on a full disk) for the second save; then
-    the limit is lifted and a third save must work."""
+def full_disk_rank(rank, world_size, path, failing):
+    """The second save fails as on a full disk: rank 1 may write files of at most 4 KiB
+    (``failing="shard"``), or rank 0's manifest finds no space (``"manifest"``); then a
+    third save, on a disk with room again, must work."""
     step = _trained(rank, world_size, SECOND_SAVE, path)
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    if rank == 1:
+    write_manifest = checkpoint_files._write_manifest
+    if failing == "shard" and rank == 1:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write instead of the process
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))
+    if failing == "manifest" and rank == 0:
+        def no_space(*args):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        checkpoint_files._write_manifest = no_space
     try:
         step.save_checkpoint(path, extra={"next_step": SECOND_SAVE})
         error = None
@@ -138,19 +145,24 @@ def full_disk_rank(rank, world_size, path):
         error = str(err)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        checkpoint_files._write_manifest = write_manifest
     after_failure = saved_extra(path)["next_step"]
     step.save_checkpoint(path, extra={"next_step": SECOND_SAVE})
     return {"error": error, "after_failure": after_failure,
             "after_retry": saved_extra(path)["next_step"]}
 
 
-def test_a_save_that_runs_out_of_disk_says_so_on_every_rank_and_keeps_the_previous(tmp_path):
+@pytest.mark.parametrize("failing, cause", [
+    ("shard", "rank 1: OSError: [Errno 27] File too large"),
+    ("manifest", "rank 0: OSError: [Errno 28] No space left on device"),
+])
+def test_a_save_that_runs_out_of_disk_says_so_on_every_rank_and_keeps_the_previous(
+        tmp_path, failing, cause):
     path = str(tmp_path / "ckpt")
-    results = run_ranks(2, full_disk_rank, path, timeout_s=60)
+    results = run_ranks(2, full_disk_rank, path, failing, timeout_s=60)
     for result in results:
         assert result["error"] is not None
-        assert f"could not save the checkpoint {path} (rank 1: OSError: [Errno 27] File too " \
-               "large" in result["error"]
+        assert f"could not save the checkpoint {path} ({cause}" in result["error"], result["error"]
         assert "the previous checkpoint there, if any, is unchanged" in result["error"]
         assert result["after_failure"] == FIRST_SAVE
         assert result["after_retry"] == SECOND_SAVE

@@ -42,7 +42,7 @@ def save(state: ShardedState, path: str, counters: dict, extra: Any = None) -> N
     """Write ``state`` (and the runtime's ``counters``, ``extra``) to ``path``; a collective."""
     path = os.fspath(path)
     world = state.world
-    _on_rank_0(world, prepare_save, path)
+    _on_rank_0(world, path, prepare_save, path)
     entries = _tensors(state, _mesh(state))
     entries.update(_objects(state, counters, extra))
     entries.update(_rng_states(world.rank))
@@ -50,14 +50,16 @@ def save(state: ShardedState, path: str, counters: dict, extra: Any = None) -> N
         with _single_process_quietly():
             dcp.save(entries, checkpoint_id=staging_path(path), no_dist=world.size == 1)
     except CheckpointException as failed:  # every rank gets it, with each rank's cause
-        _on_rank_0(world, clear_staging, path)
+        _on_rank_0(world, path, clear_staging, path)
         causes = "; ".join(f"rank {rank}: {type(error).__name__}: {error}"
                            for rank, (error, _) in sorted(failed.failures.items()))
-        raise CheckpointError(f"could not save the checkpoint {path} ({causes}); the previous "
-                              "checkpoint there, if any, is unchanged. A full disk or a file-size "
-                              "limit? Free space or save elsewhere") from None
+        raise _not_saved(path, causes) from None
     _barrier(world)
-    _on_rank_0(world, publish, path, _manifest(state))
+    try:
+        _on_rank_0(world, path, publish, path, _manifest(state))
+    except CheckpointError:
+        _on_rank_0(world, path, clear_staging, path)
+        raise
     log.info("zero_fx: saved a checkpoint of %d parameters at %s", len(state.plan.params), path)
 
 
@@ -282,22 +284,28 @@ def _barrier(world) -> None:
         dist.barrier()
 
 
-def _on_rank_0(world, fn, *args) -> None:
-    """``fn(*args)`` on rank 0, the others waiting for it; what it raises is raised on every
-    rank (a CheckpointError elsewhere), so no rank is left waiting at the next collective."""
+def _on_rank_0(world, path: str, fn, *args) -> None:
+    """``fn(*args)`` on rank 0, the others waiting for it; a failure is raised on every rank
+    as a CheckpointError (rank 0's own as it is, anything else as "could not save"), so no
+    rank is left waiting at the next collective."""
     error = None
     if world.rank == 0:
         try:
             fn(*args)
         except Exception as err:  # noqa: BLE001 - shared with the other ranks, then re-raised
             error = err
+    message = [None if error is None else str(error) if isinstance(error, CheckpointError)
+               else str(_not_saved(path, f"rank 0: {type(error).__name__}: {error}"))]
     if world.size > 1:
-        message = [f"{type(error).__name__}: {error}" if error is not None else None]
         dist.broadcast_object_list(message, src=0)
-        if world.rank != 0 and message[0] is not None:
-            raise CheckpointError(f"rank 0 failed while saving the checkpoint: {message[0]}")
-    if error is not None:
-        raise error
+    if message[0] is not None:
+        raise CheckpointError(message[0]) from error
+
+
+def _not_saved(path: str, causes: str) -> CheckpointError:
+    return CheckpointError(f"could not save the checkpoint {path} ({causes}); the previous "
+                           "checkpoint there, if any, is unchanged. A full disk or a file-size "
+                           "limit? Free space or save elsewhere")
 
 
 def _readable(path: str) -> str:
