@@ -104,7 +104,7 @@ def answer_accuracy(tokens, mask, labels) -> float:
 
 clock, loss = StepClock(run.device), None  # waits for a GPU before reading the time
 progress = Progress(args.steps, enabled=run.rank == 0)
-for step in range(args.steps):
+for step in progress:  # the first step compiles; then a progress bar (a line per step in a log)
     clock.start()
     loss = run.mean_over_ranks(train_step(model, opt, *get_batch(step)))
     seconds = clock.stop()

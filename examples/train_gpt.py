@@ -105,15 +105,10 @@ if checkpoint and checkpoint_exists(checkpoint):
     log(f"resumed from {checkpoint} after step {first_step}")
 
 
-def save(step):
-    train_step.save_checkpoint(checkpoint, extra={"step": step})
-    log(f"saved {checkpoint} after step {step}")
-
-
-# -- training loop -----------------------------------------------------------------
+# -- training loop: the first step compiles, then a progress bar (a line per step in a log) --
 clock, loss = StepClock(device), None  # waits for a GPU before reading the time
 progress = Progress(args.steps, start=first_step, enabled=rank == 0)
-for step in range(first_step, args.steps):  # one optimizer step: accumulation-steps calls
+for step in progress:  # one optimizer step: accumulation-steps calls
     clock.start()
     loss = 0.0
     for micro in range(args.accumulation_steps):
@@ -125,7 +120,8 @@ for step in range(first_step, args.steps):  # one optimizer step: accumulation-s
     progress.update(f"loss {loss.item():.4f}  {1e3 * seconds:8.1f} ms"
                     + (f"  grad norm {norm.item():.3f}" if norm is not None else ""))
     if checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-        save(step + 1)
+        train_step.save_checkpoint(checkpoint, extra={"step": step + 1})
+        progress.write(f"saved {checkpoint} after step {step + 1}")
 
 # -- summary -------------------------------------------------------------------------
 if loss is None:
