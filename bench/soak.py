@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from examples.gpt import GPT, GPTConfig
+from examples.progress import Progress
 from examples.summary import held_bytes
 from zero_fx import zero_compile
 
@@ -56,6 +57,8 @@ def main(argv=None) -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--name", default="soak")
     args = parser.parse_args(argv)
+    if args.steps < WINDOW:  # the checks compare the first memory sample with one at WINDOW
+        parser.error(f"--steps must be at least {WINDOW}")
     if "RANK" not in os.environ:  # start the ranks: torchrun, glibc returning memory at once
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                    str(args.nproc), "-m", "bench.soak", *(argv or sys.argv[1:])]
@@ -116,7 +119,8 @@ def soak(rank: int, world: int, steps: int, backend: str) -> dict:
     seconds = {3: [], 0: []}
     samples = []
     began = time.monotonic()
-    for step in range(steps):
+    progress = Progress(steps, enabled=rank == 0, first="compiling both steps", every=WINDOW)
+    for step in progress:  # on a terminal a bar; in a log a line every WINDOW steps
         x, y = batch(step)
         for stage, (model, opt, train_step) in runs.items():
             start = time.perf_counter()
@@ -130,10 +134,8 @@ def soak(rank: int, world: int, steps: int, backend: str) -> dict:
                 "live_tensors": _live_tensors(),
                 "rss_bytes": resident_bytes(),
             })
-            if rank == 0:
-                print(f"step {step + 1}/{steps}  loss {losses[3][-1]:.4f} (stage 0: "
-                      f"{losses[0][-1]:.4f})  rss {samples[-1]['rss_bytes'] / 2**20:.1f} MiB  "
-                      f"{time.monotonic() - began:.0f} s", flush=True)
+        progress.update(f"loss {losses[3][-1]:.4f} (stage 0: {losses[0][-1]:.4f})  rss "
+                        f"{samples[-1]['rss_bytes'] / 2**20:.1f} MiB  {time.monotonic() - began:.0f} s")
     everyone = [None] * world
     dist.all_gather_object(everyone, {"losses": losses, "seconds": seconds, "samples": samples,
                                       "compilations": {s: len(runs[s][2].compilations)
