@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
+
+from examples.progress import Progress
 
 from .runs import rows_of_every_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PEER_LIMIT_S = 3600
+"""A peer still running after this is stuck, not slow (GPT-2 125M takes 16-40 minutes on 2
+CPU cores for every peer together): killed with its ranks, and reported as failed."""
 
 
 def _free_port() -> int:
@@ -48,14 +57,27 @@ def launch_peer(args, peer: str, argv: list[str]) -> tuple[list | None, str]:
                        "--master_port", str(_free_port()), *tail]
         env = _fresh_environment(args, tmp)
         lines = []
+        # on a terminal, the start-up and first step as a phase, then a bar; else the step lines
+        progress = Progress(args.steps, label=f"  {peer}: ", first="starting, compiling if compiled")
+        step_line = re.compile(rf"\s*{re.escape(peer)}: step \d+/\d+ (.*)")
         with open(log, "w") as out, subprocess.Popen(
                 command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                text=True) as process:
+                text=True, start_new_session=True) as process:  # torchrun and ranks: one group
+            watchdog = threading.Timer(PEER_LIMIT_S, os.killpg, (process.pid, signal.SIGKILL))
+            watchdog.start()
+            if progress.terminal:
+                progress.begin()
             for line in process.stdout:
                 out.write(line)
                 lines.append(line.rstrip("\n"))
-                if line.lstrip().startswith(peer + ": step"):
+                if (step := step_line.match(line)) and progress.terminal:
+                    progress.update(step.group(1))
+                elif step:
                     print(line, end="", flush=True)
+            progress.close()
+        watchdog.cancel()
+        if process.returncode == -signal.SIGKILL:
+            lines.append(f"killed: still running after {PEER_LIMIT_S} s")
         ranks = 1 if args.fake_world else args.world
         files = [f"{result}.{rank}" for rank in range(ranks)]
         if process.returncode != 0 or not all(os.path.exists(f) for f in files):
@@ -78,7 +100,11 @@ def launch_peer_here(args, peer: str, argv: list[str], index: int) -> tuple[list
         command = [sys.executable, "-m", "bench.peers", *argv, "--worker-of", peer,
                    "--result-file", result, "--store-prefix", f"bench.peers/{index}/{peer}"]
         # its output is this rank's: torchrun's (rank 0 prints the step lines)
-        code = subprocess.run(command, cwd=ROOT, env=_fresh_environment(args, tmp)).returncode
+        try:
+            code = subprocess.run(command, cwd=ROOT, env=_fresh_environment(args, tmp),
+                                  timeout=PEER_LIMIT_S).returncode
+        except subprocess.TimeoutExpired:
+            code = f"none: killed, still running after {PEER_LIMIT_S} s"
         row, why = None, f"rank {rank}: exit code {code}, no row (its output is above)"
         if code == 0 and os.path.exists(f"{result}.{rank}"):
             with open(f"{result}.{rank}") as f:
