@@ -13,12 +13,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "examples", "train_gpt.py")
+
+RUN_LIMIT_S = 600
+"""A run still going after this is stuck (one takes about 30 s on the 2-core box): killed,
+and counted as a failure."""
+
+
+def _run(command: list[str]) -> tuple[int | str, str]:
+    """Exit code (or "timeout") and output of one run; a stuck run is killed with its ranks."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True) as process:  # torchrun and its ranks: one group
+        try:
+            output = process.communicate(timeout=RUN_LIMIT_S)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            return "timeout", process.communicate()[0]
+    return process.returncode, output
 
 
 def main(argv=None) -> None:
@@ -35,13 +52,13 @@ def main(argv=None) -> None:
     for run in range(1, args.runs + 1):
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                    str(args.nproc), EXAMPLE, *example_args]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
+        code, output = _run(command)
+        if code != 0:
             path = os.path.join(args.out, f"run{run}.txt")
             with open(path, "w") as f:
-                f.write(done.stdout + done.stderr)
-            failures.append({"run": run, "exit": done.returncode, "output": path})
-        print(f"run {run}/{args.runs}: exit {done.returncode} "
+                f.write(output)
+            failures.append({"run": run, "exit": code, "output": path})
+        print(f"run {run}/{args.runs}: exit {code} "
               f"({len(failures)} failed so far, {time.monotonic() - started:.0f} s)", flush=True)
     summary = {"command": " ".join(["torchrun", "--nproc_per_node", str(args.nproc),
                                     "examples/train_gpt.py", *example_args]),

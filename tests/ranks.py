@@ -84,7 +84,7 @@ def _kill_with_stacks(processes) -> None:
     time.sleep(2)
     for process in processes:
         process.kill()
-        process.join()
+        process.join(30)  # SIGKILL ends it at once; never wait on it forever
 
 
 def _exit_status(code: int) -> str:

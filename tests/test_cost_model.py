@@ -77,7 +77,7 @@ def test_the_command_line_prints_traffic_and_estimate():
     out = subprocess.run(
         [sys.executable, "-m", "zero_fx.estimate", "--model", "test_cost_model:tiny_gpt",
          "--world", "8", "--seq", "32", "--dtype", "float32", "--hardware", "cpu-gloo"],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=True, timeout=300,
         env={"PYTHONPATH": ":".join(sys.path)})
     assert "all_gather" in out.stdout and "exposed" in out.stdout, out.stdout + out.stderr
 
@@ -86,7 +86,7 @@ def test_the_command_line_explains_a_planned_step():
     out = subprocess.run(
         [sys.executable, "-m", "zero_fx.estimate", "--model", "test_cost_model:tiny_gpt",
          "--world", "16", "--seq", "32", "--dtype", "float32", "--explain"],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=True, timeout=300,
         env={"PYTHONPATH": ":".join(sys.path)})
     assert "stage 3 over 16 ranks" in out.stdout, out.stdout + out.stderr
     for section in ("Plan", "Collectives per step", "Gathered parameters", "Memory per rank"):
