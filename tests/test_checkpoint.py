@@ -16,13 +16,17 @@ from zero_fx.checkpoint.save_load import load_full
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("stage, precision", [(3, None), (0, None),
-                                              (1, MixedPrecision(param_dtype=torch.float16))])
-def test_a_resumed_run_continues_bitwise_like_the_uninterrupted_one(tmp_path, stage, precision):
+@pytest.mark.parametrize("stage, precision, model_name", [
+    (3, None, "gpt"), (0, None, "gpt"), (1, MixedPrecision(param_dtype=torch.float16), "gpt"),
+    (3, None, "gpt_dropout"),  # the masks after the resume come from the restored RNG
+])
+def test_a_resumed_run_continues_bitwise_like_the_uninterrupted_one(tmp_path, stage, precision,
+                                                                      model_name):
     path = str(tmp_path / "ckpt")
-    whole = run_ranks(2, checkpointed_training_rank, stage, 6, None, None, None, precision)
-    run_ranks(2, checkpointed_training_rank, stage, 3, None, path, 3, precision)
-    resumed = run_ranks(2, checkpointed_training_rank, stage, 6, path, None, None, precision)
+    args = (precision, model_name)
+    whole = run_ranks(2, checkpointed_training_rank, stage, 6, None, None, None, *args)
+    run_ranks(2, checkpointed_training_rank, stage, 3, None, path, 3, *args)
+    resumed = run_ranks(2, checkpointed_training_rank, stage, 6, path, None, None, *args)
     for rank in range(2):
         assert resumed[rank]["losses"] == {i: whole[rank]["losses"][i] for i in (3, 4, 5)}
         for name, value in whole[rank]["params"].items():

@@ -61,12 +61,12 @@ def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, opti
 
 
 def checkpointed_training_rank(rank, world_size, stage, steps, load_from=None, save_to=None,
-                               save_after=None, precision=None):
+                               save_after=None, precision=None, model_name="gpt"):
     """Train the test GPT (AdamW) on this rank's slice of each global batch; optionally start
     from a checkpoint and save one after ``save_after`` steps."""
-    model = models.build("gpt", seed=1)
+    model = models.build(model_name, seed=1)
     opt = models.make_optimizer(model)
-    step = zero_compile(models.training_step("gpt"), stage=stage, backend="aot_eager",
+    step = zero_compile(models.training_step(model_name), stage=stage, backend="aot_eager",
                         mixed_precision=precision)
     first = 0
     if load_from:
@@ -75,7 +75,7 @@ def checkpointed_training_rank(rank, world_size, stage, steps, load_from=None, s
     for i in range(first, steps):
         if save_to and save_after == i:
             step.save_checkpoint(save_to, extra={"next_step": i})
-        x, y = models.global_batch("gpt", i)
+        x, y = models.global_batch(model_name, i)
         losses[i] = step(model, opt, x[rank::world_size], y[rank::world_size]).item()
     if save_to and save_after == steps:
         step.save_checkpoint(save_to, extra={"next_step": steps})
