@@ -46,6 +46,14 @@ def test_parity_inductor_gpt_two_ranks():
     assert_parity(2, "gpt", "inductor")
 
 
+@pytest.mark.inductor
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_parity_inductor_below_stage_3(stage):
+    """Each stage's collectives and optimizer update lowered by Inductor, on the small MLP
+    (one C++ compile per rank, ~30 s)."""
+    assert_parity(2, "mlp", "inductor", stage=stage)
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_parity_sgd_momentum(stage):
     """SGD sees the gradient's scale, which AdamW normalises away: this checks the 1/N."""
