@@ -52,8 +52,10 @@ def test_traffic_is_the_table_in_psi_and_a_ring_sends_n_minus_1_over_n():
         low, high = {0: (1, 1), 1: (2, 2), 2: (2, 2), 3: (2, 3)}[stage]
         assert low - 1e-3 <= in_psi <= high + 1e-3, (stage, in_psi)
     assert report.stages[0].wire_bytes == pytest.approx(2 * (n - 1) / n * report.psi * item)
-    assert report.stages[1].wire_bytes == pytest.approx(
-        (n - 1) / n * sum(report.stages[1].traffic.values()))
+    # stage 1: a reduce-scatter and an all-gather of Ψ, each sending (n-1)/n of it
+    # (padding to a multiple of n adds under 8 elements per tensor: 1e-5 of GPT-2)
+    assert report.stages[1].wire_bytes == pytest.approx(2 * (n - 1) / n * report.psi * item,
+                                                        rel=1e-5)
 
 
 def test_every_trainable_parameter_is_in_one_bucket_of_its_block():

@@ -157,12 +157,28 @@ class TestScheduleCollectives:
             if i >= 2:
                 assert order[gathers[i]] > order[waits[i - 2]]
 
-    def test_the_schedule_keeps_the_collective_order_of_the_graph(self):
-        a, _ = rewritten(prefetch=1, bucket_bytes=2 * WEIGHT_BYTES)
-        b, _ = rewritten(prefetch=1, bucket_bytes=2 * WEIGHT_BYTES)
-        kinds = lambda gm: [(str(n.target), carried_params(n)) for n in gm.graph.nodes  # noqa: E731
-                            if is_collective(n)]
-        assert kinds(a) == kinds(b)
+    def test_prefetch_moves_gathers_earlier_and_keeps_each_kinds_order(self):
+        """The collective sequence, written out: forward gathers in order of use, backward
+        gathers in reverse (w0's gradient needs no w0: it is not re-gathered), each bucket's
+        reduce-scatter after its last gradient. Prefetch issues a gather one bucket early,
+        ahead of a reduce-scatter; among gathers, and among reduce-scatters, the order is
+        the unscheduled one (every rank runs this same sequence)."""
+        def sequence(gm):
+            return [("AG" if is_all_gather(n) else "RS", carried_params(n), phase_of(n).value)
+                    for n in gm.graph.nodes if is_collective(n)]
+
+        scheduled, _ = rewritten(prefetch=1, bucket_bytes=2 * WEIGHT_BYTES)
+        plain, _ = rewritten(prefetch=0, bucket_bytes=2 * WEIGHT_BYTES)
+        forward = [("AG", ("w0", "w1"), "forward"), ("AG", ("w2", "w3"), "forward"),
+                   ("AG", ("w4", "w5"), "forward")]
+        assert sequence(plain) == forward + [
+            ("AG", ("w5", "w4"), "backward"), ("RS", ("w5", "w4"), "backward"),
+            ("AG", ("w3", "w2"), "backward"), ("RS", ("w3", "w2"), "backward"),
+            ("AG", ("w1",), "backward"), ("RS", ("w1", "w0"), "backward")]
+        assert sequence(scheduled) == forward + [
+            ("AG", ("w5", "w4"), "backward"), ("AG", ("w3", "w2"), "backward"),
+            ("RS", ("w5", "w4"), "backward"), ("AG", ("w1",), "backward"),
+            ("RS", ("w3", "w2"), "backward"), ("RS", ("w1", "w0"), "backward")]
 
 
 class TestResidency:
