@@ -25,6 +25,7 @@ from zero_fx import PRESETS, Hardware, estimate, rewritten_step_on_fake, zero_co
 from zero_fx.estimate import load_model_builder, vocab_size_of
 from zero_fx.plan.offline import language_model_loss
 
+from .calibrate import calibrate, fit_op_overhead
 from .runs import join_group, leave_group, machine, rows_of_every_rank, write_json
 
 VARIANTS = {
@@ -100,39 +101,6 @@ def planned_exposure(model: str, world_size: int, batch: int, seq: int) -> dict:
             "launches": result.collectives, "peak_gib": result.peak_bytes / 2**30}
 
 
-def calibrate(world_size: int) -> Hardware:
-    """This machine's matmul speed, copy bandwidth and gloo all-gather speed, measured now."""
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    flops = 2 * 512 ** 3 / _best_seconds(lambda: a @ b)
-    big = torch.randn(8 << 20)
-    memory_bandwidth = 2 * big.numel() * 4 / _best_seconds(lambda: big.clone())
-    small, large = torch.zeros(16), torch.zeros(4 << 20)
-    latency = bandwidth = float("inf")
-    if world_size > 1:
-        def gather(t):
-            out = t.new_empty(t.numel() * world_size)
-            return lambda: dist.all_gather_into_tensor(out, t)
-        # ring model: (N-1) * (latency + bytes / N / bandwidth)
-        latency = _best_seconds(gather(small)) / (world_size - 1)
-        per_step = _best_seconds(gather(large)) / (world_size - 1) - latency
-        bandwidth = large.numel() * 4 * world_size / world_size / per_step
-    overhead = _best_seconds(lambda: torch.add(small, 1)) * 4  # dispatch + Python of one op
-    return Hardware(name="calibrated on this machine", flops=flops,
-                    memory_bandwidth=memory_bandwidth, link_bandwidth=bandwidth,
-                    link_latency=latency, op_overhead=overhead)
-
-
-def _best_seconds(fn, repeat: int = 7) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        if dist.is_initialized():
-            dist.barrier()
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def markdown(rows: dict) -> str:
     lines = ["| variant | step (median) | vs stage 0 | launches / step | per block per phase | "
              "predicted, cpu-gloo preset | predicted, calibrated | error (calibrated) | "
@@ -163,7 +131,7 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = GPTConfig(vocab_size=512, block_size=args.seq, n_layer=args.layers, n_head=4,
                     n_embd=args.width, bias=True)
-    calibrated = calibrate(world)
+    calibrated, _ = fit_op_overhead(calibrate(world))
     rows = {}
     for name, options in VARIANTS.items():
         if rank == 0:

@@ -31,7 +31,9 @@ is an upper bound), no contention between the streams, one link speed.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import operator
 from dataclasses import dataclass
 
@@ -63,21 +65,28 @@ class Hardware:
     """Seconds each op costs beyond its work (launch, dispatch)."""
 
 
+PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
+"""Presets measured by ``python -m bench.calibrate`` (JSON, committed)."""
+
+
+def _measured_preset(name: str) -> Hardware:
+    with open(os.path.join(PRESET_DIR, f"{name}.json")) as f:
+        fields = json.load(f)
+    return Hardware(**{k: v for k, v in fields.items() if k in Hardware.__dataclass_fields__})
+
+
 PRESETS = {
-    "cpu-gloo": Hardware(
-        name="cpu-gloo: one core per rank, gloo over loopback (this project's CI box)",
-        flops=2.0e11, memory_bandwidth=5.5e9, link_bandwidth=6.5e8, link_latency=120e-6,
-        op_overhead=30e-6),
+    "cpu-gloo": _measured_preset("cpu-gloo"),
     "8xh100-nvlink": Hardware(
         name="8xH100 SXM, NVLink 4 / NVSwitch, NCCL, bf16",
         flops=0.6 * 989e12, memory_bandwidth=0.8 * 3.35e12, link_bandwidth=360e9,
         link_latency=3e-6, op_overhead=5e-6),
 }
-"""cpu-gloo: what ``bench/schedule.py`` calibrated on this project's 2-core CI machine
-(one AVX-512 core's fp32 matmul, a copy's bandwidth, gloo all-gathers over
-loopback between two ranks); it prints measured against predicted. 8xH100: 60% of the 989 TFLOP/s dense bf16
-peak, 80% of 3.35 TB/s HBM3, 360 GB/s NCCL bus bandwidth (of NVLink 4's 450 GB/s
-per direction), 3 µs per ring step."""
+"""cpu-gloo: this project's 2-core CI machine as ``python -m bench.calibrate`` measured it
+(one core's fp32 matmul, a copy's bandwidth, gloo all-gathers over loopback between two
+ranks; presets/cpu-gloo.json says when and on what). 8xH100: 60% of the 989 TFLOP/s
+dense bf16 peak, 80% of 3.35 TB/s HBM3, 360 GB/s NCCL bus bandwidth (of NVLink 4's
+450 GB/s per direction), 3 µs per ring step."""
 
 
 def hardware(preset_or_hardware) -> Hardware:
