@@ -238,7 +238,7 @@ hf_specs = st.builds(
 )
 
 
-@settings(FUZZ, max_examples=max(3, EXAMPLES // 2))  # each draw costs twice the above
+@settings(FUZZ, max_examples=max(3, EXAMPLES // 2))  # each draw costs ~4x the above
 @given(hf_specs)
 @example(HFSpec(kind="llama", vocab=7, heads=2, head_width=2, tied=False, padding=(0, 6, 3, 0),
                 left_padded=True, world_size=2, stage=3))
