@@ -10,6 +10,7 @@ from .annotate_phases import annotate_phases
 from .bucket_collectives import bucket_collectives
 from .check_invariants import InvariantError, check_invariants
 from .gather_params import gather_params
+from .order_weight_grads import order_weight_grads
 from .pipeline import PASS_ORDER, NamedPass, Placed, after, before, build_pipeline, pass_names, run_pipeline
 from .predicates import mark_step_graph
 from .recompute_activations import recompute_activations
@@ -31,6 +32,7 @@ __all__ = [
     "build_pipeline",
     "check_invariants",
     "gather_params",
+    "order_weight_grads",
     "mark_step_graph",
     "recompute_activations",
     "recompute_param_views",

@@ -15,6 +15,7 @@ from .annotate_phases import annotate_phases
 from .bucket_collectives import bucket_collectives
 from .check_invariants import check_invariants
 from .gather_params import gather_params
+from .order_weight_grads import order_weight_grads
 from .recompute_activations import recompute_activations
 from .recompute_param_views import recompute_param_views
 from .reduce_grads import reduce_grads
@@ -59,6 +60,7 @@ PASS_ORDER = (
     ("scale_loss", scale_loss),
     ("recompute_activations", recompute_activations),
     ("recompute_param_views", recompute_param_views),
+    ("order_weight_grads", order_weight_grads),
     ("gather_params", gather_params),
     ("accumulate_embedding_grads", accumulate_embedding_grads),
     ("reduce_grads", reduce_grads),

@@ -45,7 +45,7 @@ def test_user_passes_run_where_they_are_placed():
     assert seen == [("first", False), ("after_gather", True), ("last", True)]
     assert [p.name for p in step._compiler.pipeline] == pass_names(extra=step.config.passes) == [
         "first", "annotate_phases", "scale_loss", "recompute_activations", "recompute_param_views",
-        "gather_params", "after_gather", "accumulate_embedding_grads", "reduce_grads",
+        "order_weight_grads", "gather_params", "after_gather", "accumulate_embedding_grads", "reduce_grads",
         "bucket_collectives", "schedule_collectives", "last", "check_invariants"]
 
 

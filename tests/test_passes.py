@@ -7,10 +7,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from zero_fx import make_plan
 from zero_fx.analysis.memory_timeline import memory_timeline
 from zero_fx.passes import (InvariantError, accumulate_embedding_grads, annotate_phases,
-                            check_invariants, gather_params,
+                            check_invariants, gather_params, order_weight_grads,
                             recompute_param_views, reduce_grads)
 from zero_fx.passes.predicates import (GRAD_SLOTS_META, PARAM_META, Phase, is_all_gather,
-                                       is_all_reduce, is_reduce_scatter, is_wait, phase_of)
+                                       is_all_reduce, is_reduce_scatter, is_view, is_wait,
+                                       phase_of)
 from zero_fx.analysis.traffic import traffic_report
 
 aten = torch.ops.aten
@@ -180,6 +181,60 @@ class TestAccumulateEmbeddingGrads:
         gm = accumulate_embedding_grads(gm)
         assert count(gm, lambda n: n.target == aten.embedding_dense_backward.default) == 1
         assert count(gm, lambda n: n.target == aten.index_put.default) == 0
+
+
+def wide_head_step(w1, head, x, targets):
+    """A small layer, then a wide output head: the head's weight gradient is head-sized."""
+    logits = torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x, w1)), head)
+    loss = torch.nn.functional.cross_entropy(logits, targets)
+    return (loss.detach(), *torch.autograd.grad(loss, [w1, head]))
+
+
+class TestOrderWeightGrads:
+    VOCAB, WIDTH, TOKENS = 1000, 64, 8
+
+    def traced(self, stage=3):
+        torch.manual_seed(0)
+        inputs = (torch.randn(self.WIDTH, self.WIDTH, requires_grad=True),
+                  torch.randn(self.VOCAB, self.WIDTH, requires_grad=True),
+                  torch.randn(self.TOKENS, self.WIDTH), torch.randint(0, self.VOCAB, (self.TOKENS,)))
+        gm = make_fx(wide_head_step, tracing_mode="fake")(*inputs)
+        for node, name in zip(gm.graph.find_nodes(op="placeholder"), ("w1", "head")):
+            node.meta[PARAM_META] = name
+        gm.meta[GRAD_SLOTS_META] = {1: "w1", 2: "head"}
+        plan = make_plan([("w1", (self.WIDTH, self.WIDTH), torch.float32, True),
+                          ("head", (self.VOCAB, self.WIDTH), torch.float32, True)],
+                         world_size=WORLD, stage=stage, group_name="test")
+        return recompute_param_views(annotate_phases(gm, plan), plan), plan, inputs
+
+    def backward_matmuls(self, gm):
+        """(reads the head, elements of its output) of each backward matmul, in graph order."""
+        def viewed(node):
+            while is_view(node):
+                node = node.all_input_nodes[0]
+            return node
+        return [(any(viewed(a).meta.get(PARAM_META) == "head" for a in n.all_input_nodes),
+                 n.meta["val"].numel())
+                for n in gm.graph.nodes
+                if n.target == aten.mm.default and phase_of(n) is Phase.BACKWARD]
+
+    def test_the_heads_input_gradient_runs_first_and_its_gather_is_released_sooner(self):
+        gm, plan, inputs = self.traced()
+        expected = gm(*inputs)
+        head = self.VOCAB * self.WIDTH
+        assert self.backward_matmuls(gm)[:2] == [(False, head), (True, self.TOKENS * self.WIDTH)]
+        peak_before = max(memory_timeline(gather_params(self.traced()[0], plan)).transient)
+        gm = order_weight_grads(gm, plan)
+        assert self.backward_matmuls(gm)[:2] == [(True, self.TOKENS * self.WIDTH), (False, head)]
+        for value, reference in zip(gm(*inputs), expected):  # the same ops: equal bit for bit
+            assert torch.equal(value, reference)
+        peak_after = max(memory_timeline(gather_params(gm, plan)).transient)
+        assert peak_before - peak_after == head * 4  # the gathered head is gone
+
+    def test_does_nothing_below_stage_3(self):
+        gm, plan, _ = self.traced(stage=2)
+        before = [n.name for n in gm.graph.nodes]
+        assert [n.name for n in order_weight_grads(gm, plan).graph.nodes] == before
 
 
 class TestCheckInvariants:
