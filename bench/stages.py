@@ -102,11 +102,13 @@ def measure_stage(stage: int, world_size: int, *, width: int, depth: int, steps:
 
 def working_set_bytes(stage: int, bucket_bytes: int, prefetch: int) -> int:
     """What the table's row leaves out: full tensors in flight. Stage 3: the gathered
-    bucket in use and ``prefetch`` more, and as many buckets of full gradients
-    waiting for their reduce-scatter; stage 2: the gradient buckets only. Stages 0
-    and 1 hold every full gradient anyway (in the row)."""
+    bucket in use and ``prefetch`` more, and the one bucket of full gradients being
+    filled (a layer's gathered weight is released before its weight gradient exists:
+    [Note: release the gathered weight before the weight gradient]); stage 2: the
+    gradient bucket being filled and ``prefetch`` more waiting for their reduce-scatter.
+    Stages 0 and 1 hold every full gradient anyway (in the row)."""
     in_flight = (prefetch + 1) * bucket_bytes
-    return {3: 2 * in_flight, 2: in_flight}.get(stage, 0)
+    return {3: in_flight + bucket_bytes, 2: in_flight}.get(stage, 0)
 
 
 def rss_growth_during_step(rank: int, world_size: int, stage: int, backend: str,

