@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from zero_fx import Hardware
 from zero_fx.analysis.cost_model import PRESET_DIR
 
-from .runs import machine
+from .runs import machine, median_step_seconds
 
 DEFAULT_OUT = os.path.join(PRESET_DIR, "cpu-gloo.json")
 
@@ -64,23 +64,20 @@ FIT_MODEL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, 
 time (batch 2 per rank, stage 3, aot_eager)."""
 
 
-def fit_op_overhead(measured: Hardware) -> tuple[Hardware, dict]:
-    """The op overhead that makes the cost model's step time equal a measured one. A step
-    costs more per op than one op timed alone (about 10x here): the graph's Python, the
-    output's allocation, the runtime around the graph, which the model has no other term
-    for. The test of the preset (tests/test_cost_model.py) predicts other models with it."""
-    import statistics
-
+def timed_gpt_step(config: dict, batch: int, stage: int, steps: int):
+    """``(median seconds, compiled step)``: ``steps`` timed aot_eager steps of the example's
+    GPT (``config``: GPTConfig fields) with AdamW, after 3 that compile it and create the
+    optimizer state; ``batch`` sequences per rank, all ranks starting each step together."""
     from examples.gpt import GPT, GPTConfig
     from zero_fx import zero_compile
     from zero_fx.plan.offline import language_model_loss
 
     torch.manual_seed(0)
-    cfg = GPTConfig(**FIT_MODEL)
+    cfg = GPTConfig(**config)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    @zero_compile(stage=3, backend="aot_eager")
+    @zero_compile(stage=stage, backend="aot_eager")
     def train_step(model, opt, x, y):
         loss = language_model_loss(model, x, y)
         loss.backward()
@@ -88,19 +85,21 @@ def fit_op_overhead(measured: Hardware) -> tuple[Hardware, dict]:
         opt.zero_grad()
         return loss
 
-    x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size),
-                      generator=torch.Generator().manual_seed(dist.get_rank() if dist.is_initialized() else 0))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size),
+                      generator=torch.Generator().manual_seed(rank))
     y = torch.roll(x, -1, dims=1)
-    for _ in range(3):  # compile; then the optimizer state exists
+    for _ in range(3):
         train_step(model, opt, x, y)
-    times = []
-    for _ in range(30):
-        if dist.is_initialized():
-            dist.barrier()
-        start = time.perf_counter()
-        train_step(model, opt, x, y)
-        times.append(time.perf_counter() - start)
-    step = statistics.median(times)
+    return median_step_seconds(lambda: train_step(model, opt, x, y), steps), train_step
+
+
+def fit_op_overhead(measured: Hardware) -> tuple[Hardware, dict]:
+    """The op overhead that makes the cost model's step time equal a measured one. A step
+    costs more per op than one op timed alone (about 10x here): the graph's Python, the
+    output's allocation, the runtime around the graph, which the model has no other term
+    for. The test of the preset (tests/test_cost_model.py) predicts other models with it."""
+    step, train_step = timed_gpt_step(FIT_MODEL, batch=2, stage=3, steps=30)
     # the step's time grows by the number of ops the model charges for each second of overhead
     at = lambda overhead: train_step.estimate(replace(measured, op_overhead=overhead)).step_seconds  # noqa: E731
     per_second = (at(1e-4) - at(0.0)) / 1e-4

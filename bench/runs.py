@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
+import time
 from datetime import timedelta
 
 import torch
@@ -46,6 +48,18 @@ def write_json(name: str, result: dict) -> str:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     return path
+
+
+def median_step_seconds(step, steps: int) -> float:
+    """The median of ``steps`` calls of ``step()``, every rank starting each call together."""
+    times = []
+    for _ in range(steps):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def leave_group() -> None:

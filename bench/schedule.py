@@ -14,8 +14,6 @@ bandwidth, gloo all-gather speed). Writes bench/out/schedule-w<N>.json.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -26,7 +24,8 @@ from zero_fx.estimate import load_model_builder, vocab_size_of
 from zero_fx.plan.offline import language_model_loss
 
 from .calibrate import calibrate, fit_op_overhead
-from .runs import join_group, leave_group, machine, rows_of_every_rank, write_json
+from .runs import (join_group, leave_group, machine, median_step_seconds, rows_of_every_rank,
+                   write_json)
 
 VARIANTS = {
     "stage 0 (DDP)": dict(stage=0),
@@ -60,18 +59,12 @@ def measure_variant(options: dict, cfg: GPTConfig, batch: int, steps: int, backe
         train_step(model, opt, x, y)
     with train_step.counting_collectives() as counted:
         train_step(model, opt, x, y)
-    times = []
-    for _ in range(steps):
-        if dist.is_initialized():
-            dist.barrier()
-        start = time.perf_counter()
-        train_step(model, opt, x, y)
-        times.append(time.perf_counter() - start)
+    step_seconds = median_step_seconds(lambda: train_step(model, opt, x, y), steps)
     preset, fitted = train_step.estimate("cpu-gloo"), train_step.estimate(calibrated)
     order = train_step.compilations[0].order
     return {
         "runs_plan": order.difference is None,
-        "step_ms": 1e3 * statistics.median(times),
+        "step_ms": 1e3 * step_seconds,
         "launches": sum(counted.launches.values()),
         "launches_per_block_per_phase": _per_block_per_phase(train_step, cfg.n_layer),
         "compile_s": train_step.compile_seconds[0],

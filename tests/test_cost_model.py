@@ -96,41 +96,12 @@ def test_the_command_line_explains_a_planned_step():
 def timed_step_rank(rank: int, world_size: int, stage: int):
     """Median of 8 steps of a GPT (2 layers x 128, seq 64, batch 4 per rank), one thread
     per rank as ``bench.calibrate`` measured; and the cost model's prediction of one."""
-    import statistics
-    import time
-
-    import torch.distributed as dist
-
-    from examples.gpt import GPT, GPTConfig
-    from zero_fx import zero_compile
-    from zero_fx.plan.offline import language_model_loss
+    from bench.calibrate import timed_gpt_step
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128, bias=True)
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    @zero_compile(stage=stage, backend="aot_eager")
-    def train_step(model, opt, x, y):
-        loss = language_model_loss(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    x = torch.randint(0, cfg.vocab_size, (4, cfg.block_size),
-                      generator=torch.Generator().manual_seed(rank))
-    y = torch.roll(x, -1, dims=1)
-    for _ in range(3):  # compile; then the optimizer state exists
-        train_step(model, opt, x, y)
-    times = []
-    for _ in range(8):
-        dist.barrier()
-        start = time.perf_counter()
-        train_step(model, opt, x, y)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), train_step.estimate("cpu-gloo").step_seconds
+    config = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128, bias=True)
+    seconds, train_step = timed_gpt_step(config, batch=4, stage=stage, steps=8)
+    return seconds, train_step.estimate("cpu-gloo").step_seconds
 
 
 @pytest.mark.parametrize("stage", [0, 3])
