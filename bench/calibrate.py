@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from dataclasses import replace
@@ -30,7 +29,7 @@ import torch.multiprocessing as mp
 from zero_fx import Hardware
 from zero_fx.analysis.cost_model import PRESET_DIR
 
-from .runs import machine, median_step_seconds
+from .runs import free_port, join_spawned_group, machine, median_step_seconds
 
 DEFAULT_OUT = os.path.join(PRESET_DIR, "cpu-gloo.json")
 
@@ -122,9 +121,7 @@ def _best_seconds(fn, repeat: int = 15, together: bool = False) -> float:
 
 
 def _rank(rank: int, world_size: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
+    join_spawned_group(rank, world_size, port)
     try:
         measured, fit = fit_op_overhead(calibrate(world_size))
     finally:
@@ -142,12 +139,6 @@ def _rank(rank: int, world_size: int, port: int, out: str) -> None:
         print(f"written to {out}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=2, help="gloo ranks, one core each")
@@ -156,7 +147,7 @@ def main() -> None:
     if args.world < 2:
         parser.error("--world must be at least 2: the link is measured between ranks")
     print(f"calibrating on {machine()}, {args.world} ranks ...", flush=True)
-    mp.start_processes(_rank, args=(args.world, _free_port(), args.out), nprocs=args.world,
+    mp.start_processes(_rank, args=(args.world, free_port(), args.out), nprocs=args.world,
                        start_method="spawn")
 
 

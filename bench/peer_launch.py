@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,19 +14,13 @@ import threading
 
 from examples.progress import Progress
 
-from .runs import rows_of_every_rank
+from .runs import free_port, rows_of_every_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PEER_LIMIT_S = 3600
 """A peer still running after this is stuck, not slow (GPT-2 125M takes 16-40 minutes on 2
 CPU cores for every peer together): killed with its ranks, and reported as failed."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def peer_environment(args) -> dict:
@@ -54,7 +47,7 @@ def launch_peer(args, peer: str, argv: list[str]) -> tuple[list | None, str]:
         else:
             command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                        "--nproc_per_node", str(args.world), "--master_addr", "127.0.0.1",
-                       "--master_port", str(_free_port()), *tail]
+                       "--master_port", str(free_port()), *tail]
         env = _fresh_environment(args, tmp)
         lines = []
         # on a terminal, the start-up and first step as a phase, then a bar; else the step lines

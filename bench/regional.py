@@ -34,8 +34,6 @@ from __future__ import annotations
 import argparse
 import operator
 import os
-import socket
-import sys
 import tempfile
 import time
 
@@ -43,6 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.fx import Graph, GraphModule, Node
+
+from .runs import free_port, join_spawned_group
 
 MIN_RUN = 8
 """Runs shorter than this stay in the outer graph."""
@@ -157,9 +157,7 @@ def _rank(rank: int, world: int, port: int, layers: int, regional: bool, out) ->
     from examples.gpt import GPT, GPTConfig
     from zero_fx.plan.offline import language_model_loss
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    join_spawned_group(rank, world, port)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=layers, n_head=4, n_embd=64,
                           bias=False))
@@ -189,11 +187,8 @@ def _rank(rank: int, world: int, port: int, layers: int, regional: bool, out) ->
 def measure(layers: int, regional: bool) -> tuple[float, list[float]]:
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # the ranks inherit it: a cold compile
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         out = mp.get_context("spawn").SimpleQueue()
-        mp.start_processes(_rank, args=(2, port, layers, regional, out), nprocs=2,
+        mp.start_processes(_rank, args=(2, free_port(), layers, regional, out), nprocs=2,
                            start_method="spawn")
         return out.get()
 
@@ -208,7 +203,6 @@ def main() -> None:
         difference = max(abs(a - b) for a, b in zip(whole[1], outlined[1]))
         print(f"| {layers} | {whole[0]:.1f} s | {outlined[0]:.1f} s | {outlined[0] / whole[0]:.2f} | "
               f"{difference:.1e} |", flush=True)
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
-"""What every torchrun benchmark does around its measurements: join the gloo group,
-collect each rank's rows on rank 0, write bench/out/<name>.json."""
+"""What every benchmark does around its measurements: join the gloo group (under torchrun
+or as a spawned rank), collect each rank's rows on rank 0, write bench/out/<name>.json."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import socket
 import statistics
 import time
 from datetime import timedelta
@@ -28,6 +29,20 @@ def join_group() -> tuple[int, int]:
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
+
+
+def free_port() -> int:
+    """A TCP port on loopback no one listens on now, for a group whose ranks this process spawns."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_spawned_group(rank: int, world_size: int, port: int) -> None:
+    """A rank this process spawned joins gloo at ``port`` on one thread (one core per rank)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
 
 
 def rows_of_every_rank(rows) -> list:
