@@ -16,7 +16,10 @@ The graph is then replayed in its order on two streams: compute runs nodes one
 after another; communication runs collectives one after another (as one NCCL
 or gloo process group does), each starting when it is issued and the previous
 one has finished. A wait blocks compute until its collective has finished;
-the time compute spends blocked is the *exposed* communication. The optimizer
+the time compute spends blocked is the *exposed* communication. Where
+communication shares the compute's core (``communication_overlap`` below 1:
+gloo on a CPU with no idle core), the share of a collective it cannot hide
+is taken from compute when it is issued, and counts as exposed. The optimizer
 step (memory-bound over the shards: parameter, gradient and two Adam moments
 read, three written) and, in stages 1-2, the gathers after it follow the graph.
 
@@ -26,7 +29,8 @@ on top of what lives through the step: the graph's inputs (shards or
 parameters, the batch) and the optimizer state.
 
 It is a model: no fusion (Inductor fuses elementwise ops, so memory-bound time
-is an upper bound), no contention between the streams, one link speed.
+is an upper bound), no contention between the streams beyond the share that
+cannot overlap, one link speed.
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ class Hardware:
     """Seconds per ring step; a collective over N ranks takes N-1 steps."""
     op_overhead: float
     """Seconds each op costs beyond its work (launch, dispatch)."""
+    communication_overlap: float = 1.0
+    """The share of a collective's time that can run beside compute: 1 where communication
+    has its own engine (NCCL's copy engines and SMs), less where it shares a core with
+    compute (gloo's threads on a CPU with no idle core). The rest is compute's time too."""
 
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
@@ -170,22 +178,26 @@ def replay(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_pa
     report = traffic_report(gm, plan)
     in_graph = {c.node: c for c in report.collectives if c.node}
     compute = comm_free = busy_compute = busy_comm = exposed = 0.0
-    issued: dict[Node, tuple[float, float, float, int]] = {}  # start, finish, compute, ops at issue
+    issued: dict[Node, tuple[float, float, float, int, float]] = {}  # start, finish, compute and ops at issue, shared
     ops = 0
     timings = []
     for node in gm.graph.nodes:
         if is_collective(node):
             start = max(compute, comm_free)
-            comm_free = start + collective_seconds(in_graph[node.name], n, hw)
-            issued[node] = (start, comm_free, busy_compute, ops)
-            busy_comm += comm_free - start
+            seconds = collective_seconds(in_graph[node.name], n, hw)
+            comm_free = start + seconds
+            shared = (1.0 - hw.communication_overlap) * seconds  # compute's core, taken now
+            compute += shared
+            exposed += shared
+            issued[node] = (start, comm_free, busy_compute, ops, shared)
+            busy_comm += seconds
         elif is_wait(node) and node.args[0] in issued:
-            start, finish, compute_at_issue, ops_at_issue = issued[node.args[0]]
+            start, finish, compute_at_issue, ops_at_issue, shared = issued[node.args[0]]
             blocked = max(0.0, finish - compute)
             timings.append(CollectiveTiming(
                 collective=in_graph[node.args[0].name], start=start, finish=finish,
                 compute_between=busy_compute - compute_at_issue, ops_between=ops - ops_at_issue,
-                exposed=blocked))
+                exposed=shared + blocked))
             exposed += blocked
             compute += blocked
         else:

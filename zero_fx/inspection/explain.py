@@ -178,7 +178,7 @@ def _collectives_section(e: Explanation) -> str:
             f"{_at(c.issued_at):>6} {_at(c.waited_at):>6}  {between:>22}  "
             f"{format_seconds(t.exposed):>9}  {_bucket(c.bucket)}")
     lines.append("  issued/waited: node index in the rewritten graph (see the graph dump); "
-                 "exposed: time compute waits for it")
+                 "exposed: time compute loses to it (waiting, or sharing its core)")
     order = e.compilations[-1].order if e.compilations else None
     if order is not None:
         lines.append(f"  as lowered: {order}")
