@@ -1,12 +1,14 @@
 """Measure this machine for the cost model and write its ``cpu-gloo`` preset.
 
-    python -m bench.calibrate                  # 2 gloo ranks, one core each (~30 s)
+    python -m bench.calibrate                  # 2 gloo ranks, one core each (~15 s)
     python -m bench.calibrate --world 4 --out /tmp/mine.json
 
 Each rank runs on one thread, as the tests and benchmarks do: a 512² fp32 matmul
 (FLOP/s), a 32 MiB copy (memory bandwidth), all-gathers of 64 bytes and of 16 MiB
 over gloo (latency per ring step and bandwidth); the best of 15 runs of each. Then
-the op overhead is fitted on a real step of a tiny GPT (``fit_op_overhead``). The
+how much of a 16 MiB all-gather hides behind matmuls issued while it runs (the
+median of 7 trials; 0 on the 2-core box, where gloo's threads have no idle core).
+Then the op overhead is fitted on a real step of a tiny GPT (``fit_op_overhead``). The
 result is written as JSON with where and when it was measured; the default path is
 the preset the cost model loads (``zero_fx/analysis/presets/cpu-gloo.json``,
 committed), so rerun this and commit the file when the CI machine changes.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -35,27 +38,50 @@ DEFAULT_OUT = os.path.join(PRESET_DIR, "cpu-gloo.json")
 
 
 def calibrate(world_size: int) -> Hardware:
-    """This machine's matmul speed, copy bandwidth and gloo all-gather speed, measured now
-    (every rank of the current group takes part)."""
+    """This machine's matmul speed, copy bandwidth, gloo all-gather speed and how much of an
+    all-gather runs beside a matmul, measured now (every rank of the current group takes part)."""
     a, b = torch.randn(512, 512), torch.randn(512, 512)
-    flops = 8 * 2 * 512 ** 3 / _best_seconds(lambda: [a @ b for _ in range(8)])
+    matmuls = lambda: [a @ b for _ in range(8)]  # noqa: E731
+    flops = 8 * 2 * 512 ** 3 / _best_seconds(matmuls)
     big = torch.randn(8 << 20)
     memory_bandwidth = 2 * big.numel() * 4 / _best_seconds(lambda: big.clone())
     small, large = torch.zeros(16), torch.zeros(4 << 20)
     latency = bandwidth = float("inf")
+    overlap = 1.0
     if world_size > 1:
         def gather(t):
             out = t.new_empty(t.numel() * world_size)
-            return lambda: dist.all_gather_into_tensor(out, t)
+            return lambda async_op=False: dist.all_gather_into_tensor(out, t, async_op=async_op)
         # ring model: (N-1) * (latency + bytes / N / bandwidth)
         latency = _best_seconds(gather(small), together=True) / (world_size - 1)
         per_step = _best_seconds(gather(large), together=True) / (world_size - 1) - latency
         bandwidth = large.numel() * 4 / per_step
+        overlap = _communication_overlap(gather(large), matmuls)
     # a lower bound; fit_op_overhead replaces it with what a real step shows
     overhead = _best_seconds(lambda: torch.add(small, 1), repeat=200)
     return Hardware(name="calibrated on this machine", flops=flops,
                     memory_bandwidth=memory_bandwidth, link_bandwidth=bandwidth,
-                    link_latency=latency, op_overhead=overhead)
+                    link_latency=latency, op_overhead=overhead,
+                    communication_overlap=overlap)
+
+
+def _communication_overlap(gather, compute, trials: int = 7) -> float:
+    """The share of an all-gather that runs beside compute: ``gather(async_op)`` and
+    ``compute`` timed alone and together (issued, computed, waited), the time saved over
+    the shorter of the two; the median of ``trials`` (one trial swings by 0.3 on the 2-core
+    box)."""
+    def both():
+        work = gather(async_op=True)
+        compute()
+        work.wait()
+
+    shares = []
+    for _ in range(trials):
+        alone_gather = _best_seconds(gather, repeat=5, together=True)
+        alone_compute = _best_seconds(compute, repeat=5, together=True)
+        saved = alone_gather + alone_compute - _best_seconds(both, repeat=5, together=True)
+        shares.append(min(1.0, max(0.0, saved / min(alone_gather, alone_compute))))
+    return statistics.median(shares)
 
 
 FIT_MODEL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, bias=True)

@@ -8,7 +8,7 @@ whether the lowered program runs the graph's order (``pin_schedule``; one varian
 lets Inductor re-sort, for comparison),
 and the cost model's prediction: with the ``cpu-gloo`` preset, and with a
 ``Hardware`` calibrated on this machine a moment before (matmul FLOP/s, copy
-bandwidth, gloo all-gather speed). Writes bench/out/schedule-w<N>.json.
+bandwidth, gloo all-gather speed and overlap). Writes bench/out/schedule-w<N>.json.
 """
 
 from __future__ import annotations
