@@ -178,7 +178,8 @@ def replay(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_pa
     report = traffic_report(gm, plan)
     in_graph = {c.node: c for c in report.collectives if c.node}
     compute = comm_free = busy_compute = busy_comm = exposed = 0.0
-    issued: dict[Node, tuple[float, float, float, int, float]] = {}  # start, finish, compute and ops at issue, shared
+    # per collective: start, finish, busy compute and ops at issue, compute time it shared
+    issued: dict[Node, tuple[float, float, float, int, float]] = {}
     ops = 0
     timings = []
     for node in gm.graph.nodes:
