@@ -8,7 +8,7 @@ from torch.fx import GraphModule, Node
 
 from .collective_code import gather_bucket
 from .predicates import (CARRIES_META, GATHERED_META, Phase, carried_params, gathered_param,
-                         grad_slots, phase_of)
+                         grad_slots, kept_through_loss, phase_of)
 from .reduce_grads import reduction
 from .splice import splice
 
@@ -27,7 +27,8 @@ def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
     complete). Only the members after the first of a gather bucket, and only
     the members before the last of a reduction bucket, move. The order is read
     off the graph and the plan only: the same on every rank.
-    Resident parameters are bucketed with each other only.
+    Resident parameters are bucketed with each other only, and so are those
+    kept through the loss.
     Does nothing when ``bucket_bytes`` is 0 or the world is one rank.
 
     [Note: resident parameters share buckets only with each other]
@@ -38,7 +39,10 @@ def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
     bucket of released parameters would keep the whole buffer alive until its
     last backward use. On GPT-2 125M that held 370 MiB per rank more than
     aot_eager did (bench/README.md). Kept apart, the residents' buckets are
-    small and the others are freed after their last forward use.
+    small and the others are freed after their last forward use. The same holds
+    for a weight kept through the loss ([Note: a weight kept through the loss] in
+    gather_params.py): in a bucket with the last block's weights it would keep
+    them alive into the backward.
     """
     if plan.bucket_bytes == 0 or plan.world_size == 1:
         return gm
@@ -48,9 +52,12 @@ def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
     for phase in Phase:
         results = [n for n in gathered if gathered_param(n)[1] is phase]
         # [Note: resident parameters share buckets only with each other]
+        kept = kept_through_loss(gm)
         resident = [n for n in results if carried_params(n)[0] in plan.resident]
-        released = [n for n in results if carried_params(n)[0] not in plan.resident]
-        for group, is_resident in ((resident, True), (released, False)):
+        through_loss = [n for n in results if carried_params(n)[0] in kept]
+        released = [n for n in results
+                    if carried_params(n)[0] not in plan.resident | kept]
+        for group, is_resident in ((resident, True), (through_loss, False), (released, False)):
             replaced |= _fuse(gm, plan, group, order, _gather_code(plan), insert_at_first=True,
                               resident=is_resident)
     if plan.reduces_in_graph:

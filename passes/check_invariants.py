@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule
 
-from .predicates import Phase, gathered_param, is_collective, is_wait, phase_of
+from .predicates import Phase, gathered_param, is_collective, is_wait, kept_through_loss, phase_of
 
 
 class InvariantError(AssertionError):
@@ -17,7 +17,8 @@ def check_invariants(gm: GraphModule, plan) -> GraphModule:
     Checks: every collective has exactly one wait; in stage 3, nothing that
     depends only on a forward-gathered parameter is read by a backward node
     (the full parameter is released at the end of its forward region), except
-    the resident parameters the plan names.
+    the resident parameters the plan names and those ``gather_params`` kept
+    through the loss.
     """
     for node in gm.graph.nodes:
         if is_collective(node):
@@ -27,7 +28,7 @@ def check_invariants(gm: GraphModule, plan) -> GraphModule:
                     f"collective {node.name} must have exactly one user, a wait; has {list(node.users)}"
                 )
     if plan.stage == 3:
-        _check_release(gm, plan.resident)
+        _check_release(gm, plan.resident | kept_through_loss(gm))
     return gm
 
 

@@ -23,6 +23,9 @@ LOSS_SCALE_META = "zero_loss_scale"
 """Placeholder meta key: this input is the loss scale (``scale_loss``), not a step argument."""
 GRAD_SLOTS_META = "zero_grad_slots"
 """GraphModule meta key: ``{output index: parameter name}`` for the gradient outputs."""
+KEPT_THROUGH_LOSS_META = "zero_kept_through_loss"
+"""GraphModule meta key: the stage-3 parameters whose forward gather also serves the
+backward (``gather_params``, [Note: a weight kept through the loss])."""
 
 
 class Phase(enum.Enum):
@@ -163,6 +166,11 @@ def carried_params(node: Node) -> tuple[str, ...]:
 
 def grad_slots(gm: torch.fx.GraphModule) -> dict[int, str]:
     return gm.meta.get(GRAD_SLOTS_META, {})
+
+
+def kept_through_loss(gm: torch.fx.GraphModule) -> frozenset:
+    """The parameters gathered once for the forward's end and the backward's start."""
+    return gm.meta.get(KEPT_THROUGH_LOSS_META, frozenset())
 
 
 def mark_step_graph(gm: torch.fx.GraphModule, param_names: Sequence[Optional[str]],

@@ -82,9 +82,15 @@ def test_explain_gathered_lifetimes_are_ordered_and_cover_both_phases(stage3):
     for l in lifetimes:
         assert l.ready_at <= l.first_use <= l.last_use <= l.released_after
     backward_start = explanation.memory.phases.index("backward")
-    for l in lifetimes:  # no forward-gathered weight survives into the backward but residents
-        if l.phase == "forward" and l.param not in explanation.plan.resident:
+    for l in lifetimes:  # no forward-gathered weight survives into the backward but those kept
+        if l.phase == "forward" and not l.kept:
             assert l.released_after < backward_start, l
+    kept = {l.param: l.kept for l in lifetimes if l.kept}
+    assert kept == {"wte.weight": "through the loss",  # the head: [Note: a weight kept through the loss]
+                    **{n: "resident" for n in explanation.plan.resident}}
+    head = next(l for l in lifetimes if l.param == "wte.weight")
+    assert head.first_use < backward_start < head.last_use
+    assert f"{head.released_after} ({head.released_node})  kept through the loss" in str(explanation)
 
 
 def test_explain_memory_peak_and_what_is_alive_there(stage3):

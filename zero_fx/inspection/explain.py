@@ -18,7 +18,7 @@ from torch.fx import GraphModule, Node
 from ..analysis.cost_model import CollectiveTiming, Estimate, replay
 from ..analysis.memory_timeline import MemoryTimeline, is_view, tensor_bytes
 from ..formatting import format_bytes, format_seconds, short_dtype
-from ..passes.predicates import gathered_param
+from ..passes.predicates import gathered_param, kept_through_loss
 from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary
 from ..plan.layout import BLOCKS
 
@@ -44,6 +44,9 @@ class GatheredLifetime:
     """The last reader of its memory (for a bucket of one: of the gathered buffer)."""
     released_node: str
     bytes: int
+    kept: str = ""
+    """Why a forward gather lives on into the backward: "resident", "through the loss"
+    ([Note: a weight kept through the loss]); "" for a gather released in its phase."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ def explain_graph(gm: GraphModule, plan, *, hardware="cpu-gloo", title: str = ""
         title=title or f"zero_fx explain: stage {plan.stage} over {plan.world_size} rank(s)",
         plan=plan,
         timings=replayed.timings,
-        lifetimes=tuple(_lifetimes(gm, memory)),
+        lifetimes=tuple(_lifetimes(gm, plan, memory)),
         memory=memory,
         estimate=replayed.estimate,
         compilations=tuple(compilations),
@@ -87,7 +90,9 @@ def explain_graph(gm: GraphModule, plan, *, hardware="cpu-gloo", title: str = ""
     )
 
 
-def _lifetimes(gm: GraphModule, memory: MemoryTimeline) -> list[GatheredLifetime]:
+def _lifetimes(gm: GraphModule, plan, memory: MemoryTimeline) -> list[GatheredLifetime]:
+    kept = {**{name: "through the loss" for name in kept_through_loss(gm)},
+            **{name: "resident" for name in plan.resident}}
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     buffers = {t.node: t for t in memory.tensors}
     names = list(memory.node_names)
@@ -104,7 +109,7 @@ def _lifetimes(gm: GraphModule, memory: MemoryTimeline) -> list[GatheredLifetime
         lifetimes.append(GatheredLifetime(
             param=gathered[0], phase=gathered[1].value, ready_at=order[node], first_use=uses[0],
             last_use=uses[-1], released_after=released, released_node=names[released],
-            bytes=tensor_bytes(val)))
+            bytes=tensor_bytes(val), kept=kept.get(gathered[0], "")))
     return lifetimes
 
 
@@ -197,7 +202,8 @@ def _lifetimes_section(e: Explanation) -> str:
     for l in e.lifetimes:
         lines.append(f"  {l.param:<{width}}  {l.phase:<8} {format_bytes(l.bytes):>10} "
                      f"{l.ready_at:>6} {l.first_use:>9} {l.last_use:>8}  "
-                     f"{l.released_after} ({l.released_node})")
+                     f"{l.released_after} ({l.released_node})"
+                     + (f"  kept {l.kept}" if l.kept else ""))
     return "\n".join(lines)
 
 
