@@ -211,3 +211,33 @@ def test_the_readers_of_a_released_gather_are_marked_to_be_stored():
     graph.output((embedding, matmul, scaled))
     StoreReleasedReaders()(graph)
     assert [n.name for n in graph.nodes if n.meta.get(REALIZE_META)] == [embedding.name]
+
+
+def test_pinning_pins_copy_ins_and_adds_no_edge_the_data_implies():
+    """[Note: a gather's copy-in is pinned with it] and [Note: no edge the data implies], on a
+    post-grad-like graph in our order: mm1, mm2 (reads mm1 through a relu), the bucket's
+    copy-in and its gather, mm3, the gather's wait."""
+    from torch.fx import Graph
+
+    from zero_fx.compiler.pin_schedule import POSITION_KEY, ordering_dependencies
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    graph = Graph()
+    a, b, shard_1, shard_2 = (graph.placeholder(n) for n in ("a", "b", "shard_1", "shard_2"))
+    mm_1 = graph.call_function(aten.mm.default, (a, b))
+    relu = graph.call_function(aten.relu.default, (mm_1,))
+    mm_2 = graph.call_function(aten.mm.default, (relu, b))
+    copy_in = graph.call_function(aten.cat.default, ([shard_1, shard_2],))
+    gather = graph.call_function(c10d.all_gather_into_tensor.default, (copy_in, 2, "0"))
+    mm_3 = graph.call_function(aten.mm.default, (a, b))
+    wait = graph.call_function(c10d.wait_tensor.default, (gather,))
+    graph.output((mm_2, mm_3, wait))
+    for position, node in enumerate(graph.nodes):
+        node.meta["custom"] = {POSITION_KEY: position}
+    dependencies = {node.name: [d.name for d in deps]
+                    for node, deps in ordering_dependencies(list(graph.nodes)).items()}
+    assert dependencies == {
+        # mm_2 reads mm_1: no edge. The copy-in reads only shards: pinned after mm_2 with its
+        # gather. The wait reads the gather, but not mm_3, the event before it.
+        copy_in.name: [mm_2.name], gather.name: [mm_2.name], mm_3.name: [gather.name],
+        wait.name: [mm_3.name]}
