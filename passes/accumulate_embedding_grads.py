@@ -18,6 +18,16 @@ the order of the additions.
 Only plain embeddings are rewritten: no ``padding_idx`` (its row's gradient is
 dropped) and no ``scale_grad_by_freq`` (the rows are scaled by counts), and only
 where the ``add`` is the sole reader of both addends.
+
+[Note: the head's gradient is made where the rows are added]
+The head's gradient is still a table alive from the head's backward to the
+embedding's, through the whole backward. It is one matmul of two values,
+``logits_grad^T @ hidden``. When those two are smaller than the table (fewer
+tokens than the model is wide: B*T*V + B*T*d < V*d), the matmul moves to the
+end, right before the rows are added: the backward then keeps the smaller
+inputs alive instead of the table. GPT-2 125M at 1 x 512 tokens per rank keeps
+98 MiB of logits' gradient instead of a 147 MiB table. With more tokens per
+rank than the width the inputs are larger, and the matmul stays where it is.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from .predicates import Phase, phase_of
+from .predicates import Phase, is_anchor_compute, is_view, phase_of, tensor_bytes
 from .splice import splice
 
 aten = torch.ops.aten
@@ -45,6 +55,7 @@ def accumulate_embedding_grads(gm: GraphModule, plan=None) -> GraphModule:
             continue
         grad, dense = match
         rows, ids = dense.args[0], dense.args[1]
+        _make_late_if_smaller(gm, grad, node)  # [Note: the head's gradient is made where ...]
         (summed,) = splice(gm.graph, _add_rows_into, [grad, ids, rows], before=node,
                            phase=Phase.BACKWARD)
         node.replace_all_uses_with(summed)
@@ -77,3 +88,36 @@ def _tied_gradient_sum(node: Node):
 
 def _add_rows_into(grad: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return grad.index_put([ids], rows.to(grad.dtype), accumulate=True)
+
+
+def _make_late_if_smaller(gm: GraphModule, grad: Node, reader: Node) -> None:
+    """Move the matmul computing ``grad`` (and the views between) right before ``reader``
+    when what it reads, kept alive until there, takes fewer bytes than ``grad``."""
+    chain = [grad]
+    while is_view(chain[-1]) and len(chain[-1].all_input_nodes) == 1:
+        chain.append(chain[-1].all_input_nodes[0])
+    matmul = chain[-1]
+    if not is_anchor_compute(matmul) or any(len(n.users) != 1 for n in chain):
+        return
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    extended = {_base(i) for i in matmul.all_input_nodes}
+    extended = {b for b in extended
+                if all(order[u] < order[reader] for u in _readers(b) if u not in chain)}
+    if sum(tensor_bytes(b.meta.get("val")) for b in extended) >= tensor_bytes(grad.meta["val"]):
+        return
+    for node in reversed(chain):
+        reader.prepend(node)
+
+
+def _base(node: Node) -> Node:
+    while is_view(node) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _readers(base: Node) -> list[Node]:
+    """What reads ``base``, directly or through its views."""
+    readers = []
+    for user in base.users:
+        readers.extend(_readers(user) if is_view(user) else [user])
+    return readers
