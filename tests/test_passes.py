@@ -154,11 +154,11 @@ def tied_embedding_step(wte, ids, targets, padding_idx=None):
 class TestAccumulateEmbeddingGrads:
     VOCAB, WIDTH, TOKENS = 1000, 64, 16
 
-    def traced(self, padding_idx=None):
+    def traced(self, padding_idx=None, tokens=TOKENS):
         torch.manual_seed(0)
         inputs = (torch.randn(self.VOCAB, self.WIDTH, requires_grad=True),
-                  torch.randint(0, self.VOCAB, (2, self.TOKENS // 2)),
-                  torch.randint(0, self.VOCAB, (2, self.TOKENS // 2)))
+                  torch.randint(0, self.VOCAB, (2, tokens // 2)),
+                  torch.randint(0, self.VOCAB, (2, tokens // 2)))
         gm = make_fx(lambda *a: tied_embedding_step(*a, padding_idx=padding_idx),
                      tracing_mode="fake")(*inputs)
         next(iter(gm.graph.nodes)).meta[PARAM_META] = "wte"
@@ -175,6 +175,22 @@ class TestAccumulateEmbeddingGrads:
         torch.testing.assert_close(gm(*inputs)[1], expected, rtol=0, atol=1e-7)  # measured 0
         table, rows = self.VOCAB * self.WIDTH * 4, self.TOKENS * self.WIDTH * 4
         assert peak_before - max(memory_timeline(gm).transient) == table - rows
+
+    @pytest.mark.parametrize("tokens_per_width, late", [(0.25, True), (4, False)])
+    def test_the_heads_gradient_is_made_where_the_rows_are_added_if_that_saves(
+            self, tokens_per_width, late):
+        """[Note: the head's gradient is made where the rows are added]: with fewer tokens
+        than the width, the logits' gradient and the hidden states kept to the end are
+        smaller than the table, so the head's weight-gradient matmul moves after the rest of
+        the backward (here the tanh's); with 4x more tokens than the width it stays."""
+        gm, inputs = self.traced(tokens=int(tokens_per_width * self.WIDTH))
+        expected = gm(*inputs)[1]
+        gm = accumulate_embedding_grads(gm)
+        names = [n.target for n in gm.graph.nodes]
+        head_grad = next(i for i, n in enumerate(gm.graph.nodes) if n.target == aten.mm.default
+                         and n.meta["val"].numel() == self.VOCAB * self.WIDTH)
+        assert (head_grad > names.index(aten.tanh_backward.default)) is late
+        torch.testing.assert_close(gm(*inputs)[1], expected, rtol=0, atol=1e-7)  # measured 0
 
     def test_an_embedding_with_a_padding_index_is_left_alone(self):
         gm, _ = self.traced(padding_idx=0)  # its row's gradient is dropped, not summed
@@ -193,11 +209,11 @@ def wide_head_step(w1, head, x, targets):
 class TestOrderWeightGrads:
     VOCAB, WIDTH, TOKENS = 1000, 64, 8
 
-    def traced(self, stage=3):
+    def traced(self, stage=3, tokens=TOKENS):
         torch.manual_seed(0)
         inputs = (torch.randn(self.WIDTH, self.WIDTH, requires_grad=True),
                   torch.randn(self.VOCAB, self.WIDTH, requires_grad=True),
-                  torch.randn(self.TOKENS, self.WIDTH), torch.randint(0, self.VOCAB, (self.TOKENS,)))
+                  torch.randn(tokens, self.WIDTH), torch.randint(0, self.VOCAB, (tokens,)))
         gm = make_fx(wide_head_step, tracing_mode="fake")(*inputs)
         for node, name in zip(gm.graph.find_nodes(op="placeholder"), ("w1", "head")):
             node.meta[PARAM_META] = name
@@ -256,6 +272,16 @@ class TestOrderWeightGrads:
         gm = gather_params(order_weight_grads(gm, plan), plan)
         assert len(head_gathers(gm)) == 1 and kept_through_loss(gm) == {"head"}
         check_invariants(gm, plan)  # the backward may read this one forward gather
+
+    def test_a_weight_smaller_than_its_input_gradient_stays_after(self):
+        """With more tokens than the head has rows, the input gradient (tokens x width)
+        outweighs the weight (rows x width): swapping would hold the larger tensor longer."""
+        tokens = 2 * self.VOCAB
+        gm, plan, _ = self.traced(tokens=tokens)
+        head = self.VOCAB * self.WIDTH
+        assert self.backward_matmuls(gm)[:2] == [(False, head), (True, tokens * self.WIDTH)]
+        gm = order_weight_grads(gm, plan)
+        assert self.backward_matmuls(gm)[:2] == [(False, head), (True, tokens * self.WIDTH)]
 
     def test_does_nothing_below_stage_3(self):
         gm, plan, _ = self.traced(stage=2)
