@@ -21,7 +21,8 @@ The swap is not free: the input gradient, an activation-sized tensor, now
 exists while the weight gradient is computed. So a pair is swapped only when
 the weight is larger than the input gradient (a head over few tokens, GPT-2's
 block weights at 512 tokens per rank), not when the batch's tokens outnumber
-the weight's rows. Measured on gpt-small with recompute="blocks" (1024 tokens
+the weight's rows. The head is swapped whatever its size: read first by the
+backward, its forward gather is kept through the loss, no second gather. Measured on gpt-small with recompute="blocks" (1024 tokens
 per rank, width 320, an MLP's 1280-wide input gradient 5 MiB against its
 1.6 MiB weight): swapping every pair peaked at 157.7 MiB per rank, none at
 153.0.
@@ -60,10 +61,14 @@ def order_weight_grads(gm: GraphModule, plan) -> GraphModule:
             for source in {_viewed(arg) for arg in node.all_input_nodes}:
                 readers.setdefault(source, []).append(node)
     moved = 0
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    forward_anchors = [order[n] for n in gm.graph.nodes
+                       if is_anchor_compute(n) and phase_of(n) == Phase.FORWARD]
     for siblings in readers.values():
         for weight_grad, input_grad in zip(siblings, siblings[1:]):
             if (not _reads_param(weight_grad) and _reads_param(input_grad)
-                    and _weight_larger_than_result(input_grad)
+                    and (_weight_larger_than_result(input_grad)
+                         or _read_by_the_last_forward_matmul(input_grad, order, forward_anchors))
                     and _move_before(input_grad, weight_grad)):
                 moved += 1
     if moved:
@@ -77,6 +82,23 @@ def _weight_larger_than_result(input_grad: Node) -> bool:
     weights = [_viewed(a) for a in input_grad.all_input_nodes if is_param_input(_viewed(a))]
     return max(tensor_bytes(w.meta.get("val")) for w in weights) > \
         tensor_bytes(input_grad.meta.get("val"))
+
+
+def _read_by_the_last_forward_matmul(input_grad: Node, order: dict, forward_anchors: list) -> bool:
+    """The weight ``input_grad`` reads is read by the forward's last matmul (the head): with
+    its input gradient first the backward starts by reading it, and its forward gather is
+    kept through the loss ([Note: a weight kept through the loss] in gather_params.py)."""
+    weights = [_viewed(a) for a in input_grad.all_input_nodes if is_param_input(_viewed(a))]
+    last = max(forward_anchors, default=-1)
+    return any(order[r] == last for w in weights for r in _forward_readers(w))
+
+
+def _forward_readers(node: Node) -> list[Node]:
+    readers = []
+    for user in node.users:
+        if phase_of(user) == Phase.FORWARD:
+            readers.extend(_forward_readers(user) if is_view(user) else [user])
+    return readers
 
 
 def _viewed(node: Node) -> Node:

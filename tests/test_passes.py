@@ -199,6 +199,12 @@ class TestAccumulateEmbeddingGrads:
         assert count(gm, lambda n: n.target == aten.index_put.default) == 0
 
 
+def _viewed_param(node):
+    while is_view(node):
+        node = node.all_input_nodes[0]
+    return node.meta.get(PARAM_META)
+
+
 def wide_head_step(w1, head, x, targets):
     """A small layer, then a wide output head: the head's weight gradient is head-sized."""
     logits = torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x, w1)), head)
@@ -274,14 +280,37 @@ class TestOrderWeightGrads:
         check_invariants(gm, plan)  # the backward may read this one forward gather
 
     def test_a_weight_smaller_than_its_input_gradient_stays_after(self):
-        """With more tokens than the head has rows, the input gradient (tokens x width)
-        outweighs the weight (rows x width): swapping would hold the larger tensor longer."""
-        tokens = 2 * self.VOCAB
-        gm, plan, _ = self.traced(tokens=tokens)
-        head = self.VOCAB * self.WIDTH
-        assert self.backward_matmuls(gm)[:2] == [(False, head), (True, tokens * self.WIDTH)]
-        gm = order_weight_grads(gm, plan)
-        assert self.backward_matmuls(gm)[:2] == [(False, head), (True, tokens * self.WIDTH)]
+        """A middle layer (width x width) over more tokens than the width: its input gradient
+        (tokens x width) outweighs the weight, so its weight gradient stays first. The head,
+        the forward's last matmul, is swapped whatever its size: its gather is then kept
+        through the loss ([Note: a weight kept through the loss])."""
+        def step(w1, w2, head, x, targets):
+            hidden = torch.tanh(torch.nn.functional.linear(x, w1))
+            logits = torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(hidden, w2)),
+                                                head)
+            loss = torch.nn.functional.cross_entropy(logits, targets)
+            return (loss.detach(), *torch.autograd.grad(loss, [w1, w2, head]))
+
+        tokens, names = 2 * self.VOCAB, ("w1", "w2", "head")
+        inputs = (torch.randn(self.WIDTH, self.WIDTH, requires_grad=True),
+                  torch.randn(self.WIDTH, self.WIDTH, requires_grad=True),
+                  torch.randn(self.VOCAB, self.WIDTH, requires_grad=True),
+                  torch.randn(tokens, self.WIDTH), torch.randint(0, self.VOCAB, (tokens,)))
+        gm = make_fx(step, tracing_mode="fake")(*inputs)
+        for node, name in zip(gm.graph.find_nodes(op="placeholder"), names):
+            node.meta[PARAM_META] = name
+        gm.meta[GRAD_SLOTS_META] = {1: "w1", 2: "w2", 3: "head"}
+        plan = make_plan([(n, (self.VOCAB if n == "head" else self.WIDTH, self.WIDTH),
+                           torch.float32, True) for n in names],
+                         world_size=WORLD, stage=3, group_name="test")
+        gm = order_weight_grads(recompute_param_views(annotate_phases(gm, plan), plan), plan)
+        reads = [next((name for a in n.all_input_nodes for name in names
+                       if _viewed_param(a) == name), None)
+                 for n in gm.graph.nodes
+                 if n.target == aten.mm.default and phase_of(n) is Phase.BACKWARD]
+        # backward matmuls in order (the parameter each reads): the head's input gradient,
+        # then its weight gradient; w2's weight gradient, then its input gradient; w1's
+        assert reads == ["head", None, None, "w2", None]
 
     def test_does_nothing_below_stage_3(self):
         gm, plan, _ = self.traced(stage=2)
