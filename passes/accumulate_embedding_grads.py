@@ -35,7 +35,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from .predicates import Phase, is_anchor_compute, is_view, phase_of, tensor_bytes
+from .predicates import (Phase, is_anchor_compute, is_view, phase_of, readers_through_views,
+                         tensor_bytes, viewed)
 from .splice import splice
 
 aten = torch.ops.aten
@@ -100,24 +101,10 @@ def _make_late_if_smaller(gm: GraphModule, grad: Node, reader: Node) -> None:
     if not is_anchor_compute(matmul) or any(len(n.users) != 1 for n in chain):
         return
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    extended = {_base(i) for i in matmul.all_input_nodes}
+    extended = {viewed(i) for i in matmul.all_input_nodes}
     extended = {b for b in extended
-                if all(order[u] < order[reader] for u in _readers(b) if u not in chain)}
+                if all(order[u] < order[reader] for u in readers_through_views(b) if u not in chain)}
     if sum(tensor_bytes(b.meta.get("val")) for b in extended) >= tensor_bytes(grad.meta["val"]):
         return
     for node in reversed(chain):
         reader.prepend(node)
-
-
-def _base(node: Node) -> Node:
-    while is_view(node) and node.all_input_nodes:
-        node = node.all_input_nodes[0]
-    return node
-
-
-def _readers(base: Node) -> list[Node]:
-    """What reads ``base``, directly or through its views."""
-    readers = []
-    for user in base.users:
-        readers.extend(_readers(user) if is_view(user) else [user])
-    return readers

@@ -49,10 +49,10 @@ def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     gathered = [n for n in gm.graph.nodes if gathered_param(n) is not None]
     replaced: dict[Node, Node] = {}
+    kept = kept_through_loss(gm)
     for phase in Phase:
         results = [n for n in gathered if gathered_param(n)[1] is phase]
         # [Note: resident parameters share buckets only with each other]
-        kept = kept_through_loss(gm)
         resident = [n for n in results if carried_params(n)[0] in plan.resident]
         through_loss = [n for n in results if carried_params(n)[0] in kept]
         released = [n for n in results

@@ -8,7 +8,8 @@ from torch.fx import GraphModule, Node
 
 from .collective_code import gather_bucket
 from .predicates import (CARRIES_META, GATHERED_META, KEPT_THROUGH_LOSS_META, Phase,
-                         is_anchor_compute, is_param_input, is_view, param_name, phase_of)
+                         is_anchor_compute, is_param_input, is_view, param_name, phase_of,
+                         readers_through_views)
 from .splice import splice
 
 
@@ -103,9 +104,7 @@ def _only_the_loss_between(users_by_phase: dict, order: dict, anchors: list[int]
 
 def _reads(user: Node) -> list[Node]:
     """The nodes that read ``user``'s value as data: ``user`` itself, or through its views."""
-    if not is_view(user) or not user.users:
-        return [user]
-    return [r for u in user.users for r in _reads(u)]
+    return (is_view(user) and readers_through_views(user)) or [user]
 
 
 def _users_by_phase(placeholder: Node) -> dict[Phase, list[Node]]:

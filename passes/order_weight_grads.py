@@ -22,10 +22,10 @@ exists while the weight gradient is computed. So a pair is swapped only when
 the weight is larger than the input gradient (a head over few tokens, GPT-2's
 block weights at 512 tokens per rank), not when the batch's tokens outnumber
 the weight's rows. The head is swapped whatever its size: read first by the
-backward, its forward gather is kept through the loss, no second gather. Measured on gpt-small with recompute="blocks" (1024 tokens
-per rank, width 320, an MLP's 1280-wide input gradient 5 MiB against its
-1.6 MiB weight): swapping every pair peaked at 157.7 MiB per rank, none at
-153.0.
+backward, its forward gather is kept through the loss, no second gather.
+Measured on gpt-small with recompute="blocks" (1024 tokens per rank, width
+320, an MLP's 1280-wide input gradient 5 MiB against its 1.6 MiB weight):
+swapping every pair peaked at 157.7 MiB per rank, none at 153.0.
 
 The input gradient moves, with the nodes it needs that come after the weight
 gradient (the parameter's view, ``t(weight)``), to right before the weight
@@ -38,8 +38,8 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
-from .predicates import (Phase, is_anchor_compute, is_param_input, is_view, phase_of,
-                         tensor_bytes)
+from .predicates import (Phase, is_anchor_compute, is_param_input, phase_of,
+                         readers_through_views, tensor_bytes, viewed)
 
 
 def order_weight_grads(gm: GraphModule, plan) -> GraphModule:
@@ -58,17 +58,16 @@ def order_weight_grads(gm: GraphModule, plan) -> GraphModule:
     """Each tensor read by backward matmuls (views followed to what they view): its readers."""
     for node in gm.graph.nodes:
         if is_anchor_compute(node) and phase_of(node) == Phase.BACKWARD:
-            for source in {_viewed(arg) for arg in node.all_input_nodes}:
+            for source in {viewed(arg) for arg in node.all_input_nodes}:
                 readers.setdefault(source, []).append(node)
     moved = 0
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    forward_anchors = [order[n] for n in gm.graph.nodes
+    forward_matmuls = [n for n in gm.graph.nodes
                        if is_anchor_compute(n) and phase_of(n) == Phase.FORWARD]
+    last_forward_matmul = forward_matmuls[-1] if forward_matmuls else None
     for siblings in readers.values():
         for weight_grad, input_grad in zip(siblings, siblings[1:]):
-            if (not _reads_param(weight_grad) and _reads_param(input_grad)
-                    and (_weight_larger_than_result(input_grad)
-                         or _read_by_the_last_forward_matmul(input_grad, order, forward_anchors))
+            if (not _params_read(weight_grad) and _params_read(input_grad)
+                    and _worth_swapping(input_grad, last_forward_matmul)
                     and _move_before(input_grad, weight_grad)):
                 moved += 1
     if moved:
@@ -77,40 +76,20 @@ def order_weight_grads(gm: GraphModule, plan) -> GraphModule:
     return gm
 
 
-def _weight_larger_than_result(input_grad: Node) -> bool:
-    """The parameter ``input_grad`` reads takes more bytes than the gradient it makes."""
-    weights = [_viewed(a) for a in input_grad.all_input_nodes if is_param_input(_viewed(a))]
-    return max(tensor_bytes(w.meta.get("val")) for w in weights) > \
-        tensor_bytes(input_grad.meta.get("val"))
+def _worth_swapping(input_grad: Node, last_forward_matmul) -> bool:
+    """The parameter ``input_grad`` reads takes more bytes than the gradient it makes, or
+    the forward's last matmul (the head) reads it: with its input gradient first the
+    backward starts by reading it, and its forward gather is kept through the loss
+    ([Note: a weight kept through the loss] in gather_params.py)."""
+    weights = _params_read(input_grad)
+    return (max(tensor_bytes(w.meta.get("val")) for w in weights)
+            > tensor_bytes(input_grad.meta.get("val"))
+            or any(last_forward_matmul in readers_through_views(w) for w in weights))
 
 
-def _read_by_the_last_forward_matmul(input_grad: Node, order: dict, forward_anchors: list) -> bool:
-    """The weight ``input_grad`` reads is read by the forward's last matmul (the head): with
-    its input gradient first the backward starts by reading it, and its forward gather is
-    kept through the loss ([Note: a weight kept through the loss] in gather_params.py)."""
-    weights = [_viewed(a) for a in input_grad.all_input_nodes if is_param_input(_viewed(a))]
-    last = max(forward_anchors, default=-1)
-    return any(order[r] == last for w in weights for r in _forward_readers(w))
-
-
-def _forward_readers(node: Node) -> list[Node]:
-    readers = []
-    for user in node.users:
-        if phase_of(user) == Phase.FORWARD:
-            readers.extend(_forward_readers(user) if is_view(user) else [user])
-    return readers
-
-
-def _viewed(node: Node) -> Node:
-    """What ``node`` is a view of (itself if it is no view)."""
-    while is_view(node) and node.all_input_nodes:
-        node = node.all_input_nodes[0]
-    return node
-
-
-def _reads_param(node: Node) -> bool:
-    """``node`` reads a parameter placeholder, directly or through views of it."""
-    return any(is_param_input(_viewed(arg)) for arg in node.all_input_nodes)
+def _params_read(node: Node) -> list[Node]:
+    """The parameter placeholders ``node`` reads, directly or through views of them."""
+    return [source for source in map(viewed, node.all_input_nodes) if is_param_input(source)]
 
 
 def _move_before(node: Node, anchor: Node) -> bool:

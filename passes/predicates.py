@@ -90,6 +90,25 @@ def is_view(node: Node) -> bool:
         r.alias_info is not None and not r.alias_info.is_write for r in schema.returns))
 
 
+def viewed(node: Node) -> Node:
+    """What ``node`` is a view of, following views back (itself if it is no view)."""
+    while is_view(node) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def readers_through_views(node: Node) -> list[Node]:
+    """The nodes that read ``node``'s value as data: its users, and through its views theirs."""
+    readers, stack = [], list(node.users)
+    while stack:
+        user = stack.pop()
+        if is_view(user):
+            stack.extend(user.users)
+        else:
+            readers.append(user)
+    return readers
+
+
 def vals(nodes) -> list:
     """The ``meta["val"]`` of each node, multi-output values flattened."""
     out = []

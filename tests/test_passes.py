@@ -11,7 +11,7 @@ from zero_fx.passes import (InvariantError, accumulate_embedding_grads, annotate
                             recompute_param_views, reduce_grads)
 from zero_fx.passes.predicates import (GRAD_SLOTS_META, PARAM_META, Phase, gathered_param,
                                        is_all_gather, is_all_reduce, is_reduce_scatter, is_view,
-                                       is_wait, kept_through_loss, phase_of)
+                                       is_wait, kept_through_loss, phase_of, viewed)
 from zero_fx.analysis.traffic import traffic_report
 
 aten = torch.ops.aten
@@ -199,12 +199,6 @@ class TestAccumulateEmbeddingGrads:
         assert count(gm, lambda n: n.target == aten.index_put.default) == 0
 
 
-def _viewed_param(node):
-    while is_view(node):
-        node = node.all_input_nodes[0]
-    return node.meta.get(PARAM_META)
-
-
 def wide_head_step(w1, head, x, targets):
     """A small layer, then a wide output head: the head's weight gradient is head-sized."""
     logits = torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x, w1)), head)
@@ -231,10 +225,6 @@ class TestOrderWeightGrads:
 
     def backward_matmuls(self, gm):
         """(reads the head, elements of its output) of each backward matmul, in graph order."""
-        def viewed(node):
-            while is_view(node):
-                node = node.all_input_nodes[0]
-            return node
         return [(any(viewed(a).meta.get(PARAM_META) == "head" for a in n.all_input_nodes),
                  n.meta["val"].numel())
                 for n in gm.graph.nodes
@@ -305,7 +295,7 @@ class TestOrderWeightGrads:
                          world_size=WORLD, stage=3, group_name="test")
         gm = order_weight_grads(recompute_param_views(annotate_phases(gm, plan), plan), plan)
         reads = [next((name for a in n.all_input_nodes for name in names
-                       if _viewed_param(a) == name), None)
+                       if viewed(a).meta.get(PARAM_META) == name), None)
                  for n in gm.graph.nodes
                  if n.target == aten.mm.default and phase_of(n) is Phase.BACKWARD]
         # backward matmuls in order (the parameter each reads): the head's input gradient,

@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
 from ..analysis.cost_model import CollectiveTiming, Estimate, replay
-from ..analysis.memory_timeline import MemoryTimeline, is_view, tensor_bytes
+from ..analysis.memory_timeline import MemoryTimeline, tensor_bytes
 from ..formatting import format_bytes, format_seconds, short_dtype
-from ..passes.predicates import gathered_param, kept_through_loss
+from ..passes.predicates import gathered_param, kept_through_loss, readers_through_views
 from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary
 from ..plan.layout import BLOCKS
 
@@ -101,7 +101,7 @@ def _lifetimes(gm: GraphModule, plan, memory: MemoryTimeline) -> list[GatheredLi
         gathered = gathered_param(node)
         if not gathered:
             continue
-        readers = _readers_through_views(node)
+        readers = readers_through_views(node)
         uses = sorted(order[r] for r in readers) or [order[node]]
         buffer = buffers.get(memory.buffer_of.get(node.name, node.name))
         released = buffer.last_use if buffer else uses[-1]
@@ -111,17 +111,6 @@ def _lifetimes(gm: GraphModule, plan, memory: MemoryTimeline) -> list[GatheredLi
             last_use=uses[-1], released_after=released, released_node=names[released],
             bytes=tensor_bytes(val), kept=kept.get(gathered[0], "")))
     return lifetimes
-
-
-def _readers_through_views(node: Node) -> list[Node]:
-    readers, stack = [], list(node.users)
-    while stack:
-        user = stack.pop()
-        if is_view(user):
-            stack.extend(user.users)
-        else:
-            readers.append(user)
-    return readers
 
 
 # -- rendering ---------------------------------------------------------------------------
