@@ -2,7 +2,8 @@
 single-process PyTorch. Odd widths force padding; widths of 1 leave ranks with nothing but
 padding; a tied weight is read twice. Then HuggingFace GPT-2 and Llama of random sizes, fed
 padded batches (left or right) with their attention masks and -100 labels, heads tied or
-not.
+not. Each draw also picks an activation recompute mode (none, "blocks", "auto" or a
+selective policy), so recompute is explored across stages, world sizes and tied weights.
 
 Hypothesis explores: each run draws new examples (a failure prints the seed and the
 example, and the .hypothesis database replays it first next time). CI time is bounded by
@@ -21,11 +22,16 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+import models
 from ranks import run_ranks
 from zero_fx import zero_compile
 
 GLOBAL_BATCH = 12  # splits evenly over 1, 2, 3 and 4 ranks
 STEPS = 3
+RECOMPUTE = {None: None, "blocks": "blocks", "auto": "auto", "save_matmuls": models.save_matmuls}
+"""zero_compile's ``recompute`` for each drawn name (names keep the specs picklable)."""
+RECOMPUTE_NAMES = st.sampled_from([None, None, "blocks", "auto", "save_matmuls"])
+"""No recompute two times in five (the default), each mode one time in five."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,7 @@ class Spec:
     world_size: int
     stage: int
     bucket_bytes: int | None
+    recompute: str | None = None
 
 
 class FuzzNet(nn.Module):
@@ -80,7 +87,7 @@ def fuzz_rank(rank: int, world_size: int, spec: Spec):
     model, opt = build(spec)
 
     @zero_compile(stage=spec.stage, backend="aot_eager", bucket_bytes=spec.bucket_bytes,
-                  persistence_threshold=0)
+                  persistence_threshold=0, recompute=RECOMPUTE[spec.recompute])
     def train_step(model, opt, x, y):
         loss = loss_of(model, x, y)
         loss.backward()
@@ -122,6 +129,7 @@ specs = st.builds(
     world_size=WORLD_SIZES,
     stage=st.integers(0, 3),
     bucket_bytes=st.sampled_from([None, 0, 64]),
+    recompute=RECOMPUTE_NAMES,
 )
 
 
@@ -156,6 +164,7 @@ class HFSpec:
     left_padded: bool
     world_size: int
     stage: int
+    recompute: str | None = None
 
 
 def build_hf(spec: HFSpec):
@@ -192,7 +201,8 @@ def hf_loss(model, ids, mask, labels):
 def hf_fuzz_rank(rank: int, world_size: int, spec: HFSpec):
     model, opt = build_hf(spec)
 
-    @zero_compile(stage=spec.stage, backend="aot_eager", persistence_threshold=0)
+    @zero_compile(stage=spec.stage, backend="aot_eager", persistence_threshold=0,
+                  recompute=RECOMPUTE[spec.recompute])
     def train_step(model, opt, ids, mask, labels):
         loss = hf_loss(model, ids, mask, labels)
         loss.backward()
@@ -235,6 +245,7 @@ hf_specs = st.builds(
     left_padded=st.booleans(),
     world_size=st.sampled_from([1, 2, 2, 4, 4]),
     stage=st.integers(0, 3),
+    recompute=RECOMPUTE_NAMES,
 )
 
 
