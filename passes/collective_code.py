@@ -40,13 +40,16 @@ def gather_bucket(*shards: torch.Tensor, numels: Sequence[int], shapes: Sequence
 
 
 def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_size: int,
-                          group_name: str, dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
+                          group_name: str, dtype: Optional[torch.dtype] = None, replicas: int = 1,
+                          replicate_group_name: str = "") -> list[torch.Tensor]:
     """This rank's 1-D shard of each gradient's mean over ranks, in ``dtype`` (None: the
     gradients' own).
 
     Each gradient is flattened and padded to its layout; the bucket buffer
     puts rank r's slices of all of them together, so one reduce-scatter leaves
-    this rank exactly its shard of each.
+    this rank exactly its shard of each. With ``replicas`` (hybrid sharding), the
+    summed shard is then all-reduced across the replicate group, and divided by
+    every rank's count once.
     """
     grads = _cast(grads, dtype)
     flats = [torch.nn.functional.pad(g.reshape(-1), (0, p)) if p else g.reshape(-1)
@@ -58,7 +61,9 @@ def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_s
     else:
         buffer = torch.cat([f.view(world_size, -1) for f in flats], dim=1).reshape(-1)
     summed = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buffer, "sum", world_size, group_name))
-    shard = _average(summed, world_size)
+    if replicas > 1:
+        summed = _c10d.wait_tensor(_c10d.all_reduce(summed, "sum", replicate_group_name))
+    shard = _average(summed, world_size * replicas)
     if len(flats) == 1:
         return [shard]
     return list(shard.split([f.numel() // world_size for f in flats]))

@@ -61,4 +61,5 @@ def reduction(plan, names) -> functools.partial:
     return functools.partial(reduce_scatter_bucket,
                              paddings=[plan.layout(n).padding for n in names],
                              world_size=plan.world_size, group_name=plan.group_name,
-                             dtype=plan.reduce_dtype)
+                             dtype=plan.reduce_dtype, replicas=plan.replicas,
+                             replicate_group_name=plan.replicate_group_name)

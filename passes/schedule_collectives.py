@@ -15,6 +15,9 @@ compute, and never across the forward/backward boundary:
 - reductions (reduce-scatter, all-reduce): issued where ``bucket_collectives``
   put them, as soon as their last gradient exists; reduction ``i`` is waited for
   right before reduction ``i + prefetch`` is issued, or at the end of the step.
+  With hybrid sharding a bucket's all-reduce across replicas reads its
+  reduce-scatter's shard: it is issued where that is waited for and waited
+  ``prefetch`` reductions later again.
   A reduction's input (a bucket of full gradients) stays alive until its wait,
   so the distance is bounded.
 
@@ -34,6 +37,7 @@ from .predicates import (
     gathered_param,
     is_all_gather,
     is_collective,
+    is_wait,
     phase_of,
 )
 
@@ -78,17 +82,42 @@ def _prefetch_gathers(gm: GraphModule, plan, phase: Phase) -> None:
 
 def _sink_reduction_waits(gm: GraphModule, plan) -> None:
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    reductions = [n for n in gm.graph.nodes if is_collective(n) and not is_all_gather(n)]
+    reductions = [n for n in gm.graph.nodes
+                  if is_collective(n) and not is_all_gather(n) and not _chained(n)]
     output = gm.graph.output_node()
+
+    def anchor(k: int) -> Node:
+        return (min(_issue_group(reductions[k], order), key=order.__getitem__)
+                if k < len(reductions) else output)
+
     for i, reduction in enumerate(reductions):
-        later = i + plan.prefetch
-        anchor = (min(_issue_group(reductions[later], order), key=order.__getitem__)
-                  if later < len(reductions) else output)
         tail = _tail(_wait_of(reduction), order)
+        segments = _segments(tail)
         outside_users = [u for n in tail for u in n.users if u not in tail]
-        if all(u is output or order[u] >= order[anchor] for u in outside_users):
-            for node in tail:
-                anchor.prepend(node)
+        last = anchor(i + plan.prefetch * len(segments))
+        if all(u is output or order[u] >= order[last] for u in outside_users):
+            for j, segment in enumerate(segments, start=1):
+                here = anchor(i + plan.prefetch * j)
+                for node in segment:
+                    here.prepend(node)
+
+
+def _chained(collective: Node) -> bool:
+    """A collective that reduces what another one of the same bucket returned: hybrid
+    sharding's all-reduce across replicas of a reduce-scatter's shard."""
+    return any(is_wait(i) and carried_params(i) == carried_params(collective)
+               for i in collective.all_input_nodes)
+
+
+def _segments(tail: list[Node]) -> list[list[Node]]:
+    """``tail`` cut before each wait after its first: a chained reduction's issue goes with
+    the wait it reads, its own wait ``prefetch`` reductions later, so it overlaps too."""
+    segments = [[]]
+    for node in tail:
+        if is_wait(node) and segments[-1]:
+            segments.append([])
+        segments[-1].append(node)
+    return segments
 
 
 def _wait_of(collective: Node) -> Node:

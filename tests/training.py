@@ -22,6 +22,19 @@ SMALL_BUCKETS = (("bucket_bytes", 4096), ("persistence_threshold", 0), ("prefetc
 """Several buckets per phase in the test GPT, prefetched two ahead, nothing resident."""
 
 
+def with_mesh(options: dict) -> dict:
+    """``options`` with ``("mesh", (replicas, shards))`` (picklable, for the ranks) turned into
+    the CPU device mesh it names."""
+    if options.get("mesh") is None:
+        options.pop("mesh", None)
+    elif isinstance(options["mesh"], tuple):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        options["mesh"] = init_device_mesh("cpu", options["mesh"],
+                                           mesh_dim_names=("replicate", "shard")[-len(options["mesh"]):])
+    return options
+
+
 def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, optimizer: str,
                  stage: int = 3, broken: str = "", options: tuple = (), meta: bool = False):
     """Train STEPS steps with @zero_compile(stage=..., **dict(options)) on this rank's slice
@@ -40,7 +53,7 @@ def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, opti
     opt = models.make_optimizer(model, optimizer)
 
     train_step = zero_compile(models.training_step(model_name), stage=stage, backend=backend,
-                              **dict(options))
+                              **with_mesh(dict(options)))
 
     losses = []
     for step in range(STEPS):

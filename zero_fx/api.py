@@ -57,6 +57,7 @@ def zero_compile(
     init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
     recompute: Any = None,
     activation_memory_budget: Optional[float] = None,
+    mesh: Any = None,
 ):
     """Compile a whole training step (forward, ``loss.backward()``, ``opt.step()``) with ZeRO.
 
@@ -130,6 +131,11 @@ def zero_compile(
             (a fraction of the activations, or bytes), a policy ``fn(node) -> "save" |
             "recompute"`` decides per op. Dropout replays its mask. README, "Activation
             recompute".
+        mesh: a ``DeviceMesh`` over every rank. 2-D, ``init_device_mesh(device, (replicas,
+            shards), mesh_dim_names=("replicate", "shard"))``: hybrid sharding, sharded
+            within each shard group (a node) and replicated across them, the gradient
+            shards all-reduced across replicas. 1-D or None: flat. README, "Hybrid
+            sharding over nodes".
 
     Inspect a compiled step with ``step.explain()``, ``step.traffic()``,
     ``step.estimate()`` and ``step.graphs``; see the README, "Inspecting a
@@ -161,6 +167,7 @@ def zero_compile(
         init_fn=init_fn,
         recompute=recompute,
         activation_memory_budget=activation_memory_budget,
+        mesh=mesh,
     )
 
     def wrap(step_fn: Callable) -> "CompiledStep":

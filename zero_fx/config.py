@@ -164,6 +164,11 @@ class ZeroConfig:
     model's recompute time per byte; or a policy ``fn(node) -> "save" | "recompute"``
     asked for every forward op. Random ops (dropout) are never recomputed: their results
     are kept, so a recomputed dropout applies the forward's mask."""
+    mesh: Any = None
+    """A ``DeviceMesh`` over every rank: 2-D ``(replicas, shards)`` with ``mesh_dim_names=
+    ("replicate", "shard")`` shards within each shard group and all-reduces the gradient
+    shards across replicas ([Note: hybrid sharding] in zero_fx/runtime/process_group.py);
+    1-D, or None: flat sharding over every rank. Stage 0 ignores the shard dimension."""
     activation_memory_budget: Union[float, int, None] = None
     """``recompute="auto"``: a fraction (0-1, as torch's partitioner knob) of the bytes kept
     for the backward without recompute, or a number of bytes (> 1). Setting it alone means
@@ -220,6 +225,7 @@ class ZeroConfig:
             if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
                 raise ValueError("activation_memory_budget must be a fraction in (0, 1] of the "
                                  f"activations or a number of bytes > 1; got {budget!r}")
+        check_mesh(self.mesh, self.stage)
         if self.init_fn is not None and not callable(self.init_fn):
             raise TypeError(f"init_fn must be a callable init_fn(module), got {type(self.init_fn).__name__}")
 
@@ -247,6 +253,27 @@ class ZeroConfig:
         budget = self.activation_memory_budget
         return ActivationBudget(DEFAULT_ACTIVATION_BUDGET if budget is None else budget,
                                 seconds=functools.partial(node_seconds, hw=hardware(preset)))
+
+
+def check_mesh(mesh, stage: int) -> None:
+    """A mesh zero_fx can shard over, or a ValueError saying what to build instead."""
+    if mesh is None:
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh (init_device_mesh), "
+                        f"got {type(mesh).__name__}")
+    if mesh.ndim == 1:
+        return
+    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != ("replicate", "shard"):
+        raise ValueError(f"mesh must be 1-D (flat sharding) or 2-D with mesh_dim_names=('replicate', "
+                         f"'shard') (hybrid sharding); got a {mesh.ndim}-D mesh named "
+                         f"{mesh.mesh_dim_names}: init_device_mesh(device, (replicas, shards), "
+                         f"mesh_dim_names=('replicate', 'shard'))")
+    if mesh.size(1) == 1 and stage != 0:
+        raise ValueError(f"the mesh's shard dimension has one rank, so stage {stage} would shard "
+                         f"nothing: use stage=0 (every rank a replica), or more ranks per shard group")
 
 
 def describe_backend(backend: Any) -> str:

@@ -10,6 +10,11 @@ reduce-scatters Ψ (plus padding; see [Note: flat layout] in plan/layout.py).
 What a rank puts on the wire is a different number: over a ring, an all-gather
 or reduce-scatter of B bytes sends (N-1)/N·B per rank, an all-reduce twice that
 (it is a reduce-scatter followed by an all-gather). ``wire_bytes`` reports it.
+
+With hybrid sharding ([Note: hybrid sharding] in runtime/process_group.py) N is the
+size of the group a collective runs on: the shard group for gathers and
+reduce-scatters (within a node), the replicate group for the all-reduce of each
+gradient shard (across nodes); ``wire_bytes_by_group`` says how much crosses each.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from ..passes.predicates import (
 )
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+SHARD_GROUP, REPLICATE_GROUP = "shard group", "replicate group"
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,8 @@ class Collective:
     """Position of its wait; everything between may overlap with it."""
     node: str
     """The collective's node in the graph ("" outside it)."""
+    group: str = SHARD_GROUP
+    """Where it runs: ``SHARD_GROUP`` (every rank when flat) or ``REPLICATE_GROUP``."""
 
     @property
     def bytes(self) -> int:
@@ -74,6 +82,8 @@ class TrafficReport:
     psi: int
     """Ψ: parameters in the model (unpadded)."""
     collectives: tuple[Collective, ...]
+    replicas: int = 1
+    """Hybrid sharding: copies of each shard; ``world_size`` is the shard group's size."""
 
     def numel_by_kind(self) -> dict[str, int]:
         return self._total_by_kind(lambda c: c.numel)
@@ -97,14 +107,23 @@ class TrafficReport:
 
     def wire_bytes(self) -> int:
         """Bytes each rank sends per step over a ring (see [Note: counting traffic])."""
-        n = self.world_size
-        if n == 1:
-            return 0
+        return sum(self.wire_bytes_by_group().values())
+
+    def wire_bytes_by_group(self) -> dict[str, int]:
+        """Bytes each rank sends per step over a ring, within its shard group and across
+        replicas ([Note: counting traffic])."""
         ring = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
-        return sum(ring[c.kind] * c.bytes * (n - 1) // n for c in self.collectives)
+        sizes = {SHARD_GROUP: self.world_size, REPLICATE_GROUP: self.replicas}
+        totals = {SHARD_GROUP: 0, REPLICATE_GROUP: 0} if self.replicas > 1 else {SHARD_GROUP: 0}
+        for c in self.collectives:
+            n = sizes[c.group]
+            totals[c.group] += ring[c.kind] * c.bytes * (n - 1) // n
+        return totals
 
     def __str__(self) -> str:
-        lines = [f"zero_fx traffic per step: stage {self.stage}, {self.world_size} rank(s), "
+        over = (f"{self.replicas} replicas of {self.world_size} rank(s)" if self.replicas > 1
+                else f"{self.world_size} rank(s)")
+        lines = [f"zero_fx traffic per step: stage {self.stage}, {over}, "
                  f"Ψ = {self.psi:,} parameters"]
         if not self.collectives:
             lines.append("  no collectives (one rank)")
@@ -114,7 +133,8 @@ class TrafficReport:
             for i, c in enumerate(self.collectives):
                 lines.append(f"  {i:>3}  {c.kind:<14} {str(c.dtype).removeprefix('torch.'):<8} "
                              f"{c.numel:>11,}  {c.phase:<10} {_position(c.issued_at):>6} "
-                             f"{_position(c.waited_at):>6}  {', '.join(c.bucket)}")
+                             f"{_position(c.waited_at):>6}  {', '.join(c.bucket)}"
+                             + (" (across replicas)" if c.group == REPLICATE_GROUP else ""))
         lines.append("  " + self.summary())
         return "\n".join(lines)
 
@@ -124,8 +144,12 @@ class TrafficReport:
         kinds = [f"{kind} {numel:,} elements = {psi[kind]:.3f} Ψ ({nbytes[kind]:,} B)"
                  for kind, numel in self.numel_by_kind().items() if numel]
         launches = sum(self.launches_by_kind().values())
-        return (f"totals: {'; '.join(kinds) or 'nothing'}; {launches} launches; "
-                f"on the wire (ring) per rank: {self.wire_bytes():,} B")
+        wire = f"on the wire (ring) per rank: {self.wire_bytes():,} B"
+        if self.replicas > 1:
+            by_group = self.wire_bytes_by_group()
+            wire += (f" ({by_group[SHARD_GROUP]:,} B within the shard group, "
+                     f"{by_group[REPLICATE_GROUP]:,} B across replicas)")
+        return f"totals: {'; '.join(kinds) or 'nothing'}; {launches} launches; {wire}"
 
 
 def traffic_report(gm: GraphModule, plan) -> TrafficReport:
@@ -134,27 +158,39 @@ def traffic_report(gm: GraphModule, plan) -> TrafficReport:
     reductions of the accumulated gradients, once per optimizer step; in stages
     1-2 the gathers after the optimizer."""
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
-    collectives = [_describe(node, position) for node in gm.graph.nodes if is_collective(node)]
+    collectives = [_describe(node, position, plan) for node in gm.graph.nodes if is_collective(node)]
     if plan.world_size > 1 and not plan.reduces_in_graph:
         kind = "all_reduce" if plan.replicated else "reduce_scatter"
         collectives += _outside_graph(plan, kind, "after accumulation", plan.reduce_dtype,
                                       list(grad_slots(gm).values()))
+        if plan.replicas > 1 and not plan.replicated:
+            collectives += _outside_graph(plan, "all_reduce", "after accumulation",
+                                          plan.reduce_dtype, list(grad_slots(gm).values()),
+                                          group=REPLICATE_GROUP)
     if plan.world_size > 1 and plan.gathers_after_step:
         trainable = [layout.name for layout in plan.params if layout.requires_grad]
         collectives += _outside_graph(plan, "all_gather", "after step", plan.compute_dtype,
                                       trainable)
     return TrafficReport(stage=plan.stage, world_size=plan.world_size, psi=plan.total_numel,
-                         collectives=tuple(collectives))
+                         collectives=tuple(collectives), replicas=plan.replicas)
 
 
-def _outside_graph(plan, kind: str, phase: str, dtype, names: list[str]) -> list[Collective]:
-    """The collectives the runtime issues eagerly, one per bucket of ``names`` (plan order)."""
+def _outside_graph(plan, kind: str, phase: str, dtype, names: list[str],
+                   group: str = SHARD_GROUP) -> list[Collective]:
+    """The collectives the runtime issues eagerly, one per bucket of ``names`` (plan order);
+    across replicas, the all-reduce of each bucket's reduced shard."""
     wanted = set(names)
     ordered = [layout.name for layout in plan.params if layout.name in wanted]
+
+    def numel(layout) -> int:
+        if group == REPLICATE_GROUP:
+            return layout.shard_numel
+        return layout.numel if kind == "all_reduce" else layout.padded_numel
+
     return [Collective(kind=kind, dtype=dtype or plan.layout(bucket[0]).dtype,
-                       numel=sum(plan.layout(name).numel if kind == "all_reduce"
-                                 else plan.layout(name).padded_numel for name in bucket),
-                       bucket=tuple(bucket), phase=phase, issued_at=None, waited_at=None, node="")
+                       numel=sum(numel(plan.layout(name)) for name in bucket),
+                       bucket=tuple(bucket), phase=phase, issued_at=None, waited_at=None, node="",
+                       group=group)
             for bucket in plan.buckets(ordered)]
 
 
@@ -162,7 +198,7 @@ def _position(index: Optional[int]) -> str:
     return "-" if index is None else str(index)
 
 
-def _describe(node: Node, position: dict[Node, int]) -> Collective:
+def _describe(node: Node, position: dict[Node, int], plan) -> Collective:
     if is_all_gather(node):
         kind, buffer = "all_gather", node.meta["val"]
     elif is_reduce_scatter(node):
@@ -180,4 +216,6 @@ def _describe(node: Node, position: dict[Node, int]) -> Collective:
         issued_at=position[node],
         waited_at=position[waits[0]] if waits else -1,
         node=node.name,
+        group=(REPLICATE_GROUP if plan.replicas > 1 and node.args[-1] == plan.replicate_group_name
+               else SHARD_GROUP),
     )

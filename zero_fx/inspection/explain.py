@@ -126,6 +126,10 @@ def _plan_section(plan) -> str:
             f"  {plan.world_size} rank(s), group {plan.group_name!r}; Ψ = {plan.total_numel:,} "
             f"parameters in {len(plan.params)} tensors ({'/'.join(dtypes)}); each rank holds "
             f"{plan.shard_numel:,} elements ({plan.padding_numel:,} of padding in all)")
+        if plan.replicas > 1:
+            lines.append(f"  hybrid sharding: {plan.replicas} replicas of these {plan.world_size} "
+                         f"ranks (group {plan.replicate_group_name!r}); each reduced gradient shard "
+                         f"is all-reduced across them, the only traffic between replicas")
     lines.append("  buckets: one per repeated block (bucket_bytes='blocks')" if plan.bucket_bytes == BLOCKS
                  else f"  buckets of at most {format_bytes(plan.bucket_bytes)}"
                  if plan.bucket_bytes else "  one collective per parameter (bucket_bytes=0)")

@@ -60,19 +60,31 @@ def graph_rows(gm: GraphModule, plan=None, *, rank_neutral: bool = False) -> lis
     """The rows of ``gm``, in graph order; ``plan`` (a ShardPlan) adds shard sizes.
 
     ``rank_neutral``: rows that are equal on every rank running the same graph, for
-    comparing ranks ([Note: checking that ranks agree]): arguments are not shortened, and a
+    comparing ranks ([Note: checking that ranks agree]): arguments are not shortened, a
     device reads as its type (``cuda``), since rank r's graph reads its own ``cuda:r``
-    wherever the step writes ``device=x.device``."""
+    wherever the step writes ``device=x.device``, and a process group by its role (with a
+    mesh, each shard group has a name of its own: [Note: hybrid sharding])."""
     grads = {}
     output = gm.graph.output_node()
     for index, name in grad_slots(gm).items():
         out = output.args[0][index]
         if isinstance(out, Node):
             grads[out] = name
-    return [_row(i, node, plan, grads, rank_neutral) for i, node in enumerate(gm.graph.nodes)]
+    neutral = _group_roles(plan) if rank_neutral else None
+    return [_row(i, node, plan, grads, neutral) for i, node in enumerate(gm.graph.nodes)]
 
 
-def _row(index: int, node: Node, plan, grads: dict[Node, str], rank_neutral: bool) -> NodeRow:
+def _group_roles(plan) -> dict:
+    """Rank-neutral names: each process group the plan's collectives use, by its role."""
+    roles = {"": ""}
+    if plan is not None:
+        roles[plan.group_name] = "<shard group>"
+        if plan.replicate_group_name:
+            roles[plan.replicate_group_name] = "<replicate group>"
+    return roles
+
+
+def _row(index: int, node: Node, plan, grads: dict[Node, str], neutral: Optional[dict]) -> NodeRow:
     kind, note = _kind_and_note(node, plan)
     if node in grads:
         note = "; ".join(filter(None, [note, f"gradient of {grads[node]}"]))
@@ -81,7 +93,7 @@ def _row(index: int, node: Node, plan, grads: dict[Node, str], rank_neutral: boo
         phase=phase_of(node).value,
         name=node.name,
         op=_op(node),
-        args=_args(node, rank_neutral),
+        args=_args(node, neutral),
         value=_value(node.meta.get("val")),
         kind=kind,
         note=note,
@@ -146,29 +158,31 @@ def _op(node: Node) -> str:
     return name
 
 
-def _args(node: Node, rank_neutral: bool = False) -> str:
+def _args(node: Node, neutral: Optional[dict] = None) -> str:
+    """``neutral``: rank-neutral arguments, process groups named by their role (a dict of
+    group name to role; see ``graph_rows``)."""
     if node.op in ("placeholder",):
         return ""
-    parts = ([_arg(a, rank_neutral) for a in node.args]
-             + [f"{k}={_arg(v, rank_neutral)}" for k, v in node.kwargs.items()])
+    parts = ([_arg(a, neutral) for a in node.args]
+             + [f"{k}={_arg(v, neutral)}" for k, v in node.kwargs.items()])
     text = ", ".join(parts)
-    if rank_neutral or len(text) <= ARGS_WIDTH:
+    if neutral is not None or len(text) <= ARGS_WIDTH:
         return text
     return text[:ARGS_WIDTH - 1] + "…"
 
 
-def _arg(value, rank_neutral: bool = False) -> str:
+def _arg(value, neutral: Optional[dict] = None) -> str:
     if isinstance(value, Node):
         return value.name
     if isinstance(value, (list, tuple)):
-        inner = ", ".join(_arg(v, rank_neutral) for v in value)
+        inner = ", ".join(_arg(v, neutral) for v in value)
         return f"[{inner}]" if isinstance(value, list) else f"({inner})"
     if isinstance(value, torch.dtype):
         return short_dtype(value)
-    if isinstance(value, torch.device) and rank_neutral:
+    if isinstance(value, torch.device) and neutral is not None:
         return value.type
     if isinstance(value, str):
-        return repr(value)
+        return repr(neutral.get(value, value) if neutral else value)
     return str(value)
 
 

@@ -100,7 +100,8 @@ class ShardPlan:
     rank: int
     stage: int
     group_name: str
-    """Process group the collectives run on ("" when world_size == 1)."""
+    """Process group the collectives run on ("" when world_size == 1): with a mesh, the
+    shard group, and ``world_size`` and ``rank`` are its."""
     params: tuple[ParamLayout, ...]
     resident: frozenset = frozenset()
     """Stage 3: parameters gathered once per step and kept whole through forward
@@ -126,6 +127,11 @@ class ShardPlan:
     """Calls of the step per optimizer step. Above 1, stages 0 and 1 keep whole
     gradients across calls and reduce them once, outside the graph
     (``reduces_in_graph`` is False); see [Note: gradient accumulation]."""
+    replicas: int = 1
+    """Hybrid sharding: copies of the shards, one per shard group; each reduced gradient
+    shard is all-reduced across them ([Note: hybrid sharding] in runtime/process_group.py)."""
+    replicate_group_name: str = ""
+    """The group of this rank's copies ("" when ``replicas`` is 1)."""
     recompute: Any = None
     """What the backward recomputes instead of keeping (``recompute_activations``): None,
     ``"blocks"``, a policy ``fn(node) -> "save" | "recompute"`` or an ``ActivationBudget``."""
@@ -232,6 +238,8 @@ def make_plan(
     loss_scaled: bool = False,
     accumulation_steps: int = 1,
     recompute: Any = None,
+    replicas: int = 1,
+    replicate_group_name: str = "",
 ) -> ShardPlan:
     """Lay out parameters ``(name, shape, dtype, requires_grad)`` over ``world_size`` ranks.
 
@@ -291,6 +299,8 @@ def make_plan(
         loss_scaled=loss_scaled,
         accumulation_steps=accumulation_steps,
         recompute=recompute,
+        replicas=replicas,
+        replicate_group_name=replicate_group_name,
     )
 
 

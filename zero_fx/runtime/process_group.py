@@ -1,10 +1,11 @@
-"""Which ranks we run on: the default process group, or a world of one."""
+"""Which ranks we run on: the default process group, a world of one, or the user's device mesh
+(hybrid sharding: [Note: hybrid sharding])."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,25 @@ class World:
     are real, collectives return nothing), so there are no other ranks to ask."""
     backend: str = ""
     """The default group's backend ("gloo", "nccl", "fake"; "" for a world of one)."""
+    replicas: int = 1
+    """Hybrid sharding: how many copies of the shards there are (the mesh's "replicate"
+    dimension); ``size``, ``rank`` and ``group_name`` are then the shard group's."""
+    replica: int = 0
+    """Which copy this rank holds (its index on the "replicate" dimension)."""
+    replicate_group_name: str = ""
+    """The group of this rank's copies, one per replica ("" without replicas)."""
+    mesh: Any = field(default=None, compare=False)
+    """The user's 2-D ``DeviceMesh`` (None: flat), for checkpoints' DTensors."""
+
+    @property
+    def ranks(self) -> int:
+        """Every rank of the step: shard group size times replicas."""
+        return self.size * self.replicas
+
+    @property
+    def global_rank(self) -> int:
+        """This rank in the default group (mesh ranks are laid out replica-major)."""
+        return self.replica * self.size + self.rank
 
 
 def default_backend() -> str:
@@ -39,6 +59,41 @@ def current_world() -> World:
     group = dist.group.WORLD
     return World(size=dist.get_world_size(group), rank=dist.get_rank(group), group_name=group.group_name,
                  simulated=backend == "fake", backend=backend)
+
+
+def world_of(mesh, stage: int) -> World:
+    """The ranks a step with ``mesh`` (``zero_compile(mesh=...)``) shards over.
+
+    [Note: hybrid sharding]
+    A 2-D mesh ``(replicas, shards)`` named ``("replicate", "shard")`` is what FSDP2 calls
+    HSDP: parameters, gradients and optimizer states are sharded within the shard group
+    (one node: its fast links carry every all-gather and reduce-scatter), and each shard
+    group holds the same shards. A reduced gradient shard is then all-reduced (SUM, then
+    divided with the rest) across the replicate group, the only traffic between nodes:
+    Ψ/shards elements per rank per step instead of every gather crossing the slow links.
+    Everything that cuts shards reads ``size`` and ``rank`` (the shard group's); what
+    speaks for the whole job (checkpoint files, RNG states, the ranks' agreement) reads
+    ``ranks`` and ``global_rank``. Stage 0 shards nothing, so it ignores the mesh and
+    all-reduces over every rank. A 1-D mesh is flat sharding over its ranks.
+    """
+    world = current_world()
+    if mesh is None or stage == 0:
+        return world
+    if mesh.size() != world.size:
+        raise ValueError(f"the mesh has {mesh.size()} ranks and the default process group "
+                         f"{world.size}: build the mesh over every rank (init_device_mesh(device, "
+                         f"(replicas, shards)) with replicas * shards == world size)")
+    if mesh.ndim == 1:
+        group = mesh.get_group()
+        return replace(world, size=group.size(), rank=mesh.get_local_rank(), group_name=group.group_name)
+    shard_group, replicate_group = mesh.get_group("shard"), mesh.get_group("replicate")
+    if world.rank != mesh.get_local_rank("replicate") * shard_group.size() + mesh.get_local_rank("shard"):
+        raise ValueError("the mesh's ranks must be laid out replica-major, as init_device_mesh lays "
+                         "them out (rank = replica * shards + shard); build it with init_device_mesh")
+    return replace(world, size=shard_group.size(), rank=mesh.get_local_rank("shard"),
+                   group_name=shard_group.group_name, replicas=replicate_group.size(),
+                   replica=mesh.get_local_rank("replicate"),
+                   replicate_group_name=replicate_group.group_name, mesh=mesh)
 
 
 def world_timeout() -> Optional[timedelta]:

@@ -17,7 +17,7 @@ from ..materialize import PretrainedWeights, materialize
 from ..plan import ShardPlan, plan_for_module
 from .gloo_all_gather import use_gloo_single_tensor_all_gather
 from .precision import LossScaler, cast_at_model_edge
-from .process_group import check_devices_match_backend, current_world, training_device
+from .process_group import check_devices_match_backend, training_device, world_of
 from .rank_agreement import RankAgreement
 from .sharded_state import ShardedState
 from .update import OptimizerUpdate
@@ -53,15 +53,18 @@ def find_model_and_optimizer(args, kwargs, model: Optional[torch.nn.Module],
 def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig,
           step_name: str, pretrained: Optional[PretrainedWeights] = None) -> Sharded:
     """Plan and shard ``model`` and ``optimizer`` over the default process group (a world of
-    one if none); in place: the model and optimizer are the user's, rebound to shards."""
-    world = current_world()
+    one if none) or ``config.mesh``; in place: the model and optimizer are the user's,
+    rebound to shards."""
+    world = world_of(config.mesh, config.stage)
     check_devices_match_backend(model.parameters())
     # "gloo", or e.g. "cpu:gloo,cuda:nccl": [Note: gloo's coalesced all-gather corrupts the heap]
     if "gloo" in world.backend:
         use_gloo_single_tensor_all_gather()
     claim(model, optimizer, step_name)
     plan = plan_for_module(model, world_size=world.size, rank=world.rank, stage=config.stage,
-                           group_name=world.group_name, **config.plan_options(hardware_for(model)))
+                           group_name=world.group_name, replicas=world.replicas,
+                           replicate_group_name=world.replicate_group_name,
+                           **config.plan_options(hardware_for(model)))
     try:  # a meta model, or pretrained weights: this rank's values (the model is unchanged on error)
         masters = materialize(model, plan, init_fn=config.init_fn, pretrained=pretrained,
                               device=training_device())
@@ -77,18 +80,20 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
               if precision is not None and precision.scales_loss else None)
     update = OptimizerUpdate(state, accumulation_steps=config.accumulation_steps,
                              max_grad_norm=config.max_grad_norm, scaler=scaler)
-    agreement = RankAgreement(world.size if config.check_ranks and not world.simulated else 1)
-    _log_plan(plan, world.size)
+    agreement = RankAgreement(world.ranks if config.check_ranks and not world.simulated else 1)
+    _log_plan(plan, world)
     return Sharded(plan, state, update, scaler, agreement)
 
 
-def _log_plan(plan: ShardPlan, world_size: int) -> None:
+def _log_plan(plan: ShardPlan, world) -> None:
     if plan.replicated:
         log.info("zero_fx: stage 0 over %d rank(s): %d parameters, %d elements, replicated",
-                 world_size, len(plan.params), plan.total_numel)
+                 world.ranks, len(plan.params), plan.total_numel)
     else:
-        log.info("zero_fx: stage %d over %d rank(s): %d parameters, %d elements "
-                 "(%d padding), %d elements per rank", plan.stage, world_size,
+        over = (f"{world.replicas} replicas of {world.size} rank(s)" if world.replicas > 1
+                else f"{world.size} rank(s)")
+        log.info("zero_fx: stage %d over %s: %d parameters, %d elements "
+                 "(%d padding), %d elements per rank", plan.stage, over,
                  len(plan.params), plan.total_numel, plan.padding_numel, plan.shard_numel)
 
 

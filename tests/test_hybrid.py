@@ -1,0 +1,56 @@
+"""Hybrid sharding ([Note: hybrid sharding] in zero_fx/runtime/process_group.py): a 2 x 2 mesh
+(two replicas of two-rank shard groups) trains as single-process PyTorch does, and a 1 x 4
+mesh is today's flat sharding over four ranks, bit for bit."""
+
+import pytest
+import torch
+
+from training import SMALL_BUCKETS, parity_errors, reference_run, zero_fx_run
+from zero_fx.analysis.traffic import REPLICATE_GROUP, SHARD_GROUP
+
+TOLERANCE = 1e-5
+HYBRID = (("mesh", (2, 2)),)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_by_two_mesh_trains_as_single_process(stage):
+    results = zero_fx_run(4, "gpt", "aot_eager", stage=stage, options=HYBRID)
+    errors = parity_errors(results, reference_run("gpt"))
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < TOLERANCE, f"{worst}: relative error {errors[worst]:.2e}"
+
+
+def test_two_by_two_mesh_with_several_buckets_and_prefetch():
+    results = zero_fx_run(4, "gpt", "aot_eager", stage=3, options=HYBRID + SMALL_BUCKETS)
+    errors = parity_errors(results, reference_run("gpt"))
+    assert max(errors.values()) < TOLERANCE, max(errors, key=errors.get)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_one_by_four_mesh_is_flat_sharding(stage):
+    flat = zero_fx_run(4, "gpt", "aot_eager", stage=stage)
+    mesh = zero_fx_run(4, "gpt", "aot_eager", stage=stage, options=(("mesh", (1, 4)),))
+    for a, b in zip(flat, mesh):
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(a["params"][n], p) for n, p in b["params"].items())
+        assert a["counted"] == b["counted"]
+
+
+def test_two_by_two_mesh_moves_a_world_of_two_and_one_all_reduce_of_the_shards():
+    """Stage 3 on a 2 x 2 mesh, counted as it runs: the all-gathers and reduce-scatters of a
+    flat world of two (within the shard group), and across replicas one all-reduce of the
+    gradient shards, Ψ/2 elements (padded), which the traffic report shows apart."""
+    flat = zero_fx_run(2, "gpt", "aot_eager", stage=3)[0]
+    hybrid = zero_fx_run(4, "gpt", "aot_eager", stage=3, options=HYBRID)[0]
+    counted, shard_numel = hybrid["counted"]["numel"], hybrid["memory"]["shard_numel"]
+    for kind in ("all_gather", "reduce_scatter"):
+        assert counted[kind] == flat["counted"]["numel"][kind]
+    assert flat["counted"]["numel"]["all_reduce"] == 0
+    assert counted["all_reduce"] == shard_numel  # each parameter's half, padded to even
+    assert 0 <= 2 * shard_numel - hybrid["memory"]["unsharded_numel"] < 20
+    assert hybrid["counted"]["launches"]["all_reduce"] == hybrid["counted"]["launches"]["reduce_scatter"]
+    traffic = hybrid["traffic"]
+    by_group = traffic.wire_bytes_by_group()
+    assert by_group[REPLICATE_GROUP] == 2 * shard_numel * 4 // 2  # a ring of 2, fp32
+    assert by_group[SHARD_GROUP] == flat["traffic"].wire_bytes()
+    assert "across replicas" in str(traffic)
