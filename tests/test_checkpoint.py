@@ -9,7 +9,7 @@ import torch
 
 import models
 from ranks import run_ranks
-from training import checkpointed_training_rank
+from training import checkpointed_training_rank, with_mesh
 from zero_fx import CheckpointError, MixedPrecision, zero_compile
 from zero_fx.checkpoint.save_load import load_full
 
@@ -35,10 +35,12 @@ def test_a_resumed_run_continues_bitwise_like_the_uninterrupted_one(tmp_path, st
         assert resumed[rank]["loss_scale"] == whole[rank]["loss_scale"]
 
 
-def resharding_rank(rank, world_size, stage, load_from, save_to):
+def resharding_rank(rank, world_size, stage, load_from, save_to, mesh=None):
+    """``mesh``: (replicas, shards), hybrid sharding."""
     model = models.build("gpt", seed=1)
     opt = models.make_optimizer(model)
-    step = zero_compile(models.training_step("gpt"), stage=stage, backend="aot_eager")
+    step = zero_compile(models.training_step("gpt"), stage=stage, backend="aot_eager",
+                        **with_mesh({"mesh": mesh}))
     if load_from:
         step.load_checkpoint(load_from, model, opt)
     else:
@@ -69,6 +71,22 @@ def test_a_checkpoint_reshards_from_4_ranks_to_2_and_1_and_across_stages(tmp_pat
     assert max(mean_losses) - min(mean_losses) < 1e-5 * mean_losses[0]
     for name, value in runs[0][0]["params"].items():
         assert torch.allclose(runs[2][0]["params"][name], value, rtol=1e-5, atol=1e-6), name
+
+
+def test_a_hybrid_checkpoint_loads_flat_and_at_one_rank_and_back(tmp_path):
+    """Saved on a 2 x 2 mesh (each shard once: its replica is skipped), loaded by a flat 4
+    and saved, by 1 rank and saved, by a 2 x 2 mesh again: bitwise the same states."""
+    paths = [str(tmp_path / name) for name in ("hybrid", "flat4", "one", "hybrid-again")]
+    run_ranks(4, resharding_rank, 3, None, paths[0], (2, 2))
+    run_ranks(4, resharding_rank, 3, paths[0], paths[1])
+    run_ranks(1, resharding_rank, 3, paths[1], paths[2])
+    run_ranks(4, resharding_rank, 3, paths[2], paths[3], (2, 2))
+    saved = [load_full(path) for path in paths]
+    keys = [k for k in saved[0] if k.startswith(("model.", "optim."))]
+    assert any(k.endswith(".exp_avg_sq") for k in keys)
+    for other in saved[1:]:
+        for key in keys:
+            assert torch.equal(other[key], saved[0][key]), key
 
 
 def _trained_at_world_1(path, stage=3, steps=2):

@@ -45,10 +45,10 @@ def save(state: ShardedState, path: str, counters: dict, extra: Any = None) -> N
     _on_rank_0(world, path, prepare_save, path)
     entries = _tensors(state, _mesh(state))
     entries.update(_objects(state, counters, extra))
-    entries.update(_rng_states(world.rank))
+    entries.update(_rng_states(world.global_rank))
     try:
         with _single_process_quietly():
-            dcp.save(entries, checkpoint_id=staging_path(path), no_dist=world.size == 1)
+            dcp.save(entries, checkpoint_id=staging_path(path), no_dist=world.ranks == 1)
     except CheckpointException as failed:  # every rank gets it, with each rank's cause
         _on_rank_0(world, path, clear_staging, path)
         causes = "; ".join(f"rank {rank}: {type(error).__name__}: {error}"
@@ -75,17 +75,17 @@ def load(state: ShardedState, path: str) -> tuple[dict, Any]:
     entries = _tensors(state, _mesh(state))
     _check_same_optimizer(entries, saved_keys, manifest, state)
     entries.update({k: None for k in ("zero_fx.runtime", "zero_fx.extra", "optim.param_groups")})
-    rng = _rng_states(state.world.rank)
+    rng = _rng_states(state.world.global_rank)
     if rng.keys() <= saved_keys:
         entries.update(rng)
     else:
         log.warning("zero_fx: the checkpoint was saved at %d rank(s) and holds no RNG state "
-                    "for rank %d (or its CUDA device); its RNG is left as it is", manifest["world_size"], state.world.rank)
+                    "for rank %d (or its CUDA device); its RNG is left as it is", manifest["world_size"], state.world.global_rank)
     with _single_process_quietly():
-        dcp.load(entries, checkpoint_id=path, no_dist=state.world.size == 1)
+        dcp.load(entries, checkpoint_id=path, no_dist=state.world.ranks == 1)
     _restore_param_groups(state.optimizer, pickle.loads(entries["optim.param_groups"]), state)
     if rng.keys() <= entries.keys():
-        _set_rng_states(state.world.rank, entries)
+        _set_rng_states(state.world.global_rank, entries)
     state.zero_grad()
     state.refresh_parameters(frozen=True)
     return pickle.loads(entries["zero_fx.runtime"]), pickle.loads(entries["zero_fx.extra"])
@@ -117,9 +117,10 @@ def _logical(tensor: torch.Tensor, layout, state: ShardedState, mesh):
     if state.plan.replicated or mesh is None:
         return flat[:layout.numel]
     start, stop = layout.owned_range(state.world.rank)
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    return DTensor.from_local(flat[:stop - start], mesh, [Shard(0)], run_check=False,
+    placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+    return DTensor.from_local(flat[:stop - start], mesh, placements, run_check=False,
                               shape=torch.Size([layout.numel]), stride=(1,))
 
 
@@ -150,7 +151,8 @@ def _objects(state: ShardedState, counters: dict, extra: Any) -> dict[str, Any]:
 def _manifest(state: ShardedState) -> dict:
     plan = state.plan
     return {
-        "world_size": plan.world_size,
+        "world_size": plan.world_size * plan.replicas,
+        "mesh": [plan.replicas, plan.world_size],
         "stage": plan.stage,
         "params": {l.name: {"shape": list(l.shape), "dtype": str(l.dtype).removeprefix("torch."),
                             "requires_grad": l.requires_grad} for l in plan.params},
@@ -188,9 +190,9 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
 
 def _check_files_on_all_ranks(state: ShardedState, path: str, manifest: dict) -> None:
     world = state.world
-    problems = check_files(path, manifest, lambda index: index % world.size == world.rank)
-    if world.size > 1:
-        everyone: list = [None] * world.size
+    problems = check_files(path, manifest, lambda index: index % world.ranks == world.global_rank)
+    if world.ranks > 1:
+        everyone: list = [None] * world.ranks
         dist.all_gather_object(everyone, problems)
         problems = [p for rank_problems in everyone for p in rank_problems]
     raise_if_damaged(path, problems)
@@ -262,7 +264,11 @@ def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list, state: 
 
 
 def _mesh(state: ShardedState):
-    """A one-dimensional device mesh over the step's ranks; None at world size 1."""
+    """The device mesh the shards are laid out on: the user's 2-D mesh with hybrid sharding
+    (each shard saved once, its replicas skipped by DCP), else a one-dimensional mesh over
+    the step's ranks; None at world size 1."""
+    if state.world.mesh is not None:
+        return state.world.mesh
     if state.world.size == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
@@ -280,7 +286,7 @@ def _single_process_quietly():
 
 
 def _barrier(world) -> None:
-    if world.size > 1:
+    if world.ranks > 1:
         dist.barrier()
 
 
@@ -289,14 +295,14 @@ def _on_rank_0(world, path: str, fn, *args) -> None:
     as a CheckpointError (rank 0's own as it is, anything else as "could not save"), so no
     rank is left waiting at the next collective."""
     error = None
-    if world.rank == 0:
+    if world.global_rank == 0:
         try:
             fn(*args)
         except Exception as err:  # noqa: BLE001 - shared with the other ranks, then re-raised
             error = err
     message = [None if error is None else str(error) if isinstance(error, CheckpointError)
                else str(_not_saved(path, f"rank 0: {type(error).__name__}: {error}"))]
-    if world.size > 1:
+    if world.ranks > 1:
         dist.broadcast_object_list(message, src=0)
     if message[0] is not None:
         raise CheckpointError(message[0]) from error
