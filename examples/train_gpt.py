@@ -11,6 +11,12 @@ Under torchrun --max-restarts N, a rank that dies or hangs (past --timeout) rest
 group, which resumes from the last checkpoint:
 
     torchrun --nproc_per_node 2 --max-restarts 2 examples/train_gpt.py --checkpoint-dir ckpt
+
+With --hybrid, parameters are sharded within each node and replicated across nodes (a
+2-D device mesh: one replica per node, torchrun's --nproc_per_node ranks per replica):
+
+    torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d \
+        --rdzv-endpoint HOST:29400 examples/train_gpt.py --hybrid    # on each node
 """
 
 import argparse
@@ -47,6 +53,8 @@ parser.add_argument("--dump-dir", default=None,
 parser.add_argument("--checkpoint-dir", default=None,
                     help="save checkpoints here, and resume from the one there if any")
 parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+parser.add_argument("--hybrid", action="store_true",
+                    help="shard within each node, replicate across nodes (2-D device mesh)")
 parser.add_argument("--timeout", type=float, default=GROUP_TIMEOUT.total_seconds(),
                     help="seconds a rank waits at a collective for a dead or hung peer before failing")
 args = parser.parse_args()
@@ -81,6 +89,16 @@ log(f"GPT with {num_params / 1e6:.2f}M parameters, stage {args.stage}, {world} r
     f"backend {args.backend}")
 
 
+# -- hybrid sharding: a (nodes, ranks per node) mesh; shards stay within a node ---------
+mesh = None
+if args.hybrid:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    mesh = init_device_mesh(device.type, (world // per_node, per_node),
+                            mesh_dim_names=("replicate", "shard"))
+    log(f"hybrid sharding: {world // per_node} replica(s) of {per_node} rank(s)")
+
 # -- the training step: the one line where zero_fx plugs in ----------------------
 precision = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
 
@@ -88,7 +106,8 @@ precision = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.p
 @zero_compile(stage=args.stage, backend=args.backend, dump_dir=args.dump_dir,
               mixed_precision=MixedPrecision(param_dtype=precision, output_dtype=torch.float32)
               if precision else None,
-              accumulation_steps=args.accumulation_steps, max_grad_norm=args.max_grad_norm)
+              accumulation_steps=args.accumulation_steps, max_grad_norm=args.max_grad_norm,
+              mesh=mesh)
 def train_step(model, opt, x, y):
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()

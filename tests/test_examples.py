@@ -18,6 +18,29 @@ def torchrun(script, *args):
     return run.stdout
 
 
+def torchrun_as_two_nodes(script, *args):
+    """Two torchrun agents of 2 ranks each, meeting at a c10d rendezvous on this machine as
+    two nodes would meet at their first node's address; both outputs, joined."""
+    from bench.runs import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
+         os.path.join(ROOT, "examples", script), "--backend", "aot_eager", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for _ in range(2)]
+    outputs = []
+    try:
+        for agent in agents:
+            out, err = agent.communicate(timeout=300)
+            assert agent.returncode == 0, err[-3000:]
+            outputs.append(out)
+    finally:
+        for agent in agents:
+            agent.kill()
+    return "".join(outputs)
+
+
 def losses(stdout):
     """Each step's loss, by step number, from the progress lines."""
     return {int(step): float(loss) for step, loss in
@@ -44,6 +67,17 @@ def test_train_gpt_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
     whole = torchrun("train_gpt.py", "--steps", "6")
     assert [losses(resumed)[s] for s in (5, 6)] == [losses(whole)[s] for s in (5, 6)]
     assert [losses(first)[s] for s in (1, 2, 3, 4)] == [losses(whole)[s] for s in (1, 2, 3, 4)]
+
+
+def test_train_gpt_on_two_nodes_sharded_within_each():
+    """README "Hybrid sharding over nodes": two torchrun agents (nodes) of two ranks; the
+    shards stay within a node, and only the gradient shards' all-reduce crosses."""
+    out = torchrun_as_two_nodes("train_gpt.py", "--steps", "6", "--hybrid")
+    assert "hybrid sharding: 2 replica(s) of 2 rank(s)" in out
+    assert len(losses(out)) == 6 and losses(out)[6] < losses(out)[1]
+    found = re.search(r"\(([\d,]+) B within the shard group, ([\d,]+) B across replicas\)", out)
+    within, across = (int(n.replace(",", "")) for n in found.groups())
+    assert 0 < across < within
 
 
 def test_finetune_hf_llama_on_synthetic_instructions():
