@@ -156,3 +156,43 @@ def test_the_cpu_gloo_preset_is_a_calibration():
     assert {field.name for field in dataclasses.fields(Hardware)} <= set(preset)
     assert preset["measured"]["command"].startswith("python -m bench.calibrate")
     assert 0.0 <= preset["communication_overlap"] <= 1.0
+
+
+def test_a_group_over_nodes_runs_at_the_networks_speed_and_hybrid_keeps_gathers_on_a_node():
+    """On 4x8xh100-ib a flat stage 3 over 32 ranks rings every gather through the network;
+    hybrid (4 replicas of 8) gathers on NVLink and sends only the gradient shards' all-reduce
+    across: its communication takes a fraction of flat's ([Note: hybrid sharding])."""
+    from zero_fx.analysis.cost_model import PRESETS
+
+    hw = PRESETS["4x8xh100-ib"]
+    assert hw.link(range(8)) == (hw.link_bandwidth, hw.link_latency)
+    assert hw.link(range(0, 32, 8)) == hw.link(range(16)) == (hw.inter_node_bandwidth,
+                                                               hw.inter_node_latency)
+    flat_gm, flat_plan = rewritten_step_on_fake(wide_gpt, batch=1, seq=32, vocab_size=128,
+                                                world_size=32)
+    gm, plan = rewritten_step_on_fake(wide_gpt, batch=1, seq=32, vocab_size=128, world_size=8,
+                                      replicas=4)
+    flat, hybrid = estimate(flat_gm, flat_plan, hw), estimate(gm, plan, hw)
+    assert hybrid.communication_seconds < 0.2 * flat.communication_seconds
+    on_one_node = estimate(gm, plan, PRESETS["8xh100-nvlink"])  # no network to cross
+    assert hybrid.communication_seconds > on_one_node.communication_seconds
+
+
+def wide_gpt():
+    from examples.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=1024, bias=False))
+
+
+def test_the_command_line_estimates_a_hybrid_mesh():
+    out = subprocess.run(
+        [sys.executable, "-m", "zero_fx.estimate", "--model", "test_cost_model:tiny_gpt",
+         "--mesh", "2,4", "--seq", "32", "--dtype", "float32", "--hardware", "4x8xh100-ib"],
+        capture_output=True, text=True, check=True, timeout=300,
+        env={"PYTHONPATH": ":".join(sys.path)})
+    assert "B within the shard group" in out.stdout and "across replicas" in out.stdout, out.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "zero_fx.estimate", "--model", "test_cost_model:tiny_gpt",
+         "--mesh", "2,4", "--world", "6"], capture_output=True, text=True, timeout=300,
+        env={"PYTHONPATH": ":".join(sys.path)})
+    assert bad.returncode != 0 and "is not --mesh 2,4's 8 ranks" in bad.stderr

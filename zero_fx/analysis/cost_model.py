@@ -10,11 +10,17 @@ Each node of the rewritten graph gets a duration from its shapes alone:
   memory: bytes / ``memory_bandwidth``; plus ``op_overhead`` per op that runs;
 - a collective over N ranks of B bytes (ring): all-gather and reduce-scatter
   ``(N-1)/N·B / link_bandwidth``, all-reduce twice that, plus
-  ``link_latency·(N-1)``.
+  ``link_latency·(N-1)``. Over several nodes (``ranks_per_node``, ranks laid
+  out node by node as torchrun does) a group whose ranks are on more than one
+  node runs at ``inter_node_bandwidth`` and ``inter_node_latency``: a ring is as
+  fast as its slowest hop. That is what hybrid sharding avoids: its gathers and
+  reduce-scatters stay on one node, only the all-reduce of gradient shards
+  crosses ([Note: hybrid sharding] in runtime/process_group.py).
 
 The graph is then replayed in its order on two streams: compute runs nodes one
 after another; communication runs collectives one after another (as one NCCL
-or gloo process group does), each starting when it is issued and the previous
+or gloo process group does; with hybrid sharding the replicate group is a
+stream of its own), each starting when it is issued and the previous
 one has finished. A wait blocks compute until its collective has finished;
 the time compute spends blocked is the *exposed* communication. Where
 communication shares the compute's core (``communication_overlap`` below 1:
@@ -30,7 +36,7 @@ parameters, the batch) and the optimizer state.
 
 It is a model: no fusion (Inductor fuses elementwise ops, so memory-bound time
 is an upper bound), no contention between the streams beyond the share that
-cannot overlap, one link speed.
+cannot overlap, two link speeds at most (within a node, between nodes).
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from torch.fx import GraphModule, Node
 from ..formatting import format_bytes
 from ..passes.predicates import is_collective, is_wait
 from .memory_timeline import MemoryTimeline, hint, is_view, memory_timeline, tensor_bytes, vals
-from .traffic import Collective, traffic_report
+from .traffic import REPLICATE_GROUP, SHARD_GROUP, Collective, traffic_report
 
 aten = torch.ops.aten
 
@@ -71,6 +77,20 @@ class Hardware:
     """The share of a collective's time that can run beside compute: 1 where communication
     has its own engine (NCCL's copy engines and SMs), less where it shares a core with
     compute (gloo's threads on a CPU with no idle core). The rest is compute's time too."""
+    ranks_per_node: int = 0
+    """Ranks of one node, joined by ``link_bandwidth``; 0: every rank is on one node."""
+    inter_node_bandwidth: float = 0.0
+    """Bytes/s each rank sends to other nodes (its share of the network), for a group
+    whose ranks are on more than one node."""
+    inter_node_latency: float = 0.0
+    """Seconds per ring step between nodes."""
+
+    def link(self, ranks: range) -> tuple[float, float]:
+        """(bandwidth, latency) of a ring over ``ranks``: the network's if they are on more
+        than one node, else the node's links."""
+        if self.ranks_per_node and ranks and ranks[0] // self.ranks_per_node != ranks[-1] // self.ranks_per_node:
+            return self.inter_node_bandwidth, self.inter_node_latency
+        return self.link_bandwidth, self.link_latency
 
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
@@ -89,12 +109,20 @@ PRESETS = {
         name="8xH100 SXM, NVLink 4 / NVSwitch, NCCL, bf16",
         flops=0.6 * 989e12, memory_bandwidth=0.8 * 3.35e12, link_bandwidth=360e9,
         link_latency=3e-6, op_overhead=5e-6),
+    "4x8xh100-ib": Hardware(
+        name="4 nodes of 8xH100 SXM, NVLink 4 within a node, 400 Gb/s InfiniBand per GPU "
+             "between nodes, NCCL, bf16",
+        flops=0.6 * 989e12, memory_bandwidth=0.8 * 3.35e12, link_bandwidth=360e9,
+        link_latency=3e-6, op_overhead=5e-6, ranks_per_node=8,
+        inter_node_bandwidth=0.8 * 50e9, inter_node_latency=10e-6),
 }
 """cpu-gloo: this project's 2-core CI machine as ``python -m bench.calibrate`` measured it
 (one core's fp32 matmul, a copy's bandwidth, gloo all-gathers over loopback between two
 ranks; presets/cpu-gloo.json says when and on what). 8xH100: 60% of the 989 TFLOP/s
 dense bf16 peak, 80% of 3.35 TB/s HBM3, 360 GB/s NCCL bus bandwidth (of NVLink 4's
-450 GB/s per direction), 3 µs per ring step."""
+450 GB/s per direction), 3 µs per ring step. 4x8xH100-IB: the same nodes, 8 GPUs each,
+joined by one 400 Gb/s (50 GB/s) NIC per GPU, of which NCCL sustains about 80 %, and
+10 µs per ring step between nodes."""
 
 
 def hardware(preset_or_hardware) -> Hardware:
@@ -177,20 +205,22 @@ def replay(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_pa
     n = plan.world_size
     report = traffic_report(gm, plan)
     in_graph = {c.node: c for c in report.collectives if c.node}
-    compute = comm_free = busy_compute = busy_comm = exposed = 0.0
+    compute = busy_compute = busy_comm = exposed = 0.0
+    comm_free = {SHARD_GROUP: 0.0, REPLICATE_GROUP: 0.0}  # one stream per process group
     # per collective: start, finish, busy compute and ops at issue, compute time it shared
     issued: dict[Node, tuple[float, float, float, int, float]] = {}
     ops = 0
     timings = []
     for node in gm.graph.nodes:
         if is_collective(node):
-            start = max(compute, comm_free)
-            seconds = collective_seconds(in_graph[node.name], n, hw)
-            comm_free = start + seconds
+            collective = in_graph[node.name]
+            start = max(compute, comm_free[collective.group])
+            seconds = collective_seconds(collective, plan, hw)
+            comm_free[collective.group] = start + seconds
             shared = (1.0 - hw.communication_overlap) * seconds  # compute's core, taken now
             compute += shared
             exposed += shared
-            issued[node] = (start, comm_free, busy_compute, ops, shared)
+            issued[node] = (start, start + seconds, busy_compute, ops, shared)
             busy_comm += seconds
         elif is_wait(node) and node.args[0] in issued:
             start, finish, compute_at_issue, ops_at_issue, shared = issued[node.args[0]]
@@ -210,12 +240,12 @@ def replay(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_pa
     if plan.replicated:
         shard_bytes *= n
     optimizer = 7 * shard_bytes / hw.memory_bandwidth + hw.op_overhead * len(plan.params)
-    compute = max(compute, comm_free) + optimizer
+    compute = max(compute, *comm_free.values()) + optimizer
     busy_compute += optimizer
     # stages 1-2: the gathers after the optimizer, eager, exposed
     for c in report.collectives:
         if not c.node:
-            seconds = collective_seconds(c, n, hw)
+            seconds = collective_seconds(c, plan, hw)
             timings.append(CollectiveTiming(collective=c, start=compute, finish=compute + seconds,
                                             compute_between=0.0, ops_between=0, exposed=seconds))
             compute += seconds
@@ -230,16 +260,30 @@ def replay(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_pa
         timings=tuple(timings), memory=timeline)
 
 
-def collective_seconds(collective: Collective, world_size: int, hw: Hardware) -> float:
-    """A ring collective's duration; an all-reduce is a reduce-scatter plus an all-gather."""
-    seconds = _ring_seconds(collective.bytes, world_size, hw)
+def collective_seconds(collective: Collective, plan, hw: Hardware) -> float:
+    """A ring collective's duration on the group it runs on (the links of one node, or the
+    network when the group spans nodes); an all-reduce is a reduce-scatter plus an all-gather."""
+    ranks = group_ranks(plan, collective.group)
+    seconds = ring_seconds(collective.bytes, ranks, hw)
     return 2 * seconds if collective.kind == "all_reduce" else seconds
 
 
-def _ring_seconds(nbytes: int, world_size: int, hw: Hardware) -> float:
-    if world_size == 1:
+def group_ranks(plan, group: str) -> range:
+    """The ranks of the first ``group`` of ``plan`` (every group of a kind is laid out alike):
+    ranks ``0..N-1`` flat or for the shard group, every shard group's first rank for the
+    replicate group ([Note: hybrid sharding])."""
+    if group == REPLICATE_GROUP:
+        return range(0, plan.world_size * plan.replicas, plan.world_size)
+    return range(plan.world_size)
+
+
+def ring_seconds(nbytes: int, ranks: range, hw: Hardware) -> float:
+    """A ring reduce-scatter's or all-gather's duration over ``ranks``, ``nbytes`` in all."""
+    n = len(ranks)
+    if n == 1:
         return 0.0
-    return (world_size - 1) * (hw.link_latency + nbytes / world_size / hw.link_bandwidth)
+    bandwidth, latency = hw.link(ranks)
+    return (n - 1) * (latency + nbytes / n / bandwidth)
 
 
 _MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),

@@ -30,10 +30,12 @@ def language_model_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: t
 
 def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch: int, seq: int,
                            vocab_size: int, world_size: int, stage: int = 3,
-                           loss_fn: LossFn = language_model_loss, dtype=None,
+                           loss_fn: LossFn = language_model_loss, dtype=None, replicas: int = 1,
                            **options) -> tuple[GraphModule, ShardPlan]:
     """The graph ``@zero_compile(stage=stage, **options)`` would run on each of
     ``world_size`` ranks for a language model, and its plan; no memory is allocated.
+    ``replicas``: hybrid sharding, ``replicas`` copies of shard groups of ``world_size``
+    ranks ([Note: hybrid sharding] in runtime/process_group.py; not in stage 0).
 
     ``batch`` is per rank. ``dtype`` is the default dtype while the model is
     built (bf16 planning of a model written for fp32).
@@ -42,7 +44,10 @@ def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch:
     with FakeTensorMode(), _default_dtype(dtype):
         model = build_model()
         named = dict(model.named_parameters())
+        hybrid = replicas > 1 and stage != 0
         plan = plan_for_module(model, world_size=world_size, stage=stage, group_name="planned",
+                               replicas=replicas if hybrid else 1,
+                               replicate_group_name="planned-replicas" if hybrid else "",
                                **config.plan_options())
         tokens = torch.randint(0, vocab_size, (batch, seq))
         targets = torch.randint(0, vocab_size, (batch, seq))
