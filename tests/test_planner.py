@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from zero_fx.plan.models import model_source
+from zero_fx.plan.models import model_source, on_meta
 from zero_fx.plan.planner import format_report, plan_model
 from zero_fx.plan.table import model_state_bytes
 
@@ -122,3 +122,27 @@ def test_an_unknown_model_says_what_is_accepted():
     out = _plan_cli("--model", "llama-9000", "--world", "8")
     assert out.returncode != 0
     assert "--model must be one of" in out.stderr and "llama3-70b" in out.stderr
+
+
+def test_over_nodes_flat_and_hybrid_are_set_side_by_side():
+    """[Note: what the planner counts]: flat stage 3 over 16 ranks on 4 nodes sends all its
+    ring bytes across nodes; hybrid (4 x 4) sends only 2(R-1)/R of its gradient shards."""
+    source = model_source("examples.gpt:gpt_1b")
+    report = plan_model(source, world_size=16, stage=3, dtype=torch.bfloat16, nodes=4)
+    flat, hybrid = report.levels
+    assert flat.within_node == 0 and flat.across_nodes == report.stages[3].wire_bytes
+    shard = sum(-(-p.numel() // 4) for p in on_meta(lambda: source.build(None)).parameters())
+    assert hybrid.across_nodes == pytest.approx(2 * 3 / 4 * shard * 2)
+    assert hybrid.across_nodes < flat.across_nodes / 5
+    assert hybrid.state_bytes == pytest.approx(4 * flat.state_bytes, rel=1e-3)
+    with pytest.raises(ValueError, match="do not split evenly over 3 nodes"):
+        plan_model(source, world_size=16, nodes=3)
+
+
+def test_the_command_line_plans_over_nodes():
+    hf("transformers")
+    out = _plan_cli("--model", "llama3-70b", "--nodes", "8", "--world", "64", "--dtype", "bf16")
+    assert out.returncode == 0, out.stderr
+    assert "| flat over 64 ranks |" in out.stdout and "| hybrid: 8 replicas x 8 ranks |" in out.stdout
+    bad = _plan_cli("--model", "llama3-70b", "--nodes", "3", "--world", "64")
+    assert bad.returncode != 0 and "must split evenly over --nodes 3" in bad.stderr

@@ -3,6 +3,7 @@
     python -m zero_fx.plan --model llama3-70b --world 64 --stage 3 --dtype bf16
     python -m zero_fx.plan --model zero-paper-7.5b --world 64 --dtype fp16
     python -m zero_fx.plan --model path/to/config.json --world 8 --seq 4096 --device-memory 80
+    python -m zero_fx.plan --model llama3-70b --nodes 8 --world 64 --dtype bf16   # flat or hybrid
 
 Nothing is allocated: the model is built on the meta device (see [Note: what the
 planner counts] in zero_fx/plan/planner.py).
@@ -43,10 +44,15 @@ def main(argv=None) -> None:
                         help="with --recompute auto: the fraction of activations kept (default 0.5)")
     parser.add_argument("--device-memory", type=float, default=None, metavar="GB",
                         help="say whether the estimate fits in this many GB per device")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="ranks are on this many nodes: set flat and hybrid sharding (one "
+                             "replica per node) side by side, bytes sent within and across nodes")
     parser.add_argument("--buckets", action="store_true", help="list every bucket")
     args = parser.parse_args(argv)
     if args.world < 1:
         parser.error(f"--world must be >= 1, got {args.world}")
+    if args.nodes < 1 or args.world % args.nodes:
+        parser.error(f"--world {args.world} must split evenly over --nodes {args.nodes}")
     if args.batch < 1 or (args.seq is not None and args.seq < 1):
         parser.error("--batch and --seq must be >= 1")
     source = model_source(args.model)
@@ -55,7 +61,7 @@ def main(argv=None) -> None:
                         dtype=DTYPES[args.dtype], optimizer=args.optimizer,
                         batch=args.batch, seq=args.seq,
                         recompute=None if args.recompute == "none" else args.recompute,
-                        activation_memory_budget=args.activation_budget)
+                        activation_memory_budget=args.activation_budget, nodes=args.nodes)
     print(format_report(report, device_memory_gb=args.device_memory, all_buckets=args.buckets))
 
 

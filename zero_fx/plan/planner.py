@@ -21,6 +21,15 @@ first block adds less (the one block being recomputed sets the peak from the sec
 block on). The peak estimate is the model states without
 their gradients, plus the larger of the working set (which holds the
 gradients until they are reduced) and the gradients.
+
+Over several nodes (``--nodes``) the planner sets flat sharding beside hybrid
+sharding ([Note: hybrid sharding] in zero_fx/runtime/process_group.py): one replica
+per node, sharded over the node's ranks. It counts the bytes each rank sends per
+step on each level. A flat ring over ranks on several nodes is as fast as its
+slowest hop, the network, so all of its bytes count as crossing nodes; hybrid's
+gathers and reduce-scatters stay within the node, and only the all-reduce of the
+gradient shards (2(R-1)/R·Ψ/S elements per rank) crosses. Hybrid's price is
+memory: its states are sharded S ways, not N.
 """
 
 from __future__ import annotations
@@ -61,6 +70,19 @@ class StagePlan:
 
 
 @dataclass
+class LevelRow:
+    """One way to lay ranks out over nodes: its model states and what each rank sends."""
+
+    name: str
+    state_bytes: float
+    within_node: float
+    """Bytes each rank sends per step to ranks of its own node."""
+    across_nodes: float
+    """Bytes each rank sends per step over the network."""
+    peak_bytes: Optional[float] = None
+
+
+@dataclass
 class Bucket:
     names: list[str]
     bytes: int
@@ -86,35 +108,49 @@ class PlanReport:
     working_set: Optional[float] = None
     working_set_how: str = ""
     seconds: float = 0.0
+    nodes: int = 1
+    levels: list[LevelRow] = None
+    """With ``nodes`` > 1: flat and hybrid sharding of the chosen stage, side by side."""
 
     @property
     def peak_bytes(self) -> Optional[float]:
         """Estimated peak per rank in the chosen stage ([Note: what the planner counts])."""
         if self.working_set is None:
             return None
-        states = self.stages[self.stage].states
-        return sum(states.values()) - states["gradients"] + max(self.working_set,
-                                                                states["gradients"])
+        return peak_of(self.stages[self.stage].states, self.working_set)
+
+
+def peak_of(states: dict[str, float], working_set: float) -> float:
+    """The peak per rank: the model states without their gradients, plus the larger of the
+    working set (which holds the gradients until they are reduced) and the gradients."""
+    return sum(states.values()) - states["gradients"] + max(working_set, states["gradients"])
 
 
 def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
                dtype: torch.dtype = torch.float32, optimizer: str = "adamw",
                batch: Optional[int] = None, seq: Optional[int] = None,
                recompute: Optional[str] = None,
-               activation_memory_budget: Optional[float] = None) -> PlanReport:
+               activation_memory_budget: Optional[float] = None, nodes: int = 1) -> PlanReport:
     """Plan ``source``'s model on ``world_size`` ranks; trace the working set when ``seq`` is
-    given, with ``recompute`` (and its budget) as ``zero_compile`` takes them."""
+    given, with ``recompute`` (and its budget) as ``zero_compile`` takes them. ``nodes`` > 1:
+    also set flat and hybrid sharding side by side ([Note: what the planner counts])."""
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
+    if nodes < 1 or world_size % nodes:
+        raise ValueError(f"{world_size} ranks do not split evenly over {nodes} nodes")
     start = time.perf_counter()
     model = on_meta(lambda: source.build(None))
     item = dtype.itemsize
     mixed = item < 4
-    plan = plan_for_module(model, world_size=world_size, stage=stage,
-                           persistence_threshold=DEFAULT_PERSISTENCE_THRESHOLD,
-                           bucket_bytes=DEFAULT_BUCKET_BYTES[stage],
-                           compute_dtype=dtype if mixed else None,
-                           reduce_dtype=dtype if mixed else None)
+
+    def plan_over(ranks: int) -> ShardPlan:
+        return plan_for_module(model, world_size=ranks, stage=stage,
+                               persistence_threshold=DEFAULT_PERSISTENCE_THRESHOLD,
+                               bucket_bytes=DEFAULT_BUCKET_BYTES[stage],
+                               compute_dtype=dtype if mixed else None,
+                               reduce_dtype=dtype if mixed else None)
+
+    plan = plan_over(world_size)
     psi = plan.total_numel
     report = PlanReport(
         model=source.description, world_size=world_size, stage=stage, dtype=dtype,
@@ -125,8 +161,35 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
         report.working_set, report.working_set_how = _working_set(
             source, world_size=world_size, stage=stage, dtype=dtype, batch=batch or 1, seq=seq,
             recompute={"recompute": recompute, "activation_memory_budget": activation_memory_budget})
+    if nodes > 1:
+        report.nodes = nodes
+        report.levels = _levels(report, plan_over(world_size // nodes), nodes, item, mixed)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _levels(report: PlanReport, node_plan: ShardPlan, nodes: int, item: int,
+            mixed: bool) -> list[LevelRow]:
+    """Flat and hybrid sharding of the chosen stage over ``nodes`` ([Note: what the planner
+    counts]); peaks with the working set traced flat (the gathered blocks are the same)."""
+    stage = report.stage
+    flat = report.stages[stage]
+    rows = [LevelRow(f"flat over {report.world_size} ranks", flat.state_bytes, 0.0,
+                     flat.wire_bytes)]
+    per_node = node_plan.world_size
+    if stage == 0:  # nothing sharded: hybrid is the same all-reduce over every rank
+        rows.append(LevelRow(f"hybrid, {nodes} x {per_node}: stage 0 ignores it", flat.state_bytes,
+                             0.0, flat.wire_bytes))
+    else:
+        hybrid = _stage_plan(stage, node_plan, item, mixed, report.optimizer)
+        trainable = sum(layout.shard_numel for layout in node_plan.params if layout.requires_grad)
+        across = 2 * (nodes - 1) / nodes * trainable * item
+        rows.append(LevelRow(f"hybrid: {nodes} replicas x {per_node} ranks", hybrid.state_bytes,
+                             hybrid.wire_bytes, across))
+    if report.working_set is not None:
+        for row, states in zip(rows, (flat.states, flat.states if stage == 0 else hybrid.states)):
+            row.peak_bytes = peak_of(states, report.working_set)
+    return rows
 
 
 def _stage_plan(stage: int, plan: ShardPlan, item: int, mixed: bool, optimizer: str) -> StagePlan:
@@ -252,6 +315,8 @@ def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = Non
                          + (f" … {b.names[-1]} ({len(b.names)})" if len(b.names) > 1 else ""))
         if len(shown) < len(buckets):
             lines.append(f"    … {len(buckets) - len(shown)} more (--buckets lists them all)")
+    if report.levels:
+        lines += ["", *_format_levels(report)]
     lines.append("")
     if report.working_set is None:
         lines.append("Working set: give --seq (and --batch) to trace activations on fake tensors.")
@@ -269,6 +334,25 @@ def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = Non
         lines.append(f"Model states fit in {device_memory_gb:g} GB in stages: "
                      f"{', '.join(map(str, fitting)) or 'none'} (activations not counted)")
     return "\n".join(lines)
+
+
+def _format_levels(report: PlanReport) -> list[str]:
+    per_node = report.world_size // report.nodes
+    lines = [f"Flat or hybrid over {report.nodes} nodes of {per_node} ranks, stage {report.stage} "
+             "(bytes each rank sends per step; a flat ring over nodes runs at the network's "
+             "speed, so all of it counts as crossing):", "",
+             "| sharding | model states per rank | estimated peak per rank | sent within a node "
+             "| sent across nodes |", "|---|---|---|---|---|"]
+    for row in report.levels:
+        peak = "—" if row.peak_bytes is None else f"{row.peak_bytes / GB:.2f} GB"
+        lines.append(f"| {row.name} | {row.state_bytes / GB:.2f} GB | {peak} | "
+                     f"{row.within_node / GB:.2f} GB | {row.across_nodes / GB:.2f} GB |")
+    flat, hybrid = report.levels
+    if report.stage and hybrid.across_nodes:
+        lines.append(f"Hybrid sends {flat.across_nodes / hybrid.across_nodes:.1f}x fewer bytes "
+                     f"across nodes for {(hybrid.state_bytes - flat.state_bytes) / GB:.2f} GB "
+                     f"more states per rank.")
+    return lines
 
 
 def _three_digits(x: float) -> str:
