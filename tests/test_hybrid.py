@@ -5,7 +5,9 @@ mesh is today's flat sharding over four ranks, bit for bit."""
 import pytest
 import torch
 
-from training import SMALL_BUCKETS, parity_errors, reference_run, zero_fx_run
+from ranks import run_ranks
+from training import SMALL_BUCKETS, parity_errors, reference_run, relative_error, zero_fx_run
+from zero_fx import zero_compile
 from zero_fx.analysis.traffic import REPLICATE_GROUP, SHARD_GROUP
 
 TOLERANCE = 1e-5
@@ -54,3 +56,44 @@ def test_two_by_two_mesh_moves_a_world_of_two_and_one_all_reduce_of_the_shards()
     assert by_group[REPLICATE_GROUP] == 2 * shard_numel * 4 // 2  # a ring of 2, fp32
     assert by_group[SHARD_GROUP] == flat["traffic"].wire_bytes()
     assert "across replicas" in str(traffic)
+
+
+def bad_meshes_rank(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    messages = []
+    for shape, names, stage in [((1, 2), ("node", "gpu"), 3), ((2, 1), ("replicate", "shard"), 3)]:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        try:
+            zero_compile(lambda: None, stage=stage, mesh=mesh)
+        except ValueError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_a_mesh_zero_fx_cannot_use_says_what_to_build():
+    messages = run_ranks(2, bad_meshes_rank)[0]
+    assert "mesh_dim_names=('replicate', 'shard')" in messages[0] and "('node', 'gpu')" in messages[0]
+    assert "shard dimension has one rank" in messages[1] and "stage=0" in messages[1]
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        zero_compile(lambda: None, mesh=(2, 2))
+
+
+def test_stage_0_ignores_the_shard_dimension():
+    results = zero_fx_run(4, "gpt", "aot_eager", stage=0, options=HYBRID)
+    errors = parity_errors(results, reference_run("gpt"))
+    assert max(errors.values()) < TOLERANCE, max(errors, key=errors.get)
+    assert results[0]["counted"]["numel"]["all_gather"] == 0
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_clipping_on_a_mesh_clips_by_the_global_norm(stage):
+    """The norm is summed over one shard group (replicas hold the same shards): clipped
+    training on a 2 x 2 mesh matches it on a flat 4 (a norm counted twice would not)."""
+    clip = (("max_grad_norm", 0.05),)
+    flat = zero_fx_run(4, "gpt", "aot_eager", stage=stage, options=clip)[0]
+    hybrid = zero_fx_run(4, "gpt", "aot_eager", stage=stage, options=clip + HYBRID)[0]
+    unclipped = zero_fx_run(4, "gpt", "aot_eager", stage=stage)[0]
+    error = max(relative_error(hybrid["params"][n], p) for n, p in flat["params"].items())
+    assert error < TOLERANCE
+    assert max(relative_error(unclipped["params"][n], p) for n, p in flat["params"].items()) > 100 * TOLERANCE

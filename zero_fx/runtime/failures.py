@@ -88,25 +88,28 @@ class CompletionCheck:
     raises if the backend reports one failed or the wait outlasts ``timeout`` ([Note:
     failures on NCCL])."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout: timedelta):
-        self.group = group
+    def __init__(self, groups: list[dist.ProcessGroup], device: torch.device, timeout: timedelta):
+        self.groups = groups
         self.device = device
         self.timeout = timeout
 
     def __call__(self) -> None:
-        fence = torch.zeros(1, device=self.device)
-        dist.all_reduce(fence, group=self.group, async_op=True).wait(self.timeout)
+        for group in self.groups:
+            fence = torch.zeros(1, device=self.device)
+            dist.all_reduce(fence, group=group, async_op=True).wait(self.timeout)
 
 
 def completion_check(world: World, device: torch.device) -> Optional[CompletionCheck]:
-    """The check for the step's group where its backend reports failures late (NCCL);
-    None where a failed collective raises at once, or there are no other ranks."""
+    """The check for the step's groups (with hybrid sharding, the replicate group too) where
+    their backend reports failures late (NCCL); None where a failed collective raises at
+    once, or there are no other ranks."""
     if world.size == 1 or world.simulated:
         return None
-    group = dist.distributed_c10d._resolve_process_group(world.group_name)
-    if str(dist.get_backend(group)).lower() not in CHECKED_BACKENDS:
+    names = [world.group_name] + ([world.replicate_group_name] if world.replicas > 1 else [])
+    groups = [dist.distributed_c10d._resolve_process_group(name) for name in names]
+    if str(dist.get_backend(groups[0])).lower() not in CHECKED_BACKENDS:
         return None
-    return CompletionCheck(group, device, world_timeout() or DEFAULT_TIMEOUT)
+    return CompletionCheck(groups, device, world_timeout() or DEFAULT_TIMEOUT)
 
 
 def is_communication_failure(err: BaseException) -> bool:
