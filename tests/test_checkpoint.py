@@ -53,6 +53,16 @@ def resharding_rank(rank, world_size, stage, load_from, save_to, mesh=None):
     return {"loss": loss, "params": step.full_parameters()}
 
 
+def assert_same_states(paths):
+    """Every checkpoint in ``paths`` holds bitwise the same parameters and optimizer state."""
+    saved = [load_full(path) for path in paths]
+    keys = [k for k in saved[0] if k.startswith(("model.", "optim."))]
+    assert any(k.endswith(".exp_avg_sq") for k in keys)
+    for other in saved[1:]:
+        for key in keys:
+            assert torch.equal(other[key], saved[0][key]), key
+
+
 def test_a_checkpoint_reshards_from_4_ranks_to_2_and_1_and_across_stages(tmp_path):
     """Saved by 4 ranks in stage 3, loaded by 2 in stage 1 and saved again, loaded by 1 in
     stage 0: the same parameters and optimizer state each time, and the next step trains
@@ -61,12 +71,7 @@ def test_a_checkpoint_reshards_from_4_ranks_to_2_and_1_and_across_stages(tmp_pat
     runs = [run_ranks(4, resharding_rank, 3, None, paths[0]),
             run_ranks(2, resharding_rank, 1, paths[0], paths[1]),
             run_ranks(1, resharding_rank, 0, paths[1], paths[2])]
-    saved = [load_full(path) for path in paths]
-    keys = [k for k in saved[0] if k.startswith(("model.", "optim."))]
-    assert any(k.endswith(".exp_avg_sq") for k in keys)
-    for other in saved[1:]:
-        for key in keys:
-            assert torch.equal(other[key], saved[0][key]), key
+    assert_same_states(paths)
     mean_losses = [sum(r["loss"] for r in run) / len(run) for run in runs]
     assert max(mean_losses) - min(mean_losses) < 1e-5 * mean_losses[0]
     for name, value in runs[0][0]["params"].items():
@@ -81,12 +86,7 @@ def test_a_hybrid_checkpoint_loads_flat_and_at_one_rank_and_back(tmp_path):
     run_ranks(4, resharding_rank, 3, paths[0], paths[1])
     run_ranks(1, resharding_rank, 3, paths[1], paths[2])
     run_ranks(4, resharding_rank, 3, paths[2], paths[3], (2, 2))
-    saved = [load_full(path) for path in paths]
-    keys = [k for k in saved[0] if k.startswith(("model.", "optim."))]
-    assert any(k.endswith(".exp_avg_sq") for k in keys)
-    for other in saved[1:]:
-        for key in keys:
-            assert torch.equal(other[key], saved[0][key]), key
+    assert_same_states(paths)
 
 
 def _trained_at_world_1(path, stage=3, steps=2):

@@ -91,21 +91,22 @@ def test_planning_on_fake_tensors_at_sixteen_ranks():
     assert 0 < result.exposed_seconds < result.step_seconds
 
 
+def estimate_cli(*args, check=True):
+    """``python -m zero_fx.estimate *args``, able to import this file's models."""
+    return subprocess.run([sys.executable, "-m", "zero_fx.estimate", *args], capture_output=True,
+                          text=True, check=check, timeout=300,
+                          env={"PYTHONPATH": ":".join(sys.path)})
+
+
 def test_the_command_line_prints_traffic_and_estimate():
-    out = subprocess.run(
-        [sys.executable, "-m", "zero_fx.estimate", "--model", "test_cost_model:tiny_gpt",
-         "--world", "8", "--seq", "32", "--dtype", "float32", "--hardware", "cpu-gloo"],
-        capture_output=True, text=True, check=True, timeout=300,
-        env={"PYTHONPATH": ":".join(sys.path)})
+    out = estimate_cli("--model", "test_cost_model:tiny_gpt", "--world", "8", "--seq", "32",
+                       "--dtype", "float32", "--hardware", "cpu-gloo")
     assert "all_gather" in out.stdout and "exposed" in out.stdout, out.stdout + out.stderr
 
 
 def test_the_command_line_explains_a_planned_step():
-    out = subprocess.run(
-        [sys.executable, "-m", "zero_fx.estimate", "--model", "test_cost_model:tiny_gpt",
-         "--world", "16", "--seq", "32", "--dtype", "float32", "--explain"],
-        capture_output=True, text=True, check=True, timeout=300,
-        env={"PYTHONPATH": ":".join(sys.path)})
+    out = estimate_cli("--model", "test_cost_model:tiny_gpt", "--world", "16", "--seq", "32",
+                       "--dtype", "float32", "--explain")
     assert "stage 3 over 16 ranks" in out.stdout, out.stdout + out.stderr
     for section in ("Plan", "Collectives per step", "Gathered parameters", "Memory per rank"):
         assert f"\n{section}" in out.stdout, section
@@ -185,14 +186,9 @@ def wide_gpt():
 
 
 def test_the_command_line_estimates_a_hybrid_mesh():
-    out = subprocess.run(
-        [sys.executable, "-m", "zero_fx.estimate", "--model", "test_cost_model:tiny_gpt",
-         "--mesh", "2,4", "--seq", "32", "--dtype", "float32", "--hardware", "4x8xh100-ib"],
-        capture_output=True, text=True, check=True, timeout=300,
-        env={"PYTHONPATH": ":".join(sys.path)})
+    out = estimate_cli("--model", "test_cost_model:tiny_gpt", "--mesh", "2,4", "--seq", "32",
+                       "--dtype", "float32", "--hardware", "4x8xh100-ib")
     assert "B within the shard group" in out.stdout and "across replicas" in out.stdout, out.stdout
-    bad = subprocess.run(
-        [sys.executable, "-m", "zero_fx.estimate", "--model", "test_cost_model:tiny_gpt",
-         "--mesh", "2,4", "--world", "6"], capture_output=True, text=True, timeout=300,
-        env={"PYTHONPATH": ":".join(sys.path)})
+    bad = estimate_cli("--model", "test_cost_model:tiny_gpt", "--mesh", "2,4", "--world", "6",
+                       check=False)
     assert bad.returncode != 0 and "is not --mesh 2,4's 8 ranks" in bad.stderr

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ranks import run_ranks
-from training import SMALL_BUCKETS, parity_errors, reference_run, relative_error, zero_fx_run
+from training import (SMALL_BUCKETS, parity_errors, reference_run, relative_error, with_mesh,
+                      zero_fx_run)
 from zero_fx import zero_compile
 from zero_fx.analysis.traffic import REPLICATE_GROUP, SHARD_GROUP
 
@@ -97,3 +98,31 @@ def test_clipping_on_a_mesh_clips_by_the_global_norm(stage):
     error = max(relative_error(hybrid["params"][n], p) for n, p in flat["params"].items())
     assert error < TOLERANCE
     assert max(relative_error(unclipped["params"][n], p) for n, p in flat["params"].items()) > 100 * TOLERANCE
+
+
+def whole_model_views_rank(rank, world_size, mesh):
+    """What a user reads of the whole model after two steps: ``full_state_dict()``, the
+    model run inside ``gathered_parameters()``, and the graph listing's collectives."""
+    import models
+
+    model = models.build("gpt")
+    opt = models.make_optimizer(model)
+    step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager",
+                        **with_mesh({"mesh": mesh}))
+    for i in range(2):
+        x, y = models.global_batch("gpt", i)
+        step(model, opt, x[rank::world_size], y[rank::world_size])
+    with step.gathered_parameters():
+        out = model(x).detach()
+    return {"state": step.full_state_dict(), "out": out, "explain": str(step.explain())}
+
+
+def test_whole_model_views_on_a_mesh_are_those_of_flat_sharding():
+    flat = run_ranks(4, whole_model_views_rank, None)
+    hybrid = run_ranks(4, whole_model_views_rank, (2, 2))
+    for rank in range(4):
+        assert relative_error(hybrid[rank]["out"], flat[rank]["out"]) < TOLERANCE
+        for name, value in flat[rank]["state"].items():
+            assert relative_error(hybrid[rank]["state"][name], value) < TOLERANCE, name
+    assert "hybrid sharding: 2 replicas of these 2 ranks" in hybrid[0]["explain"]
+    assert "across replicas" in hybrid[0]["explain"] and "across replicas" not in flat[0]["explain"]

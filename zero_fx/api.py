@@ -314,8 +314,11 @@ class CompiledStep:
         ``hardware`` (a preset name or a ``Hardware``)."""
         if not self.graphs:
             raise RuntimeError("the step has not been compiled yet; call it once first")
-        title = (f"zero_fx explain: {self.__name__}, stage {self.plan.stage} over "
-                 f"{self.plan.world_size} rank(s) (this is rank {self.plan.rank}), backend "
+        plan = self.plan
+        over = (f"{plan.replicas} replicas of {plan.world_size} rank(s) (this is rank "
+                f"{plan.rank} of its shard group)" if plan.replicas > 1
+                else f"{plan.world_size} rank(s) (this is rank {plan.rank})")
+        title = (f"zero_fx explain: {self.__name__}, stage {plan.stage} over {over}, backend "
                  f"{describe_backend(self.config.backend)}")
         return explain_graph(self.graphs[-1], self.plan, hardware=hardware, title=title,
                              compilations=self.compilations)

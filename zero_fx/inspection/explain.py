@@ -17,6 +17,7 @@ from torch.fx import GraphModule
 
 from ..analysis.cost_model import CollectiveTiming, Estimate, replay
 from ..analysis.memory_timeline import MemoryTimeline, tensor_bytes
+from ..analysis.traffic import REPLICATE_GROUP
 from ..formatting import format_bytes, format_seconds, short_dtype
 from ..passes.predicates import gathered_param, kept_through_loss, readers_through_views
 from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary
@@ -174,7 +175,8 @@ def _collectives_section(e: Explanation) -> str:
         lines.append(
             f"  {i:>3}  {c.kind:<14} {format_bytes(c.bytes):>10}  {c.phase:<10} "
             f"{_at(c.issued_at):>6} {_at(c.waited_at):>6}  {between:>22}  "
-            f"{format_seconds(t.exposed):>9}  {_bucket(c.bucket)}")
+            f"{format_seconds(t.exposed):>9}  {_bucket(c.bucket)}"
+            + (" (across replicas)" if c.group == REPLICATE_GROUP else ""))
     lines.append("  issued/waited: node index in the rewritten graph (see the graph dump); "
                  "exposed: time compute loses to it (waiting, or sharing its core)")
     order = e.compilations[-1].order if e.compilations else None

@@ -112,8 +112,11 @@ def _kind_and_note(node: Node, plan) -> tuple[str, str]:
         if test(node):
             buffer = node.args[0].meta["val"] if kind == "reduce_scatter" else node.meta["val"]
             nbytes = tensor_bytes(buffer)
+            across = (plan is not None and plan.replicas > 1
+                      and node.args[-1] == plan.replicate_group_name)
             return kind, (f"{kind.upper().replace('_', '-')} {format_bytes(nbytes)} of "
-                          f"{_members(carried_params(node))}")
+                          f"{_members(carried_params(node))}"
+                          + (" across replicas" if across else ""))
     if is_wait(node):
         return "wait", f"wait for {node.args[0].name}"
     gathered = gathered_param(node)
