@@ -110,7 +110,7 @@ PRESETS = {
         flops=0.6 * 989e12, memory_bandwidth=0.8 * 3.35e12, link_bandwidth=360e9,
         link_latency=3e-6, op_overhead=5e-6),
     "4x8xh100-ib": Hardware(
-        name="4 nodes of 8xH100 SXM, NVLink 4 within a node, 400 Gb/s InfiniBand per GPU "
+        name="nodes of 8xH100 SXM, NVLink 4 within a node, 400 Gb/s InfiniBand per GPU "
              "between nodes, NCCL, bf16",
         flops=0.6 * 989e12, memory_bandwidth=0.8 * 3.35e12, link_bandwidth=360e9,
         link_latency=3e-6, op_overhead=5e-6, ranks_per_node=8,
@@ -120,7 +120,8 @@ PRESETS = {
 (one core's fp32 matmul, a copy's bandwidth, gloo all-gathers over loopback between two
 ranks; presets/cpu-gloo.json says when and on what). 8xH100: 60% of the 989 TFLOP/s
 dense bf16 peak, 80% of 3.35 TB/s HBM3, 360 GB/s NCCL bus bandwidth (of NVLink 4's
-450 GB/s per direction), 3 µs per ring step. 4x8xH100-IB: the same nodes, 8 GPUs each,
+450 GB/s per direction), 3 µs per ring step. 4x8xH100-IB: such nodes (4 of them for the
+name; the plan's ranks say how many), 8 GPUs each,
 joined by one 400 Gb/s (50 GB/s) NIC per GPU, of which NCCL sustains about 80 %, and
 10 µs per ring step between nodes."""
 
