@@ -126,15 +126,20 @@ def test_an_unknown_model_says_what_is_accepted():
 
 def test_over_nodes_flat_and_hybrid_are_set_side_by_side():
     """[Note: what the planner counts]: flat stage 3 over 16 ranks on 4 nodes sends all its
-    ring bytes across nodes; hybrid (4 x 4) sends only 2(R-1)/R of its gradient shards."""
+    ring bytes across nodes; hybrid (4 x 4) sends only 2(R-1)/R of its gradient shards; 2 x 8
+    (shard groups of two nodes) sends its ring bytes and its all-reduce across."""
     source = model_source("examples.gpt:gpt_1b")
     report = plan_model(source, world_size=16, stage=3, dtype=torch.bfloat16, nodes=4)
-    flat, hybrid = report.levels
+    flat, hybrid, two_nodes_each = report.levels
     assert flat.within_node == 0 and flat.across_nodes == report.stages[3].wire_bytes
     shard = sum(-(-p.numel() // 4) for p in on_meta(lambda: source.build(None)).parameters())
     assert hybrid.across_nodes == pytest.approx(2 * 3 / 4 * shard * 2)
     assert hybrid.across_nodes < flat.across_nodes / 5
     assert hybrid.state_bytes == pytest.approx(4 * flat.state_bytes, rel=1e-3)
+    # 2 replicas of 8 ranks on two nodes each: their gathers cross nodes too
+    assert two_nodes_each.within_node == 0
+    assert flat.across_nodes > two_nodes_each.across_nodes > hybrid.across_nodes
+    assert two_nodes_each.state_bytes == pytest.approx(2 * flat.state_bytes, rel=1e-3)
     with pytest.raises(ValueError, match="do not split evenly over 3 nodes"):
         plan_model(source, world_size=16, nodes=3)
 
@@ -143,6 +148,8 @@ def test_the_command_line_plans_over_nodes():
     hf("transformers")
     out = _plan_cli("--model", "llama3-70b", "--nodes", "8", "--world", "64", "--dtype", "bf16")
     assert out.returncode == 0, out.stderr
-    assert "| flat over 64 ranks |" in out.stdout and "| hybrid: 8 replicas x 8 ranks |" in out.stdout
+    for row in ("| flat over 64 ranks |", "| hybrid: 8 replicas x 8 ranks |",
+                "| hybrid: 2 replicas x 32 ranks (4 nodes each) |"):
+        assert row in out.stdout, row
     bad = _plan_cli("--model", "llama3-70b", "--nodes", "3", "--world", "64")
     assert bad.returncode != 0 and "must split evenly over --nodes 3" in bad.stderr

@@ -24,12 +24,13 @@ gradients until they are reduced) and the gradients.
 
 Over several nodes (``--nodes``) the planner sets flat sharding beside hybrid
 sharding ([Note: hybrid sharding] in zero_fx/runtime/process_group.py): one replica
-per node, sharded over the node's ranks. It counts the bytes each rank sends per
-step on each level. A flat ring over ranks on several nodes is as fast as its
-slowest hop, the network, so all of its bytes count as crossing nodes; hybrid's
-gathers and reduce-scatters stay within the node, and only the all-reduce of the
-gradient shards (2(R-1)/R·Ψ/S elements per rank) crosses. Hybrid's price is
-memory: its states are sharded S ways, not N.
+per node, sharded over the node's ranks, and fewer replicas of shard groups that
+span several nodes. It counts the bytes each rank sends per step on each level. A
+ring over ranks on several nodes is as fast as its slowest hop, the network, so
+all of its bytes count as crossing nodes: flat's, and a multi-node shard group's.
+One replica per node keeps gathers and reduce-scatters within the node, and only
+the all-reduce of the gradient shards (2(R-1)/R·Ψ/S elements per rank) crosses.
+Hybrid's price is memory: its states are sharded S ways, not N.
 """
 
 from __future__ import annotations
@@ -163,32 +164,37 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
             recompute={"recompute": recompute, "activation_memory_budget": activation_memory_budget})
     if nodes > 1:
         report.nodes = nodes
-        report.levels = _levels(report, plan_over(world_size // nodes), nodes, item, mixed)
+        report.levels = _levels(report, plan_over, nodes, item, mixed)
     report.seconds = time.perf_counter() - start
     return report
 
 
-def _levels(report: PlanReport, node_plan: ShardPlan, nodes: int, item: int,
-            mixed: bool) -> list[LevelRow]:
-    """Flat and hybrid sharding of the chosen stage over ``nodes`` ([Note: what the planner
-    counts]); peaks with the working set traced flat (the gathered blocks are the same)."""
+def _levels(report: PlanReport, plan_over, nodes: int, item: int, mixed: bool) -> list[LevelRow]:
+    """Flat sharding of the chosen stage over ``nodes``, then hybrid with one replica per
+    node and with fewer replicas of shard groups spanning several nodes ([Note: what the
+    planner counts]); peaks with the working set traced flat (the gathered blocks are the
+    same)."""
     stage = report.stage
     flat = report.stages[stage]
     rows = [LevelRow(f"flat over {report.world_size} ranks", flat.state_bytes, 0.0,
                      flat.wire_bytes)]
-    per_node = node_plan.world_size
-    if stage == 0:  # nothing sharded: hybrid is the same all-reduce over every rank
-        rows.append(LevelRow(f"hybrid, {nodes} x {per_node}: stage 0 ignores it", flat.state_bytes,
-                             0.0, flat.wire_bytes))
-    else:
-        hybrid = _stage_plan(stage, node_plan, item, mixed, report.optimizer)
-        trainable = sum(layout.shard_numel for layout in node_plan.params if layout.requires_grad)
-        across = 2 * (nodes - 1) / nodes * trainable * item
-        rows.append(LevelRow(f"hybrid: {nodes} replicas x {per_node} ranks", hybrid.state_bytes,
-                             hybrid.wire_bytes, across))
+    states = [flat.states]
+    replicas = [r for r in range(nodes, 1, -1) if nodes % r == 0] if stage else []
+    for r in replicas:
+        plan = plan_over(report.world_size // r)
+        hybrid = _stage_plan(stage, plan, item, mixed, report.optimizer)
+        trainable = sum(layout.shard_numel for layout in plan.params if layout.requires_grad)
+        all_reduce = 2 * (r - 1) / r * trainable * item
+        on_one_node = r == nodes  # else the shard group's ring crosses nodes too
+        rows.append(LevelRow(
+            f"hybrid: {r} replicas x {plan.world_size} ranks"
+            + ("" if on_one_node else f" ({nodes // r} nodes each)"), hybrid.state_bytes,
+            hybrid.wire_bytes if on_one_node else 0.0,
+            all_reduce + (0.0 if on_one_node else hybrid.wire_bytes)))
+        states.append(hybrid.states)
     if report.working_set is not None:
-        for row, states in zip(rows, (flat.states, flat.states if stage == 0 else hybrid.states)):
-            row.peak_bytes = peak_of(states, report.working_set)
+        for row, kept in zip(rows, states):
+            row.peak_bytes = peak_of(kept, report.working_set)
     return rows
 
 
@@ -339,19 +345,22 @@ def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = Non
 def _format_levels(report: PlanReport) -> list[str]:
     per_node = report.world_size // report.nodes
     lines = [f"Flat or hybrid over {report.nodes} nodes of {per_node} ranks, stage {report.stage} "
-             "(bytes each rank sends per step; a flat ring over nodes runs at the network's "
-             "speed, so all of it counts as crossing):", "",
+             "(bytes each rank sends per step; a ring over ranks on several nodes runs at the "
+             "network's speed, so all of its bytes count as crossing):", "",
              "| sharding | model states per rank | estimated peak per rank | sent within a node "
              "| sent across nodes |", "|---|---|---|---|---|"]
     for row in report.levels:
         peak = "—" if row.peak_bytes is None else f"{row.peak_bytes / GB:.2f} GB"
         lines.append(f"| {row.name} | {row.state_bytes / GB:.2f} GB | {peak} | "
                      f"{row.within_node / GB:.2f} GB | {row.across_nodes / GB:.2f} GB |")
-    flat, hybrid = report.levels
-    if report.stage and hybrid.across_nodes:
-        lines.append(f"Hybrid sends {flat.across_nodes / hybrid.across_nodes:.1f}x fewer bytes "
-                     f"across nodes for {(hybrid.state_bytes - flat.state_bytes) / GB:.2f} GB "
-                     f"more states per rank.")
+    if report.stage == 0:
+        lines.append("Stage 0 shards nothing: a mesh changes nothing (one all-reduce over every rank).")
+    elif len(report.levels) > 1:
+        flat, one_per_node = report.levels[:2]
+        lines.append(f"One replica per node sends {flat.across_nodes / one_per_node.across_nodes:.1f}x "
+                     f"fewer bytes across nodes than flat, for "
+                     f"{(one_per_node.state_bytes - flat.state_bytes) / GB:.2f} GB more states "
+                     "per rank.")
     return lines
 
 
