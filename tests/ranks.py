@@ -119,3 +119,16 @@ def _rank_main(rank, world_size, tmp, fn, args, timeout_s, may_die, environment)
         if not may_die:
             raise
     dist.destroy_process_group()
+
+
+def with_mesh(options: dict) -> dict:
+    """``options`` with ``("mesh", (replicas, shards))`` (picklable, for the ranks) turned into
+    the CPU device mesh it names."""
+    if options.get("mesh") is None:
+        options.pop("mesh", None)
+    elif isinstance(options["mesh"], tuple):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        options["mesh"] = init_device_mesh("cpu", options["mesh"],
+                                           mesh_dim_names=("replicate", "shard")[-len(options["mesh"]):])
+    return options

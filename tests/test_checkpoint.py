@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import models
-from ranks import run_ranks
-from training import checkpointed_training_rank, with_mesh
+from ranks import run_ranks, with_mesh
+from training import checkpointed_training_rank
 from zero_fx import CheckpointError, MixedPrecision, zero_compile
 from zero_fx.checkpoint.save_load import load_full
 

@@ -11,7 +11,7 @@ import torch
 
 import models
 from bench.stages import measure_stages, rss_growth_during_step
-from ranks import run_ranks
+from ranks import run_ranks, with_mesh
 from zero_fx import zero_compile
 
 STEPS = 5
@@ -20,19 +20,6 @@ UNSCHEDULED = (("bucket_bytes", 0), ("persistence_threshold", 0), ("prefetch", 0
 """zero_compile options: one collective per parameter, each issued where it is used."""
 SMALL_BUCKETS = (("bucket_bytes", 4096), ("persistence_threshold", 0), ("prefetch", 2))
 """Several buckets per phase in the test GPT, prefetched two ahead, nothing resident."""
-
-
-def with_mesh(options: dict) -> dict:
-    """``options`` with ``("mesh", (replicas, shards))`` (picklable, for the ranks) turned into
-    the CPU device mesh it names."""
-    if options.get("mesh") is None:
-        options.pop("mesh", None)
-    elif isinstance(options["mesh"], tuple):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        options["mesh"] = init_device_mesh("cpu", options["mesh"],
-                                           mesh_dim_names=("replicate", "shard")[-len(options["mesh"]):])
-    return options
 
 
 def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, optimizer: str,
