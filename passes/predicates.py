@@ -183,6 +183,13 @@ def carried_params(node: Node) -> tuple[str, ...]:
     return node.meta.get(CARRIES_META, ())
 
 
+def runs_across_replicas(collective: Node, plan) -> bool:
+    """A collective on the plan's replicate group (hybrid sharding: the all-reduce of a
+    reduced gradient shard); the group's name is a functional collective's last argument."""
+    return (plan is not None and plan.replicas > 1
+            and collective.args[-1] == plan.replicate_group_name)
+
+
 def grad_slots(gm: torch.fx.GraphModule) -> dict[int, str]:
     return gm.meta.get(GRAD_SLOTS_META, {})
 

@@ -10,10 +10,16 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def torchrun_command(script, args, launcher=()):
+    """torchrun of 2 ranks (``launcher``: more torchrun options) running an example, traced
+    with aot_eager."""
+    return [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc_per_node", "2",
+            os.path.join(ROOT, "examples", script), "--backend", "aot_eager", *args]
+
+
 def torchrun(script, *args):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               os.path.join(ROOT, "examples", script), "--backend", "aot_eager", *args]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    run = subprocess.run(torchrun_command(script, args), capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
 
@@ -24,11 +30,10 @@ def torchrun_as_two_nodes(script, *args):
     from bench.runs import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
-    agents = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
-         os.path.join(ROOT, "examples", script), "--backend", "aot_eager", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for _ in range(2)]
+    launcher = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                "--rdzv-id", "two-nodes")
+    agents = [subprocess.Popen(torchrun_command(script, args, launcher), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT) for _ in range(2)]
     outputs = []
     try:
         for agent in agents:

@@ -21,6 +21,7 @@ from .capture.step_graph import CaptureError
 from .checkpoint import save_load as checkpoint
 from .compiler.backend import Compilation, StepCompiler
 from .config import DEFAULT_PERSISTENCE_THRESHOLD, MixedPrecision, ZeroConfig, describe_backend
+from .formatting import ranks_phrase
 from .inspection.explain import Explanation, explain_graph
 from .materialize import PretrainedWeights
 from .plan import ShardPlan
@@ -315,11 +316,10 @@ class CompiledStep:
         if not self.graphs:
             raise RuntimeError("the step has not been compiled yet; call it once first")
         plan = self.plan
-        over = (f"{plan.replicas} replicas of {plan.world_size} rank(s) (this is rank "
-                f"{plan.rank} of its shard group)" if plan.replicas > 1
-                else f"{plan.world_size} rank(s) (this is rank {plan.rank})")
-        title = (f"zero_fx explain: {self.__name__}, stage {plan.stage} over {over}, backend "
-                 f"{describe_backend(self.config.backend)}")
+        of_group = " of its shard group" if plan.replicas > 1 else ""
+        title = (f"zero_fx explain: {self.__name__}, stage {plan.stage} over "
+                 f"{ranks_phrase(plan.world_size, plan.replicas)} (this is rank {plan.rank}"
+                 f"{of_group}), backend {describe_backend(self.config.backend)}")
         return explain_graph(self.graphs[-1], self.plan, hardware=hardware, title=title,
                              compilations=self.compilations)
 

@@ -22,5 +22,10 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def ranks_phrase(size: int, replicas: int = 1) -> str:
+    """``2 rank(s)``, or with hybrid sharding ``2 replicas of 4 rank(s)``."""
+    return f"{replicas} replicas of {size} rank(s)" if replicas > 1 else f"{size} rank(s)"
+
+
 def format_seconds(s: float) -> str:
     return f"{1e3 * s:.2f} ms" if s < 1 else f"{s:.2f} s"

@@ -88,7 +88,8 @@ class Hardware:
     def link(self, ranks: range) -> tuple[float, float]:
         """(bandwidth, latency) of a ring over ``ranks``: the network's if they are on more
         than one node, else the node's links."""
-        if self.ranks_per_node and ranks and ranks[0] // self.ranks_per_node != ranks[-1] // self.ranks_per_node:
+        per_node = self.ranks_per_node
+        if per_node and ranks and ranks[0] // per_node != ranks[-1] // per_node:
             return self.inter_node_bandwidth, self.inter_node_latency
         return self.link_bandwidth, self.link_latency
 

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from ..formatting import ranks_phrase
 from ..passes.predicates import (
     carried_params,
     grad_slots,
@@ -35,6 +36,7 @@ from ..passes.predicates import (
     is_reduce_scatter,
     is_wait,
     phase_of,
+    runs_across_replicas,
 )
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -121,9 +123,8 @@ class TrafficReport:
         return totals
 
     def __str__(self) -> str:
-        over = (f"{self.replicas} replicas of {self.world_size} rank(s)" if self.replicas > 1
-                else f"{self.world_size} rank(s)")
-        lines = [f"zero_fx traffic per step: stage {self.stage}, {over}, "
+        lines = [f"zero_fx traffic per step: stage {self.stage}, "
+                 f"{ranks_phrase(self.world_size, self.replicas)}, "
                  f"Ψ = {self.psi:,} parameters"]
         if not self.collectives:
             lines.append("  no collectives (one rank)")
@@ -216,6 +217,5 @@ def _describe(node: Node, position: dict[Node, int], plan) -> Collective:
         issued_at=position[node],
         waited_at=position[waits[0]] if waits else -1,
         node=node.name,
-        group=(REPLICATE_GROUP if plan.replicas > 1 and node.args[-1] == plan.replicate_group_name
-               else SHARD_GROUP),
+        group=REPLICATE_GROUP if runs_across_replicas(node, plan) else SHARD_GROUP,
     )

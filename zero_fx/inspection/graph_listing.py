@@ -23,6 +23,7 @@ from ..passes.predicates import (
     is_wait,
     param_name,
     phase_of,
+    runs_across_replicas,
 )
 from ..passes.recompute_activations import RECOMPUTED_META
 
@@ -76,7 +77,7 @@ def graph_rows(gm: GraphModule, plan=None, *, rank_neutral: bool = False) -> lis
 
 def _group_roles(plan) -> dict:
     """Rank-neutral names: each process group the plan's collectives use, by its role."""
-    roles = {"": ""}
+    roles = {}
     if plan is not None:
         roles[plan.group_name] = "<shard group>"
         if plan.replicate_group_name:
@@ -112,11 +113,9 @@ def _kind_and_note(node: Node, plan) -> tuple[str, str]:
         if test(node):
             buffer = node.args[0].meta["val"] if kind == "reduce_scatter" else node.meta["val"]
             nbytes = tensor_bytes(buffer)
-            across = (plan is not None and plan.replicas > 1
-                      and node.args[-1] == plan.replicate_group_name)
             return kind, (f"{kind.upper().replace('_', '-')} {format_bytes(nbytes)} of "
                           f"{_members(carried_params(node))}"
-                          + (" across replicas" if across else ""))
+                          + (" across replicas" if runs_across_replicas(node, plan) else ""))
     if is_wait(node):
         return "wait", f"wait for {node.args[0].name}"
     gathered = gathered_param(node)
@@ -185,7 +184,7 @@ def _arg(value, neutral: Optional[dict] = None) -> str:
     if isinstance(value, torch.device) and neutral is not None:
         return value.type
     if isinstance(value, str):
-        return repr(neutral.get(value, value) if neutral else value)
+        return repr(value if neutral is None else neutral.get(value, value))
     return str(value)
 
 

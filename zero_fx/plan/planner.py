@@ -110,7 +110,7 @@ class PlanReport:
     working_set_how: str = ""
     seconds: float = 0.0
     nodes: int = 1
-    levels: list[LevelRow] = None
+    levels: Optional[list[LevelRow]] = None
     """With ``nodes`` > 1: flat and hybrid sharding of the chosen stage, side by side."""
 
     @property
@@ -176,9 +176,12 @@ def _levels(report: PlanReport, plan_over, nodes: int, item: int, mixed: bool) -
     same)."""
     stage = report.stage
     flat = report.stages[stage]
+
+    def peak(states: dict[str, float]) -> Optional[float]:
+        return None if report.working_set is None else peak_of(states, report.working_set)
+
     rows = [LevelRow(f"flat over {report.world_size} ranks", flat.state_bytes, 0.0,
-                     flat.wire_bytes)]
-    states = [flat.states]
+                     flat.wire_bytes, peak(flat.states))]
     replicas = [r for r in range(nodes, 1, -1) if nodes % r == 0] if stage else []
     for r in replicas:
         plan = plan_over(report.world_size // r)
@@ -190,11 +193,7 @@ def _levels(report: PlanReport, plan_over, nodes: int, item: int, mixed: bool) -
             f"hybrid: {r} replicas x {plan.world_size} ranks"
             + ("" if on_one_node else f" ({nodes // r} nodes each)"), hybrid.state_bytes,
             hybrid.wire_bytes if on_one_node else 0.0,
-            all_reduce + (0.0 if on_one_node else hybrid.wire_bytes)))
-        states.append(hybrid.states)
-    if report.working_set is not None:
-        for row, kept in zip(rows, states):
-            row.peak_bytes = peak_of(kept, report.working_set)
+            all_reduce + (0.0 if on_one_node else hybrid.wire_bytes), peak(hybrid.states)))
     return rows
 
 

@@ -85,14 +85,16 @@ def world_of(mesh, stage: int) -> World:
                          f"(replicas, shards)) with replicas * shards == world size)")
     if mesh.ndim == 1:
         group = mesh.get_group()
-        return replace(world, size=group.size(), rank=mesh.get_local_rank(), group_name=group.group_name)
+        return replace(world, size=group.size(), rank=mesh.get_local_rank(),
+                       group_name=group.group_name)
     shard_group, replicate_group = mesh.get_group("shard"), mesh.get_group("replicate")
-    if world.rank != mesh.get_local_rank("replicate") * shard_group.size() + mesh.get_local_rank("shard"):
+    replica, shard = mesh.get_local_rank("replicate"), mesh.get_local_rank("shard")
+    if world.rank != replica * shard_group.size() + shard:
         raise ValueError("the mesh's ranks must be laid out replica-major, as init_device_mesh lays "
                          "them out (rank = replica * shards + shard); build it with init_device_mesh")
-    return replace(world, size=shard_group.size(), rank=mesh.get_local_rank("shard"),
+    return replace(world, size=shard_group.size(), rank=shard,
                    group_name=shard_group.group_name, replicas=replicate_group.size(),
-                   replica=mesh.get_local_rank("replicate"),
+                   replica=replica,
                    replicate_group_name=replicate_group.group_name, mesh=mesh)
 
 

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..analysis.cost_model import hardware_for
 from ..config import ZeroConfig
+from ..formatting import ranks_phrase
 from ..materialize import PretrainedWeights, materialize
 from ..plan import ShardPlan, plan_for_module
 from .gloo_all_gather import use_gloo_single_tensor_all_gather
@@ -90,10 +91,9 @@ def _log_plan(plan: ShardPlan, world) -> None:
         log.info("zero_fx: stage 0 over %d rank(s): %d parameters, %d elements, replicated",
                  world.ranks, len(plan.params), plan.total_numel)
     else:
-        over = (f"{world.replicas} replicas of {world.size} rank(s)" if world.replicas > 1
-                else f"{world.size} rank(s)")
         log.info("zero_fx: stage %d over %s: %d parameters, %d elements "
-                 "(%d padding), %d elements per rank", plan.stage, over,
+                 "(%d padding), %d elements per rank", plan.stage,
+                 ranks_phrase(world.size, world.replicas),
                  len(plan.params), plan.total_numel, plan.padding_numel, plan.shard_numel)
 
 
