@@ -51,6 +51,24 @@ def test_reads_the_order_of_generated_code():
     assert lowered_schedule("// a C++ wrapper") is None
 
 
+def test_a_collective_in_place_on_a_waited_buffer_gets_a_number_of_its_own():
+    """Hybrid sharding: the all-reduce across replicas runs in place on the buffer its
+    reduce-scatter wrote; the next collective must not take the reduce-scatter's number
+    (the reader once counted the numbers still held by buffers, and two collectives got 1)."""
+    schedule = lowered_schedule("""
+def call(self, args):
+    buf0 = torch.ops._c10d_functional.reduce_scatter_tensor.default(arg0_1, 'sum', 2, '0')
+    torch.ops._c10d_functional.wait_tensor.default(buf0)
+    torch.ops._c10d_functional.all_reduce_.default(buf0, 'sum', '1')
+    buf1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(arg1_1, 'sum', 2, '0')
+    torch.ops._c10d_functional.wait_tensor.default(buf0)
+    torch.ops._c10d_functional.wait_tensor.default(buf1)
+""")
+    assert schedule.events == (
+        Event(ISSUE, 0, "reduce_scatter"), Event(WAIT, 0), Event(ISSUE, 1, "all_reduce"),
+        Event(ISSUE, 2, "reduce_scatter"), Event(WAIT, 1), Event(WAIT, 2))
+
+
 def test_reads_the_buffers_of_generated_code():
     """Allocations, collective results, reuse, aliases and an op's tuple of outputs, replayed
     to the byte (fp32 unless stated)."""

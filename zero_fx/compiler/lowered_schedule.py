@@ -155,6 +155,7 @@ def lowered_schedule(source: str) -> Optional[Schedule]:
     if "def call(" not in source:
         return None
     events, number = [], {}  # buffer name -> issue number (aliases included)
+    issued = 0
     for line in source[source.index("def call("):].splitlines():
         statement = line.strip()
         if statement.startswith(("#", "assert")):
@@ -162,7 +163,7 @@ def lowered_schedule(source: str) -> Optional[Schedule]:
         issue = _ISSUE_RE.search(statement)
         if issue:
             buffer = _issued_buffer(statement, issue)
-            number[buffer] = len(set(number.values()))
+            number[buffer], issued = issued, issued + 1  # an in-place collective renumbers its buffer
             events.append(Event(ISSUE, number[buffer], _ISSUE_KIND[issue.group(1)]))
             continue
         wait = _WAIT_RE.search(statement)
