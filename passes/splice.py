@@ -3,17 +3,29 @@
 Passes write what they insert as ordinary tensor code (``gather_bucket``,
 ``reduce_scatter_bucket``); ``splice`` traces it on the fake values of the nodes it
 will read, so every inserted node carries a correct ``meta["val"]``.
+
+[Note: one trace per distinct splice]
+A deep model splices the same code hundreds of times: every block's gather bucket is
+``gather_bucket`` with the same bound arguments on shards of the same shapes. A trace
+costs tens of milliseconds (make_fx sets up a tracer and generates a module), and at 48
+blocks those traces were most of the passes' time. The same function with the same
+bound arguments on inputs of the same layouts traces to the same graph, so a trace is
+kept per fake mode (one compilation) and copied again; the copies' values are computed
+afresh on their own inputs (one fake op each), so no two nodes share a fake tensor.
+Functions with a closure are traced every time: what they captured is not in the key.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Mapping, Sequence
+import functools
+import weakref
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 import torch
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.fx import Graph, Node
+from torch.fx import Graph, GraphModule, Node, map_arg
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .predicates import PHASE_META, Phase
@@ -50,19 +62,64 @@ def splice(
     with outside_dynamo_tracing():
         fake_mode = detect_fake_mode(vals)
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            sub = make_fx(fn, tracing_mode="real" if fake_mode is not None else "fake")(*vals)
-    env: dict[Node, Node] = {}
-    placeholders = iter(inputs)
-    results: list[Node] = []
-    with graph.inserting_before(before):
-        for node in sub.graph.nodes:
-            if node.op == "placeholder":
-                env[node] = next(placeholders)
-            elif node.op == "output":
-                results = [env[r] for r in torch.utils._pytree.tree_leaves(node.args[0])]
-            else:
-                new = graph.node_copy(node, lambda n: env[n])
-                new.meta[PHASE_META] = phase
-                new.meta.update(meta)
-                env[node] = new
+            sub, traced_now = _trace(fn, vals, fake_mode)
+            env: dict[Node, Node] = {}
+            placeholders = iter(inputs)
+            results: list[Node] = []
+            with graph.inserting_before(before):
+                for node in sub.graph.nodes:
+                    if node.op == "placeholder":
+                        env[node] = next(placeholders)
+                    elif node.op == "output":
+                        results = [env[r] for r in torch.utils._pytree.tree_leaves(node.args[0])]
+                    else:
+                        new = graph.node_copy(node, lambda n: env[n])
+                        if not traced_now:  # [Note: one trace per distinct splice]
+                            new.meta["val"] = _fake_value(new)
+                        new.meta[PHASE_META] = phase
+                        new.meta.update(meta)
+                        env[node] = new
     return results
+
+
+_traces: "weakref.WeakKeyDictionary[Any, dict[Hashable, GraphModule]]" = weakref.WeakKeyDictionary()
+"""Per fake mode, the trace of each distinct splice ([Note: one trace per distinct splice])."""
+
+
+def _trace(fn: Callable, vals: Sequence, fake_mode) -> tuple[GraphModule, bool]:
+    """``fn`` traced on ``vals`` (a kept trace where there is one) and whether it was
+    traced now."""
+    key = _trace_key(fn, vals) if fake_mode is not None else None
+    kept = _traces.setdefault(fake_mode, {}) if key is not None else {}
+    if key in kept:
+        return kept[key], False
+    sub = make_fx(fn, tracing_mode="real" if fake_mode is not None else "fake")(*vals)
+    if key is not None:
+        kept[key] = sub
+    return sub, True
+
+
+def _trace_key(fn: Callable, vals: Sequence) -> Optional[Hashable]:
+    """What decides ``fn``'s trace on ``vals``: its code, its bound arguments, the inputs'
+    layouts; None where that is not all (a closure, a symbolic size)."""
+    func, bound = (fn.func, (fn.args, sorted(fn.keywords.items()))) if isinstance(
+        fn, functools.partial) else (fn, ())
+    code = getattr(func, "__code__", None)
+    if (code is None or getattr(func, "__closure__", None)
+            or any(isinstance(b, torch.Tensor) for b in torch.utils._pytree.tree_leaves(bound))):
+        return None
+    layouts = []
+    for v in vals:
+        if not isinstance(v, torch.Tensor):
+            return None
+        sizes = (tuple(v.shape), v.stride(), v.storage_offset())
+        if not all(type(n) is int for n in torch.utils._pytree.tree_leaves(sizes)):
+            return None
+        layouts.append((sizes, v.dtype, v.device, v.requires_grad))
+    return code, repr(bound), tuple(layouts)
+
+
+def _fake_value(node: Node):
+    """``node``'s value, computed from its inputs' values (under their fake mode)."""
+    args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    return node.target(*args, **kwargs)

@@ -96,6 +96,48 @@ class TestGatherParams:
         assert tuple(v.meta["val"].shape) == (5,)
 
 
+def _scaled_column_sums(t, *, scale):
+    return (t * scale).sum(0)
+
+
+class TestSplice:
+    """[Note: one trace per distinct splice] in passes/splice.py."""
+
+    def _two_gathers(self, monkeypatch):
+        import functools
+
+        from zero_fx.passes import splice as splice_module
+
+        traces = []
+        monkeypatch.setattr(splice_module, "make_fx",
+                            lambda fn, **kw: traces.append(fn) or make_fx(fn, **kw))
+        gm, _ = step_graph()
+        w, b, v = [n for n in gm.graph.nodes if n.op == "placeholder"][:3]
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        spliced = []
+        for node in (v, v, w):  # the same code twice on the same layout, then another layout
+            code = functools.partial(_scaled_column_sums, scale=2.0)
+            spliced.append(splice_module.splice(gm.graph, code, [node], before=output,
+                                                phase=Phase.FORWARD)[0])
+        return traces, spliced
+
+    def test_the_same_code_on_the_same_layout_is_traced_once(self, monkeypatch):
+        traces, (first, again, other) = self._two_gathers(monkeypatch)
+        assert len(traces) == 2  # v's second splice reused the first trace; w's shape differs
+        assert tuple(again.meta["val"].shape) == (5,) == tuple(first.meta["val"].shape)
+        assert tuple(other.meta["val"].shape) == (3,)
+        assert all(phase_of(n) is Phase.FORWARD for n in (first, again, other))
+
+    def test_a_reused_trace_gives_each_node_a_value_of_its_own(self, monkeypatch):
+        _, (first, again, _) = self._two_gathers(monkeypatch)
+        scaled, scaled_again = first.args[0], again.args[0]  # sum(mul(v, 2.0), [0]) twice
+        assert scaled is not scaled_again and scaled.args[0] is scaled_again.args[0]
+        for a, b in ((first, again), (scaled, scaled_again)):
+            assert a.target == b.target
+            assert a.meta["val"] is not b.meta["val"]
+            assert a.meta["val"].untyped_storage()._cdata != b.meta["val"].untyped_storage()._cdata
+
+
 class TestReduceGrads:
     def test_each_gradient_becomes_one_reduce_scatter_of_its_shard(self):
         gm, _ = rewritten(annotate_phases, recompute_param_views, gather_params, reduce_grads)
