@@ -109,8 +109,13 @@ def _rank_main(rank, world_size, tmp, fn, args, timeout_s, may_die, environment)
     except Exception:
         result = _RankFailure(traceback.format_exc())
     finally:  # written aside and renamed, so a result file is always whole
-        torch.save(result, os.path.join(tmp, f"rank{rank}.pt.partial"))
-        os.replace(os.path.join(tmp, f"rank{rank}.pt.partial"), os.path.join(tmp, f"rank{rank}.pt"))
+        partial = os.path.join(tmp, f"rank{rank}.pt.partial")
+        try:
+            torch.save(result, partial)
+        except Exception:  # a result that cannot be saved fails the test with the reason
+            torch.save(_RankFailure("its result could not be saved:\n" + traceback.format_exc()),
+                       partial)
+        os.replace(partial, os.path.join(tmp, f"rank{rank}.pt"))
     # as a training script ends: no rank tears gloo down while a peer may still be in its
     # last collective; where a peer died on purpose, the barrier fails, as it should
     try:
