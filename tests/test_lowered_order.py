@@ -14,8 +14,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from zero_fx import zero_compile
 from zero_fx.compiler.lowered_memory import lowered_memory
@@ -101,19 +99,10 @@ def get_args():
                           "torch.float32)\n") is None
 
 
-@pytest.fixture
-def fake_world_of_two():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def compiled_order(stage: int, **options):
     model = models.build("gpt")
     step = zero_compile(models.training_step("gpt"), stage=stage, backend="inductor",
-                        bucket_bytes=0, persistence_threshold=0, **options)
+                        bucket_bytes=0, persistence_threshold=0, regional=False, **options)
     x, y = models.global_batch("gpt", 0)
     step(model, models.make_optimizer(model), x[0::2], y[0::2])
     return step, step.compilations[-1].order
@@ -162,7 +151,8 @@ def test_inductor_keeps_stage3_release(fake_world_of_two):
     layer's full gradient: 38 MiB), 64 MiB of parameters below what a broken release would
     hold."""
     from bench.stages import mlp_training
-    model, opt, step, x = mlp_training(3, "inductor", 1024, 16, bucket_bytes=4 * 2**20)
+    model, opt, step, x = mlp_training(3, "inductor", 1024, 16, bucket_bytes=4 * 2**20,
+                                       regional=False)
     step(model, opt, x)
     graph_peak = max(memory_timeline(step.graphs[-1]).transient)
     lowered = step.compilations[-1].memory

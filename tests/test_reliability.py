@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 import types
 
@@ -311,7 +312,10 @@ def test_a_slow_compilation_warns_once_naming_its_phase_and_info_logs_each_phase
                               "rewriting its "), slow[0]
     phases = [m.split(": ", 2)[2] for m in messages if m.startswith(f"zero_fx: {step.__name__}: ")]
     assert [p.split(" ")[0] for p in phases] == ["capturing", "rewriting", "lowering"], phases
-    assert phases[2].startswith(f"lowering {len(step.graphs[0].graph.nodes)} nodes with aot_eager in ")
+    assert phases[2].startswith(f"lowering {len(step.graphs[0].graph.nodes)} nodes with aot_eager "
+                                "by regions in ")
+    bodies = [m for m in messages if re.match(r"zero_fx: compiled region_\d+ \(\d+ nodes, ", m)]
+    assert len(bodies) == len(step.compilations[0].regions.regions) >= 1, messages
     rewriting_seconds = float(phases[1].rsplit(" in ", 1)[1].removesuffix(" s"))
     assert rewriting_seconds >= 2.0
 

@@ -123,6 +123,12 @@ class ZeroConfig:
     ``explain()`` says whether the program runs it. False lets Inductor re-sort the
     collectives (its peak-memory reordering waits on each one right after issuing it):
     for comparison only."""
+    regional: bool = True
+    """"inductor" and "aot_eager": compile each distinct run of compute between
+    collectives once and run the step's graph itself as Python, so compile time grows
+    with the number of distinct runs, not with depth ([Note: regional compilation] in
+    zero_fx/compiler/regions.py). False compiles the whole step as one program (with
+    ``pin_schedule``). Dynamic shapes always compile the whole step."""
     memory_budget_bytes: Optional[int] = None
     """Stage 3: the most gathered (full) bytes alive at once; prefetch stops where
     it would exceed it. ``None``: bounded by ``prefetch`` only."""

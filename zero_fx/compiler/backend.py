@@ -25,6 +25,7 @@ from ..runtime.step_runner import StepRunner
 from .lower import lower
 from .lowered_memory import LoweredMemory
 from .lowered_schedule import OrderCheck
+from .regions import RegionReport
 from .progress import CompileProgress
 
 log = logging.getLogger("zero_fx")
@@ -47,6 +48,8 @@ class Compilation:
     """The buffers of the lowered program (Inductor's), read from its code."""
     program: str = ""
     """The lowered program's code (Inductor's Python wrapper); empty for other backends."""
+    regions: Optional[RegionReport] = None
+    """The compiled bodies and where they run, when compiled by regions."""
 
 
 class StepCompiler:
@@ -85,10 +88,12 @@ class StepCompiler:
             extra_inputs = self._extra_inputs(gm)
             inputs = state.graph_inputs(names, example_inputs) + extra_inputs
             with progress.phase(f"lowering {len(gm.graph.nodes)} nodes with "
-                                f"{describe_backend(self.config.backend)}"):
+                                f"{describe_backend(self.config.backend)}"
+                                + (" by regions" if self.config.regional else "")):
                 lowered = lower(gm, fakes_like_dynamo(inputs) if dynamic else inputs,
                                 self.config.backend, dynamic=dynamic,
-                                pin_schedule=self.config.pin_schedule, resident=plan.resident)
+                                pin_schedule=self.config.pin_schedule, resident=plan.resident,
+                                regional=self.config.regional)
         if lowered.order.difference:
             log.warning("zero_fx: %s", lowered.order)
         agreement = self.sharded.agreement
@@ -96,10 +101,12 @@ class StepCompiler:
         self.graphs.append(gm)
         self.compilations.append(Compilation(seconds=time.perf_counter() - start, reason=reason,
                                              order=lowered.order, memory=lowered.memory,
-                                             program=lowered.program))
+                                             program=lowered.program, regions=lowered.regions))
         log.info("zero_fx: compiled %s with %s in %.1f s", self.step_name,
                  describe_backend(self.config.backend), self.compilations[-1].seconds)
         if dump:
+            if lowered.regions is not None:
+                dump.write_regions(lowered.regions)
             dump.finish(self.explain())
         return StepRunner(lowered.run, names, grad_slots(gm), state, self.observers,
                           agreement, signature, extra_inputs)

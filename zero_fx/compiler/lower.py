@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Collection, NamedTuple, Optional, Sequence
 
 import torch
@@ -16,7 +17,12 @@ from .lowered_memory import LoweredMemory, lowered_memory
 from .lowered_schedule import (OrderCheck, inductor_keeps_as_kernel, lowered_schedule, order_as_graph,
                                planned_schedule)
 from .pin_schedule import PinSchedule, after_user_passes, tag_schedule
+from .regions import RegionReport, compile_regions
 from .realize_readers import StoreReleasedReaders, tag_released_gathers
+
+
+REGIONAL_BACKENDS = ("aot_eager", "inductor")
+"""The backends that can compile a step by regions (``zero_compile(regional=True)``)."""
 
 
 class Lowered(NamedTuple):
@@ -31,11 +37,14 @@ class Lowered(NamedTuple):
     program: str = ""
     """Inductor's generated Python wrapper (what ``TORCH_LOGS=output_code`` prints); empty for
     the other backends."""
+    regions: Optional[RegionReport] = None
+    """The compiled bodies and where they run, when the step compiled by regions
+    ([Note: regional compilation] in regions.py)."""
 
 
 def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend, *,
           dynamic: bool = False, pin_schedule: bool = True,
-          resident: Collection[str] = ()) -> Lowered:
+          resident: Collection[str] = (), regional: bool = False) -> Lowered:
     """``gm`` made runnable: "eager" runs it as is; "aot_eager" and "inductor" trace it again
     through AOTAutograd; a callable backend gets it directly. Under Inductor, with
     ``pin_schedule``, control dependencies keep our collective schedule, and the order
@@ -48,6 +57,10 @@ def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend, *,
     identical functional all-gathers. Common-subexpression elimination would
     merge them into one, keeping the full parameter alive from the forward to
     the end of the backward: AOTAutograd's CSE is switched off while lowering.
+
+    With ``regional`` (and static shapes), "aot_eager" and "inductor" compile each
+    distinct run of compute between collectives once and run the graph itself as
+    Python ([Note: regional compilation] in regions.py); ``pin_schedule`` is then moot.
     """
     if callable(backend) and not isinstance(backend, str):
         return Lowered(backend(gm, list(example_inputs)), order_as_graph(
@@ -55,6 +68,8 @@ def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend, *,
             "a custom backend compiled the graph: its order is not checked"))
     if backend == "eager":
         return Lowered(gm, order_as_graph("eager", gm, "eager runs the graph's own order"))
+    if regional and backend in REGIONAL_BACKENDS and not dynamic:
+        return _regional(gm, backend)
     if dynamic:
         # [Note: dynamic shapes] in capture/step_graph.py: in dynamo's own tracing context, on
         # fakes of its fake mode, so what lowering assumes about a size is a guard.
@@ -103,6 +118,30 @@ def _inductor(gm: GraphModule, fakes, pin_schedule: bool, resident: Collection[s
                    program)
 
 
+def _regional(gm: GraphModule, backend: str) -> Lowered:
+    """A copy of ``gm`` whose runs of compute call their compiled bodies."""
+    copy = torch.fx.Graph()
+    copy.output(copy.graph_copy(gm.graph, {}))
+    outer, report = compile_regions(GraphModule(gm, copy), functools.partial(_compile_body, backend))
+    return Lowered(outer, order_as_graph(
+        f"{backend} by regions", gm,
+        f"the step's own graph runs as Python and issues and waits for every collective in its "
+        f"order; its {report.calls} runs of compute call {len(report.regions)} compiled bodies, "
+        f"which hold no collective"), regions=report)
+
+
+def _compile_body(backend: str, body: GraphModule, values: Sequence[torch.Tensor]):
+    """One region's body compiled with ``backend``, on static fakes shaped like ``values``."""
+    with _static_tracing_context(values) as fakes, torch._functorch.config.patch(cse=False):
+        if backend == "aot_eager":
+            from torch._dynamo.backends.debugging import aot_eager
+
+            return aot_eager(body, fakes)
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(body, fakes)
+
+
 @contextlib.contextmanager
 def _static_tracing_context(example_inputs: Sequence):
     """Outside dynamo's tracing context (the shards are not dynamo's inputs, and its shape
@@ -111,6 +150,6 @@ def _static_tracing_context(example_inputs: Sequence):
     fakes."""
     with outside_dynamo_tracing():
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-        fakes = static_fakes(example_inputs, fake_mode)
+        fakes = static_fakes(example_inputs, fake_mode)  # fakes of another mode too
         with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
             yield fakes

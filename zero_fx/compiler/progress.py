@@ -48,8 +48,9 @@ class CompileProgress:
 
     def _warn_slow(self) -> None:
         log.warning(
-            "zero_fx: compiling %s has taken %.0f s so far, now %s. A compilation compiles the "
-            "whole step (forward, backward, collectives) as one program, and Inductor's time grows "
-            "with the model's depth; backend='aot_eager' compiles in seconds for debugging, and "
+            "zero_fx: compiling %s has taken %.0f s so far, now %s. With regional=True (the "
+            "default) Inductor compiles each distinct run of compute once, so a deeper model "
+            "adds little; regional=False compiles the whole step as one program, whose time "
+            "grows with depth. backend='aot_eager' compiles in seconds for debugging, and "
             "zero_fx.set_logs('info') logs each phase with its time.",
             self.step_name, time.perf_counter() - self._started, self.now)

@@ -51,6 +51,8 @@ class GraphDump:
         self.plan = plan
         self.step_name = step_name
         self.snapshots: list[Snapshot] = []
+        self.regions = False
+        """Whether ``regions.txt`` was written."""
 
     def observe(self, after: str, gm: GraphModule) -> None:
         stem = f"{len(self.snapshots):02d}-{_safe(after)}"
@@ -67,6 +69,15 @@ class GraphDump:
             rows, title, subtitle=subtitle, memory=memory,
             links="<p><a href='index.html'>all snapshots</a></p>"))
         self.snapshots.append(Snapshot(after, stem, len(rows), collectives))
+
+    def write_regions(self, report) -> None:
+        """``regions.txt``: what regional compilation made of the graph: the outer graph
+        that runs (collectives and calls of the bodies), then each body's graph."""
+        parts = [str(report), "", "# the outer graph: it runs as Python, in this order", report.outer_code]
+        for region in report.regions:
+            parts += [f"# {region.name}: compiled once, called {len(region.runs_at)} time(s)", region.code]
+        (self.folder / "regions.txt").write_text("\n".join(parts))
+        self.regions = True
 
     def finish(self, explanation: Explanation) -> Path:
         """Write the report, the plot and the index; log the folder; return it."""
@@ -94,7 +105,10 @@ class GraphDump:
                 "</style></head><body>"
                 f"<h1>{html.escape(self.step_name)}: graph dumps</h1>"
                 "<table><tr><th>after</th><th>nodes</th><th>collectives</th><th></th></tr>"
-                f"{rows}</table><p><a href='explain.txt'>explain.txt</a></p>{plot}</body></html>")
+                f"{rows}</table><p><a href='explain.txt'>explain.txt</a>"
+                + (" · <a href='regions.txt'>regions.txt</a> (the compiled bodies and the graph that "
+                   "calls them)" if self.regions else "")
+                + f"</p>{plot}</body></html>")
 
 
 def _safe(name: str) -> str:

@@ -244,6 +244,8 @@ def _compilations_section(compilations: Sequence[Compilation]) -> str:
     lines = [f"Compilations: {len(compilations)}"]
     for i, c in enumerate(compilations):
         lines.append(f"  {i}: {c.seconds:.1f} s, {c.reason}")
+        if c.regions is not None:
+            lines.extend(f"     {line}" for line in str(c.regions).splitlines())
     return "\n".join(lines)
 
 
