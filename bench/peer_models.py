@@ -10,8 +10,9 @@ whole batch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -31,10 +32,24 @@ class BenchModel:
     hf: bool = False
     """A HuggingFace ``transformers`` model: it computes its own loss from ``labels``."""
     about: str = ""
+    gpt: Optional[GPTConfig] = None
+    """The configuration of an ``examples.gpt`` model (``with_layers`` rebuilds it deeper)."""
+
+    def with_layers(self, layers: int) -> "BenchModel":
+        """The same model with ``layers`` blocks (GPT models only)."""
+        if self.gpt is None:
+            raise ValueError("--layers applies to the GPT models (tiny, gpt-small, gpt2-125m)")
+        config = dataclasses.replace(self.gpt, n_layer=layers)
+        return dataclasses.replace(self, build=_gpt(config), gpt=config,
+                                   about=f"{self.about}, with {layers} layers")
 
 
 def _gpt(cfg: GPTConfig) -> Callable[[], nn.Module]:
     return lambda: GPT(cfg)
+
+
+def _gpt_model(config: GPTConfig, **spec) -> BenchModel:
+    return BenchModel(_gpt(config), blocks=_gpt_blocks, gpt=config, **spec)
 
 
 def _gpt_blocks(model: nn.Module) -> list:
@@ -56,17 +71,17 @@ def _hf_blocks(model: nn.Module) -> list:
 
 
 MODELS = {
-    "tiny": BenchModel(_gpt(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2,
-                                      n_embd=32, bias=False)),
-                       vocab_size=64, seq=16, batch_per_rank=2, blocks=_gpt_blocks,
+    "tiny": _gpt_model(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2,
+                                 n_embd=32, bias=False),
+                       vocab_size=64, seq=16, batch_per_rank=2,
                        about="the smoke test's GPT, 2 layers of width 32"),
-    "gpt-small": BenchModel(_gpt(GPTConfig(vocab_size=8192, block_size=256, n_layer=6, n_head=5,
-                                           n_embd=320, bias=False)),
-                            vocab_size=8192, seq=256, batch_per_rank=4, blocks=_gpt_blocks,
+    "gpt-small": _gpt_model(GPTConfig(vocab_size=8192, block_size=256, n_layer=6, n_head=5,
+                                      n_embd=320, bias=False),
+                            vocab_size=8192, seq=256, batch_per_rank=4,
                             about="GPT, 6 layers of width 320, vocabulary 8192 (10.0M parameters)"),
-    "gpt2-125m": BenchModel(_gpt(GPTConfig(vocab_size=50304, block_size=1024, n_layer=12,
-                                           n_head=12, n_embd=768, bias=False)),
-                            vocab_size=50304, seq=512, batch_per_rank=1, blocks=_gpt_blocks,
+    "gpt2-125m": _gpt_model(GPTConfig(vocab_size=50304, block_size=1024, n_layer=12,
+                                      n_head=12, n_embd=768, bias=False),
+                            vocab_size=50304, seq=512, batch_per_rank=1,
                             about="GPT-2 small's shape: 12 layers of width 768, vocabulary 50304 "
                                   "(124M parameters)"),
     "hf-gpt2": BenchModel(_hf("gpt2", vocab_size=8192, seq=256, layers=6, width=320, heads=5),

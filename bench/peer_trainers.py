@@ -5,8 +5,9 @@ Every factory takes the model (built from the same seed on every rank), the
 ``step(x, y)`` runs forward, backward and AdamW on this rank's batch and returns
 the loss. The peers and what each compiles:
 
-- ``zero_fx-<s>``: ``@zero_compile(stage=s)`` over the whole step (one graph);
-  ``zero_fx-3-blocks`` / ``zero_fx-3-auto``: with ``recompute="blocks"`` /
+- ``zero_fx-<s>``: ``@zero_compile(stage=s)`` over the whole step (one graph, each
+  distinct run of compute compiled once); ``zero_fx-3-whole``: ``regional=False``,
+  the whole step as one Inductor program; ``zero_fx-3-blocks`` / ``zero_fx-3-auto``: with ``recompute="blocks"`` /
   ``recompute="auto"`` (``activation_memory_budget`` 0.5);
 - ``ddp`` / ``ddp-compiled``: ``DistributedDataParallel``; compiled is
   ``torch.compile(DDP(model))`` (forward and backward; dynamo splits the graph at
@@ -72,7 +73,7 @@ def _autocast(setting: Setting):
     return torch.autocast(setting.device.type, dtype=torch.bfloat16)
 
 
-def zero_fx(stage: int, recompute: Optional[str] = None):
+def zero_fx(stage: int, recompute: Optional[str] = None, regional: bool = True):
     def make(model: nn.Module, spec: BenchModel, setting: Setting) -> Trainer:
         from zero_fx import MixedPrecision, zero_compile
 
@@ -81,7 +82,7 @@ def zero_fx(stage: int, recompute: Optional[str] = None):
                                     output_dtype=torch.float32) if setting.bf16 else None)
 
         @zero_compile(stage=stage, backend=setting.backend, mixed_precision=precision,
-                      bucket_bytes=setting.bucket_bytes, recompute=recompute)
+                      bucket_bytes=setting.bucket_bytes, recompute=recompute, regional=regional)
         def train_step(model, opt, x, y):
             loss = loss_of(spec, model, x, y)
             loss.backward()
@@ -193,6 +194,7 @@ def plain_compile(model: nn.Module, spec: BenchModel, setting: Setting) -> Train
 
 PEERS = {
     **{f"zero_fx-{s}": zero_fx(s) for s in range(4)},
+    "zero_fx-3-whole": zero_fx(3, regional=False),
     "zero_fx-3-blocks": zero_fx(3, recompute="blocks"),
     "zero_fx-3-auto": zero_fx(3, recompute="auto"),
     "ddp": ddp(compiled=False),

@@ -23,6 +23,7 @@ rows are skipped with a note.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -34,7 +35,7 @@ import torch.distributed as dist
 
 from . import cpu_memory, peers_report
 from .peer_launch import launch_peer, launch_peer_here, peer_environment
-from .peer_models import MODELS
+from .peer_models import MODELS, BenchModel
 from .peer_trainers import OPTIONAL_PEERS, PEERS, REFERENCE, Setting
 from .runs import GROUP_TIMEOUT, machine, write_json
 
@@ -46,6 +47,8 @@ kernels round differently from eager), and bf16."""
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gpt-small", choices=sorted(MODELS))
+    p.add_argument("--layers", type=int, help="the GPT models with this many blocks")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: the model's)")
     p.add_argument("--world", type=int, default=2, help="ranks per peer (torchrun's --nproc_per_node)")
     p.add_argument("--fake-world", type=int, default=0, metavar="N",
                    help="one process simulating N ranks with the fake process group: real "
@@ -74,9 +77,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "not torchrun")
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): nothing would be timed")
+    if args.layers is not None and (args.layers < 1 or MODELS[args.model].gpt is None):
+        p.error(f"--layers takes a positive number of blocks for the GPT models (tiny, gpt-small, "
+                f"gpt2-125m), got {args.layers} for {args.model}")
+    gpt = MODELS[args.model].gpt
+    if args.seq is not None and (args.seq < 1 or (gpt and args.seq > gpt.block_size)):
+        longest = f"{gpt.block_size} (its position table)" if gpt else "the model's longest"
+        p.error(f"--seq takes 1 to {longest} tokens for {args.model}, got {args.seq}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but torch sees no CUDA device")
     return args
+
+
+def model_of(args) -> BenchModel:
+    spec = MODELS[args.model]
+    spec = spec.with_layers(args.layers) if args.layers else spec
+    return dataclasses.replace(spec, seq=args.seq) if args.seq else spec
 
 
 def setting_of(args) -> Setting:
@@ -131,7 +147,7 @@ def worker(args) -> None:
     from .peer_run import run_peer
 
     join(args)
-    row = run_peer(args.worker_of, MODELS[args.model], setting_of(args), args.steps, args.warmup,
+    row = run_peer(args.worker_of, model_of(args), setting_of(args), args.steps, args.warmup,
                    count_wire=args.device == "cpu" and not args.fake_world)
     rank = dist.get_rank() if dist.is_initialized() and not args.fake_world else 0
     with open(f"{args.result_file}.{rank}", "w") as f:
@@ -149,7 +165,7 @@ def report(args, results: dict, notes: list[str], seconds: float) -> int:
         failures = peers_report.loss_disagreements(summaries, REFERENCE, LOSS_RTOL[args.bf16])
     world = args.fake_world or args.world
     wire = args.device == "cpu" and not args.fake_world
-    spec = MODELS[args.model]
+    spec = model_of(args)
     mode = ("fake process group: one process, real per-rank memory, no communication "
             "(step times leave it out)" if args.fake_world else
             f"{args.device}, {'NCCL' if args.device == 'cuda' else 'gloo'}")
@@ -165,7 +181,8 @@ def report(args, results: dict, notes: list[str], seconds: float) -> int:
     dagger = (["† trains the whole global batch in one process (no data parallelism)."]
               if any(s["whole_batch"] for s in summaries) else [])
     text = "\n\n".join([describe, table, *dagger, goals, *notes, *failures])
-    name = args.name or f"peers-{args.model}-w{world}" + ("-fake" if args.fake_world else "")
+    name = args.name or (f"peers-{args.model}" + (f"-L{args.layers}" if args.layers else "")
+                         + f"-w{world}" + ("-fake" if args.fake_world else ""))
     path = write_json(name, {"machine": machine(), "description": describe, "args": vars(args),
                              "summaries": summaries, "ranks": results,
                              "targets": targets, "notes": notes,
