@@ -9,18 +9,23 @@ two of them is a run of compute. Runs that compute the same thing (same ops, sam
 arguments relative to the run, same shapes, dtypes and strides, the same values leaving
 the run) share a signature, and each signature is compiled once, as a body of its own;
 the outer graph calls a body where each of its runs stood. Compile time then grows with
-the number of distinct runs, not with depth: eight for a GPT-2-shaped model at 12 blocks
-and at 48 (a block's forward, and the last one's, where no prefetch cuts it; a block's
-backward; the head and the loss; the copy-out of the resident parameters' one gather;
-three small pieces of gradient-bucket code).
+the number of distinct runs, not with depth: three for a GPT-2-shaped model at 12 blocks
+and at 48 (a block's forward, a block's backward, the head with the loss).
 
 The outer graph is not compiled: it runs as Python, node by node, so collectives are
 issued and waited for in exactly the graph's order, and a value the graph frees after a
 body's call is freed there ("what runs is what the plan says" without a pin). A body
 holds no collective and no wait, so a body can never reorder communication.
 
-Runs shorter than ``MIN_REGION_NODES`` stay in the outer graph (a call costs more than
-they save), as do runs that take or return a non-tensor value.
+What a body holds is the compute of its run. The views and copies at a run's edges (a
+gather's copy-out before the compute reads it, a gradient bucket's concatenation after
+it) stay in the outer graph, and a run with fewer than ``MIN_REGION_OPS`` ops that
+compute is not compiled at all: eager runs those as the same few copies a compiled body
+would, while each body costs seconds of C++ compile, and the edges differ between the
+first, middle and last blocks (which buckets they gather and reduce) where the compute
+does not. With the edges inside, GPT-2's shape compiled eight bodies, one of them the
+copy-out of every resident parameter, growing with depth; without, three. Runs that
+take or return a non-tensor value stay in the outer graph too.
 
 Why not PyTorch's own repeated regions (``torch.compiler.nested_compile_region``, whose
 bodies become ``invoke_subgraph`` calls inside one Inductor program): the outer program
@@ -43,13 +48,17 @@ from typing import Callable, Sequence
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..passes.predicates import GATHERED_META, Phase, is_collective, is_wait, phase_of
+from ..passes.predicates import GATHERED_META, Phase, is_collective, is_view, is_wait, phase_of
 from ..plan.layout import block_of
 
 log = logging.getLogger("zero_fx")
 
-MIN_REGION_NODES = 8
-"""Runs of compute shorter than this run in the outer graph, op by op."""
+MIN_REGION_OPS = 4
+"""Runs with fewer ops that compute (neither views nor copies) run in the outer graph, op by op."""
+
+ONLY_MOVE_DATA = frozenset({"_unsafe_view", "clone", "cat", "constant_pad_nd", "copy"})
+"""Ops that only copy or reshape data, besides those whose schemas declare a view: eager runs
+each as the one copy a body would."""
 
 BodyCompiler = Callable[[GraphModule, list], Callable]
 """Compiles one body: ``(graph module, example fake inputs) -> callable(*inputs)``."""
@@ -80,7 +89,9 @@ class RegionReport:
 
     regions: tuple[Region, ...]
     outer_nodes: int
-    """Nodes left in the outer graph: collectives, waits, short runs, the calls."""
+    """Nodes left in the outer graph: collectives, waits, views, copies, short runs, the calls."""
+    outer_ops: int
+    """Of those, the ops that compute (``computes``), run one by one."""
     graph_nodes: int
     """Nodes of the rewritten graph before it was cut."""
     outer_code: str = field(repr=False, compare=False)
@@ -97,7 +108,8 @@ class RegionReport:
         lines = [f"regional compilation: {self.calls} runs of compute in {len(self.regions)} "
                  f"compiled bodies ({compiled} nodes compiled for {self.graph_nodes} in the graph, "
                  f"{sum(r.seconds for r in self.regions):.1f} s); {self.outer_nodes} nodes run "
-                 f"from the step's own graph (collectives and waits in its order)"]
+                 f"from the step's own graph: collectives and waits in its order, views, copies "
+                 f"and {self.outer_ops} other ops"]
         for region in self.regions:
             lines.append(f"  {region.name}: {region.nodes} nodes, {region.phase}, "
                          f"{len(region.runs_at)} call(s): {_places(region.runs_at)}")
@@ -117,17 +129,57 @@ class CompiledRegion(torch.nn.Module):
 
 
 def compute_runs(gm: GraphModule) -> list[list[Node]]:
-    """Maximal runs of calls with no collective and no wait among them, long enough to
-    compile on their own, taking and returning tensors only."""
+    """The bodies to compile: in each run of calls between collectives and waits, what
+    computes, with the views and copies at its edges left out; only bodies with enough
+    ops that compute, taking and returning tensors. Reorders ``gm``'s graph so that each
+    body is contiguous ([Note: regional compilation])."""
+    bodies = [_separate_edges(run) for run in _runs_between_collectives(gm)]
+    return [body for body in bodies
+            if sum(map(computes, body)) >= MIN_REGION_OPS and _tensors_in_and_out(body)]
+
+
+def computes(node: Node) -> bool:
+    """An op that computes: neither a view (nor a getitem) nor a copy."""
+    if node.target is operator.getitem or is_view(node):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or schema.name.split("::")[-1] not in ONLY_MOVE_DATA
+
+
+def _runs_between_collectives(gm: GraphModule) -> list[list[Node]]:
     runs, current = [], []
     for node in gm.graph.nodes:
         if node.op == "call_function" and not is_collective(node) and not is_wait(node):
             current.append(node)
-            continue
-        runs.append(current)
-        current = []
-    runs.append(current)
-    return [run for run in runs if len(run) >= MIN_REGION_NODES and _tensors_in_and_out(run)]
+        elif current:
+            runs.append(current)
+            current = []
+    return runs + ([current] if current else [])
+
+
+def _separate_edges(run: list[Node]) -> list[Node]:
+    """``run``'s body: its nodes but the views and copies that read only values from
+    before the body (a gather's copy-out) or that the body does not read (a gradient
+    bucket's concatenation). The graph is reordered to run those before and after the
+    body, which it makes contiguous; data flow allows it, as none of them reads the body
+    or is read by it, respectively."""
+    before, inside = [], {}
+    for node in run:
+        if not computes(node) and not any(a in inside for a in node.all_input_nodes):
+            before.append(node)
+        else:
+            inside[node] = None  # ordered
+    after = []
+    for node in reversed(list(inside)):  # a getitem stays with the tuple it takes apart
+        if (not computes(node) and node.target is not operator.getitem
+                and not any(user in inside for user in node.users)):
+            del inside[node]
+            after.append(node)
+    body = list(inside)
+    end = run[-1].next
+    for node in [*before, *body, *reversed(after)]:
+        end.prepend(node)
+    return body
 
 
 def compile_regions(gm: GraphModule, compile_body: BodyCompiler) -> tuple[GraphModule, RegionReport]:
@@ -157,7 +209,9 @@ def compile_regions(gm: GraphModule, compile_body: BodyCompiler) -> tuple[GraphM
         regions.append(Region(name, len(runs[0]), _phase(runs[0]), tuple(places), seconds, code))
     gm.graph.lint()
     gm.recompile()
-    return gm, RegionReport(tuple(regions), len(gm.graph.nodes), graph_nodes, gm.code)
+    outer_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function" and computes(n)
+                    and not is_collective(n) and not is_wait(n))
+    return gm, RegionReport(tuple(regions), len(gm.graph.nodes), outer_ops, graph_nodes, gm.code)
 
 
 def signature(run: Sequence[Node]) -> tuple[str, list[Node], list[Node]]:
@@ -240,12 +294,15 @@ def _replace_with_call(gm: GraphModule, name: str, run: Sequence[Node], inputs: 
         graph.erase_node(node)
 
 
-def _blocks_read(nodes: Sequence[Node]) -> str:
+def _blocks_read(nodes: Sequence[Node], shown: int = 3) -> str:
+    """The blocks whose gathered parameters ``nodes`` read, in a few words."""
     blocks = []
     for node in nodes:
         gathered = node.meta.get(GATHERED_META)
         if gathered and block_of(gathered[0]) not in blocks:
             blocks.append(block_of(gathered[0]))
+    if len(blocks) > shown:
+        return f"{', '.join(blocks[:shown - 1])}, ... {blocks[-1]} ({len(blocks)} blocks)"
     return ", ".join(blocks) or "-"
 
 
