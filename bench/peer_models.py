@@ -41,7 +41,7 @@ class BenchModel:
             raise ValueError("--layers applies to the GPT models (tiny, gpt-small, gpt2-125m)")
         config = dataclasses.replace(self.gpt, n_layer=layers)
         return dataclasses.replace(self, build=_gpt(config), gpt=config,
-                                   about=f"{self.about}, with {layers} layers")
+                                   about=f"{self.about}; here {layers} layers")
 
 
 def _gpt(cfg: GPTConfig) -> Callable[[], nn.Module]:
