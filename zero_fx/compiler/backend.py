@@ -22,7 +22,7 @@ from ..passes.predicates import LOSS_SCALE_META, grad_slots
 from ..runtime.rank_agreement import graph_signature
 from ..runtime.sharding import Sharded
 from ..runtime.step_runner import StepRunner
-from .lower import lower
+from .lower import by_regions, lower
 from .lowered_memory import LoweredMemory
 from .lowered_schedule import OrderCheck
 from .regions import RegionReport
@@ -87,9 +87,10 @@ class StepCompiler:
             dynamic = has_dynamic_shapes(dynamo_gm)
             extra_inputs = self._extra_inputs(gm)
             inputs = state.graph_inputs(names, example_inputs) + extra_inputs
+            regional = by_regions(self.config.backend, self.config.regional, dynamic)
             with progress.phase(f"lowering {len(gm.graph.nodes)} nodes with "
                                 f"{describe_backend(self.config.backend)}"
-                                + (" by regions" if self.config.regional else "")):
+                                + (" by regions" if regional else "")):
                 lowered = lower(gm, fakes_like_dynamo(inputs) if dynamic else inputs,
                                 self.config.backend, dynamic=dynamic,
                                 pin_schedule=self.config.pin_schedule, resident=plan.resident,

@@ -25,6 +25,12 @@ REGIONAL_BACKENDS = ("aot_eager", "inductor")
 """The backends that can compile a step by regions (``zero_compile(regional=True)``)."""
 
 
+def by_regions(backend, regional: bool, dynamic: bool) -> bool:
+    """Whether ``lower`` compiles by regions: asked to, with static shapes, by a backend
+    that can ([Note: regional compilation] in regions.py)."""
+    return regional and not dynamic and isinstance(backend, str) and backend in REGIONAL_BACKENDS
+
+
 class Lowered(NamedTuple):
     run: Callable
     order: OrderCheck
@@ -68,7 +74,7 @@ def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend, *,
             "a custom backend compiled the graph: its order is not checked"))
     if backend == "eager":
         return Lowered(gm, order_as_graph("eager", gm, "eager runs the graph's own order"))
-    if regional and backend in REGIONAL_BACKENDS and not dynamic:
+    if by_regions(backend, regional, dynamic):
         return _regional(gm, backend)
     if dynamic:
         # [Note: dynamic shapes] in capture/step_graph.py: in dynamo's own tracing context, on
@@ -150,6 +156,6 @@ def _static_tracing_context(example_inputs: Sequence):
     fakes."""
     with outside_dynamo_tracing():
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-        fakes = static_fakes(example_inputs, fake_mode)  # fakes of another mode too
+        fakes = static_fakes(example_inputs, fake_mode)  # from real tensors or other fakes
         with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
             yield fakes
