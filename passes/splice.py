@@ -42,6 +42,14 @@ def outside_dynamo_tracing():
         yield
 
 
+def trace_to_aten(fn: Callable, tracing_mode: str = "real") -> Callable[..., GraphModule]:
+    """``make_fx(fn)`` without its torch-function metadata mode, which records on each node
+    the torch function that made it (``meta["torch_fn"]``, read by nothing of ours nor by
+    our lowering) and costs about a third of a trace: capturing a 48-block GPT-2 step took
+    7.0-7.8 s with it, 4.9-5.6 s without."""
+    return make_fx(fn, tracing_mode=tracing_mode, _disable_torch_fn_metadata_mode=True)
+
+
 def splice(
     graph: Graph,
     fn: Callable[..., torch.Tensor],
@@ -93,7 +101,7 @@ def _trace(fn: Callable, vals: Sequence, fake_mode) -> tuple[GraphModule, bool]:
     kept = _traces.setdefault(fake_mode, {}) if key is not None else {}
     if key in kept:
         return kept[key], False
-    sub = make_fx(fn, tracing_mode="real" if fake_mode is not None else "fake")(*vals)
+    sub = trace_to_aten(fn, "real" if fake_mode is not None else "fake")(*vals)
     if key is not None:
         kept[key] = sub
     return sub, True

@@ -109,8 +109,9 @@ class TestSplice:
         from zero_fx.passes import splice as splice_module
 
         traces = []
-        monkeypatch.setattr(splice_module, "make_fx",
-                            lambda fn, **kw: traces.append(fn) or make_fx(fn, **kw))
+        traced = splice_module.trace_to_aten
+        monkeypatch.setattr(splice_module, "trace_to_aten",
+                            lambda fn, *mode: traces.append(fn) or traced(fn, *mode))
         gm, _ = step_graph()
         w, b, v = [n for n in gm.graph.nodes if n.op == "placeholder"][:3]
         output = next(n for n in gm.graph.nodes if n.op == "output")

@@ -184,6 +184,16 @@ def zero_compile(
     return wrap(fn) if fn is not None else wrap
 
 
+DYNAMO_CONFIG = dict(
+    trace_autograd_ops=True,
+    side_effect_replay_policy="silent",
+)
+"""Dynamo's settings while it traces a step. ``trace_autograd_ops``: ``loss.backward()``
+lands in the same graph as the forward. ``side_effect_replay_policy``: dynamo otherwise
+records the user's stack at every side effect it replays, for its info log (each
+parameter's ``.grad`` the backward sets): 2.3 of 12.7 s of its trace of a 48-block GPT-2."""
+
+
 class CompiledStep:
     """A training step compiled by ``zero_compile``. Call it like the original function.
 
@@ -232,8 +242,7 @@ class CompiledStep:
             raise RuntimeError("the step was called inside `with step.gathered_parameters():`; "
                                "train outside that block (it is for evaluation)")
         self.state.check_unchanged()
-        with self._deferred.deferring(optimizer), \
-                torch._dynamo.config.patch(trace_autograd_ops=True):
+        with self._deferred.deferring(optimizer), torch._dynamo.config.patch(**DYNAMO_CONFIG):
             try:
                 out = self._compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as err:

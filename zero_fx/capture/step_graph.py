@@ -21,10 +21,9 @@ import torch
 from torch.fx import GraphModule
 from torch.fx.node import map_aggregate
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..passes.predicates import GRAD_SLOTS_META, PARAM_META
-from ..passes.splice import outside_dynamo_tracing
+from ..passes.splice import outside_dynamo_tracing, trace_to_aten
 from .inline_checkpoints import inline_checkpoints
 
 aten = torch.ops.aten
@@ -77,14 +76,14 @@ def _trace(dynamo_gm: GraphModule, example_inputs: Sequence) -> GraphModule:
         # size becomes one of dynamo's guards, checked on every call.
         fakes = fakes_like_dynamo(example_inputs)
         with torch._guards.TracingContext.get().fake_mode:
-            return make_fx(dynamo_gm, tracing_mode="real")(*fakes)
+            return trace_to_aten(dynamo_gm)(*fakes)
     # A fresh fake mode with static shapes, outside dynamo's tracing context:
     # anything our passes compute on shapes must not become a dynamo guard.
     with outside_dynamo_tracing():
         fake_mode = FakeTensorMode()
         fakes = static_fakes(example_inputs, fake_mode)
         with fake_mode:
-            return make_fx(dynamo_gm, tracing_mode="real")(*fakes)
+            return trace_to_aten(dynamo_gm)(*fakes)
 
 
 def static_fakes(values: Sequence, fake_mode: FakeTensorMode) -> list:

@@ -71,7 +71,7 @@ class Region:
     name: str
     """Its submodule's name in the outer graph ("region_3")."""
     nodes: int
-    """Calls in the body."""
+    """Nodes of the body's graph (its ops, their getitems and views)."""
     phase: str
     """"forward", "backward" or "forward and backward"."""
     runs_at: tuple[str, ...]

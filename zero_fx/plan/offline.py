@@ -13,11 +13,11 @@ from typing import Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..config import ZeroConfig
 from ..passes import build_pipeline, run_pipeline
 from ..passes.predicates import mark_step_graph
+from ..passes.splice import trace_to_aten
 from .layout import ShardPlan, plan_for_module
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -57,7 +57,7 @@ def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch:
             grads = torch.autograd.grad(loss, list(params.values()))
             return (loss.detach(), *grads)
 
-        gm = make_fx(step, tracing_mode="real")(named, tokens, targets)
+        gm = trace_to_aten(step)(named, tokens, targets)
     mark_step_graph(gm, [*named, None, None], {i + 1: name for i, name in enumerate(named)})
     return run_pipeline(gm, build_pipeline(plan, disable=config.disable_passes, extra=config.passes)), plan
 
