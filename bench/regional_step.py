@@ -2,13 +2,15 @@
 interleaved in the same ranks.
 
     torchrun --nproc_per_node 2 -m bench.regional_step --model gpt2-125m --steps 12
+    torchrun --nproc_per_node 2 -m bench.regional_step --model gpt2-125m --layers 2 --seq 128
 
 Runs started apart on this machine differ by up to ±10 % in step time, more than the
 difference looked for. Here both programs train their own copy of the same model in the
 same processes, each regional step followed by a whole-program step on the same batch,
 every step starting on all ranks together: the ratio of the median steps, and the
 spread of the pairs' ratios, compare the two under the same conditions. The losses must
-agree (the same training). Writes bench/out/regional-step-<model>-w<N>.json and .md.
+agree (the same training). Writes bench/out/regional-step-<model>[-L<layers>]-w<N>.json
+and .md.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.distributed as dist
 
 from .peer_models import MODELS, rank_batch
 from .peer_trainers import PEERS, Setting
+from .peers import model_of
 from .runs import join_group, leave_group, machine, rows_of_every_rank, write_json
 
 PROGRAMS = {"regional": "zero_fx-3", "whole": "zero_fx-3-whole"}
@@ -31,6 +34,8 @@ PROGRAMS = {"regional": "zero_fx-3", "whole": "zero_fx-3-whole"}
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gpt2-125m", choices=sorted(MODELS))
+    p.add_argument("--layers", type=int, help="the GPT models with this many blocks")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: the model's)")
     p.add_argument("--steps", type=int, default=12, help="timed steps of each program")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first, the first compiles")
     p.add_argument("--backend", default="inductor")
@@ -39,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def interleaved_steps(args, rank: int, world: int) -> dict:
     """This rank's step times and losses of each program, steps taken in turn."""
-    spec = MODELS[args.model]
+    spec = model_of(args)
     setting = Setting(device=torch.device("cpu"), backend=args.backend, bf16=False)
     trainers = {}
     for program, peer in PROGRAMS.items():
@@ -81,7 +86,9 @@ def summary(ranks: list[dict]) -> dict:
 
 def report(args, world: int, result: dict) -> str:
     pairs = sorted(result["pair_ratios"])
-    return (f"{machine()}; gloo, {world} ranks; {args.model} ({MODELS[args.model].about}); "
+    spec = model_of(args)
+    return (f"{machine()}; gloo, {world} ranks; {args.model} ({spec.about}; "
+            f"{spec.batch_per_rank} x {spec.seq} tokens per rank); "
             f"stage 3, {args.backend}; {args.steps} timed steps of each program, interleaved, "
             f"after {args.warmup}\n\n"
             f"| program | median step ms |\n|---|---|\n"
@@ -98,7 +105,8 @@ def main(argv=None) -> None:
     if rank == 0:
         result = summary(ranks)
         text = report(args, world, result)
-        path = write_json(f"regional-step-{args.model}-w{world}",
+        depth = f"-L{args.layers}" if args.layers else ""
+        path = write_json(f"regional-step-{args.model}{depth}-w{world}",
                           {"machine": machine(), "args": vars(args), "ranks": ranks, **result})
         with open(path[:-len(".json")] + ".md", "w") as f:
             f.write(text)
