@@ -77,6 +77,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "not torchrun")
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): nothing would be timed")
+    check_model_options(p, args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but torch sees no CUDA device")
+    return args
+
+
+def check_model_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--layers`` and ``--seq`` fit ``--model``, or ``p`` says what they take."""
     if args.layers is not None and (args.layers < 1 or MODELS[args.model].gpt is None):
         p.error(f"--layers takes a positive number of blocks for the GPT models (tiny, gpt-small, "
                 f"gpt2-125m), got {args.layers} for {args.model}")
@@ -84,9 +92,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.seq is not None and (args.seq < 1 or (gpt and args.seq > gpt.block_size)):
         longest = f"{gpt.block_size} (its position table)" if gpt else "the model's longest"
         p.error(f"--seq takes 1 to {longest} tokens for {args.model}, got {args.seq}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda, but torch sees no CUDA device")
-    return args
 
 
 def model_of(args) -> BenchModel:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .peer_models import MODELS, rank_batch
 from .peer_trainers import PEERS, Setting
-from .peers import model_of
+from .peers import check_model_options, model_of
 from .runs import join_group, leave_group, machine, rows_of_every_rank, write_json
 
 PROGRAMS = {"regional": "zero_fx-3", "whole": "zero_fx-3-whole"}
@@ -39,7 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12, help="timed steps of each program")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first, the first compiles")
     p.add_argument("--backend", default="inductor")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_model_options(p, args)
+    return args
 
 
 def interleaved_steps(args, rank: int, world: int) -> dict:
