@@ -12,6 +12,7 @@ from .materialize import MaterializeError, load_pretrained
 from .passes.pipeline import after, before
 from .plan import ParamLayout, ShardPlan, make_plan, plan_for_module
 from .plan.offline import rewritten_step_on_fake
+from .runtime.init_distributed import Distributed, init_distributed
 
 __all__ = [
     "after",
@@ -21,11 +22,13 @@ __all__ = [
     "checkpoint_exists",
     "Compilation",
     "CompiledStep",
+    "Distributed",
     "Estimate",
     "estimate",
     "explain",
     "Explanation",
     "Hardware",
+    "init_distributed",
     "load_pretrained",
     "make_plan",
     "MaterializeError",
