@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples import hf_models  # noqa: E402
-from examples.launch import launch  # noqa: E402
+from examples.launch import add_device_argument, launch  # noqa: E402
 from examples.progress import Progress  # noqa: E402
 from examples.summary import StepClock, summary  # noqa: E402
 from zero_fx import MixedPrecision, zero_compile  # noqa: E402
@@ -33,9 +33,10 @@ parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--model-dir", default=None,
                     help="a local save_pretrained folder to start from (default: random weights)")
+add_device_argument(parser)
 args = parser.parse_args()
 hf_models.require_transformers()
-run = launch()
+run = launch(device=args.device)
 
 # -- data: "count by s from: a a+s a+2s =" -> "a+3s a+4s a+5s" (numbers modulo 50) --------
 VOCAB, NUMBERS, PAD, COUNT, EQ = 64, 50, 60, 61, 62

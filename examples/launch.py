@@ -1,9 +1,10 @@
-"""Distributed setup shared by the examples: torchrun sets the environment; without it the
-example runs as one process (world size 1). NCCL on CUDA, gloo on CPU."""
+"""Distributed setup shared by the examples: ``zero_fx.init_distributed`` reads torchrun's
+environment (without it the example runs as one process, world size 1), and ``--device``
+picks CUDA (NCCL, one GPU per rank) or the CPU (gloo)."""
 
 from __future__ import annotations
 
-import os
+import argparse
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
@@ -11,13 +12,18 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from zero_fx import init_distributed
+from zero_fx.runtime.init_distributed import DEVICES, GROUP_TIMEOUT
 
-GROUP_TIMEOUT = timedelta(minutes=5)
-"""How long a rank waits at a collective for its peers before the step fails (gloo raises
-zero_fx's CollectiveFailedError; on NCCL the watchdog ends the process: README, "When a
-collective fails"). PyTorch's defaults, 10 minutes for NCCL and 30 for gloo, leave a job
-with a dead rank idle that long. It must cover the longest a rank waits for a slower
-one: the first call's compilation and a checkpoint save included; raise it for big models."""
+__all__ = ["GROUP_TIMEOUT", "Launch", "add_device_argument", "launch"]
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """``--device {auto,cpu,cuda}``: auto trains on the GPUs when there is one per rank of
+    this node, else on the CPU (zero_fx.init_distributed's ``device``)."""
+    parser.add_argument("--device", default="auto", choices=DEVICES,
+                        help="auto: one GPU per rank where there are enough, else the CPU; "
+                             "cpu: gloo even on a GPU machine; cuda: GPUs or an error")
 
 
 @dataclass(frozen=True)
@@ -41,24 +47,9 @@ class Launch:
             dist.destroy_process_group()
 
 
-def launch(timeout: timedelta = GROUP_TIMEOUT) -> Launch:
-    if "RANK" in os.environ and not dist.is_initialized():
-        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-        # Under torchrun --max-restarts, each attempt's group sets up in keys of its own:
-        # torchrun's store outlives a restart with the dead attempt's keys in it (static
-        # rendezvous, the default on one node), and a restarted rank that reads a dead
-        # peer's address fails with "Gloo connectFullMesh failed ... Connection refused"
-        # (NCCL: its unique id; pytorch#135712 is the same for shared stores).
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
-                                world_size=world, timeout=timeout)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if torch.cuda.is_available():
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    return Launch(rank=rank, world=world, device=device,
-                  log=print if rank == 0 else (lambda *a, **k: None))
+def launch(timeout: timedelta = GROUP_TIMEOUT, device: str = "auto") -> Launch:
+    """Join torchrun's group (each restart attempt in store keys of its own: [Note: a store
+    prefix per restart] in zero_fx/runtime/init_distributed.py), or run as one process."""
+    run = init_distributed(device=device, timeout=timeout)
+    return Launch(rank=run.rank, world=run.world_size, device=run.device,
+                  log=print if run.is_main else (lambda *a, **k: None))

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples.gpt import GPT, GPTConfig  # noqa: E402
-from examples.launch import launch  # noqa: E402
+from examples.launch import add_device_argument, launch  # noqa: E402
 from examples.progress import Progress  # noqa: E402
 from examples.summary import StepClock, summary  # noqa: E402
 from zero_fx import zero_compile  # noqa: E402
@@ -30,8 +30,9 @@ parser.add_argument("--batch-size", type=int, default=8, help="global batch, spl
 parser.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
 parser.add_argument("--backend", default="inductor", help="inductor | aot_eager | eager")
 parser.add_argument("--rank", type=int, default=8, help="the adapters' rank r")
+add_device_argument(parser)
 args = parser.parse_args()
-run = launch()
+run = launch(device=args.device)
 
 
 class LoRALinear(nn.Module):

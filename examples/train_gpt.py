@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples.gpt import GPT, GPTConfig  # noqa: E402
-from examples.launch import GROUP_TIMEOUT, launch  # noqa: E402
+from examples.launch import GROUP_TIMEOUT, add_device_argument, launch  # noqa: E402
 from examples.progress import Progress  # noqa: E402
 from examples.summary import StepClock, summary  # noqa: E402
 from zero_fx import MixedPrecision, checkpoint_exists, zero_compile  # noqa: E402
@@ -57,10 +57,11 @@ parser.add_argument("--hybrid", action="store_true",
                     help="shard within each node, replicate across nodes (2-D device mesh)")
 parser.add_argument("--timeout", type=float, default=GROUP_TIMEOUT.total_seconds(),
                     help="seconds a rank waits at a collective for a dead or hung peer before failing")
+add_device_argument(parser)
 args = parser.parse_args()
 
 # -- distributed setup (torchrun sets the environment; without it, world size 1) --
-run = launch(timedelta(seconds=args.timeout))
+run = launch(timedelta(seconds=args.timeout), device=args.device)
 rank, world, device, log = run.rank, run.world, run.device, run.log
 
 # -- data: a synthetic corpus with structure to learn (repeating arithmetic patterns) --

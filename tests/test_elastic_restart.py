@@ -29,7 +29,7 @@ class TorchrunJob:
 
     def __init__(self, folder: str, *example_args: str):
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--max-restarts", "2", EXAMPLE, "--backend", "aot_eager", "--steps",
+                   "--max-restarts", "2", EXAMPLE, "--device", "cpu", "--backend", "aot_eager", "--steps",
                    str(STEPS), "--checkpoint-every", str(EVERY), "--checkpoint-dir", folder,
                    *example_args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

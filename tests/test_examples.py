@@ -11,10 +11,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def torchrun_command(script, args, launcher=()):
-    """torchrun of 2 ranks (``launcher``: more torchrun options) running an example, traced
+    """torchrun of 2 ranks (``launcher``: more torchrun options) running an example on CPUs
+    (--device cpu: on a one-GPU machine, ``auto`` would too, but the test means gloo), traced
     with aot_eager."""
     return [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc_per_node", "2",
-            os.path.join(ROOT, "examples", script), "--backend", "aot_eager", *args]
+            os.path.join(ROOT, "examples", script), "--device", "cpu", "--backend", "aot_eager",
+            *args]
 
 
 def torchrun(script, *args):
