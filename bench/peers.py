@@ -33,6 +33,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from zero_fx.runtime.init_distributed import DistributedSetupError, resolve_device
+
 from . import cpu_memory, peers_report
 from .peer_launch import launch_peer, launch_peer_here, peer_environment
 from .peer_models import MODELS, BenchModel
@@ -58,8 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first, the first compiles")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of compiled peers")
-    p.add_argument("--device", choices=["cpu", "cuda"],
-                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto (default): CUDA where there is a GPU per rank of this machine, "
+                        "else the CPU; cuda: one GPU per rank or an error")
     p.add_argument("--bf16", action="store_true", help="bfloat16 compute (GPU mode)")
     p.add_argument("--bucket-mib", type=float,
                    help="cap of a fused collective for zero_fx and DeepSpeed (default: zero_fx's, "
@@ -78,9 +81,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): nothing would be timed")
     check_model_options(p, args)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda, but torch sees no CUDA device")
+    args.device = device_of(p, args)
     return args
+
+
+def device_of(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """``--device`` made concrete, "cpu" or "cuda", alike in the driver and in every rank: the
+    ranks on this machine (torchrun's LOCAL_WORLD_SIZE, else --world; one with --fake-world)
+    need a GPU each (zero_fx.init_distributed's rule), or ``p`` says why not."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1 if args.fake_world else args.world))
+    try:
+        return resolve_device(args.device, local_rank=0, local_world_size=ranks_here).type
+    except DistributedSetupError as err:
+        p.error(f"--device {args.device}: {err}".replace("--nproc_per_node", "--world (or "
+                                                         "torchrun's --nproc_per_node)"))
 
 
 def check_model_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -19,7 +19,7 @@ FP32 = 4
 
 
 def run_bench(*args, timeout=600):
-    command = [sys.executable, "-m", "bench.peers", *args]
+    command = [sys.executable, "-m", "bench.peers", "--device", "cpu", *args]
     run = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     return run
 
@@ -84,8 +84,8 @@ def test_under_torchrun_each_peer_still_runs_in_fresh_processes():
     joins a group of the peer's own; on CPU here, the same code path."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_addr", "127.0.0.1", "--master_port", "29517", "-m", "bench.peers",
-               "--model", "tiny", "--peers", "ddp", "fsdp2", "--steps", "3", "--warmup", "1",
-               "--name", "peers-torchrun-test"]
+               "--device", "cpu", "--model", "tiny", "--peers", "ddp", "fsdp2", "--steps", "3",
+               "--warmup", "1", "--name", "peers-torchrun-test"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     with open(os.path.join(ROOT, "bench", "out", "peers-torchrun-test.json")) as f:
