@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Iterable, Optional
@@ -20,8 +21,10 @@ class World:
     simulated: bool = False
     """The fake process group: one process stands for every rank (shapes and memory
     are real, collectives return nothing), so there are no other ranks to ask."""
-    backend: str = ""
-    """The default group's backend ("gloo", "nccl", "fake"; "" for a world of one)."""
+    backends: tuple[tuple[str, str], ...] = ()
+    """The default group's backend for each device type it serves, as (device type, backend)
+    pairs: (("cpu", "gloo"), ("cuda", "nccl")); empty for a world of one ([Note: the backend
+    by device])."""
     replicas: int = 1
     """Hybrid sharding: how many copies of the shards there are (the mesh's "replicate"
     dimension); ``size``, ``rank`` and ``group_name`` are then the shard group's."""
@@ -31,6 +34,10 @@ class World:
     """The group of this rank's copies, one per replica ("" without replicas)."""
     mesh: Any = field(default=None, compare=False)
     """The user's 2-D ``DeviceMesh`` (None: flat), for checkpoints' DTensors."""
+
+    def backend_for(self, device_type: str) -> str:
+        """The backend that moves ``device_type`` tensors ("" if none does)."""
+        return dict(self.backends).get(device_type, "")
 
     @property
     def ranks(self) -> int:
@@ -43,22 +50,60 @@ class World:
         return self.replica * self.size + self.rank
 
 
-def default_backend() -> str:
-    """The default group's backend in lower case ("gloo", "nccl", "cpu:gloo,cuda:nccl",
-    "fake"), or "" when no group is initialised."""
+def backend_serving(device_type: str, group: Optional[dist.ProcessGroup] = None) -> str:
+    """The backend that moves ``device_type`` tensors ("cpu", "cuda") on ``group`` (None: the
+    default group), in lower case: "gloo", "nccl", "fake", ...; "" when no group is
+    initialised or none of its backends serves that device.
+
+    [Note: the backend by device]
+    A process group holds one backend per device type, and its name does not say which:
+    ``init_process_group()`` with no backend (the usual call under torchrun) names itself
+    "undefined" and serves CPU tensors with gloo and, where CUDA is available, CUDA tensors
+    with NCCL; ``init_process_group("cpu:gloo,cuda:nccl")`` names itself that string;
+    ``init_process_group("gloo")`` serves both device types with gloo. So zero_fx asks the
+    group's own configuration (``dist.get_backend_config``) which backend serves the device
+    in question, and never compares the name: the training device, the NCCL completion
+    check and the gloo all-gather workaround all read this.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         return ""
-    return str(dist.get_backend()).lower()
+    for entry in str(dist.get_backend_config(group)).split(","):
+        device, _, backend = entry.partition(":")
+        if device.strip().lower() == device_type:
+            return backend.strip().lower()
+    return ""
+
+
+def _backends(group: Optional[dist.ProcessGroup] = None) -> tuple[tuple[str, str], ...]:
+    return tuple((device, backend) for device in ("cpu", "cuda")
+                 if (backend := backend_serving(device, group)))
+
+
+def environment_world_size() -> int:
+    """WORLD_SIZE as torchrun sets it (1 when unset or unreadable)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
 
 
 def current_world() -> World:
-    """The default process group if one is initialised; otherwise world size 1."""
-    backend = default_backend()
-    if not backend:
+    """The default process group if one is initialised; otherwise world size 1.
+
+    Under torchrun (WORLD_SIZE > 1) with no process group, each rank would train its own copy
+    of the model, silently: that is an error."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if environment_world_size() > 1:
+            raise RuntimeError(
+                f"WORLD_SIZE is {environment_world_size()} (torchrun started several ranks) but no "
+                "process group is initialised, so each rank would train its own copy of the model: "
+                "call zero_fx.init_distributed() (or torch.distributed.init_process_group()) "
+                "before the step's first call")
         return World(size=1, rank=0, group_name="")
     group = dist.group.WORLD
+    backends = _backends(group)
     return World(size=dist.get_world_size(group), rank=dist.get_rank(group), group_name=group.group_name,
-                 simulated=backend == "fake", backend=backend)
+                 simulated=any(backend == "fake" for _, backend in backends), backends=backends)
 
 
 def world_of(mesh, stage: int) -> World:
@@ -112,26 +157,61 @@ def world_timeout() -> Optional[timedelta]:
 
 
 def check_devices_match_backend(params: Iterable[torch.Tensor]) -> None:
-    """Parameters on one device type, and one the default group's backend can move."""
+    """Parameters on one device type, and one the default group has a backend for that
+    zero_fx's collectives run on ([Note: the backend by device])."""
     devices = sorted({p.device.type for p in params})
     if len(devices) > 1:
         raise ValueError(f"the model's parameters are on several device types {devices}; zero_fx "
                          f"shards a model that lives on one (call model.to(device) first)")
-    backend = default_backend()
-    if not devices or not backend:
+    if not devices or devices[0] == "meta" or not (dist.is_available() and dist.is_initialized()):
         return
     device = devices[0]
-    if device == "cuda" and backend == "gloo":
-        raise ValueError("the model is on CUDA but the process group uses gloo, which zero_fx's "
-                         "collectives do not run on CUDA tensors with: init_process_group('nccl')")
-    if device == "cpu" and backend == "nccl":
-        raise ValueError("the model is on the CPU but the process group uses NCCL, which moves CUDA "
-                         "tensors only: model.to('cuda') (one GPU per rank), or "
-                         "init_process_group('gloo') to train on CPUs")
+    backend = backend_serving(device)
+    if device == "cuda" and backend in ("", "gloo"):
+        serves = "no backend for CUDA tensors" if not backend else "gloo for CUDA tensors"
+        raise ValueError(f"the model is on CUDA but the process group has {serves}, and zero_fx's "
+                         "collectives move CUDA tensors with NCCL: zero_fx.init_distributed(), or "
+                         "init_process_group('cpu:gloo,cuda:nccl')")
+    if device == "cpu" and not backend:
+        raise ValueError("the model is on the CPU but the process group has no backend for CPU "
+                         "tensors (it uses NCCL, which moves CUDA tensors only): model.to('cuda') "
+                         "(one GPU per rank), or init_process_group('gloo') to train on CPUs")
 
 
-def training_device() -> torch.device:
-    """Where this rank trains: its CUDA device under NCCL, else the CPU."""
-    if "nccl" in default_backend():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def serves_cuda() -> bool:
+    """Whether a model on CUDA can train here: CUDA is available, and either there is no
+    process group (one GPU) or the default group moves CUDA tensors with a backend zero_fx's
+    collectives run on (NCCL; the fake group)."""
+    if not torch.cuda.is_available():
+        return False
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    return backend_serving("cuda") not in ("", "gloo")
+
+
+def local_cuda_device() -> torch.device:
+    """This rank's GPU: ``cuda:LOCAL_RANK`` (torchrun's local rank; 0 without torchrun)."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def training_device(params: Iterable[torch.Tensor]) -> torch.device:
+    """Where this rank trains: the parameters' device. For a model on the meta device (it has
+    no values yet), ``cuda:LOCAL_RANK`` where CUDA can serve ([``serves_cuda``]: a GPU with no
+    process group, or a group with NCCL for CUDA tensors), else the CPU."""
+    devices = {p.device for p in params if p.device.type != "meta"}
+    if devices:
+        return next(iter(devices))
+    return local_cuda_device() if serves_cuda() else torch.device("cpu")
+
+
+def check_current_cuda_device(device: torch.device) -> None:
+    """CUDA kernels, NCCL's communicator and the caching allocator work on the *current* CUDA
+    device; training on another one puts every rank's work on cuda:0 (or fails in NCCL)."""
+    if device.type != "cuda":
+        return
+    current = torch.cuda.current_device()
+    if device.index is not None and device.index != current:
+        raise ValueError(
+            f"this rank trains on {device} but the current CUDA device is cuda:{current}: call "
+            f"torch.cuda.set_device(local_rank) before building the model (zero_fx.init_distributed() "
+            f"does it), so that each rank's kernels and NCCL's communicator use its own GPU")

@@ -18,7 +18,8 @@ from ..materialize import PretrainedWeights, materialize
 from ..plan import ShardPlan, plan_for_module
 from .gloo_all_gather import use_gloo_single_tensor_all_gather
 from .precision import LossScaler, cast_at_model_edge
-from .process_group import check_devices_match_backend, training_device, world_of
+from .process_group import (check_current_cuda_device, check_devices_match_backend,
+                            training_device, world_of)
 from .rank_agreement import RankAgreement
 from .sharded_state import ShardedState
 from .update import OptimizerUpdate
@@ -58,8 +59,11 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     rebound to shards."""
     world = world_of(config.mesh, config.stage)
     check_devices_match_backend(model.parameters())
-    # "gloo", or e.g. "cpu:gloo,cuda:nccl": [Note: gloo's coalesced all-gather corrupts the heap]
-    if "gloo" in world.backend:
+    device = training_device(model.parameters())
+    check_current_cuda_device(device)
+    # gloo moving CPU tensors, whatever the group's name: [Note: gloo's coalesced all-gather
+    # corrupts the heap], [Note: the backend by device]
+    if world.backend_for("cpu") == "gloo":
         use_gloo_single_tensor_all_gather()
     claim(model, optimizer, step_name)
     plan = plan_for_module(model, world_size=world.size, rank=world.rank, stage=config.stage,
@@ -68,7 +72,7 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
                            **config.plan_options(hardware_for(model)))
     try:  # a meta model, or pretrained weights: this rank's values (the model is unchanged on error)
         masters = materialize(model, plan, init_fn=config.init_fn, pretrained=pretrained,
-                              device=training_device())
+                              device=device)
     except Exception:
         claim(model, optimizer, None)
         raise
