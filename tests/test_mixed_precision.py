@@ -11,12 +11,12 @@ near-zero gradient is its sign, which 16-bit noise flips.
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from feature_runs import reference_run, zero_fx_run
 from ranks import run_ranks
 from training import parity_errors
 from zero_fx import MixedPrecision
+from zero_fx.analysis.host_syncs import counting_host_syncs
 
 BF16 = (("mixed_precision", MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32)),)
 FP16 = (("mixed_precision", MixedPrecision(param_dtype=torch.float16, output_dtype=torch.float32)),)
@@ -117,19 +117,6 @@ def test_fp16_overflow_skips_the_step_and_the_scale_follows_gradscalers_rule(opt
     assert all(torch.equal(result["params"][4][n], result["params"][3][n]) for n in initial)
 
 
-class HostReads(TorchDispatchMode):
-    """Counts values read back to the host (``.item()``, ``bool(t)``): each waits for the
-    device on CUDA."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("optimizer, reads", [("fused adamw", 0), ("sgd", 1)])
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_an_fp16_step_reads_nothing_on_the_host_but_the_overflow_of_an_unfused_optimizer(
@@ -145,9 +132,9 @@ def test_an_fp16_step_reads_nothing_on_the_host_but_the_overflow_of_an_unfused_o
                         mixed_precision=FP16[0][1], max_grad_norm=clip)
     counts = []
     for i in range(3):
-        with step.observing(HostReads()) as counted:  # the graph and the optimizer update
+        with counting_host_syncs(step) as syncs:  # the graph and the optimizer update
             step(model, opt, *models.global_batch("gpt", i))
-        counts.append(counted.count)
+        counts.append(len(syncs))
     assert counts == [reads] * 3
     assert step.optimizer_steps == 3 and step.skipped_steps == 0
 

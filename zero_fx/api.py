@@ -26,7 +26,7 @@ from .inspection.explain import Explanation, explain_graph
 from .materialize import PretrainedWeights
 from .plan import ShardPlan
 from .runtime.deferred_optimizer import DeferredOptimizerCalls
-from .runtime.failures import failed_before_update, is_communication_failure
+from .runtime.failures import is_communication_failure
 from .runtime.sharded_state import ShardedState
 from .runtime.sharding import Sharded, find_model_and_optimizer, shard
 
@@ -238,6 +238,7 @@ class CompiledStep:
                              "decorate a separate function for each model")
         if self._deferred.broken:
             raise RuntimeError(self._deferred.broken)
+        self._deferred.confirm(self._sharded.update, self.plan.rank)  # earlier calls' fences, NCCL
         if self.state.gathered:
             raise RuntimeError("the step was called inside `with step.gathered_parameters():`; "
                                "train outside that block (it is for evaluation)")
@@ -257,7 +258,8 @@ class CompiledStep:
                 raise capture_failed(err) from err
             except RuntimeError as err:
                 if is_communication_failure(err):
-                    raise failed_before_update(self.plan.rank, err) from err
+                    raise self._deferred.failed_before_update(
+                        self._sharded.update, self.plan.rank, err) from err
                 raise
         self._deferred.run(self._sharded.update, self.plan.rank, self._observers)
         return out
@@ -348,7 +350,13 @@ class CompiledStep:
         """``with step.gathered_parameters(): model(x)``: run the model outside the step
         (evaluation, generation). In stage 3 the parameters are all-gathered (compute dtype)
         for the block and freed after it, changes discarded; enter it on every rank. Stages
-        0-2 keep whole parameters and need nothing."""
+        0-2 keep whole parameters and need nothing.
+
+        Cost: in stage 3 every rank holds the whole model on its device for the block (the
+        bytes of every parameter in the compute dtype, logged at INFO on entry), on top of
+        its shards and optimizer state: the memory stage 3 saves during training. For the
+        values alone (to save or export them) use ``full_state_dict(cpu_offload=True)``,
+        which holds one bucket at a time and puts the dict in rank 0's host memory."""
         return self._sharded_state().gathered_parameters()
 
     def save_checkpoint(self, path: str, extra: Any = None) -> None:
@@ -364,6 +372,7 @@ class CompiledStep:
                 f"save_checkpoint after call {update.micro_step} of "
                 f"{self.config.accumulation_steps} of an accumulation window: the summed gradients "
                 "are not saved, so save right after an optimizer step")
+        self._confirm_collectives()
         checkpoint.save(state, path, update.counters(), extra)
 
     def load_checkpoint(self, path: str, model: Optional[torch.nn.Module] = None,
@@ -383,11 +392,20 @@ class CompiledStep:
         self._sharded.update.restore_counters(counters)
         return extra
 
-    def full_state_dict(self, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-        """The model's whole ``state_dict()`` (fp32 masters, or ``dtype``; tied names;
-        buffers) for plain PyTorch's ``model.load_state_dict``. A collective: call it on
-        every rank (each gets the whole dict)."""
-        return checkpoint.full_state_dict(self._sharded_state(), dtype)
+    def full_state_dict(self, dtype: Optional[torch.dtype] = None, *,
+                        cpu_offload: Optional[bool] = None) -> dict[str, torch.Tensor]:
+        """The model's whole ``state_dict()`` (fp32 masters, or ``dtype`` for floating-point
+        tensors; tied names; buffers) for plain PyTorch's ``model.load_state_dict``. A
+        collective: call it on every rank.
+
+        ``cpu_offload=True`` (the default when training on a GPU): rank 0 gets the dict in
+        CPU memory and every other rank an empty dict ``{}`` (as FSDP2's
+        ``StateDictOptions(full_state_dict=True, cpu_offload=True)``); the parameters are
+        gathered one bucket at a time and copied to rank 0's host, so the device holds one
+        bucket beyond what training holds. Write the file on rank 0:
+        ``if rank == 0: torch.save(sd, path)``. ``cpu_offload=False`` (the default on the
+        CPU): every rank gets the whole dict, on the training device."""
+        return checkpoint.full_state_dict(self._sharded_state(), dtype, cpu_offload=cpu_offload)
 
     @property
     def optimizer_steps(self) -> int:
@@ -412,6 +430,13 @@ class CompiledStep:
         """Optimizer steps skipped because the fp16 gradients overflowed."""
         scaler = self._sharded.scaler if self._sharded is not None else None
         return scaler.skipped_steps if scaler is not None else 0
+
+    def _confirm_collectives(self) -> None:
+        """Before writing anything durable: every earlier call's collectives have completed
+        (NCCL: waits for the fences; [Note: failures on NCCL]), and the step is not broken."""
+        if self._deferred.broken:
+            raise RuntimeError(self._deferred.broken)
+        self._deferred.confirm(self._sharded.update, self.plan.rank, everything=True)
 
     def _sharded_state(self) -> ShardedState:
         if self.state is None:

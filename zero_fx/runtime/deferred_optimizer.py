@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 
 from ..capture.step_graph import CaptureError
-from .failures import failed_after_update, failed_before_update, is_communication_failure
+from .failures import (FenceFailed, failed_after_update, failed_before_update, fence_failed,
+                       is_communication_failure)
 from .step_runner import entered
 from .update import OptimizerUpdate
 
@@ -57,14 +58,32 @@ class DeferredOptimizerCalls:
                 if not is_communication_failure(err):
                     raise
                 update.discard()
-                raise failed_before_update(rank, err) from err
-            if not ready:
-                return
-            try:
-                update.apply()
-            except RuntimeError as err:
-                if not is_communication_failure(err):
-                    raise
-                failure = failed_after_update(rank, err)
-                self.broken = str(failure)
-                raise failure from err
+                raise self.failed_before_update(update, rank, err) from err
+            if ready:
+                try:
+                    update.apply()
+                except RuntimeError as err:
+                    if not is_communication_failure(err):
+                        raise
+                    failure = failed_after_update(rank, err)
+                    self.broken = str(failure)
+                    raise failure from err
+            update.fence()
+
+    def failed_before_update(self, update: OptimizerUpdate, rank: int,
+                             err: BaseException) -> BaseException:
+        """The error for a collective of this call that failed before its update: that nothing
+        of this call was updated, once the earlier calls' fences say their updates stand (a
+        failed one is raised instead: [Note: failures on NCCL])."""
+        self.confirm(update, rank, everything=True)
+        return failed_before_update(rank, err)
+
+    def confirm(self, update: OptimizerUpdate, rank: int, *, everything: bool = False) -> None:
+        """Settle the fences of earlier calls ([Note: failures on NCCL]); a failed one breaks
+        the step: its update may have been made from incomplete gradients."""
+        try:
+            update.confirm(everything=everything)
+        except FenceFailed as failed:
+            failure = fence_failed(rank, failed)
+            self.broken = str(failure)
+            raise failure from failed.cause

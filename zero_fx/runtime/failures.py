@@ -29,44 +29,70 @@ or an error NCCL reports for the communicator. With PyTorch's default
 (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) the watchdog then ends the process, and
 no Python exception is raised anywhere.
 
-So on NCCL the optimizer update waits for the step's collectives first
-(``CompletionCheck``): before the update (``OptimizerUpdate.accumulate``), and
-in stages 1-2 again after the gathers that follow it, this rank all-reduces
-one element on the step's group and waits for that with the group's timeout
-(``Work.wait(timeout)``). Collectives of a group run in order on its stream,
-so when that one has finished, every one this rank issued before it has; and
-a wait with a timeout polls NCCL's error state of the communicator
-(``WorkNCCL::isCompleted``) and raises, in this thread, on an error or at the
-timeout. What this checks is completion and the error NCCL reports, not the
-data; what it costs is a one-element all-reduce and the host waiting for the
-GPU once per optimizer step (twice in stages 1-2), where it could otherwise
-enqueue the next step's kernels.
+So on NCCL each call ends with a fence (``CompletionCheck``): after the call's
+last collective (after the update, and in stages 1-2 after the gathers that
+follow it), this rank all-reduces one element on each of the step's groups,
+asynchronously. Collectives of a group run in order on its stream, so when
+the fence has finished, every collective this rank issued before it has.
+Nothing waits for the fence there: the host goes on to the next call while
+the GPU works ([Note: no host sync in the steady state]). At the start of
+each later call (before anything of it runs), and before a checkpoint is
+saved or the model read out, the fences are settled:
 
-What a user gets on NCCL, then: the update never runs on this rank after a
-collective that NCCL reported failed or that had not finished. A peer that
-dies or hangs leaves this rank's collective waiting; the watchdog, whose clock
-started when that collective was issued, ends the process at the group's
-timeout (its log names the collective); restart from the last checkpoint. An
-error NCCL reports before that raises ``CollectiveFailedError`` at the check,
-unless the watchdog has ended the process first. With
-``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (the watchdog only logs) or
-``TORCH_NCCL_BLOCKING_WAIT=1`` (every wait blocks the host and raises), every
-failure is a ``CollectiveFailedError`` with the guarantees above. None of this
-has run on a GPU in zero_fx's tests; it follows PyTorch's ProcessGroupNCCL
-source (``WorkNCCL::wait``), and the check itself is tested on gloo.
+- a fence that has finished (``Work.is_completed``, a CUDA event query) is
+  retired, and its error, if NCCL reported one, raised (``Work.wait`` on a
+  finished collective returns at once);
+- a fence still running is left alone, unless it is older than the group's
+  timeout (then the call fails) or more than ``MAX_UNCONFIRMED`` calls behind
+  (then the host waits for it, with what is left of the timeout: the CPU runs
+  at most that many calls ahead of what it has confirmed).
+
+What a user gets on NCCL, then: a failed or hung collective of call N is
+reported at call N+1 or N+2 as a ``CollectiveFailedError``, unless the
+watchdog has ended the process first (PyTorch's default,
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, ends it at the group's timeout, its
+log naming the collective; restart from the last checkpoint). Since the host
+did not wait, call N's optimizer update was queued on the device behind the
+failed collective: this rank's parameters, shards and optimizer state may
+hold an update computed from incomplete gradients, so the error says so and
+the step refuses every later call (restore from a checkpoint). A checkpoint
+is never written over unconfirmed collectives: saving settles every fence
+first, waiting if it must. With ``TORCH_NCCL_BLOCKING_WAIT=1`` every wait in
+the graph blocks the host and raises where it fails, as gloo does. None of
+this has run on a GPU in zero_fx's tests; it follows PyTorch's
+ProcessGroupNCCL (``WorkNCCL::isCompleted``, ``WorkNCCL::wait``), and the
+fence itself is tested on gloo.
+
+[Note: no host sync in the steady state]
+On CUDA the host only queues work; the GPU runs it later. A host read of a
+device value (``.item()``, ``.cpu()``, ``bool(tensor)``) or a blocking wait
+(``Work.wait(timeout)``, ``torch.cuda.synchronize()``) stops the host until
+the GPU has caught up, so the GPU then idles while Python queues the next
+step's kernels, checks dynamo's guards and the ranks' agreement. zero_fx's
+step reads nothing on the host in the steady state: the loss scale, the
+overflow flag and the gradient norm stay on the device ([Note: clipping and
+overflow] in update.py), and the NCCL completion check polls instead of
+waiting (above). The exceptions, each documented where it is: an fp16 step
+with an optimizer that cannot skip on the device reads the overflow flag
+once, and the fences block when the host has run ``MAX_UNCONFIRMED`` calls
+ahead. ``zero_fx.analysis.host_syncs.counting_host_syncs`` counts them
+(tests/test_host_syncs.py holds the count at zero).
 """
 
 from __future__ import annotations
 
 import os
+import time
 import traceback
+from collections import deque
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from .process_group import World, world_timeout
+from .process_group import World, backend_serving, world_timeout
 
 CHECKED_BACKENDS = ("nccl",)
 """Backends that report a failed collective late, so the update checks first ([Note:
@@ -83,31 +109,87 @@ class CollectiveFailedError(RuntimeError):
     """A collective of the step failed: a peer died, hung past the timeout, or the network broke."""
 
 
-class CompletionCheck:
-    """Waits until every collective this rank has issued on ``group`` has finished, and
-    raises if the backend reports one failed or the wait outlasts ``timeout`` ([Note:
-    failures on NCCL])."""
+MAX_UNCONFIRMED = 2
+"""How many calls' fences may still be running when a call starts ([Note: failures on
+NCCL]); beyond that the host waits for the oldest."""
 
-    def __init__(self, groups: list[dist.ProcessGroup], device: torch.device, timeout: timedelta):
+
+@dataclass
+class _Fence:
+    works: list
+    issued: float
+    """``time.monotonic()`` when it was issued."""
+    call: int
+    """Which call of the step issued it (1-based), for the error."""
+
+
+class CompletionCheck:
+    """Fences on the step's groups, issued at the end of each call and settled at the start
+    of later ones ([Note: failures on NCCL]): the host never waits for the GPU in the
+    steady state, and a collective NCCL reports failed (or one past ``timeout``) is raised
+    as a ``CollectiveFailedError`` one or two calls later."""
+
+    def __init__(self, groups: list[dist.ProcessGroup], device: torch.device, timeout: timedelta,
+                 max_unconfirmed: int = MAX_UNCONFIRMED):
         self.groups = groups
         self.device = device
         self.timeout = timeout
+        self.max_unconfirmed = max_unconfirmed
+        self.pending: deque[_Fence] = deque()
+        self.calls = 0
 
-    def __call__(self) -> None:
-        for group in self.groups:
-            fence = torch.zeros(1, device=self.device)
-            dist.all_reduce(fence, group=group, async_op=True).wait(self.timeout)
+    def issue(self) -> None:
+        """After the call's last collective: a one-element all-reduce on each group, not
+        waited for."""
+        self.calls += 1
+        works = [dist.all_reduce(torch.zeros(1, device=self.device), group=group, async_op=True)
+                 for group in self.groups]
+        self.pending.append(_Fence(works, time.monotonic(), self.calls))
+
+    def settle(self, *, everything: bool = False) -> None:
+        """Retire the fences that have finished (raising the error of a failed one); wait for
+        those that must be confirmed now: every one with ``everything`` (before a checkpoint),
+        else those beyond ``max_unconfirmed``. A fence older than the timeout fails."""
+        while self.pending:
+            fence = self.pending[0]
+            must = everything or len(self.pending) > self.max_unconfirmed
+            age = time.monotonic() - fence.issued
+            for work in fence.works:
+                if work.is_completed():  # a CUDA event query: no wait
+                    try:
+                        work.wait()  # finished: returns at once, or raises what NCCL reported
+                    except RuntimeError as err:
+                        raise FenceFailed(fence.call, err) from err
+                elif must or age > self.timeout.total_seconds():
+                    left = max(self.timeout.total_seconds() - age, 0.001)
+                    try:
+                        work.wait(timedelta(seconds=left))
+                    except RuntimeError as err:
+                        raise FenceFailed(fence.call, err) from err
+                else:
+                    return
+            self.pending.popleft()
+
+
+class FenceFailed(RuntimeError):
+    """A fence failed or timed out: ``call`` is the call whose collectives it fenced."""
+
+    def __init__(self, call: int, err: BaseException):
+        super().__init__(_first_line(err))
+        self.call = call
+        self.cause = err
 
 
 def completion_check(world: World, device: torch.device) -> Optional[CompletionCheck]:
     """The check for the step's groups (with hybrid sharding, the replicate group too) where
-    their backend reports failures late (NCCL); None where a failed collective raises at
-    once, or there are no other ranks."""
+    the backend that moves the training device's tensors reports failures late (NCCL; [Note:
+    the backend by device]); None where a failed collective raises at once, or there are no
+    other ranks."""
     if world.size == 1 or world.simulated:
         return None
     names = [world.group_name] + ([world.replicate_group_name] if world.replicas > 1 else [])
     groups = [dist.distributed_c10d._resolve_process_group(name) for name in names]
-    if str(dist.get_backend(groups[0])).lower() not in CHECKED_BACKENDS:
+    if backend_serving(device.type, groups[0]) not in CHECKED_BACKENDS:
         return None
     return CompletionCheck(groups, device, world_timeout() or DEFAULT_TIMEOUT)
 
@@ -126,6 +208,17 @@ def failed_before_update(rank: int, err: BaseException) -> CollectiveFailedError
         "Another rank probably died or stopped calling the step (its log says why), or the "
         "process group timed out (init_process_group(timeout=...)). Nothing was updated on this "
         "rank: parameters, shards and optimizer state are as before the call.")
+
+
+def fence_failed(rank: int, failure: FenceFailed) -> CollectiveFailedError:
+    return CollectiveFailedError(
+        f"the collectives of call {failure.call} of the step did not complete on rank {rank}, "
+        f"in the check that the step's collectives completed (a fence after that call): "
+        f"{_first_line(failure.cause)}\nThat call's optimizer update had been queued behind them "
+        "on the device, so this rank's parameters, shards and optimizer state may hold an update "
+        "made from incomplete gradients; this step refuses further calls: restore from a "
+        "checkpoint. Another rank probably died or stopped calling the step (its log says why), "
+        "or the process group timed out (init_process_group(timeout=...)).")
 
 
 def failed_after_update(rank: int, err: BaseException) -> CollectiveFailedError:
@@ -149,8 +242,6 @@ def where_it_failed(err: BaseException) -> str:
         if ours and os.path.basename(frame.filename) == "rank_agreement.py":
             return (", in the check that ranks agree (an all-gather, the call's first "
                     "collective: a peer that has not reached this call fails it here)")
-        if ours and frame.name == "__call__" and frame.filename == os.path.abspath(__file__):
-            return ", in the check that the step's collectives completed (an all-reduce)"
         if generated and "_c10d_functional." in line:
             return f", in the compiled step at `{_shortened(line.split(';')[0])}`"
         if ours and line:

@@ -77,8 +77,8 @@ class OptimizerUpdate:
         when clipping or loss scaling, else None)."""
         self._found_inf: Optional[torch.Tensor] = None
         """For an optimizer that skips on the device: this window's overflow flag."""
-        self._check = completion_check(state.world, next(iter(state.shards.values())).device)
-        """NCCL: wait for the step's collectives before the update ([Note: failures on
+        self.completion = completion_check(state.world, next(iter(state.shards.values())).device)
+        """NCCL: the fences that confirm each call's collectives finished ([Note: failures on
         NCCL] in failures.py); None on gloo, whose collectives raise where they fail."""
 
     @property
@@ -100,8 +100,6 @@ class OptimizerUpdate:
         self._unscale(grads)
         norms = self.max_grad_norm is not None or self.scaler is not None
         norm = self.grad_norm(grads) if norms else None
-        if self._check is not None:  # the last collective before the update has been issued
-            self._check()
         self.windows += 1
         if norm is None:
             return True
@@ -170,8 +168,17 @@ class OptimizerUpdate:
             optimizer.step()
         self.state.zero_grad()
         self.state.refresh_parameters()
-        if self._check is not None and self.state.plan.gathers_after_step:
-            self._check()
+
+    def fence(self) -> None:
+        """After the call's last collective (NCCL): a fence, not waited for."""
+        if self.completion is not None:
+            self.completion.issue()
+
+    def confirm(self, *, everything: bool = False) -> None:
+        """Settle the fences of earlier calls (``CompletionCheck.settle``): raises
+        ``FenceFailed`` if one failed."""
+        if self.completion is not None:
+            self.completion.settle(everything=everything)
 
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The 2-norm of the whole gradient from this rank's part of it ([Note: clipping and
