@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Iterator, Optional
 
 import torch
 
+from ..formatting import format_bytes
 from ..passes.collective_code import gather_bucket
 from ..passes.reduce_grads import reduction
 from ..plan import ShardPlan
 from ..plan.layout import cut_shard
 from .optimizer import check_elementwise, rebind_to_shards
 from .process_group import World
+
+_c10d = torch.ops._c10d_functional
+log = logging.getLogger("zero_fx")
 
 
 class ShardedState:
@@ -102,6 +107,14 @@ class ShardedState:
     def shards_are_params(self) -> bool:
         """Stage 0 without mixed precision: the optimizer steps on the model's own parameters."""
         return self.plan.replicated and self.plan.compute_dtype is None
+
+    @property
+    def masters_sharded(self) -> bool:
+        """Whether the optimizer's values are only in shards, so that whole ones take a
+        gather: stage 3, or stages 1-2 under mixed precision (the model's whole parameters
+        then hold the compute dtype)."""
+        return not self.plan.replicated and (self.plan.params_sharded
+                                             or self.plan.compute_dtype is not None)
 
     def _check_optimizer_params(self) -> None:
         foreign = [
@@ -245,6 +258,77 @@ class ShardedState:
         return {name: self._gather([name], [shard.detach()])[0].clone()
                 for name, shard in self.shards.items()}
 
+    @torch.no_grad()
+    def stream_full_parameters(self, keep: bool, dtype: Optional[torch.dtype] = None,
+                               to: Optional[torch.device] = None
+                               ) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
+        """``(name, whole value)`` for every parameter as the optimizer holds it (fp32
+        masters under mixed precision), in plan order, holding at most one bucket of them
+        whole on the device at a time ([Note: streaming whole parameters]).
+
+        ``keep``: whether this rank wants the values; a rank that does not gets ``None``
+        for each (it still takes part in the gathers it is needed for). ``dtype``: cast
+        floating-point values (before the gather, so the collective moves that dtype).
+        ``to``: where the kept values go (a fresh copy there; None: this rank's device).
+        Sharded masters are gathered one bucket at a time (``plan.buckets``): a
+        collective over the shard group, so every rank of it must run the generator to its
+        end; whole ones (stage 0, or stages 1-2 without mixed precision) are copied one
+        at a time and need no other rank.
+
+        [Note: streaming whole parameters]
+        The dict of every whole parameter is the model: on the device it is exactly
+        what stage 3 exists to avoid. Streamed, the device holds the shards it always
+        holds plus two buffers made once for the largest bucket and reused by every
+        bucket: its shards cast and packed (1/N of the bucket) and the gathered
+        bucket; each parameter is copied from its column of the gathered buffer
+        straight into a fresh tensor on ``to``. So the extra device memory is one
+        bucket times (1 + 1/N), whatever the allocator or the backend does with
+        tensors a collective has released (gloo's worker thread drops its reference
+        to a finished all-gather's tensors a moment after the wait returns: a fresh
+        buffer per bucket measured two buckets alive at times). Where a column is
+        strided (several parameters in a bucket) the copy to another device may
+        make one contiguous temporary of that parameter. The copy to the host is
+        synchronous (pageable memory): a pinned, double-buffered copy would overlap
+        the next gather with it, at the price of a second bucket.
+        """
+        if not self.masters_sharded:
+            source = self.shards if self.plan.replicated else self.params
+            for layout in self.plan.params:
+                yield layout.name, (_copied(source[layout.name].detach(), dtype, to)
+                                    if keep else None)
+            return
+        size = self.world.size
+        buckets = [[self.plan.layout(name) for name in bucket]
+                   for bucket in self.plan.buckets([layout.name for layout in self.plan.params])]
+        dtypes = [_cast_dtype(layouts[0].dtype, dtype) for layouts in buckets]
+        most = max(sum(l.shard_numel for l in layouts) * d.itemsize
+                   for layouts, d in zip(buckets, dtypes))
+        device = next(iter(self.shards.values())).device
+        send_bytes = torch.empty(most, dtype=torch.uint8, device=device)
+        gathered_bytes = torch.empty(most * size, dtype=torch.uint8, device=device)
+        for layouts, gathered_dtype in zip(buckets, dtypes):
+            numel = sum(l.shard_numel for l in layouts)
+            send = send_bytes[:numel * gathered_dtype.itemsize].view(gathered_dtype)
+            for piece, layout in zip(send.split([l.shard_numel for l in layouts]), layouts):
+                piece.copy_(self.shards[layout.name].detach())  # casts as it copies
+            gathered = gathered_bytes[:numel * size * gathered_dtype.itemsize].view(gathered_dtype)
+            if size > 1:
+                _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(
+                    send, size, self.world.group_name, out=gathered))
+            else:
+                gathered = send
+            columns = gathered.view(size, -1).split([l.shard_numel for l in layouts], dim=1)
+            for layout, column in zip(layouts, columns):
+                yield layout.name, (_column_copy(column, layout, to) if keep else None)
+
+    def gathered_bytes(self) -> int:
+        """What ``gathered_parameters()`` allocates on this rank: every parameter whole, in
+        the compute dtype (0 in stages 0-2, whose parameters are always whole)."""
+        if not self.plan.params_sharded:
+            return 0
+        return sum(layout.numel * self.plan.gather_dtype(layout).itemsize
+                   for layout in self.plan.params)
+
     @contextlib.contextmanager
     def gathered_parameters(self) -> Iterator[None]:
         """Stage 3: fill the model's parameters with their full values (in the compute dtype)
@@ -253,6 +337,12 @@ class ShardedState:
         if not self.plan.params_sharded or self.gathered:
             yield
             return
+        log.info("zero_fx: gathered_parameters: rank %d gathers %s (every parameter whole, in "
+                 "%s) on %s for the block; for the values alone, full_state_dict(cpu_offload="
+                 "True) holds one bucket at a time", self.world.global_rank,
+                 format_bytes(self.gathered_bytes()),
+                 str(self.plan.compute_dtype or "the parameters' dtypes").removeprefix("torch."),
+                 next(iter(self.shards.values())).device)
         with torch.no_grad():
             self._gather_into_parameters([layout.name for layout in self.plan.params])
         self.gathered = True
@@ -320,6 +410,29 @@ class ShardedState:
         yield from self._unreduced.values()
         for state in self.optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _cast_dtype(own: torch.dtype, dtype: Optional[torch.dtype]) -> torch.dtype:
+    """``dtype`` for a floating-point ``own``, else ``own`` (integers are not cast)."""
+    return dtype if dtype is not None and own.is_floating_point else own
+
+
+def _copied(tensor: torch.Tensor, dtype: Optional[torch.dtype],
+            to: Optional[torch.device]) -> torch.Tensor:
+    """A fresh copy of ``tensor`` on ``to`` (None: where it is), cast as ``_cast_dtype`` says; the
+    cast happens in the copy, with no temporary on the source device."""
+    out = torch.empty(tensor.shape, dtype=_cast_dtype(tensor.dtype, dtype),
+                      device=to if to is not None else tensor.device)
+    return out.copy_(tensor)
+
+
+def _column_copy(column: torch.Tensor, layout, to: Optional[torch.device]) -> torch.Tensor:
+    """Parameter ``layout``'s whole value, copied to ``to`` from its column ``(world size,
+    shard numel)`` of a gathered bucket (rank-major, padded: [Note: flat layout])."""
+    out = torch.empty(column.shape, dtype=column.dtype,
+                      device=to if to is not None else column.device)
+    out.copy_(column)
+    return out.view(-1)[:layout.numel].view(layout.shape)
 
 
 class RefuseConversion:
