@@ -2,6 +2,7 @@ import os
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -17,3 +18,17 @@ def fake_world_of_two():
         yield
     finally:
         dist.destroy_process_group()
+
+
+CUDA_SKIP_REASON = ("the cuda tier needs a CUDA GPU and torch sees none; on a GPU machine "
+                    "bench/gpu_check.sh runs it (pytest -m cuda) and writes its summary")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` are skipped, with the reason, where torch sees no GPU."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=CUDA_SKIP_REASON)
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)

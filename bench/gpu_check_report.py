@@ -1,0 +1,80 @@
+"""The summary bench/gpu_check.sh writes: one JSON file from pytest's JUnit XML of the cuda
+tier and the figures its tests recorded (tests/gpu_figures.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import xml.etree.ElementTree as ET
+
+import torch
+
+from .runs import machine
+
+LIMIT_S = 600
+"""What the tier should take on one H100."""
+
+
+def outcomes(junit_path: str) -> list[dict]:
+    """Each test case: its pytest id, outcome, seconds and, unless it passed, the first line
+    of why."""
+    if not os.path.exists(junit_path):
+        return []
+    cases = []
+    for case in ET.parse(junit_path).getroot().iter("testcase"):
+        module = case.get("classname", "").replace(".", "/")
+        outcome, why = "passed", ""
+        for kind in ("failure", "error", "skipped"):
+            found = case.find(kind)
+            if found is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[kind]
+                why = (found.get("message") or found.text or "").strip().splitlines()[:1]
+                why = why[0] if why else ""
+                break
+        cases.append({"test": f"{module}.py::{case.get('name')}", "outcome": outcome,
+                      "seconds": round(float(case.get("time", 0.0)), 2), "why": why})
+    return cases
+
+
+def figures(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def device() -> dict:
+    if not torch.cuda.is_available():
+        return {"name": None, "note": "torch sees no CUDA device: the tier was skipped"}
+    props = torch.cuda.get_device_properties(0)
+    return {"name": props.name, "capability": f"{props.major}.{props.minor}",
+            "memory_bytes": props.total_memory, "count": torch.cuda.device_count()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--junit", required=True)
+    p.add_argument("--figures", required=True)
+    p.add_argument("--status", type=int, required=True, help="pytest's exit status")
+    p.add_argument("--seconds", type=float, required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    tests = outcomes(args.junit)
+    counts: dict[str, int] = {}
+    for t in tests:
+        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    summary = {"torch": torch.__version__, "cuda": torch.version.cuda,
+               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+               "device": device(), "machine": machine(), "pytest_status": args.status,
+               "seconds": args.seconds, "within_limit": args.seconds <= LIMIT_S,
+               "counts": counts, "tests": tests, "figures": figures(args.figures)}
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"{args.out}: {counts or 'no tests ran'} in {args.seconds:.0f} s "
+          f"({'within' if summary['within_limit'] else 'OVER'} the {LIMIT_S} s limit)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
