@@ -18,6 +18,7 @@ from ranks import run_ranks
 from training import STEPS, parity_errors
 from zero_fx import zero_compile
 from zero_fx.compiler import progress as compile_progress
+from zero_fx.runtime import failures
 from zero_fx.runtime.failures import CollectiveFailedError
 from zero_fx.runtime.rank_agreement import RanksDisagreeError, call_signature, disagreement, graph_signature
 
@@ -407,6 +408,47 @@ def test_the_nccl_completion_check_reports_a_failed_call_at_the_next(stage):
     assert "restore from a checkpoint" in survivor["error"], survivor
     assert survivor["refused"] and not survivor["call_3_ran"]
     assert survivor["seconds"] < 35
+
+
+class RecordedFences:
+    """Stands for the NCCL completion check in one process: records what the step asks of it."""
+
+    def __init__(self, fail_at_settle: bool = False):
+        self.log, self.fail_at_settle = [], fail_at_settle
+
+    def issue(self):
+        self.log.append("issue")
+
+    def settle(self, *, everything=False):
+        self.log.append("settle all" if everything else "settle")
+        if self.fail_at_settle:
+            raise failures.FenceFailed(3, RuntimeError("NCCL communicator was aborted"))
+
+
+def test_fences_are_issued_after_each_call_and_all_settled_before_anything_durable(tmp_path):
+    model, opt, step = _setup(stage=3)
+    step(model, opt, *models.global_batch("mlp", 0))
+    step._sharded.update.completion = fences = RecordedFences()
+    step(model, opt, *models.global_batch("mlp", 1))
+    assert fences.log == ["settle", "issue"]  # polled at the start, issued at the end, no wait
+    step.save_checkpoint(str(tmp_path / "ckpt"))
+    step.full_state_dict()
+    assert fences.log == ["settle", "issue", "settle all", "settle all"]
+
+
+def test_a_failed_fence_fails_the_next_call_and_refuses_the_rest(tmp_path):
+    model, opt, step = _setup(stage=3)
+    step(model, opt, *models.global_batch("mlp", 0))
+    before = {n: s.detach().clone() for n, s in step.state.shards.items()}
+    step._sharded.update.completion = RecordedFences(fail_at_settle=True)
+    with pytest.raises(CollectiveFailedError, match=r"collectives of call 3 of the step did not "
+                                                    r"complete on rank 0.*communicator was aborted"):
+        step(model, opt, *models.global_batch("mlp", 1))
+    assert all(torch.equal(s, before[n]) for n, s in step.state.shards.items())  # nothing ran
+    for durable in (lambda: step(model, opt, *models.global_batch("mlp", 2)),
+                    lambda: step.save_checkpoint(str(tmp_path / "ckpt")), step.full_state_dict):
+        with pytest.raises(RuntimeError, match="restore from a checkpoint"):
+            durable()
 
 
 def steady_state_host_syncs(rank: int, world_size: int, stage: int, precision: str):

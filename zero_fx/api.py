@@ -405,7 +405,9 @@ class CompiledStep:
         bucket beyond what training holds. Write the file on rank 0:
         ``if rank == 0: torch.save(sd, path)``. ``cpu_offload=False`` (the default on the
         CPU): every rank gets the whole dict, on the training device."""
-        return checkpoint.full_state_dict(self._sharded_state(), dtype, cpu_offload=cpu_offload)
+        state = self._sharded_state()
+        self._confirm_collectives()
+        return checkpoint.full_state_dict(state, dtype, cpu_offload=cpu_offload)
 
     @property
     def optimizer_steps(self) -> int:
