@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..formatting import format_bytes
+from ..runtime.cpu_group import cpu_group
 from ..runtime.sharded_state import ShardedState
 from .files import (CheckpointError, check_files, clear_staging, prepare_save, publish,
                                raise_if_damaged, read_manifest, readable_path, staging_path)
@@ -46,10 +47,11 @@ def save(state: ShardedState, path: str, counters: dict, extra: Any = None) -> N
     _on_rank_0(world, path, prepare_save, path)
     entries = _tensors(state, _mesh(state))
     entries.update(_objects(state, counters, extra))
-    entries.update(_rng_states(world.global_rank))
+    entries.update(_rng_states(world.global_rank, _device(state)))
     try:
         with _single_process_quietly():
-            dcp.save(entries, checkpoint_id=staging_path(path), no_dist=world.ranks == 1)
+            dcp.save(entries, checkpoint_id=staging_path(path), no_dist=world.ranks == 1,
+                     process_group=cpu_group())
     except CheckpointException as failed:  # every rank gets it, with each rank's cause
         _on_rank_0(world, path, clear_staging, path)
         causes = "; ".join(f"rank {rank}: {type(error).__name__}: {error}"
@@ -76,17 +78,19 @@ def load(state: ShardedState, path: str) -> tuple[dict, Any]:
     entries = _tensors(state, _mesh(state))
     _check_same_optimizer(entries, saved_keys, manifest, state)
     entries.update({k: None for k in ("zero_fx.runtime", "zero_fx.extra", "optim.param_groups")})
-    rng = _rng_states(state.world.global_rank)
+    rng = _rng_states(state.world.global_rank, _device(state))
     if rng.keys() <= saved_keys:
         entries.update(rng)
     else:
         log.warning("zero_fx: the checkpoint was saved at %d rank(s) and holds no RNG state "
-                    "for rank %d (or its CUDA device); its RNG is left as it is", manifest["world_size"], state.world.global_rank)
+                    "for rank %d (or its CUDA device); its RNG is left as it is",
+                    manifest["world_size"], state.world.global_rank)
     with _single_process_quietly():
-        dcp.load(entries, checkpoint_id=path, no_dist=state.world.ranks == 1)
+        dcp.load(entries, checkpoint_id=path, no_dist=state.world.ranks == 1,
+                 process_group=cpu_group())
     _restore_param_groups(state.optimizer, pickle.loads(entries["optim.param_groups"]), state)
     if rng.keys() <= entries.keys():
-        _set_rng_states(state.world.global_rank, entries)
+        _set_rng_states(state.world.global_rank, entries, _device(state))
     state.zero_grad()
     state.refresh_parameters(frozen=True)
     return pickle.loads(entries["zero_fx.runtime"]), pickle.loads(entries["zero_fx.extra"])
@@ -125,18 +129,32 @@ def _logical(tensor: torch.Tensor, layout, state: ShardedState, mesh):
                               shape=torch.Size([layout.numel]), stride=(1,))
 
 
-def _rng_states(rank: int) -> dict[str, torch.Tensor]:
-    """This rank's random number generators: the CPU one, and the current CUDA device's."""
+def _rng_states(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's random number generators: the CPU's, and the training device's (``device``,
+    its parameters' device; none more on the CPU).
+
+    [Note: the training device's generator]
+    Dropout in the step draws from the generator of the device it runs on: the
+    parameters' device, which is where this rank trains. The *current* CUDA device
+    (what ``torch.cuda.get_rng_state()`` reads with no argument) is another one
+    whenever a script placed the model with ``model.to(f"cuda:{local_rank}")``
+    without ``torch.cuda.set_device``: every rank would then save and restore cuda:0's
+    generator, and a resumed run's dropout masks would differ from the uninterrupted
+    run's. So the device is named, both ways. The entry keeps its name
+    (``rng.rank<r>.cuda``): it is "this rank's training device", whatever its index,
+    so a checkpoint loads into a run whose ranks sit on other device indices.
+    """
     states = {f"rng.rank{rank}": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state()
+    if device.type == "cuda":
+        states[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state(device)
     return states
 
 
-def _set_rng_states(rank: int, entries: dict) -> None:
+def _set_rng_states(rank: int, entries: dict, device: torch.device) -> None:
+    """Restore what ``_rng_states`` saved, into the same generators."""
     torch.set_rng_state(entries[f"rng.rank{rank}"])
-    if f"rng.rank{rank}.cuda" in entries:
-        torch.cuda.set_rng_state(entries[f"rng.rank{rank}.cuda"])
+    if f"rng.rank{rank}.cuda" in entries and device.type == "cuda":
+        torch.cuda.set_rng_state(entries[f"rng.rank{rank}.cuda"], device)
 
 
 def _objects(state: ShardedState, counters: dict, extra: Any) -> dict[str, Any]:
@@ -194,7 +212,7 @@ def _check_files_on_all_ranks(state: ShardedState, path: str, manifest: dict) ->
     problems = check_files(path, manifest, lambda index: index % world.ranks == world.global_rank)
     if world.ranks > 1:
         everyone: list = [None] * world.ranks
-        dist.all_gather_object(everyone, problems)
+        dist.all_gather_object(everyone, problems, group=cpu_group())
         problems = [p for rank_problems in everyone for p in rank_problems]
     raise_if_damaged(path, problems)
 
@@ -264,6 +282,11 @@ def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list, state: 
         group.update({k: v for k, v in values.items() if k != "params"})
 
 
+def _device(state: ShardedState) -> torch.device:
+    """Where this rank trains: its shards' device."""
+    return next(iter(state.shards.values())).device
+
+
 def _mesh(state: ShardedState):
     """The device mesh the shards are laid out on: the user's 2-D mesh with hybrid sharding
     (each shard saved once, its replicas skipped by DCP), else a one-dimensional mesh over
@@ -274,8 +297,7 @@ def _mesh(state: ShardedState):
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    device = next(iter(state.shards.values())).device.type
-    return init_device_mesh(device, (state.world.size,))
+    return init_device_mesh(_device(state).type, (state.world.size,))
 
 
 @contextlib.contextmanager
@@ -287,8 +309,11 @@ def _single_process_quietly():
 
 
 def _barrier(world) -> None:
+    """Every rank reaches here before any goes on, over the CPU ([Note: object traffic goes
+    over the CPU]): an all-reduce of a CPU scalar, since ``dist.barrier()`` on a group with a
+    CUDA backend is an NCCL all-reduce on a device it guesses from the rank."""
     if world.ranks > 1:
-        dist.barrier()
+        dist.all_reduce(torch.zeros(1), group=cpu_group())
 
 
 def _on_rank_0(world, path: str, fn, *args) -> None:
@@ -304,7 +329,7 @@ def _on_rank_0(world, path: str, fn, *args) -> None:
     message = [None if error is None else str(error) if isinstance(error, CheckpointError)
                else str(_not_saved(path, f"rank 0: {type(error).__name__}: {error}"))]
     if world.ranks > 1:
-        dist.broadcast_object_list(message, src=0)
+        dist.broadcast_object_list(message, src=0, group=cpu_group())
     if message[0] is not None:
         raise CheckpointError(message[0]) from error
 
@@ -389,7 +414,7 @@ def full_state_dict(state: ShardedState, dtype: Optional[torch.dtype] = None, *,
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype (torch.bfloat16) or None, "
                         f"not {dtype!r}")
-    device = next(iter(state.shards.values())).device
+    device = _device(state)
     if cpu_offload is None:
         cpu_offload = device.type != "cpu"
     if not cpu_offload:
