@@ -147,3 +147,18 @@ def test_bad_options_are_refused_with_what_to_pass():
         step.full_state_dict(torch.int8)
     sd = step.full_state_dict(cpu_offload=True)  # world size 1: rank 0 gets it all
     assert sd.keys() == step.full_state_dict().keys()
+
+
+def test_gathered_parameters_says_what_it_gathers(caplog):
+    """Entering ``gathered_parameters()`` logs the bytes this rank is about to hold whole."""
+    from zero_fx.formatting import format_bytes
+
+    model = Blocks()
+    step = zero_compile(_train_step, stage=3, backend="aot_eager")
+    step(model, torch.optim.AdamW(model.parameters()), torch.randn(4, WIDTH), torch.randn(4, WIDTH))
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    assert step.state.gathered_bytes() == whole
+    with caplog.at_level("INFO", logger="zero_fx"), step.gathered_parameters():
+        model(torch.randn(2, WIDTH))
+    said = [r.getMessage() for r in caplog.records if "gathered_parameters" in r.getMessage()]
+    assert len(said) == 1 and format_bytes(whole) in said[0] and "float32" in said[0], said

@@ -341,7 +341,8 @@ class ShardedState:
                  "%s) on %s for the block; for the values alone, full_state_dict(cpu_offload="
                  "True) holds one bucket at a time", self.world.global_rank,
                  format_bytes(self.gathered_bytes()),
-                 str(self.plan.compute_dtype or "the parameters' dtypes").removeprefix("torch."),
+                 ", ".join(sorted({str(self.plan.gather_dtype(layout)).removeprefix("torch.")
+                                   for layout in self.plan.params})),
                  next(iter(self.shards.values())).device)
         with torch.no_grad():
             self._gather_into_parameters([layout.name for layout in self.plan.params])
