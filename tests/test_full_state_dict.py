@@ -149,6 +149,32 @@ def test_bad_options_are_refused_with_what_to_pass():
     assert sd.keys() == step.full_state_dict().keys()
 
 
+def test_export_reads_only_the_model_and_casts_a_group_at_a_time(tmp_path):
+    """[Note: exporting in bounded memory]: besides the dict it returns, ``model_state_dict``
+    (what ``python -m zero_fx.export`` writes) holds one group of fp32 parameters, never the
+    optimizer's state (here twice the model) or the whole model in fp32 next to its cast."""
+    from zero_fx.checkpoint.save_load import model_state_dict
+
+    path = str(tmp_path / "ckpt")
+    model = Blocks()
+    step = zero_compile(_train_step, stage=3, backend="aot_eager")
+    step(model, torch.optim.AdamW(model.parameters()), torch.randn(4, WIDTH), torch.randn(4, WIDTH))
+    step.save_checkpoint(path)
+    expected = step.full_state_dict()
+    group = 40_000  # two of the 16.6 KB blocks
+    with NewBytes() as tracker:
+        exported = model_state_dict(path, torch.bfloat16, group_bytes=group)
+    assert exported.keys() == expected.keys()
+    assert all(torch.equal(v, expected[k].to(torch.bfloat16)) for k, v in exported.items())
+    largest = max(p.numel() * 4 for p in model.parameters())
+    above = tracker.peak - _unique_bytes(exported)
+    print(f"\nexport to bf16: returns {_unique_bytes(exported)} B, holds {above} B more at its peak "
+          f"(group {group} B; model in fp32 {sum(p.numel() * 4 for p in model.parameters())} B)")
+    assert above <= group + largest
+    with pytest.raises(ValueError, match="group_bytes must be positive"):
+        model_state_dict(path, group_bytes=0)
+
+
 def test_gathered_parameters_says_what_it_gathers(caplog):
     """Entering ``gathered_parameters()`` logs the bytes this rank is about to hold whole."""
     from zero_fx.formatting import format_bytes

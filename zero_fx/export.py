@@ -5,6 +5,9 @@
 The result loads with ``model.load_state_dict(torch.load("model.pt"))`` into the
 model the run trained, without zero_fx or a process group: every parameter
 whole (fp32 masters unless ``--dtype``), tied names and buffers included.
+Only the model's entries are read, and with ``--dtype`` they are cast a group at a
+time, so memory is the written state dict plus one group as saved ([Note: exporting
+in bounded memory] in checkpoint/save_load.py); the optimizer's state stays on disk.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import pickle
 import warnings
@@ -354,34 +355,85 @@ def load_full(path: str) -> dict[str, torch.Tensor]:
     path = _readable(os.fspath(path))
     manifest = read_manifest(path)
     raise_if_damaged(path, check_files(path, manifest, lambda index: True))
+    return _read_whole(path, manifest, list(_tensor_keys(path)))
+
+
+EXPORT_GROUP_BYTES = 256 * 2**20
+"""How much of the checkpoint ``model_state_dict`` reads at a time when it casts."""
+
+
+def model_state_dict(path: str, dtype: Optional[torch.dtype] = None, *,
+                     group_bytes: int = EXPORT_GROUP_BYTES) -> dict[str, torch.Tensor]:
+    """A full ``model.state_dict()`` from a checkpoint: parameters (tied names too) in
+    ``dtype`` (None: as saved, fp32 masters) and buffers; loads into the model with plain
+    ``model.load_state_dict``.
+
+    [Note: exporting in bounded memory]
+    Only the model's entries are read (the optimizer's state, twice the model for
+    Adam, stays on disk), and with ``dtype`` they are read and cast ``group_bytes``
+    at a time (whole parameters, in the checkpoint's order), each group's saved
+    copy freed before the next is read: host memory is the returned dict plus one
+    group as saved, not the checkpoint plus its cast copy. The dict itself must be
+    whole, since ``torch.save`` writes one object."""
+    if group_bytes <= 0:
+        raise ValueError(f"group_bytes must be positive, not {group_bytes}")
+    path = _readable(os.fspath(path))
+    manifest = read_manifest(path)
+    raise_if_damaged(path, check_files(path, manifest, lambda index: True))
+    metadata = _tensor_keys(path)
+    state: dict[str, torch.Tensor] = {}
+    for group in _groups(manifest["params"], metadata, group_bytes if dtype is not None else None):
+        read = _read_whole(path, manifest, [f"model.{name}" for name in group])
+        for name in group:
+            value = read.pop(f"model.{name}")
+            state[name] = (value.to(dtype) if dtype is not None and value.is_floating_point()
+                           else value)
+    for alias, name in manifest["aliases"].items():
+        state[alias] = state[name]
+    buffers = _read_whole(path, manifest, [f"buffers.{name}" for name in manifest["buffers"]])
+    for name in manifest["buffers"]:
+        state[name] = buffers[f"buffers.{name}"]
+    return state
+
+
+def _groups(names, metadata: dict, cap: Optional[int]) -> list[list[str]]:
+    """``names`` in runs of at most ``cap`` bytes as saved (one larger parameter alone);
+    None: one run."""
+    groups: list[list[str]] = []
+    filled = 0
+    for name in names:
+        meta = metadata[f"model.{name}"]
+        size = math.prod(meta.size) * meta.properties.dtype.itemsize
+        if groups and (cap is None or filled + size <= cap):
+            groups[-1].append(name)
+            filled += size
+        else:
+            groups.append([name])
+            filled = size
+    return groups
+
+
+def _tensor_keys(path: str) -> dict[str, Any]:
+    """The checkpoint's tensor entries (key -> DCP's metadata: size, dtype); the rest are
+    objects."""
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    entries: dict[str, Any] = {}
-    for key, meta in metadata.items():
-        if hasattr(meta, "size"):  # a tensor; the rest are objects
-            entries[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    return {key: meta for key, meta in metadata.items() if hasattr(meta, "size")}
+
+
+def _read_whole(path: str, manifest: dict, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Tensor entries ``keys``, whole, on the CPU; parameters in their shapes."""
+    if not keys:
+        return {}
+    metadata = _tensor_keys(path)
+    entries: dict[str, Any] = {key: torch.empty(metadata[key].size,
+                                                dtype=metadata[key].properties.dtype)
+                               for key in keys}
     with _single_process_quietly():
         dcp.load(entries, checkpoint_id=path, no_dist=True)
     for name, info in manifest["params"].items():
-        entries[f"model.{name}"] = entries[f"model.{name}"].view(info["shape"])
+        if f"model.{name}" in entries:
+            entries[f"model.{name}"] = entries[f"model.{name}"].view(info["shape"])
     return entries
-
-
-def model_state_dict(path: str, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-    """A full ``model.state_dict()`` from a checkpoint: parameters (tied names too) in
-    ``dtype`` (None: as saved, fp32 masters) and buffers; loads into the model with plain
-    ``model.load_state_dict``."""
-    path = _readable(os.fspath(path))
-    manifest = read_manifest(path)
-    entries = load_full(path)
-    state = {}
-    for name in manifest["params"]:
-        value = entries[f"model.{name}"]
-        state[name] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
-    for alias, name in manifest["aliases"].items():
-        state[alias] = state[name]
-    for name in manifest["buffers"]:
-        state[name] = entries[f"buffers.{name}"]
-    return state
 
 
 def full_state_dict(state: ShardedState, dtype: Optional[torch.dtype] = None, *,
