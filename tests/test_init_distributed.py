@@ -101,7 +101,7 @@ def test_under_torchrun_it_joins_with_a_timeout_and_a_store_prefix_per_restart(n
     run = init_distributed(device="cpu", timeout=timedelta(seconds=42))
     try:
         assert run == Distributed(rank=0, world_size=1, local_rank=0,
-                                  device=torch.device("cpu"), backend="gloo")
+                                  device=torch.device("cpu"), backend="cpu:gloo,cuda:gloo")
         assert world_timeout() == timedelta(seconds=42)
         assert init_distributed(device="cpu") == run  # idempotent: it reports the group
         dist.distributed_c10d._get_default_store().set("probe", "1")
@@ -109,7 +109,15 @@ def test_under_torchrun_it_joins_with_a_timeout_and_a_store_prefix_per_restart(n
                                        timeout=timedelta(seconds=10))
         keys = torchrun_store.list_keys()  # the group's own and the probe, all in the prefix
         assert "attempt3/0//probe" in keys and all(k.startswith("attempt3/") for k in keys), keys
-        with pytest.raises(DistributedSetupError, match="already initialised uses 'gloo'"):
+        with pytest.raises(DistributedSetupError, match=r"already initialised \(cpu:gloo,cuda:gloo\) "
+                                                         r"has no backend .* \(NCCL\)"):
             init_distributed(device="cuda")
     finally:
         dist.destroy_process_group()
+
+
+def test_a_group_made_elsewhere_is_described_not_joined_again(fake_world_of_two, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    run = init_distributed()
+    assert (run.rank, run.world_size, run.local_rank) == (0, 2, 0)
+    assert run.device == torch.device("cpu") and "fake" in run.backend

@@ -41,6 +41,8 @@ from typing import Union
 import torch
 import torch.distributed as dist
 
+from .process_group import backend_serving
+
 GROUP_TIMEOUT = timedelta(minutes=5)
 """How long a rank waits at a collective for its peers before the step fails (gloo raises
 zero_fx's CollectiveFailedError; on NCCL the watchdog ends the process: README, "When a
@@ -74,8 +76,9 @@ class Distributed:
     device: torch.device
     """Where to put the model and the batches: ``cuda:<local_rank>`` or ``cpu``."""
     backend: str
-    """The default group's backend (``"cpu:gloo,cuda:nccl"``, ``"gloo"``, ...), "" when
-    there is no group (one process)."""
+    """Which backend the default group runs for each device type, as
+    ``dist.get_backend_config()`` says (``"cpu:gloo,cuda:nccl"``; ``"cpu:gloo,cuda:gloo"``
+    for a gloo group), "" when there is no group (one process)."""
 
     @property
     def is_main(self) -> bool:
@@ -132,7 +135,7 @@ def init_distributed(*, device: Union[str, torch.device] = "auto",
                             world_size=world_size, timeout=timeout,
                             device_id=chosen if chosen.type == "cuda" else None)
     return Distributed(rank=rank, world_size=world_size, local_rank=local_rank, device=chosen,
-                       backend=str(dist.get_backend()).lower())
+                       backend=str(dist.get_backend_config()))
 
 
 def resolve_device(device: str, *, local_rank: int, local_world_size: int) -> torch.device:
@@ -179,22 +182,24 @@ def _device_kind(device: Union[str, torch.device]) -> str:
 
 
 def _describe_existing_group(kind: str, local_rank: int) -> Distributed:
-    """The default group someone already initialised, as a ``Distributed``."""
-    backend = str(dist.get_backend()).lower()
-    if "nccl" in backend:
-        if kind == "cpu" and "gloo" not in backend:
-            raise DistributedSetupError(
-                f"device='cpu', but the process group already initialised uses {backend!r}, "
-                "which moves CUDA tensors only: initialise it with 'gloo' to train on CPUs")
-        chosen = torch.device("cuda", torch.cuda.current_device()) if kind != "cpu" else torch.device("cpu")
-    elif kind == "cuda" and backend != "fake":
+    """The default group someone already initialised, as a ``Distributed``: the device is
+    the one its backends can move that ``kind`` allows ([Note: the backend by device] in
+    process_group.py: the group's configuration says which backend serves which device)."""
+    cuda_backend, cpu_backend = backend_serving("cuda"), backend_serving("cpu")
+    config = str(dist.get_backend_config())
+    trains_cuda = cuda_backend not in ("", "gloo") and torch.cuda.is_available()
+    if kind == "cuda" and not trains_cuda:
         raise DistributedSetupError(
-            f"device='cuda', but the process group already initialised uses {backend!r}, "
-            "which zero_fx's collectives do not run on CUDA tensors with: initialise it with "
-            "'cpu:gloo,cuda:nccl' (or call init_distributed before anything else does)")
-    elif kind == "cuda":  # the fake group: one process standing for every rank
+            f"device='cuda', but the process group already initialised ({config}) has no "
+            "backend zero_fx runs CUDA collectives on (NCCL), or torch sees no GPU: initialise "
+            "it with 'cpu:gloo,cuda:nccl' (or call init_distributed before anything else does)")
+    if kind == "cpu" and not cpu_backend:
+        raise DistributedSetupError(
+            f"device='cpu', but the process group already initialised ({config}) moves no CPU "
+            "tensors: initialise it with 'gloo' (or 'cpu:gloo,cuda:nccl') to train on CPUs")
+    if kind != "cpu" and trains_cuda:
         chosen = torch.device("cuda", torch.cuda.current_device())
     else:
         chosen = torch.device("cpu")
     return Distributed(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                       device=chosen, backend=backend)
+                       device=chosen, backend=config)
