@@ -75,7 +75,9 @@ class _Failure:
 
 def in_nccl_world_of_one(fn, *args):
     """``fn(*args)`` in a fresh process that joined an NCCL group of world size 1 through
-    ``zero_fx.init_distributed`` (as under ``torchrun --nproc_per_node 1``); its result."""
+    ``zero_fx.init_distributed`` (as under ``torchrun --nproc_per_node 1``): its result, or
+    a ``_Failure`` saying why there is none (returned, not raised, so that the callers'
+    caches keep it and the tests sharing a process do not start it again each)."""
     context = mp.get_context("spawn")  # this process may have initialised CUDA: never fork it
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.pt")
@@ -85,14 +87,11 @@ def in_nccl_world_of_one(fn, *args):
         if process.is_alive():
             process.kill()
             process.join(30)
-            raise RuntimeError(f"the NCCL process ran past {CHILD_LIMIT_S} s and was killed")
+            return _Failure(f"the NCCL process ran past {CHILD_LIMIT_S} s and was killed")
         if not os.path.exists(path):
-            raise RuntimeError(f"the NCCL process exited (code {process.exitcode}) without a "
-                               "result; its stack, if it crashed, is in the output above")
-        result = torch.load(path, weights_only=False)
-    if isinstance(result, _Failure):
-        raise RuntimeError(f"in the NCCL process:\n{result.text}")
-    return result
+            return _Failure(f"the NCCL process exited (code {process.exitcode}) without a "
+                            "result; its stack, if it crashed, is in the output above")
+        return torch.load(path, weights_only=False)
 
 
 def _nccl_process(path, port, fn, args):
@@ -124,7 +123,10 @@ def each(**runs) -> dict:
     return results
 
 
-def entry(results: dict, name: str):
+def entry(results, name: str):
+    """``results[name]`` of a process's ``each``, or the test fails with why it has none."""
+    if isinstance(results, _Failure):
+        pytest.fail(f"the NCCL process failed, before {name}:\n{results.text}", pytrace=False)
     value = results[name]
     if isinstance(value, _Failure):
         pytest.fail(f"{name} failed in the NCCL process:\n{value.text}", pytrace=False)
