@@ -8,6 +8,8 @@ import importlib.util
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import models
 from examples.gpt import GPT, GPTConfig
@@ -200,3 +202,53 @@ def test_a_refused_meta_model_is_left_unchanged_and_unclaimed():
     fixed = zero_compile(step, backend="eager", init_fn=lambda m: nn.init.ones_(m.weight))
     fixed(model, opt, torch.ones(4))
     assert torch.allclose(fixed.full_parameters()["weight"], torch.full((4,), 0.9))
+
+
+class OpsOnDevice(TorchDispatchMode):
+    """Every op whose output lands on ``device``, with the output's number of elements."""
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.device = device
+        self.outputs: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == self.device:
+                self.outputs.append((str(func), t.numel()))
+        return out
+
+
+def test_stage_3_is_built_on_the_host_and_only_shards_reach_the_device():
+    """[Note: built on the host]: the training device receives this rank's shards, never a
+    whole parameter. The meta device stands in for the GPU this machine lacks: it holds no
+    memory, so each op that outputs a tensor there is one that would have allocated on the
+    GPU, and the numbers still come from the CPU, as they would with a GPU."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(GPT_CONFIG)
+    plan = plan_for_module(model, world_size=4, rank=1, stage=3)
+    with OpsOnDevice("meta") as ops:
+        masters = materialize(model, plan, init_fn=GPT._init_weights, device=torch.device("meta"))
+    largest_shard = max(layout.shard_numel for layout in plan.params)
+    assert max(layout.numel for layout in plan.params) > 4 * largest_shard - 4
+    # the parameters' placeholders: allocated and released at once ([Note: a sized tensor
+    # without storage]); everything else on the device is at most one shard
+    written = [(op, n) for op, n in ops.outputs if op != "aten.empty.memory_format"]
+    assert written and max(n for _, n in written) <= largest_shard, written
+    assert {name: m.numel() for name, m in masters.items()} == {
+        layout.name: layout.shard_numel for layout in plan.params}
+    assert all(p.device.type == "meta" and p.untyped_storage().nbytes() == 0
+               for p in model.parameters())
+    # the same values as a build on the CPU: rank 1's shards of the CPU-materialized model
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        on_cpu = GPT(GPT_CONFIG)
+    expected = materialize(on_cpu, plan_for_module(on_cpu, world_size=4, rank=1, stage=3),
+                           init_fn=GPT._init_weights)
+    built, _, _, _ = materialized(lambda: GPT(GPT_CONFIG), 3, GPT._init_weights, 0)
+    for layout in plan.params:
+        start, stop = layout.owned_range(1)
+        whole = dict(built.named_parameters())[layout.name].detach().reshape(-1)
+        assert torch.equal(expected[layout.name][:stop - start], whole[start:stop]), layout.name

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("zero_fx")
 
+HOST = torch.device("cpu")
+"""Where initialization runs ([Note: built on the host])."""
+
 
 def materialize(model: nn.Module, plan: ShardPlan, *,
                 init_fn: Optional[Callable[[nn.Module], None]] = None,
@@ -35,7 +38,8 @@ def materialize(model: nn.Module, plan: ShardPlan, *,
     module at a time. Meta tensors change only once everything succeeded (swapped in
     place: the modules, ties and the optimizer keep referring to the same objects);
     tensors that have values are overwritten as they are read. New tensors go on
-    ``device``, by default the CPU (the first call passes where this rank trains).
+    ``device``, by default the CPU (the first call passes where this rank trains); values
+    are built on the host ([Note: built on the host]).
 
     Returns the stage-3 shards, or None when the caller cuts them from whole parameters
     (stages 0-2, or nothing to materialize)."""
@@ -51,7 +55,7 @@ def materialize(model: nn.Module, plan: ShardPlan, *,
     in_files = pretrained.key_of if pretrained is not None else {}
     wanted = [mt for mt in meta if id(mt.tensor) not in in_files]
     if wanted:  # first: what it allocates on the way is gone before the shards fill up
-        _initialize(model, tensors, wanted, sink, device, init_fn, loading=pretrained is not None)
+        _initialize(model, tensors, wanted, sink, HOST, init_fn, loading=pretrained is not None)
     if pretrained is not None:
         pretrained.read_into(tensors, sink)
     sink.install(tensors)
@@ -64,6 +68,25 @@ def materialize(model: nn.Module, plan: ShardPlan, *,
 
 
 def _initialize(model, tensors, wanted, sink, device, init_fn, *, loading: bool) -> None:
+    """Build ``wanted`` on ``device`` (the host) and hand each to ``sink``.
+
+    [Note: built on the host]
+    Initialization runs on the CPU, whatever device the rank trains on, and only
+    what the rank keeps is copied to its device: a stage-3 parameter's shard, cut
+    on the host, or a whole tensor (stages 0-2, buffers). Built on the device, every
+    tensor (the embedding, a large projection) would sit there whole, however
+    briefly, next to the shards made so far: on the models stage 3 is for, the
+    largest parameter alone may not fit. Host memory holds one module's tensors
+    at a time ([Note: building one module at a time] in replay.py).
+
+    The random numbers come from the CPU generator, so the values are those of the
+    model built on the CPU under the same seed and then moved (``Model(cfg).to(device)``,
+    the usual script), not those of one built under ``with torch.device("cuda")``,
+    which draws from the GPU's generator; the GPU's generator is left as it is.
+    Initializing on the CPU is slower than on a GPU (each rank draws the whole model,
+    one module at a time); the pretrained path (``load_pretrained``) reads only
+    this rank's rows and draws nothing.
+    """
     uses_hf_init = init_fn is None and hf.is_pretrained_model(model)
     if loading and hf.is_pretrained_model(model):
         unwritten = wanted  # what the files lack are buffers its __init__ computes: rebuilt below
@@ -74,8 +97,7 @@ def _initialize(model, tensors, wanted, sink, device, init_fn, *, loading: bool)
             wanted_ids = {id(mt.tensor) for mt in wanted}
             events = [e for e in events
                       if any(id(mt.tensor) in wanted_ids for _, mt in own_slots(e.module, by_id))]
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) \
-                if loading else contextlib.nullcontext():
+        with torch.random.fork_rng(devices=[]) if loading else contextlib.nullcontext():
             unwritten = replay(tensors, wanted, events, device, sink.put_full,
                                tie_owner=model.get_input_embeddings() if uses_hf_init else None)
     if not unwritten:
@@ -106,23 +128,29 @@ class _Sink:
         return mt.is_param and self.plan.params_sharded
 
     def put_full(self, mt: ModelTensor, full: torch.Tensor) -> None:
-        """``full``: the tensor's whole value (this call may free it)."""
+        """``full``: the tensor's whole value, on any device (this call may free it); what
+        this rank keeps of it goes to ``self.device``."""
         if self.sharded(mt):
-            self.masters[mt.name] = cut_shard(full, self.plan.layout(mt.name), self.plan.rank)
-            full.untyped_storage().resize_(0)  # the parameter keeps its shape, not its values
+            shard = cut_shard(full, self.plan.layout(mt.name), self.plan.rank)
+            self.masters[mt.name] = shard.to(self.device)
+            _free(full)
+            if mt.is_meta:  # the parameter keeps its shape, not its values
+                self._values[id(mt.tensor)] = storageless(mt.tensor, self.device)
+            return
+        value = full.to(self.device)
+        if value is not full:
+            _free(full)
         if mt.is_meta:
-            self._values[id(mt.tensor)] = full
-        elif not self.sharded(mt):
+            self._values[id(mt.tensor)] = value
+        else:
             with torch.no_grad():
-                mt.tensor.copy_(full)
+                mt.tensor.copy_(value)
 
     def put_shard(self, mt: ModelTensor, fill: Callable[[torch.Tensor, int, int], None]) -> None:
         """A stage-3 parameter's shard, filled directly by ``fill(out, start, stop)`` with its
         flat elements ``[start, stop)`` (the padding stays zero)."""
-        if mt.is_meta:  # made first: it allocates the whole tensor for a moment
-            empty = torch.empty(mt.tensor.shape, dtype=mt.tensor.dtype, device=self.device)
-            empty.untyped_storage().resize_(0)
-            self._values[id(mt.tensor)] = empty
+        if mt.is_meta:
+            self._values[id(mt.tensor)] = storageless(mt.tensor, self.device)
         layout = self.plan.layout(mt.name)
         start, stop = layout.owned_range(self.plan.rank)
         shard = torch.zeros(layout.shard_numel, dtype=layout.dtype, device=self.device)
@@ -141,3 +169,25 @@ class _Sink:
             value.__dict__.update(mt.tensor.__dict__)
             torch.utils.swap_tensors(mt.tensor, value)
         self._values.clear()
+
+
+def storageless(like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A contiguous tensor of ``like``'s shape and dtype on ``device`` holding no memory: a
+    stage-3 parameter ([Note: freed parameters] in runtime/sharded_state.py).
+
+    [Note: a sized tensor without storage]
+    PyTorch cannot make a tensor of a shape on a device without giving it that much
+    storage first (``set_`` grows the storage to fit, ``as_strided`` refuses a
+    storage too small), so the bytes are allocated, never written, and released
+    at once. On CUDA the caching allocator keeps the block for what comes next (the
+    next shards are cut from it), so materializing reserves the largest parameter
+    once beside the shards, never the model; on the host, pages never written are
+    never committed."""
+    tensor = torch.empty(like.shape, dtype=like.dtype, device=device)
+    tensor.untyped_storage().resize_(0)
+    return tensor
+
+
+def _free(tensor: torch.Tensor) -> None:
+    """Release ``tensor``'s memory now, though the replay may still refer to it."""
+    tensor.untyped_storage().resize_(0)

@@ -18,8 +18,9 @@ that is the whole model at once. So there are two passes:
    receive exactly the numbers pass 1 drew for them. Then they are handed on.
 
 Afterwards the generator is where pass 1 left it: where a normal build leaves
-it. Peak memory: this rank's shards, one module's tensors whole, the
-throwaways of one event. Fresh floating-point tensors start as NaN: a NaN left
+it. Peak memory: this rank's shards, and on the host one module's tensors whole
+and the throwaways of one event ([Note: built on the host] in materialize.py).
+Fresh floating-point tensors start as NaN: a NaN left
 after its events means part of the tensor was never initialized, and a tensor
 no event wrote has no values; both are errors that name the tensor and the
 module, never uninitialized memory passed on as weights.
