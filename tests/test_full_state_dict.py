@@ -188,3 +188,26 @@ def test_gathered_parameters_says_what_it_gathers(caplog):
         model(torch.randn(2, WIDTH))
     said = [r.getMessage() for r in caplog.records if "gathered_parameters" in r.getMessage()]
     assert len(said) == 1 and format_bytes(whole) in said[0] and "float32" in said[0], said
+
+
+def _on_a_mesh(rank, world_size):
+    from ranks import with_mesh
+
+    torch.manual_seed(0)
+    model = Blocks()
+    step = zero_compile(_train_step, stage=3, backend="aot_eager", **with_mesh({"mesh": (2, 2)}))
+    g = torch.Generator().manual_seed(rank)
+    step(model, torch.optim.AdamW(model.parameters()), torch.randn(4, WIDTH, generator=g),
+         torch.randn(4, WIDTH, generator=g))
+    streamed, peak = _peak_bytes(lambda: step.full_state_dict(cpu_offload=True))
+    return {"streamed": streamed, "peak": peak, "whole": step.full_state_dict(cpu_offload=False)}
+
+
+def test_on_a_hybrid_mesh_only_rank_0s_shard_group_gathers():
+    """2 replicas of 2 shards: ranks 0 and 1 (replica 0) gather, rank 0 keeps the dict, and
+    the other replica's ranks return at once, allocating nothing."""
+    results = run_ranks(4, _on_a_mesh)
+    assert results[0]["streamed"].keys() == results[0]["whole"].keys()
+    assert all(torch.equal(v, results[0]["whole"][k]) for k, v in results[0]["streamed"].items())
+    assert all(r["streamed"] == {} for r in results[1:])
+    assert results[1]["peak"] > 0 and results[2]["peak"] == results[3]["peak"] == 0
