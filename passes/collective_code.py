@@ -1,13 +1,47 @@
 """The tensor code passes splice in to move parameters and gradients: one function per collective.
 
-Each takes a bucket: the tensors of one or more parameters, in bucket order,
-and returns one tensor per parameter. One parameter means no copy in or out;
-several mean one ``cat`` into the flat buffer the collective works on, and
-(all-gather) one copy out per parameter, so each full parameter is its own
-tensor and dies after its own last use, not the bucket's.
+Each takes a bucket: the tensors of one or more parameters, in bucket order, and returns
+one tensor per parameter. A bucket costs the step's own graph one op per step of its
+code, not one per parameter ([Note: one op per bucket]): the shards go into the flat
+buffer in one ``_chunk_cat``, a gathered buffer comes out in one
+``split_with_sizes_copy``, the gradients go into theirs in one ``_chunk_cat``, which
+flattens, pads and lays them out rank-major at once.
 
-SUM-then-divide, never AVG: gloo's AVG returns sums in some paths
-(pytorch#162338).
+[Note: one op per bucket]
+Under regional compilation the code around a collective runs in the step's own graph as
+Python, op by op (zero_fx/compiler/regions.py), so an op per parameter costs a dispatch
+(on CUDA a launch too) per parameter. FSDP2 does each step of a bucket in one op, and so
+do we:
+
+- gather: ``_chunk_cat(shards, 0, 1)`` is the ``(1, S)`` flat buffer (the cast to the
+  compute dtype follows, one op for the bucket), the all-gather makes it ``(N, S)``, and
+  ``split_with_sizes_copy`` along dim 1 copies each parameter's columns out at once; a
+  view gives each its shape.
+- reduce: ``_chunk_cat(grads, 0, N)`` pads each gradient to ``N * shard`` elements and
+  puts rank r's slices of all of them in row r: the reduce-scatter's input, in one op.
+  A gradient whose rows split evenly over the ranks goes in as it is (row chunks are
+  then the flat layout's shards); any other is flattened first.
+
+Copies, not views into the gathered buffer: each full parameter stays its own tensor
+and dies after its own last use, not the bucket's (passes/README.md, the release
+invariant). Views would save the copy-out (one read and one write of the bucket), but a
+view keeps the whole gathered buffer alive while any member is in use, so a bucket's
+first parameter would live as long as its last: with buckets of ``bucket_bytes``
+spanning blocks, or a member read again late, that is the bucket held, not a parameter.
+The copy costs one bucket of transient memory while it runs, as the per-parameter
+copies did.
+
+[Note: divide before the sum]
+A reduction's mean over N ranks is SUM over ranks of ``grad / N``: the bucket buffer is
+divided as it is assembled, before the collective, so no sum of N undivided gradients
+ever exists. In fp16 the sum of N loss-scaled gradients overflows where each one does
+not (at 4 ranks, a gradient a quarter of fp16's largest value), which made the dynamic
+loss scale fall with the world size; divided first, the sum is no larger than the
+largest gradient. (DeepSpeed divides first too.) With hybrid sharding the division is
+by every rank's count, ``world_size * replicas``, before the reduce-scatter; the
+replicate group's all-reduce then sums. SUM, never AVG: gloo's AVG returns sums in some
+paths (pytorch#162338), and PREMUL_SUM, which would fold the division into the
+collective, is not on gloo.
 """
 
 from __future__ import annotations
@@ -25,17 +59,20 @@ def gather_bucket(*shards: torch.Tensor, numels: Sequence[int], shapes: Sequence
     """Full parameters from this rank's shards (see [Note: flat layout] in zero_fx/plan/layout.py).
 
     The gathered buffer is rank-major: ``[rank 0: shard 1, shard 2, ...][rank 1: ...]``;
-    parameter ``i`` is column block ``i`` of its ``(world_size, bucket shard numel)`` view.
+    parameter ``i`` is column block ``i`` of its ``(world_size, bucket shard numel)`` view,
+    copied out with the others in one op ([Note: one op per bucket]).
     ``dtype`` (mixed precision): cast the shards first, so the collective moves that dtype.
     """
-    shards = _cast(shards, dtype)
-    flat = shards[0] if len(shards) == 1 else torch.cat(shards)
+    if len(shards) == 1:
+        flat = _cast(shards[0], dtype)
+        if world_size > 1:
+            flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world_size, group_name))
+        return [_unpadded(flat, numels[0], shapes[0])]
+    flat = _cast(torch._chunk_cat(shards, 0, 1), dtype)  # (1, bucket shard numel)
     if world_size > 1:
         flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world_size, group_name))
-    if len(shards) == 1:
-        return [flat[:numels[0]].view(shapes[0])]
-    columns = flat.view(world_size, -1).split([s.numel() for s in shards], dim=1)
-    return [column.reshape(-1)[:numel].view(shape)
+    columns = torch.split_with_sizes_copy(flat, [s.numel() for s in shards], dim=1)
+    return [_unpadded(column, numel, shape)
             for column, numel, shape in zip(columns, numels, shapes)]
 
 
@@ -45,47 +82,57 @@ def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_s
     """This rank's 1-D shard of each gradient's mean over ranks, in ``dtype`` (None: the
     gradients' own).
 
-    Each gradient is flattened and padded to its layout; the bucket buffer
-    puts rank r's slices of all of them together, so one reduce-scatter leaves
-    this rank exactly its shard of each. With ``replicas`` (hybrid sharding), the
-    summed shard is then all-reduced across the replicate group, and divided by
-    every rank's count once.
+    The bucket buffer puts rank r's slices of all the gradients (flattened and padded to
+    their layouts) together, so one reduce-scatter leaves this rank exactly its shard of
+    each; it is assembled in one op and divided by every rank's count before the sum
+    ([Note: one op per bucket], [Note: divide before the sum]). With ``replicas`` (hybrid
+    sharding), the shard is then summed across the replicate group.
     """
-    grads = _cast(grads, dtype)
-    flats = [torch.nn.functional.pad(g.reshape(-1), (0, p)) if p else g.reshape(-1)
-             for g, p in zip(grads, paddings)]
+    grads = [_cast(g, dtype) for g in grads]
     if world_size == 1:
-        return flats
-    if len(flats) == 1:
-        buffer = flats[0]
-    else:
-        buffer = torch.cat([f.view(world_size, -1) for f in flats], dim=1).reshape(-1)
-    summed = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buffer, "sum", world_size, group_name))
+        return [torch.nn.functional.pad(g.reshape(-1), (0, p)) if p else g.reshape(-1)
+                for g, p in zip(grads, paddings)]
+    rows = [g if g.dim() == 1 or (g.dim() > 1 and g.shape[0] % world_size == 0) else g.reshape(-1)
+            for g in grads]
+    buffer = _average(torch._chunk_cat(rows, 0, world_size), world_size * replicas)
+    shard = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buffer.view(-1), "sum", world_size,
+                                                          group_name))
     if replicas > 1:
-        summed = _c10d.wait_tensor(_c10d.all_reduce(summed, "sum", replicate_group_name))
-    shard = _average(summed, world_size * replicas)
-    if len(flats) == 1:
+        shard = _c10d.wait_tensor(_c10d.all_reduce(shard, "sum", replicate_group_name))
+    if len(grads) == 1:
         return [shard]
-    return list(shard.split([f.numel() // world_size for f in flats]))
+    return list(shard.split([(g.numel() + p) // world_size for g, p in zip(grads, paddings)]))
 
 
 def all_reduce_bucket(*grads: torch.Tensor, world_size: int, group_name: str,
                       dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
-    """Each gradient, whole, averaged over ranks (stage 0), in ``dtype`` (None: its own)."""
-    grads = _cast(grads, dtype)
+    """Each gradient, whole, averaged over ranks (stage 0), in ``dtype`` (None: its own):
+    the bucket is flattened into one buffer in one op and divided before the sum
+    ([Note: divide before the sum])."""
+    grads = [_cast(g, dtype) for g in grads]
     if world_size == 1:
-        return list(grads)
-    buffer = grads[0] if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
-    summed = _c10d.wait_tensor(_c10d.all_reduce(buffer, "sum", group_name))
-    mean = _average(summed, world_size)
+        return grads
+    buffer = grads[0] if len(grads) == 1 else torch._chunk_cat(grads, 0, 1)  # (1, numel)
+    summed = _c10d.wait_tensor(_c10d.all_reduce(_average(buffer, world_size), "sum", group_name))
     if len(grads) == 1:
-        return [mean]
-    return [part.view(g.shape) for part, g in zip(mean.split([g.numel() for g in grads]), grads)]
+        return [summed]
+    return [part.view(g.shape) for part, g in zip(summed.split([g.numel() for g in grads], 1),
+                                                   grads)]
 
 
-def _cast(tensors: Sequence[torch.Tensor], dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
-    return [t if dtype is None or t.dtype == dtype else t.to(dtype) for t in tensors]
+def _cast(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
 
 
-def _average(summed: torch.Tensor, world_size: int) -> torch.Tensor:
-    return summed / world_size
+def _unpadded(flat: torch.Tensor, numel: int, shape) -> torch.Tensor:
+    """The parameter: the first ``numel`` elements of contiguous ``flat``, in ``shape``;
+    only the views that change something (each is an op in the step's graph)."""
+    if flat.numel() != numel:
+        flat = (flat if flat.dim() == 1 else flat.view(-1))[:numel]
+    return flat if tuple(flat.shape) == tuple(shape) else flat.view(shape)
+
+
+def _average(buffer: torch.Tensor, ranks: int) -> torch.Tensor:
+    """``buffer`` divided by the number of ranks its sum runs over, before the sum
+    ([Note: divide before the sum])."""
+    return buffer / ranks

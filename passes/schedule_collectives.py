@@ -126,7 +126,8 @@ def _wait_of(collective: Node) -> Node:
 
 
 def _issue_group(collective: Node, order) -> list[Node]:
-    """The collective and the inserted code that prepares its buffer (a ``cat``), in order."""
+    """The collective and the inserted code that prepares its buffer (its concatenation, a
+    reduction's division), in order."""
     carries = carried_params(collective)
     group, stack = set(), [collective]
     while stack:
@@ -138,7 +139,7 @@ def _issue_group(collective: Node, order) -> list[Node]:
 
 
 def _tail(wait: Node, order) -> list[Node]:
-    """The wait and the inserted code after it (divide, split, views), in order."""
+    """The wait and the inserted code after it (the copy-out or split, views), in order."""
     carries = carried_params(wait)
     tail, stack = set(), [wait]
     while stack:

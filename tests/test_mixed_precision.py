@@ -117,6 +117,41 @@ def test_fp16_overflow_skips_the_step_and_the_scale_follows_gradscalers_rule(opt
     assert all(torch.equal(result["params"][4][n], result["params"][3][n]) for n in initial)
 
 
+def growing_scale_rank(rank, world_size):
+    """fp16 (the loss in fp32) with a loss scale that doubles after every clean step, so it
+    climbs until the gradients overflow; every rank's quarter of each global batch holds the
+    same rows, so each rank's gradients are the single process's (a rank's own backward on
+    other rows would reach other magnitudes, which is the data, not the reduction)."""
+    import models
+    from zero_fx import zero_compile
+
+    model = models.build("gpt")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = MixedPrecision(param_dtype=torch.float16, output_dtype=torch.float32,
+                            initial_scale=2.0 ** 16, growth_interval=1)
+    step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager",
+                        mixed_precision=policy)
+    history = []
+    for i in range(6):
+        x, y = models.global_batch("gpt", i, size=2)
+        x, y = x.repeat(4, 1), y.repeat(4, 1)  # the same global batch at 1 and 4 ranks
+        rows = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+        step(model, opt, x[rows], y[rows])
+        history.append((step.loss_scale, step.skipped_steps))
+    return history
+
+
+def test_fp16_loss_scale_does_not_fall_with_the_world_size():
+    """[Note: divide before the sum] in passes/collective_code.py: each rank's gradients are
+    divided by 4 before the reduce-scatter sums them, so 4 ranks overflow exactly where one
+    does: the same skipped steps and the same scale. Summed first, the sum of 4 gradients
+    overflowed at a quarter of the scale (measured before the change: of 6 steps 2 skipped at
+    1 rank, 3 at 4 ranks; final scale 2^18 at 1 rank, 2^16 at 4)."""
+    single = run_ranks(1, growing_scale_rank)[0]
+    assert single[-1][1] > 0, single  # the scale reached the gradients' limit
+    assert run_ranks(4, growing_scale_rank)[0] == single
+
+
 @pytest.mark.parametrize("optimizer, reads", [("fused adamw", 0), ("sgd", 1)])
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_an_fp16_step_reads_nothing_on_the_host_but_the_overflow_of_an_unfused_optimizer(

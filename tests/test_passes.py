@@ -1,5 +1,9 @@
 """Each pass on a tiny hand-built step graph (linear layer + loss + autograd.grad), by op counts."""
 
+import functools
+import math
+from operator import getitem
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -13,6 +17,7 @@ from zero_fx.passes.predicates import (GRAD_SLOTS_META, PARAM_META, Phase, gathe
                                        is_all_gather, is_all_reduce, is_reduce_scatter, is_view,
                                        is_wait, kept_through_loss, phase_of, viewed)
 from zero_fx.analysis.traffic import traffic_report
+from zero_fx.passes.collective_code import all_reduce_bucket, gather_bucket, reduce_scatter_bucket
 
 aten = torch.ops.aten
 WORLD = 2
@@ -145,14 +150,77 @@ class TestReduceGrads:
         assert count(gm, is_reduce_scatter) == 3
         outs = gm.graph.output_node().args[0]
         assert [tuple(o.meta["val"].shape) for o in outs[1:]] == [(8,), (3,), (5,)]
-        assert all(o.target == aten.div.Tensor for o in outs[1:])  # SUM, then / N
+        # [Note: divide before the sum]: each shard is the sum of gradients divided by N
+        assert all(is_wait(o) for o in outs[1:])
+        for o in outs[1:]:
+            buffer = viewed(o.args[0].args[0])
+            assert buffer.target == aten.div.Tensor and buffer.args[1] == WORLD
+            assert buffer.args[0].target == aten._chunk_cat.default  # flatten + pad, one op
+
+
+class TestBucketCode:
+    """[Note: one op per bucket] in collective_code.py: a bucket of four parameters (two padded
+    over 2 ranks) is assembled in one op and copied out in one; beyond the collective, each
+    parameter costs only the views that give it its shape."""
+
+    SHAPES = [(5, 3), (5,), (2, 5), (7,)]  # 15 and 7 elements are padded over 2 ranks
+    PADDED = 2
+
+    @staticmethod
+    def ops(fn, inputs):
+        gm = make_fx(fn, tracing_mode="fake")(*inputs)
+        calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not getitem]
+        return gm, calls, {n.target: sum(1 for c in calls if c.target == n.target) for n in calls}
+
+    def test_a_gathered_bucket_is_copied_out_in_one_op(self):
+        numels = [math.prod(s) for s in self.SHAPES]
+        shards = [torch.randn(-(-n // WORLD)) for n in numels]
+        code = functools.partial(gather_bucket, numels=numels, shapes=self.SHAPES,
+                                 world_size=WORLD, group_name="test")
+        gm, calls, ops = self.ops(code, shards)
+        assert ops[aten._chunk_cat.default] == 1 and ops[aten.split_with_sizes_copy.default] == 1
+        shaping = [c for c in calls if c.target not in (
+            aten._chunk_cat.default, aten.split_with_sizes_copy.default) and not is_all_gather(c)
+            and not is_wait(c)]
+        assert all(is_view(c) for c in shaping), shaping  # no copy per parameter
+        # one view each to its shape (none for the 1-D unpadded), a flatten and a slice if padded
+        assert len(shaping) <= len(self.SHAPES) + 2 * self.PADDED
+        # each parameter is its own tensor: it dies after its own last use, not the bucket's
+        fulls = [o.meta["val"] for o in gm.graph.output_node().args[0]]
+        assert [tuple(f.shape) for f in fulls] == self.SHAPES
+        assert len({f.untyped_storage()._cdata for f in fulls}) == len(fulls)
+
+    def test_a_reduction_bucket_is_assembled_and_divided_in_one_op_each(self):
+        grads = [torch.randn(s) for s in self.SHAPES]
+        paddings = [-(-math.prod(s) // WORLD) * WORLD - math.prod(s) for s in self.SHAPES]
+        code = functools.partial(reduce_scatter_bucket, paddings=paddings, world_size=WORLD,
+                                 group_name="test")
+        gm, calls, ops = self.ops(code, grads)
+        assert ops[aten._chunk_cat.default] == 1 and ops[aten.div.Tensor] == 1
+        assert aten.constant_pad_nd.default not in ops and aten.cat.default not in ops
+        (scatter,) = [c for c in calls if is_reduce_scatter(c)]
+        assert viewed(scatter.args[0]).target == aten.div.Tensor  # [Note: divide before the sum]
+        # only the (5, 3) gradient is flattened first: its 5 rows do not split over 2 ranks
+        assert len([c for c in calls if c.target == aten.view.default]) == 2  # it, the buffer
+        shards = [o.meta["val"] for o in gm.graph.output_node().args[0]]
+        assert [s.numel() for s in shards] == [(n + p) // WORLD for n, p in zip(
+            map(math.prod, self.SHAPES), paddings)]
+
+    def test_stage0_divides_the_bucket_before_the_all_reduce(self):
+        grads = [torch.randn(s) for s in self.SHAPES]
+        code = functools.partial(all_reduce_bucket, world_size=WORLD, group_name="test")
+        gm, calls, ops = self.ops(code, grads)
+        assert ops[aten._chunk_cat.default] == 1 and ops[aten.div.Tensor] == 1
+        (reduce,) = [c for c in calls if is_all_reduce(c)]
+        assert reduce.args[0].target == aten.div.Tensor
+        assert [tuple(o.meta["val"].shape) for o in gm.graph.output_node().args[0]] == self.SHAPES
 
 
 class TestStages:
     """Where each stage puts its collectives (the same pipeline, read by stage)."""
 
     ALL = (annotate_phases, recompute_param_views, gather_params, reduce_grads, check_invariants)
-    REDUCE_CODE = {aten.view.default, aten.constant_pad_nd.default, aten.div.Tensor}
+    REDUCE_CODE = {aten.view.default, aten._chunk_cat.default, aten.div.Tensor}
 
     def test_stage0_all_reduces_whole_gradients(self):
         gm, _ = rewritten(*self.ALL, stage=0)

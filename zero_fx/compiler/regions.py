@@ -56,7 +56,8 @@ log = logging.getLogger("zero_fx")
 MIN_REGION_OPS = 4
 """Runs with fewer ops that compute (neither views nor copies) run in the outer graph, op by op."""
 
-ONLY_MOVE_DATA = frozenset({"_unsafe_view", "clone", "cat", "constant_pad_nd", "copy"})
+ONLY_MOVE_DATA = frozenset({"_unsafe_view", "clone", "cat", "_chunk_cat", "constant_pad_nd", "copy",
+                            "split_with_sizes_copy"})
 """Ops that only copy or reshape data, besides those whose schemas declare a view: eager runs
 each as the one copy a body would."""
 
