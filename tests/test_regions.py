@@ -12,7 +12,7 @@ from examples.gpt import GPT, GPTConfig
 from training import parity_errors, reference_run, zero_fx_run
 from zero_fx import zero_compile
 from zero_fx.compiler.lowered_schedule import planned_schedule
-from zero_fx.passes.predicates import is_collective, is_wait
+from zero_fx.passes.predicates import is_all_gather, is_collective, is_reduce_scatter, is_wait
 from zero_fx.plan.offline import language_model_loss
 
 
@@ -55,6 +55,33 @@ def test_the_bodies_do_not_grow_with_depth(fake_world_of_two):
     compiled = sum(r.nodes for r in deep.regions)
     assert compiled == sum(r.nodes for r in shallow.regions)
     assert compiled < deep.graph_nodes / 10, deep
+
+
+def test_the_outer_graph_runs_ops_per_bucket_not_per_parameter(fake_world_of_two):
+    """[Note: one op per bucket] (passes/collective_code.py) and [Note: views only the body
+    reads go in]: from 4 to 8 blocks the step's own graph grows, per block, by its bodies'
+    calls, per bucket by its collective and wait and its code's few ops (a gather: one
+    concatenation in, one copy out; a reduction: one concatenation in, the division, a
+    flatten, one split), and by the short runs left between collectives (each op with at
+    most one view): nothing per parameter, of which a block here has 6. Before, each block
+    added 104 ops: every parameter's copy-out, shaping and transposes, every gradient's
+    flatten and pad."""
+    def counts(step):
+        nodes = step.graphs[0].graph.nodes
+        return (step.compilations[0].regions, sum(1 for n in nodes if is_all_gather(n)),
+                sum(1 for n in nodes if is_reduce_scatter(n)))
+
+    (shallow, gathers_4, reductions_4), (deep, gathers_8, reductions_8) = (
+        counts(_gpt_step(n)) for n in (4, 8))
+    blocks = 4
+    gathers, reductions = (gathers_8 - gathers_4) / blocks, (reductions_8 - reductions_4) / blocks
+    assert (gathers, reductions) == (2, 1)  # a block's forward and backward gathers, its reduction
+    calls = (deep.calls - shallow.calls) / blocks
+    short_runs = (deep.outer_ops - shallow.outer_ops) / blocks - reductions  # not the divisions
+    bound = gathers * (2 + 2) + reductions * (2 + 4) + calls + 2 * short_runs
+    assert (deep.outer_dispatches - shallow.outer_dispatches) / blocks <= bound, deep
+    for copying in ("aten.clone", "aten.constant_pad_nd", "aten.cat.", "aten.slice"):
+        assert copying not in deep.outer_code, copying  # no per-parameter copy, pad or slice
 
 
 def test_the_outer_graph_runs_the_collectives_in_the_graphs_order(fake_world_of_two, tmp_path):
