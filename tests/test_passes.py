@@ -150,12 +150,10 @@ class TestReduceGrads:
         assert count(gm, is_reduce_scatter) == 3
         outs = gm.graph.output_node().args[0]
         assert [tuple(o.meta["val"].shape) for o in outs[1:]] == [(8,), (3,), (5,)]
-        # [Note: divide before the sum]: each shard is the sum of gradients divided by N
-        assert all(is_wait(o) for o in outs[1:])
-        for o in outs[1:]:
-            buffer = viewed(o.args[0].args[0])
-            assert buffer.target == aten.div.Tensor and buffer.args[1] == WORLD
-            assert buffer.args[0].target == aten._chunk_cat.default  # flatten + pad, one op
+        # fp32: the shard is divided after the sum ([Note: divide before the sum])
+        assert all(o.target == aten.div.Tensor and o.args[1] == WORLD for o in outs[1:])
+        for o in outs[1:]:  # flatten and pad in one op
+            assert viewed(o.args[0].args[0].args[0]).target == aten._chunk_cat.default
 
 
 class TestBucketCode:
@@ -190,8 +188,11 @@ class TestBucketCode:
         assert [tuple(f.shape) for f in fulls] == self.SHAPES
         assert len({f.untyped_storage()._cdata for f in fulls}) == len(fulls)
 
-    def test_a_reduction_bucket_is_assembled_and_divided_in_one_op_each(self):
-        grads = [torch.randn(s) for s in self.SHAPES]
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+    def test_a_reduction_bucket_is_assembled_and_divided_in_one_op_each(self, dtype):
+        """[Note: divide before the sum]: in 16 bits the buffer is divided before the
+        reduce-scatter sums it; in fp32 the shard after (a division over 1/N the elements)."""
+        grads = [torch.randn(s, dtype=dtype) for s in self.SHAPES]
         paddings = [-(-math.prod(s) // WORLD) * WORLD - math.prod(s) for s in self.SHAPES]
         code = functools.partial(reduce_scatter_bucket, paddings=paddings, world_size=WORLD,
                                  group_name="test")
@@ -199,7 +200,9 @@ class TestBucketCode:
         assert ops[aten._chunk_cat.default] == 1 and ops[aten.div.Tensor] == 1
         assert aten.constant_pad_nd.default not in ops and aten.cat.default not in ops
         (scatter,) = [c for c in calls if is_reduce_scatter(c)]
-        assert viewed(scatter.args[0]).target == aten.div.Tensor  # [Note: divide before the sum]
+        (divide,) = [c for c in calls if c.target == aten.div.Tensor]
+        assert (viewed(scatter.args[0]) is divide) == (dtype != torch.float32)
+        assert divide.args[1] == WORLD
         # only the (5, 3) gradient is flattened first: its 5 rows do not split over 2 ranks
         assert len([c for c in calls if c.target == aten.view.default]) == 2  # it, the buffer
         shards = [o.meta["val"] for o in gm.graph.output_node().args[0]]
