@@ -51,8 +51,11 @@ measured 127 ms slower that way). fp32's range makes the sum's overflow moot, an
 a power of two the two orders give the same bits (subnormals aside). A stage-0
 all-reduce divides its whole buffer either way, so it always divides first.
 
-SUM, never AVG: gloo's AVG returns sums in some paths (pytorch#162338), and PREMUL_SUM,
-which would fold the division into the collective, is not on gloo.
+On gloo: SUM, never AVG: gloo's AVG returns sums in some paths (pytorch#162338), and
+PREMUL_SUM, which would fold the division into the collective, is not on gloo. On NCCL
+(``ShardPlan.collectives_average``, set where NCCL moves the training device's tensors)
+the reductions are AVG: for floating types NCCL runs it as a sum pre-multiplied by 1/N
+(PreMulSum), which is dividing first with no op of ours at all, in every dtype.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ def gather_bucket(*shards: torch.Tensor, numels: Sequence[int], shapes: Sequence
 
 def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_size: int,
                           group_name: str, dtype: Optional[torch.dtype] = None, replicas: int = 1,
-                          replicate_group_name: str = "") -> list[torch.Tensor]:
+                          replicate_group_name: str = "", averages: bool = False) -> list[torch.Tensor]:
     """This rank's 1-D shard of each gradient's mean over ranks, in ``dtype`` (None: the
     gradients' own).
 
@@ -98,6 +101,8 @@ def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_s
     each; it is assembled in one op ([Note: one op per bucket]) and divided by every rank's
     count, in 16 bits before the sum, in 32 after it ([Note: divide before the sum]). With
     ``replicas`` (hybrid sharding), the shard is also summed across the replicate group.
+    ``averages``: the backend averages in the collective (NCCL's AVG, a sum pre-multiplied
+    by 1/N): no division op at all.
     """
     grads = [_cast(g, dtype) for g in grads]
     if world_size == 1:
@@ -106,14 +111,15 @@ def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_s
     rows = [g if g.dim() == 1 or (g.dim() > 1 and g.shape[0] % world_size == 0) else g.reshape(-1)
             for g in grads]
     buffer = torch._chunk_cat(rows, 0, world_size)
-    first = _divides_first(buffer.dtype)
+    op = "avg" if averages else "sum"
+    first = not averages and _divides_first(buffer.dtype)
     if first:
         buffer = _average(buffer, world_size * replicas)
-    shard = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buffer.view(-1), "sum", world_size,
+    shard = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buffer.view(-1), op, world_size,
                                                           group_name))
     if replicas > 1:
-        shard = _c10d.wait_tensor(_c10d.all_reduce(shard, "sum", replicate_group_name))
-    if not first:
+        shard = _c10d.wait_tensor(_c10d.all_reduce(shard, op, replicate_group_name))
+    if not (averages or first):
         shard = _average(shard, world_size * replicas)
     if len(grads) == 1:
         return [shard]
@@ -121,7 +127,8 @@ def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_s
 
 
 def all_reduce_bucket(*grads: torch.Tensor, world_size: int, group_name: str,
-                      dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
+                      dtype: Optional[torch.dtype] = None,
+                      averages: bool = False) -> list[torch.Tensor]:
     """Each gradient, whole, averaged over ranks (stage 0), in ``dtype`` (None: its own):
     the bucket is flattened into one buffer in one op and divided before the sum
     ([Note: divide before the sum])."""
@@ -129,7 +136,8 @@ def all_reduce_bucket(*grads: torch.Tensor, world_size: int, group_name: str,
     if world_size == 1:
         return grads
     buffer = grads[0] if len(grads) == 1 else torch._chunk_cat(grads, 0, 1)  # (1, numel)
-    summed = _c10d.wait_tensor(_c10d.all_reduce(_average(buffer, world_size), "sum", group_name))
+    summed = _c10d.wait_tensor(_c10d.all_reduce(buffer, "avg", group_name) if averages else
+                               _c10d.all_reduce(_average(buffer, world_size), "sum", group_name))
     if len(grads) == 1:
         return [summed]
     return [part.view(g.shape) for part, g in zip(summed.split([g.numel() for g in grads], 1),

@@ -57,9 +57,11 @@ def reduction(plan, names) -> functools.partial:
     """The code that reduces the gradients of ``names`` (one bucket) for ``plan``'s stage."""
     if plan.stage == 0:
         return functools.partial(all_reduce_bucket, world_size=plan.world_size,
-                                 group_name=plan.group_name, dtype=plan.reduce_dtype)
+                                 group_name=plan.group_name, dtype=plan.reduce_dtype,
+                                 averages=plan.collectives_average)
     return functools.partial(reduce_scatter_bucket,
                              paddings=[plan.layout(n).padding for n in names],
                              world_size=plan.world_size, group_name=plan.group_name,
                              dtype=plan.reduce_dtype, replicas=plan.replicas,
-                             replicate_group_name=plan.replicate_group_name)
+                             replicate_group_name=plan.replicate_group_name,
+                             averages=plan.collectives_average)

@@ -92,6 +92,10 @@ def test_a_group_named_gloo_and_nccl_trains_cuda_models_with_the_nccl_check(gloo
     assert check.timeout == datetime.timedelta(seconds=7)
     # ...and not for CPU training, where gloo raises at the collective
     assert failures.completion_check(world, torch.device("cpu")) is None
+    # NCCL averages in the collective; gloo sums and the bucket code divides
+    world = World(size=2, rank=0, group_name="shards", backends=process_group._backends())
+    assert process_group.collectives_average(world, torch.device("cuda", 1))
+    assert not process_group.collectives_average(world, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("config, device, message", [

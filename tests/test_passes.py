@@ -1,5 +1,6 @@
 """Each pass on a tiny hand-built step graph (linear layer + loss + autograd.grad), by op counts."""
 
+import dataclasses
 import functools
 import math
 from operator import getitem
@@ -217,6 +218,36 @@ class TestBucketCode:
         (reduce,) = [c for c in calls if is_all_reduce(c)]
         assert reduce.args[0].target == aten.div.Tensor
         assert [tuple(o.meta["val"].shape) for o in gm.graph.output_node().args[0]] == self.SHAPES
+
+
+    @pytest.mark.parametrize("replicas", [1, 2])
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+    def test_where_the_backend_averages_no_division_runs(self, dtype, replicas):
+        """NCCL (``ShardPlan.collectives_average``): AVG in the collective, a sum that NCCL
+        pre-multiplies by 1/N, instead of SUM and a division of ours."""
+        grads = [torch.randn(s, dtype=dtype) for s in self.SHAPES]
+        paddings = [-(-math.prod(s) // WORLD) * WORLD - math.prod(s) for s in self.SHAPES]
+        code = functools.partial(reduce_scatter_bucket, paddings=paddings, world_size=WORLD,
+                                 group_name="test", averages=True, replicas=replicas,
+                                 replicate_group_name="replicas" if replicas > 1 else "")
+        _, calls, ops = self.ops(code, grads)
+        assert aten.div.Tensor not in ops and ops[aten._chunk_cat.default] == 1
+        collectives = [c for c in calls if is_reduce_scatter(c) or is_all_reduce(c)]
+        assert [c.args[1] for c in collectives] == ["avg"] * replicas
+        stage0 = functools.partial(all_reduce_bucket, world_size=WORLD, group_name="test",
+                                   averages=True)
+        _, calls, ops = self.ops(stage0, grads)
+        assert aten.div.Tensor not in ops
+        assert [c.args[1] for c in calls if is_all_reduce(c)] == ["avg"]
+
+    def test_the_plan_says_whether_the_backend_averages(self):
+        gm, plan = step_graph(3)
+        averaging = dataclasses.replace(plan, collectives_average=True)
+        for p in (annotate_phases, recompute_param_views, gather_params, reduce_grads):
+            gm = p(gm, averaging)
+        scatters = [n for n in gm.graph.nodes if is_reduce_scatter(n)]
+        assert scatters and all(n.args[1] == "avg" for n in scatters)
+        assert not any(n.target == aten.div.Tensor for n in gm.graph.nodes)
 
 
 class TestStages:

@@ -132,6 +132,11 @@ class ShardPlan:
     shard is all-reduced across them ([Note: hybrid sharding] in runtime/process_group.py)."""
     replicate_group_name: str = ""
     """The group of this rank's copies ("" when ``replicas`` is 1)."""
+    collectives_average: bool = False
+    """The gradient reductions average in the collective (``"avg"``: NCCL, whose AVG of
+    floating types multiplies by 1/N before it sums), so no division op runs; False: SUM,
+    divided by the bucket code (gloo, whose AVG returns sums in some paths). [Note: divide
+    before the sum] in passes/collective_code.py."""
     recompute: Any = None
     """What the backward recomputes instead of keeping (``recompute_activations``): None,
     ``"blocks"``, a policy ``fn(node) -> "save" | "recompute"`` or an ``ActivationBudget``."""
@@ -240,6 +245,7 @@ def make_plan(
     recompute: Any = None,
     replicas: int = 1,
     replicate_group_name: str = "",
+    collectives_average: bool = False,
 ) -> ShardPlan:
     """Lay out parameters ``(name, shape, dtype, requires_grad)`` over ``world_size`` ranks.
 
@@ -301,6 +307,7 @@ def make_plan(
         recompute=recompute,
         replicas=replicas,
         replicate_group_name=replicate_group_name,
+        collectives_average=collectives_average,
     )
 
 

@@ -178,6 +178,13 @@ def check_devices_match_backend(params: Iterable[torch.Tensor]) -> None:
                          "(one GPU per rank), or init_process_group('gloo') to train on CPUs")
 
 
+def collectives_average(world: World, device: torch.device) -> bool:
+    """Whether the gradient reductions can average in the collective: NCCL moves this
+    device's tensors (its AVG of floating types is a sum pre-multiplied by 1/N; gloo's AVG
+    returns sums in some paths). [Note: divide before the sum] in passes/collective_code.py."""
+    return world.backend_for(device.type) == "nccl"
+
+
 def serves_cuda() -> bool:
     """Whether a model on CUDA can train here: CUDA is available, and either there is no
     process group (one GPU) or the default group moves CUDA tensors with a backend zero_fx's

@@ -19,7 +19,7 @@ from ..plan import ShardPlan, plan_for_module
 from .gloo_all_gather import use_gloo_single_tensor_all_gather
 from .precision import LossScaler, cast_at_model_edge
 from .process_group import (check_current_cuda_device, check_devices_match_backend,
-                            training_device, world_of)
+                            collectives_average, training_device, world_of)
 from .rank_agreement import RankAgreement
 from .sharded_state import ShardedState
 from .update import OptimizerUpdate
@@ -69,6 +69,7 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     plan = plan_for_module(model, world_size=world.size, rank=world.rank, stage=config.stage,
                            group_name=world.group_name, replicas=world.replicas,
                            replicate_group_name=world.replicate_group_name,
+                           collectives_average=collectives_average(world, device),
                            **config.plan_options(hardware_for(model)))
     try:  # a meta model, or pretrained weights: this rank's values (the model is unchanged on error)
         masters = materialize(model, plan, init_fn=config.init_fn, pretrained=pretrained,
