@@ -78,6 +78,17 @@ OPTIMIZERS = {
 }
 
 
+OVERFLOW_HISTORY = [
+    (2.0 ** 16, 1, 0),  # 2^17: the fp16 seed is inf, skipped, halved
+    (2.0 ** 15, 2, 0),  # 2^16 = 65536 > 65504, still inf
+    (2.0 ** 15, 2, 1),  # fits: the first real step
+    (2.0 ** 16, 2, 2),  # two clean steps in a row: doubled
+    (2.0 ** 15, 3, 2),  # overflows again
+]
+"""(loss scale, skipped steps, optimizer steps) after each of ``overflowing_fp16_rank``'s five
+calls: GradScaler's rule."""
+
+
 def overflowing_fp16_rank(rank, world_size, optimizer="sgd"):
     """fp16 with the loss itself in fp16: a loss scale above 65504 makes the backward's seed
     inf, so the step overflows until the scale has halved below it."""
@@ -104,13 +115,7 @@ def test_fp16_overflow_skips_the_step_and_the_scale_follows_gradscalers_rule(opt
 
     initial = {n: p.detach().clone() for n, p in models.build("gpt").named_parameters()}
     result = run_ranks(2, overflowing_fp16_rank, optimizer)[0]
-    assert result["history"] == [
-        (2.0 ** 16, 1, 0),  # 2^17: the fp16 seed is inf, skipped, halved
-        (2.0 ** 15, 2, 0),  # 2^16 = 65536 > 65504, still inf
-        (2.0 ** 15, 2, 1),  # fits: the first real step
-        (2.0 ** 16, 2, 2),  # two clean steps in a row: doubled
-        (2.0 ** 15, 3, 2),  # overflows again
-    ]
+    assert result["history"] == OVERFLOW_HISTORY
     for name, value in initial.items():  # skipped steps changed nothing
         assert torch.equal(result["params"][1][name], value), name
     assert not torch.equal(result["params"][2]["wte.weight"], initial["wte.weight"])
