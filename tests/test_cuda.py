@@ -430,12 +430,7 @@ rounding to 512 B blocks and 2 MiB segments, cuBLAS's workspace (tens of MiB on 
 and the optimizer update's temporaries (AdamW's foreach over shard-sized tensors)."""
 
 
-def _gpt_step(model, opt, x, y):
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
+_gpt_step = models.training_step("gpt")
 
 
 @pytest.mark.parametrize("regional", [True, False], ids=["regional", "whole"])
