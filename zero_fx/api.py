@@ -258,7 +258,7 @@ class CompiledStep:
                 raise capture_failed(err) from err
             except RuntimeError as err:
                 if is_communication_failure(err):
-                    raise self._deferred.failed_before_update(
+                    raise self._deferred.error_before_update(
                         self._sharded.update, self.plan.rank, err) from err
                 raise
         self._deferred.run(self._sharded.update, self.plan.rank, self._observers)

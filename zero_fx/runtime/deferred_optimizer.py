@@ -58,7 +58,7 @@ class DeferredOptimizerCalls:
                 if not is_communication_failure(err):
                     raise
                 update.discard()
-                raise self.failed_before_update(update, rank, err) from err
+                raise self.error_before_update(update, rank, err) from err
             if ready:
                 try:
                     update.apply()
@@ -70,8 +70,8 @@ class DeferredOptimizerCalls:
                     raise failure from err
             update.fence()
 
-    def failed_before_update(self, update: OptimizerUpdate, rank: int,
-                             err: BaseException) -> BaseException:
+    def error_before_update(self, update: OptimizerUpdate, rank: int,
+                            err: BaseException) -> BaseException:
         """The error for a collective of this call that failed before its update: that nothing
         of this call was updated, once the earlier calls' fences say their updates stand (a
         failed one is raised instead: [Note: failures on NCCL])."""
