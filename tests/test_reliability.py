@@ -481,10 +481,12 @@ def test_a_steady_state_step_makes_no_host_sync(stage, precision):
     """[Note: no host sync in the steady state]: no value read on the host, no blocking wait
     (the NCCL completion check on: it polls), at stage 3 in fp32 and at stage 2 (gathers
     after the update) in fp16 with fused AdamW (the overflow skip on the device). The one
-    wait is the ranks' agreement check, a barrier of the hosts over a CPU group."""
+    wait is the ranks' agreement check, a barrier of the hosts over a CPU group; it is
+    counted only when the peer's fingerprint has not arrived yet (a finished wait returns at
+    once), so it is there or not."""
     for result in run_ranks(2, steady_state_host_syncs, stage, precision):
         assert result["fences"], "the completion check did not run"
-        assert result["where"] == [("wait", "rank_agreement.py")], result["syncs"]
+        assert result["where"] in ([], [("wait", "rank_agreement.py")]), result["syncs"]
 
 
 def test_the_host_sync_counter_sees_reads_copies_and_waits():
