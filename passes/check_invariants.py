@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch.fx import GraphModule
 
 from .predicates import Phase, gathered_param, is_collective, is_wait, kept_through_loss, phase_of
 
 
 class InvariantError(AssertionError):
-    """A pass produced a graph that breaks an invariant: a zero_fx bug, please report it."""
+    """A pass produced a graph that breaks an invariant (passes/README.md).
+
+    ``pass_name`` is the pass whose output first broke it, when the pipeline knows
+    (``run_pipeline`` checks after every pass): your own pass (``zero_compile(passes=...)``),
+    or one of zero_fx's, which is a zero_fx bug: please report it."""
+
+    def __init__(self, message: str, pass_name: Optional[str] = None):
+        super().__init__(message)
+        self.pass_name = pass_name
 
 
 def check_invariants(gm: GraphModule, plan) -> GraphModule:

@@ -13,7 +13,7 @@ from torch.fx import GraphModule
 from .accumulate_embedding_grads import accumulate_embedding_grads
 from .annotate_phases import annotate_phases
 from .bucket_collectives import bucket_collectives
-from .check_invariants import check_invariants
+from .check_invariants import InvariantError, check_invariants
 from .gather_params import gather_params
 from .order_weight_grads import order_weight_grads
 from .recompute_activations import recompute_activations
@@ -149,14 +149,21 @@ after each (graph dumps)."""
 def run_pipeline(gm: GraphModule, pipeline: Sequence[NamedPass],
                  observe: Optional[PassObserver] = None) -> GraphModule:
     """Run each pass in order; at INFO on ``zero_fx.passes``, log its time and how op
-    counts changed."""
+    counts changed.
+
+    When the pipeline ends in ``check_invariants``, the invariants are also checked after
+    every pass before it, so an ``InvariantError`` names the pass that broke them
+    (``err.pass_name``): the user's pass, or one of ours (a zero_fx bug)."""
     logging_ops = log.isEnabledFor(logging.INFO)
+    check = next((p for p in pipeline if p.ours and p.name == "check_invariants"), None)
     if observe:
         observe("captured", gm)
     for named in pipeline:
         before = _op_counts(gm) if logging_ops else None
         start = time.perf_counter()
         gm = named.run(gm)
+        if check is not None and named is not check:
+            _check_after(check, named, gm)
         if before is not None:
             after = _op_counts(gm)
             delta = {op: after[op] - before[op] for op in after | before if after[op] != before[op]}
@@ -166,6 +173,21 @@ def run_pipeline(gm: GraphModule, pipeline: Sequence[NamedPass],
         if observe:
             observe(named.name, gm)
     return gm
+
+
+def _check_after(check: NamedPass, named: NamedPass, gm: GraphModule) -> None:
+    """``check_invariants`` on the output of ``named``; an ``InvariantError`` names it."""
+    try:
+        check.run(gm)
+    except InvariantError as err:
+        if named.ours:
+            blame = (f"zero_fx's pass {named.name} broke an invariant (a zero_fx bug: please "
+                     f"report it with the graph dump, zero_compile(debug=DebugOptions(dump_dir=...)))")
+        else:
+            blame = (f"your pass {named.name} broke an invariant; fix {named.name}, or place it "
+                     f"elsewhere with zero_fx.before/after (the graph's promises are in "
+                     f"passes/README.md)")
+        raise InvariantError(f"{blame}: {err}", pass_name=named.name) from err
 
 
 def _op_counts(gm: GraphModule) -> Counter:
