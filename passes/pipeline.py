@@ -181,13 +181,14 @@ def _check_after(check: NamedPass, named: NamedPass, gm: GraphModule) -> None:
         check.run(gm)
     except InvariantError as err:
         if named.ours:
-            blame = (f"zero_fx's pass {named.name} broke an invariant (a zero_fx bug: please "
-                     f"report it with the graph dump, zero_compile(debug=DebugOptions(dump_dir=...)))")
+            blame = (f"zero_fx's pass {named.name} broke an invariant: {err}. This is a zero_fx "
+                     f"bug: please report it with the graph dump "
+                     f"(zero_compile(debug=DebugOptions(dump_dir=...)))")
         else:
-            blame = (f"your pass {named.name} broke an invariant; fix {named.name}, or place it "
-                     f"elsewhere with zero_fx.before/after (the graph's promises are in "
-                     f"passes/README.md)")
-        raise InvariantError(f"{blame}: {err}", pass_name=named.name) from err
+            blame = (f"your pass {named.name} broke an invariant: {err}. Fix {named.name}, or "
+                     f"place it elsewhere with zero_fx.before/after; passes/README.md lists "
+                     f"what every graph between passes must satisfy")
+        raise InvariantError(blame, pass_name=named.name) from err
 
 
 def _op_counts(gm: GraphModule) -> Counter:

@@ -116,16 +116,91 @@ def test_step_without_backward_is_an_error():
         zero_compile(forward_only, backend="eager")(model, torch.optim.AdamW(model.parameters()), *batch())
 
 
-def test_step_without_zero_grad_is_an_error():
-    def no_zero_grad(model, opt, x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
+def _no_zero_grad(model, opt, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _two_steps(model, opt, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """Every entry point that starts compiling the captured step (our capture, passes and
+    lowering, and aot_eager's and Inductor's own), each call recorded instead of run."""
+    import torch._dynamo.backends.debugging as debugging
+    import torch._inductor.compile_fx as compile_fx
+    from zero_fx.compiler import backend
+
+    started = []
+    for module, name in [(backend, "capture_step_graph"), (backend, "run_pipeline"),
+                         (backend, "lower"), (debugging, "aot_eager"),
+                         (compile_fx, "compile_fx"), (compile_fx, "compile_fx_inner")]:
+        monkeypatch.setattr(module, name, lambda *a, _name=name, **k: started.append(_name))
+    return started
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("step_fn, message", [
+    (_no_zero_grad, r"never calls opt.zero_grad\(\); call it after opt.step\(\).*Nothing was compiled"),
+    (_two_steps, r"calls opt.step\(\) 2 times; zero_fx needs exactly one.*Nothing was compiled"),
+])
+def test_a_step_of_the_wrong_shape_raises_before_anything_compiles(compiles, backend, step_fn,
+                                                                   message):
+    model = tiny()
+    with pytest.raises(CaptureError, match=message):
+        zero_compile(step_fn, backend=backend)(model, torch.optim.AdamW(model.parameters()),
+                                               *batch())
+    assert compiles == []
+
+
+def test_the_step_shape_check_does_not_stop_a_good_step(compiles):
+    """The spies see a well-formed step start compiling: the check above is not vacuous."""
+    model = tiny()
+    with pytest.raises(Exception):
+        zero_compile(standard_step, backend="aot_eager")(
+            model, torch.optim.AdamW(model.parameters()), *batch())
+    assert compiles[0] == "capture_step_graph"
+
+
+def test_exceptions_users_handle_are_exported():
+    import zero_fx
+    from zero_fx import CollectiveFailedError, InvariantError, RanksDisagreeError
+
+    assert {"CollectiveFailedError", "InvariantError", "RanksDisagreeError"} <= set(zero_fx.__all__)
+    assert issubclass(CollectiveFailedError, RuntimeError) and issubclass(RanksDisagreeError, RuntimeError)
+    assert InvariantError is zero_fx.passes.InvariantError
+
+
+def test_a_user_pass_that_breaks_an_invariant_is_named_unwrapped():
+    """A collective nobody waits for breaks "every collective has exactly one wait"; the error
+    reaches the user as InvariantError, not dynamo's BackendCompilerFailed, and names the pass."""
+    import zero_fx
+
+    def unwaited_all_reduce(gm):
+        loss = gm.graph.output_node().args[0][0]
+        with gm.graph.inserting_after(loss):
+            gm.graph.call_function(torch.ops._c10d_functional.all_reduce.default,
+                                   (loss, "sum", "0"))
 
     model = tiny()
-    with pytest.raises(CaptureError, match="zero_grad"):
-        zero_compile(no_zero_grad, backend="eager")(model, torch.optim.AdamW(model.parameters()), *batch())
+    step = zero_compile(standard_step, stage=3, backend="aot_eager",
+                        passes=[zero_fx.after("reduce_grads", unwaited_all_reduce)])
+    with pytest.raises(zero_fx.InvariantError,
+                       match=r"your pass unwaited_all_reduce broke an invariant: collective "
+                             r"all_reduce_default must have exactly one user, a wait; has \[\]\. "
+                             r"Fix unwaited_all_reduce") as err:
+        step(model, torch.optim.AdamW(model.parameters()), *batch())
+    assert err.value.pass_name == "unwaited_all_reduce"
+    assert "zero_fx" not in err.value.pass_name and "reduce_grads" not in str(err.value)
 
 
 def test_clipping_inside_the_step_is_an_error_that_names_max_grad_norm():

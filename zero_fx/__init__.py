@@ -9,10 +9,13 @@ from .config import MixedPrecision, ZeroConfig
 from .inspection.explain import Explanation
 from .logs import set_logs, set_logs_from_environment
 from .materialize import MaterializeError, load_pretrained
+from .passes.check_invariants import InvariantError
 from .passes.pipeline import after, before
 from .plan import ParamLayout, ShardPlan, make_plan, plan_for_module
 from .plan.offline import rewritten_step_on_fake
+from .runtime.failures import CollectiveFailedError
 from .runtime.init_distributed import Distributed, init_distributed
+from .runtime.rank_agreement import RanksDisagreeError
 
 __all__ = [
     "after",
@@ -20,6 +23,7 @@ __all__ = [
     "CaptureError",
     "CheckpointError",
     "checkpoint_exists",
+    "CollectiveFailedError",
     "Compilation",
     "CompiledStep",
     "Distributed",
@@ -29,6 +33,7 @@ __all__ = [
     "Explanation",
     "Hardware",
     "init_distributed",
+    "InvariantError",
     "load_pretrained",
     "make_plan",
     "MaterializeError",
@@ -36,6 +41,7 @@ __all__ = [
     "ParamLayout",
     "plan_for_module",
     "PRESETS",
+    "RanksDisagreeError",
     "rewritten_step_on_fake",
     "set_logs",
     "ShardPlan",

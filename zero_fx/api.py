@@ -17,6 +17,7 @@ from .analysis.collective_counter import CollectiveCounter
 from .analysis.cost_model import Estimate, estimate
 from .analysis.traffic import TrafficReport, traffic_report
 from .capture.hints import capture_failed, capture_hint
+from .capture.step_calls import trace_started
 from .capture.step_graph import CaptureError
 from .checkpoint import save_load as checkpoint
 from .compiler.backend import Compilation, StepCompiler
@@ -24,6 +25,7 @@ from .config import DEFAULT_PERSISTENCE_THRESHOLD, MixedPrecision, ZeroConfig, d
 from .formatting import ranks_phrase
 from .inspection.explain import Explanation, explain_graph
 from .materialize import PretrainedWeights
+from .passes.check_invariants import InvariantError
 from .plan import ShardPlan
 from .runtime.deferred_optimizer import DeferredOptimizerCalls
 from .runtime.failures import is_communication_failure
@@ -249,6 +251,10 @@ class CompiledStep:
             except torch._dynamo.exc.BackendCompilerFailed as err:
                 # our own errors while compiling (bad input, a user pass) are the user's to read
                 inner = getattr(err, "inner_exception", None)
+                if isinstance(inner, InvariantError):
+                    # an AssertionError dynamo wrapped: the user's to read, with its own
+                    # traceback (the pass that broke the graph) and the check's as its cause
+                    raise inner.with_traceback(inner.__traceback__) from inner.__cause__
                 if isinstance(inner, (CaptureError, ValueError, TypeError)):
                     raise inner from None
                 if capture_hint(str(inner)):
@@ -265,6 +271,7 @@ class CompiledStep:
         return out
 
     def _traced_step(self, *args, **kwargs):
+        trace_started()  # the optimizer calls this trace makes, checked before compiling
         out = self._fn(*args, **kwargs)
         # The backward has consumed the graph; what is returned is a value, not a node.
         return tree_map_only(torch.Tensor, torch.Tensor.detach, out)

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 from torch.fx import GraphModule
 
+from ..capture.step_calls import check_step_calls
 from ..capture.step_graph import (CHECKPOINTED_META, CaptureError, capture_step_graph,
                                   fakes_like_dynamo, has_dynamic_shapes)
 from ..config import ZeroConfig, describe_backend
@@ -71,6 +72,9 @@ class StepCompiler:
                                        extra=config.passes)
 
     def __call__(self, dynamo_gm: GraphModule, example_inputs: list) -> StepRunner:
+        # The step's shape first: nothing is captured, rewritten or lowered for a step that
+        # would fail after its first call ([Note: checking the step's calls before compiling]).
+        check_step_calls()
         start = time.perf_counter()
         reason = self._why_compiling()
         plan, state = self.sharded.plan, self.sharded.state

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ..capture.step_graph import CaptureError
+from ..capture.step_calls import check_step_calls, traced_step, traced_zero_grad
 from .failures import (FenceFailed, failed_after_update, failed_before_update, fence_failed,
                        is_communication_failure)
 from .step_runner import entered
@@ -34,23 +34,20 @@ class DeferredOptimizerCalls:
             optimizer.__dict__.update(saved)
 
     # Same function objects on every call, so dynamo's guards on them hold.
+    # Each also notes the call while dynamo traces, so the backend checks the calls before
+    # it compiles ([Note: checking the step's calls before compiling] in capture/step_calls.py).
     def _record_step(self, *args, **kwargs):
+        traced_step()
         self.calls.append("step")
 
     def _record_zero_grad(self, *args, **kwargs):
+        traced_zero_grad()
         self.calls.append("zero_grad")
 
     def run(self, update: OptimizerUpdate, rank: int, observers: list) -> None:
         """Check the step made the calls zero_fx needs, then accumulate the gradient shards
         and, at the end of an accumulation window, update the shards."""
-        if self.calls.count("step") != 1:
-            raise CaptureError(
-                f"the step called opt.step() {self.calls.count('step')} times; zero_fx needs "
-                "exactly one")
-        if "zero_grad" not in self.calls:
-            raise CaptureError(
-                "the step never calls opt.zero_grad(); call it after opt.step() (to accumulate "
-                "gradients over several calls, use zero_compile(accumulation_steps=K))")
+        check_step_calls(self.calls)
         with entered(observers):
             try:
                 ready = update.accumulate()
