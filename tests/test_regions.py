@@ -84,6 +84,34 @@ def test_the_outer_graph_runs_ops_per_bucket_not_per_parameter(fake_world_of_two
         assert copying not in deep.outer_code, copying  # no per-parameter copy, pad or slice
 
 
+def test_the_outer_graph_passes_values_that_travel_together_whole(fake_world_of_two):
+    """[Note: results passed whole] (zero_fx/compiler/packed_results.py): a gathered
+    bucket's copied-out list goes to the body that reads it as one argument, and a body's
+    results that one later node reads (a block's saved activations, its weight gradients
+    for the bucket's concatenation) come back as one tuple. Per block, besides its ops,
+    the outer graph grows by its parameters' inputs, their gradient shards taken apart for
+    the optimizer, and a few results read by two nodes: 22 nodes here, where taking every
+    result apart made it 47. And a value passed whole has no other reader, so no lifetime
+    grows."""
+    shallow, deep = (_gpt_step(n).compilations[0].regions for n in (4, 8))
+    blocks, parameters = 4, 6
+    dispatches = (deep.outer_dispatches - shallow.outer_dispatches) / blocks
+    nodes = (deep.outer_nodes - shallow.outer_nodes) / blocks
+    assert nodes - dispatches <= 2 * parameters + 10, (nodes, dispatches)
+    code = deep.outer_code
+    whole = re.findall(r"\bself\.region_\d+\(([^)]*?)(?:, packs = .*?)?, take = (\(\(.*?\)\))\)", code)
+    assert whole, "no call takes a list or a bundle whole"
+    taken_apart = set()
+    for arguments, take in whole:
+        names = [a.strip() for a in arguments.split(",")]
+        taken_apart |= {names[int(a)] for a, e in re.findall(r"\((\d+), (-?\d+)\)", take)
+                        if int(e) >= 0}
+    for name in taken_apart:  # defined, read by its one call, released: nothing else
+        reads = [line for line in code.splitlines()
+                 if re.search(rf"(?<![\w.]){name}\b", line) and not line.strip().startswith(f"{name} = ")]
+        assert len(reads) == 1, (name, reads)
+
+
 def test_the_outer_graph_runs_the_collectives_in_the_graphs_order(fake_world_of_two, tmp_path):
     """No body holds a collective or a wait, and the program that runs (the outer graph)
     issues and waits for them in the rewritten graph's order; explain() and the dumps show

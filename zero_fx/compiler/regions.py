@@ -44,7 +44,8 @@ matrix, which the backward makes of every weight and every weight gradient, a
 shape at 12 blocks (one of 2 fake ranks, aot_eager) the outer graph dispatched 1199 ops
 before these changes and the bucket code's, 276 after; its nodes, counting its 77
 inputs and the getitems that take the bodies' and buckets' results apart (a tuple index
-each), went from 1762 to 839.
+each), went from 1762 to 839, and to 554 once values that travel together are passed
+whole ([Note: results passed whole] in packed_results.py).
 
 Why not PyTorch's own repeated regions (``torch.compiler.nested_compile_region``, whose
 bodies become ``invoke_subgraph`` calls inside one Inductor program): the outer program
@@ -69,6 +70,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from ..passes.predicates import GATHERED_META, Phase, is_collective, is_view, is_wait, phase_of
 from ..plan.layout import block_of
+from .packed_results import REGION_META, pack, pass_results_whole, unpack
 
 log = logging.getLogger("zero_fx")
 
@@ -148,8 +150,10 @@ class CompiledRegion(torch.nn.Module):
         self.compiled = compiled
         self.region_name = region_name
 
-    def forward(self, *inputs):
-        return self.compiled(*inputs)
+    def forward(self, *inputs, take=None, packs=None):
+        """The body on its inputs; ``take`` and ``packs``: how the outer graph passes them and
+        their results whole ([Note: results passed whole] in packed_results.py)."""
+        return pack(self.compiled(*unpack(inputs, take)), packs)
 
 
 def compute_runs(gm: GraphModule) -> list[list[Node]]:
@@ -241,6 +245,7 @@ def compile_regions(gm: GraphModule, compile_body: BodyCompiler) -> tuple[GraphM
             places.append(_blocks_read([*inputs, *run]))
             _replace_with_call(gm, name, run, inputs, outputs)
         regions.append(Region(name, len(runs[0]), _phase(runs[0]), tuple(places), seconds, code))
+    pass_results_whole(gm)
     gm.graph.lint()
     gm.recompile()
     outer_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function" and computes(n)
@@ -362,7 +367,7 @@ def _replace_with_call(gm: GraphModule, name: str, run: Sequence[Node], inputs: 
     with graph.inserting_before(run[0]):
         call = graph.call_module(name, tuple(inputs))
         call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
-        call.meta["zero_region"] = name
+        call.meta[REGION_META] = name
         results = []
         for i, node in enumerate(outputs):
             results.append(graph.call_function(operator.getitem, (call, i)))
