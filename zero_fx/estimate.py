@@ -1,10 +1,16 @@
 """``python -m zero_fx.estimate``: plan a language model's step on fake tensors and print
 the cost model's estimate (see [Note: the cost model] in cost_model.py).
 
-    python -m zero_fx.estimate --model llama-8b --world 8 --hardware 8xh100-nvlink \\
-        --batch 1 --seq 4096 --dtype bfloat16
-    python -m zero_fx.estimate --model llama-8b --world 32 --hardware 4x8xh100-ib   # flat
-    python -m zero_fx.estimate --model llama-8b --mesh 4,8 --hardware 4x8xh100-ib   # hybrid
+    python -m zero_fx.estimate --model llama3-8b --world 8 --hardware 8xh100-nvlink \\
+        --batch 1 --seq 4096 --dtype bf16
+    python -m zero_fx.estimate --model llama3-8b --world 32 --hardware 4x8xh100-ib   # flat
+    python -m zero_fx.estimate --model llama3-8b --mesh 4,8 --hardware 4x8xh100-ib   # hybrid
+    python -m zero_fx.estimate --model llama3-8b --layers 2 --seq 512   # a quick look
+
+--model takes the same names as python -m zero_fx.plan; their shapes ship with zero_fx
+(zero_fx/plan/models.py) and are built as zero_fx's own torch modules, with torch
+alone. The old name llama-8b still means llama3-8b. --dtype takes either spelling:
+fp32|float32, bf16|bfloat16, fp16|float16.
 """
 
 from __future__ import annotations
@@ -13,23 +19,27 @@ import argparse
 import sys
 import time
 
-import torch
-
 from .analysis.cost_model import PRESETS, estimate
 from .plan.offline import rewritten_step_on_fake
 from .analysis.traffic import traffic_report
 from .inspection.explain import explain_graph
-from .plan.models import embedding_rows, import_builder, on_meta
+from .plan.cli import add_dtype_argument
+from .plan.models import (MODEL_NAMES_HELP, NAMED, embedding_rows, import_builder, named_builder,
+                          named_model, on_meta)
+from .plan.torch_models import max_positions
 
-MODELS = {"gpt-1b": "examples.gpt:gpt_1b", "llama-8b": "examples.llama:llama_8b"}
-"""Shortcuts for --model (they live in this repository's examples/)."""
 
-
-def load_model_builder(spec: str):
-    """``module:function`` (or a shortcut in MODELS) -> a callable building the model."""
-    spec = MODELS.get(spec, spec)
+def load_model_builder(spec: str, layers: int | None = None):
+    """A name in ``zero_fx.plan.models.NAMED`` (or an old name), or ``module:function`` -> a
+    callable building the model; ``layers``: a named model with that many blocks."""
+    name = named_model(spec)
+    if name is not None:
+        return named_builder(name, layers)
     if ":" not in spec:
-        raise SystemExit(f"--model must be one of {sorted(MODELS)} or module:function, got {spec!r}")
+        raise SystemExit(f"--model must be one of {MODEL_NAMES_HELP}, or module:function; "
+                         f"got {spec!r}")
+    if layers is not None:
+        raise SystemExit("--layers changes the depth of a named model only")
     return import_builder(spec)
 
 
@@ -37,8 +47,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m zero_fx.estimate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt-1b",
-                        help=f"{', '.join(MODELS)}, or module:function returning a model that "
-                             "maps token ids (batch, seq) to logits")
+                        help=f"{MODEL_NAMES_HELP}; or module:function returning a model that "
+                             "maps token ids (batch, seq) to logits (default: gpt-1b)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="a named model with this many blocks instead of its own: a quicker "
+                             "plan, whose numbers are the shallower model's")
     parser.add_argument("--vocab", type=int, default=None, help="default: the model's embedding rows")
     parser.add_argument("--world", type=int, default=None, help="ranks (default 8, or the mesh's)")
     parser.add_argument("--mesh", default=None, metavar="R,S",
@@ -47,7 +60,8 @@ def main(argv=None) -> None:
     parser.add_argument("--hardware", default="8xh100-nvlink", choices=sorted(PRESETS))
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    add_dtype_argument(parser, default="bf16",
+                       help="the dtype the model is built in (default bf16)")
     parser.add_argument("--bucket-bytes", type=int, default=None)
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--traffic", action="store_true", help="also print every collective")
@@ -56,19 +70,28 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     replicas, shards = mesh_shape(parser, args.mesh, args.world)
     over = f"{replicas} x {shards} ranks (hybrid)" if args.mesh else f"{shards} ranks"
-    build = load_model_builder(args.model)
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers must be >= 1, got {args.layers}")
+    name = named_model(args.model)
+    if name is not None and args.seq > max_positions(NAMED[name]):
+        parser.error(f"--seq {args.seq} is longer than {name}'s "
+                     f"{max_positions(NAMED[name])} positions")
+    build = load_model_builder(name or args.model, args.layers)
+    label = name or args.model
+    if args.layers is not None:
+        label += f" with {args.layers} of its {NAMED[name].n_layer} blocks"
     start = time.perf_counter()
-    print(f"planning {args.model} on fake tensors at {over}, stage {args.stage} ...",
+    print(f"planning {label} on fake tensors at {over}, stage {args.stage} ...",
           file=sys.stderr, flush=True)
     gm, plan = rewritten_step_on_fake(
         build, batch=args.batch, seq=args.seq, vocab_size=args.vocab or vocab_size_of(build),
-        world_size=shards, replicas=replicas, stage=args.stage, dtype=getattr(torch, args.dtype),
+        world_size=shards, replicas=replicas, stage=args.stage, dtype=args.dtype,
         bucket_bytes=args.bucket_bytes, prefetch=args.prefetch)
     print(f"planned in {time.perf_counter() - start:.1f} s: {plan.total_numel / 1e9:.2f}B "
           f"parameters, {len(gm.graph.nodes)} nodes", file=sys.stderr)
     if args.explain:
         print(explain_graph(gm, plan, hardware=args.hardware,
-                            title=f"zero_fx explain: {args.model}, planned on fake tensors, stage "
+                            title=f"zero_fx explain: {label}, planned on fake tensors, stage "
                                   f"{args.stage} over {over}"))
         return
     report = traffic_report(gm, plan)

@@ -7,6 +7,13 @@
 
 Nothing is allocated: the model is built on the meta device (see [Note: what the
 planner counts] in zero_fx/plan/planner.py).
+
+--model takes the same names as python -m zero_fx.estimate; their shapes ship with
+zero_fx (zero_fx/plan/models.py). A named model is built with HuggingFace transformers
+when it is installed (pip install transformers==4.57.6), else as zero_fx's own torch
+module of the same shapes and parameter count (gpt-1b always: transformers has no GPT-2
+without biases). A config.json needs transformers. --dtype takes either spelling:
+fp32|float32, bf16|bfloat16, fp16|float16.
 """
 
 from __future__ import annotations
@@ -14,25 +21,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
-from .models import NAMED, model_source
+from .cli import add_dtype_argument
+from .models import MODEL_NAMES_HELP, model_source
 from .planner import OPTIMIZER_BYTES, format_report, plan_model
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m zero_fx.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True,
-                        help=f"{', '.join(NAMED)}; a HuggingFace config.json (or its folder); "
+                        help=f"{MODEL_NAMES_HELP}; a HuggingFace config.json (or its folder); "
                              "or module:function returning an nn.Module")
     parser.add_argument("--world", type=int, required=True, help="number of ranks")
     parser.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3),
                         help="the stage to detail (buckets, working set); the tables show all")
-    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
-                        help="compute dtype; bf16/fp16 mean mixed precision with fp32 masters")
+    add_dtype_argument(parser, default="fp32",
+                       help="compute dtype; bf16/fp16 mean mixed precision with fp32 masters")
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES))
     parser.add_argument("--seq", type=int, default=None,
                         help="tokens per sequence: trace the step's working set at this length")
@@ -58,7 +62,7 @@ def main(argv=None) -> None:
     source = model_source(args.model)
     print(f"building {source.description} on the meta device ...", file=sys.stderr, flush=True)
     report = plan_model(source, world_size=args.world, stage=args.stage,
-                        dtype=DTYPES[args.dtype], optimizer=args.optimizer,
+                        dtype=args.dtype, optimizer=args.optimizer,
                         batch=args.batch, seq=args.seq,
                         recompute=None if args.recompute == "none" else args.recompute,
                         activation_memory_budget=args.activation_budget, nodes=args.nodes)

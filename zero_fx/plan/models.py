@@ -1,42 +1,83 @@
-"""The models the planner knows by name, and how it builds any model without memory.
+"""The models the CLIs know by name, and how the planner builds any model without memory.
 
-``--model`` is one of ``NAMED`` (HuggingFace configs, written out here so that no
-hub access is needed), a path to a HuggingFace ``config.json``, or
-``module:function`` returning an ``nn.Module`` (built on the meta device too).
-The HuggingFace forms need ``transformers`` (``pip install -e ".[hf]"``).
+``--model`` of ``python -m zero_fx.plan`` and ``python -m zero_fx.estimate`` is one of
+``NAMED`` (their shapes are written out in this package, zero_fx.plan.torch_models: no
+hub access, no checkout of the repository), an old name in ``ALIASES``, or
+``module:function`` returning an ``nn.Module`` (built on the meta device too). The
+planner also takes a path to a HuggingFace ``config.json`` (or its folder).
+
+The planner builds a named model with HuggingFace transformers when it is installed
+(the module names of the HF model; ``pip install transformers==4.57.6``), else as the
+package's own torch module of the same shapes and parameter count; the estimate always
+builds the torch module (it traces a forward that returns logits). A config.json needs
+transformers.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 
-_GPT2 = dict(model_type="gpt2", vocab_size=50257, n_positions=1024)
-_LLAMA2 = dict(model_type="llama", vocab_size=32000, max_position_embeddings=4096,
-               tie_word_embeddings=False)
-_LLAMA3 = dict(model_type="llama", vocab_size=128256, max_position_embeddings=8192,
-               rope_theta=500000.0, tie_word_embeddings=False)
+from . import torch_models
+from .torch_models import GPTConfig, LlamaConfig, ModelConfig
 
-NAMED: dict[str, dict[str, Any]] = {
-    "gpt2": dict(_GPT2, n_layer=12, n_embd=768, n_head=12),
-    "gpt2-medium": dict(_GPT2, n_layer=24, n_embd=1024, n_head=16),
-    "gpt2-xl": dict(_GPT2, n_layer=48, n_embd=1600, n_head=25),
+TRANSFORMERS_PIN = "transformers==4.57.6"
+"""The version pyproject.toml's [hf] extra pins (capture depends on the model code's details)."""
+TRANSFORMERS_MISSING = f"pip install {TRANSFORMERS_PIN}"
+
+_GPT2 = dict(vocab_size=50257, block_size=1024)
+_LLAMA2 = dict(vocab_size=32000, max_positions=4096, rope_theta=10000.0)
+_LLAMA3 = dict(vocab_size=128256, max_positions=8192, rope_theta=500000.0)
+
+NAMED: dict[str, ModelConfig] = {
+    "gpt2": GPTConfig(**_GPT2, n_layer=12, n_embd=768, n_head=12),
+    "gpt2-medium": GPTConfig(**_GPT2, n_layer=24, n_embd=1024, n_head=16),
+    "gpt2-xl": GPTConfig(**_GPT2, n_layer=48, n_embd=1600, n_head=25),
+    # 1.0B parameters: 18 layers of width 2048, GPT-2's vocabulary padded to 50304, no
+    # biases (examples/gpt.py's gpt_1b; transformers has no GPT-2 without biases)
+    "gpt-1b": GPTConfig(vocab_size=50304, block_size=2048, n_layer=18, n_head=16, n_embd=2048,
+                        bias=False),
     # The ZeRO paper quotes Ψ = 7.5B without an architecture; this GPT-2-shaped model
     # has 7.49B parameters (36 layers of width 4096, 8192 positions).
-    "zero-paper-7.5b": dict(_GPT2, n_layer=36, n_embd=4096, n_head=32, n_positions=8192),
-    "llama2-7b": dict(_LLAMA2, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=32),
-    "llama3-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8),
-    "llama3-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                       num_attention_heads=64, num_key_value_heads=8),
+    "zero-paper-7.5b": GPTConfig(vocab_size=50257, block_size=8192, n_layer=36, n_embd=4096,
+                                 n_head=32),
+    "llama2-7b": LlamaConfig(**_LLAMA2, dim=4096, ffn_dim=11008, n_layer=32, n_head=32,
+                             n_kv_head=32),
+    "llama3-8b": LlamaConfig(**_LLAMA3, dim=4096, ffn_dim=14336, n_layer=32, n_head=32,
+                             n_kv_head=8),
+    "llama3-70b": LlamaConfig(**_LLAMA3, dim=8192, ffn_dim=28672, n_layer=80, n_head=64,
+                              n_kv_head=8),
 }
+"""The shapes of every model the CLIs know by name (torch_models builds them)."""
+
+ALIASES = {"llama-8b": "llama3-8b"}
+"""Old names, still accepted: ``python -m zero_fx.estimate`` called Llama 3 8B ``llama-8b``."""
+
+MODEL_NAMES_HELP = (f"{', '.join(NAMED)} (old name: "
+                    + ", ".join(f"{old} = {new}" for old, new in ALIASES.items()) + ")")
+
+
+def named_model(spec: str) -> Optional[str]:
+    """The name in ``NAMED`` that ``spec`` means (aliases resolved; a note on stderr for an
+    old name), or None when ``spec`` is no name."""
+    if spec in ALIASES:
+        print(f"note: --model {spec} is the old name of {ALIASES[spec]}", file=sys.stderr)
+        return ALIASES[spec]
+    return spec if spec in NAMED else None
+
+
+def named_builder(name: str, layers: Optional[int] = None) -> Callable[[], nn.Module]:
+    """A callable building the named model as the package's torch module (token ids to
+    logits), with ``layers`` blocks instead of its own when given."""
+    return lambda: torch_models.build(NAMED[name], layers)
 
 
 @dataclass
@@ -53,9 +94,14 @@ class ModelSource:
 
 
 def model_source(spec: str) -> ModelSource:
-    """``--model``: a name in ``NAMED``, a ``config.json`` path, or ``module:function``."""
-    if spec in NAMED:
-        return _hf_source(dict(NAMED[spec]), spec)
+    """``--model``: a name in ``NAMED`` (or ``ALIASES``), a ``config.json`` path, or
+    ``module:function``."""
+    name = named_model(spec)
+    if name is not None:
+        hf_config = torch_models.huggingface_config(NAMED[name])
+        if hf_config is not None and importlib.util.find_spec("transformers") is not None:
+            return _hf_source(hf_config, name)
+        return _torch_source(name, missing_transformers=hf_config is not None)
     if spec.endswith(".json") or os.path.isdir(spec):
         path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
         try:
@@ -65,7 +111,7 @@ def model_source(spec: str) -> ModelSource:
             raise SystemExit(f"cannot read the config {path}: {err}") from None
     if ":" in spec:
         return _function_source(spec)
-    raise SystemExit(f"--model must be one of {', '.join(NAMED)}, a HuggingFace config.json, "
+    raise SystemExit(f"--model must be one of {MODEL_NAMES_HELP}, a HuggingFace config.json, "
                      f"or module:function; got {spec!r}")
 
 
@@ -79,8 +125,8 @@ def _hf_source(config: dict, description: str) -> ModelSource:
     try:
         import transformers
     except ImportError:
-        raise SystemExit("HuggingFace configs need transformers: pip install -e \".[hf]\" "
-                         "(or give --model module:function)") from None
+        raise SystemExit(f"HuggingFace configs need transformers: {TRANSFORMERS_MISSING} "
+                         "(or give a named model or module:function)") from None
     model_type = config.pop("model_type", None)
     if model_type is None:
         raise SystemExit(f"{description} has no model_type; is it a HuggingFace config.json?")
@@ -100,6 +146,15 @@ def _hf_source(config: dict, description: str) -> ModelSource:
         max_positions=getattr(base, "max_position_embeddings", None))
 
 
+def _torch_source(name: str, *, missing_transformers: bool) -> ModelSource:
+    cfg = NAMED[name]
+    how = (f"zero_fx's torch {type(cfg).__name__.removesuffix('Config')}"
+           + ("; without transformers, not the HF model" if missing_transformers else ""))
+    return ModelSource(description=f"{name} ({how})",
+                       build=lambda layers: torch_models.build(cfg, layers), layers=cfg.n_layer,
+                       vocab_size=cfg.vocab_size, max_positions=torch_models.max_positions(cfg))
+
+
 def _function_source(spec: str) -> ModelSource:
     make = import_builder(spec)
     return ModelSource(description=spec, build=lambda layers: make(), layers=None,
@@ -112,8 +167,8 @@ def import_builder(spec: str) -> Callable[[], nn.Module]:
     try:
         return getattr(importlib.import_module(module_name), function)
     except (ImportError, AttributeError) as err:
-        raise SystemExit(f"cannot load {spec}: {err} (run from the repository root for the "
-                         "examples' models, or put your module on PYTHONPATH)") from None
+        raise SystemExit(f"cannot load {spec}: {err} (put your module on PYTHONPATH; the "
+                         f"named models need none: {', '.join(NAMED)})") from None
 
 
 def embedding_rows(model: nn.Module) -> Optional[int]:
