@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..analysis.memory_timeline import MemoryTimeline
 
-MATPLOTLIB_MISSING = ("the memory plot (memory.png) needs matplotlib: pip install 'zero_fx[viz]' "
+MATPLOTLIB_MISSING = ("the memory plot (memory.png) needs matplotlib: pip install matplotlib "
                       "(the same curve is in the HTML view)")
 
 
