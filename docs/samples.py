@@ -21,12 +21,14 @@ Rewriting keeps the fence lines (and their language tag) and replaces what is be
 
 The samples (``SAMPLES``):
 
-- ``explain``, ``traffic``, ``dump-files``: the example GPT (examples/gpt.py; 2 blocks of
-  width 32, vocabulary 64, 16 positions), ``zero_compile(stage=3, backend="aot_eager",
-  persistence_threshold=0, dump_dir=...)`` over its whole training step, on a fake world of
-  2 ranks (torch's ``fake`` process group: shapes are real, nothing is sent), after one
-  call: ``print(step.explain())``, ``print(step.traffic())``, and the files the dump folder
-  holds, sorted, relative to it. One compilation serves all three (see ``gpt_step_samples``).
+- ``explain``, ``traffic``, ``dump-files``: the step of examples/train_gpt.py at its
+  default sizes (read from its argparse defaults; vocabulary 256), ``zero_compile(stage=3,
+  backend="aot_eager")``, on rank 0 of a fake world of 2 ranks (torch's ``fake`` process
+  group: shapes are real, nothing is sent), after one call: ``print(train_step.explain())``,
+  ``print(train_step.traffic())``, and the files of its dump folder (one rank and
+  compilation: ``<dump_dir>/train_step/rank0/compile0/``), sorted. ``torchrun
+  --nproc_per_node 2 examples/train_gpt.py --explain --backend aot_eager`` prints the same
+  report. One compilation serves all three (see ``gpt_step_samples``).
 - ``plan``: ``python -m zero_fx.plan`` (``PLAN_COMMAND``), its standard output.
 - ``estimate``: ``python -m zero_fx.estimate`` (``ESTIMATE_COMMAND``), its standard output.
   Both show the command as the block's first line (``$ python -m ...``).
@@ -104,6 +106,31 @@ FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 
 # --------------------------------------------------------------------------- producers
 
+EXAMPLE = "examples/train_gpt.py"
+"""The example whose step the ``explain``, ``traffic`` and ``dump-files`` samples show."""
+
+
+def example_defaults() -> dict:
+    """The example's default model and batch (its argparse defaults, read from its source so
+    that the samples follow it): layers, width, heads, seq, batch_size (global), lr."""
+    import ast
+    with open(os.path.join(REPO, EXAMPLE), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    defaults = {}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"
+                and node.args and isinstance(node.args[0], ast.Constant)):
+            for keyword in node.keywords:
+                if keyword.arg == "default" and isinstance(keyword.value, ast.Constant):
+                    defaults[node.args[0].value.lstrip("-").replace("-", "_")] = keyword.value.value
+    wanted = ("layers", "width", "heads", "seq", "batch_size", "lr")
+    missing = [w for w in wanted if not isinstance(defaults.get(w), (int, float))]
+    if missing:
+        raise RuntimeError(f"{EXAMPLE} has no numeric default for --{', --'.join(missing)}; "
+                           "docs/samples.py builds the example's model from them")
+    return {w: defaults[w] for w in wanted}
+
+
 def gpt_step_samples() -> dict[str, str]:
     """``explain``, ``traffic`` and ``dump-files`` from one compiled step (cached)."""
     return dict(_gpt_step_samples())
@@ -111,43 +138,53 @@ def gpt_step_samples() -> dict[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def _gpt_step_samples() -> tuple[tuple[str, str], ...]:
+    """The example's step (examples/train_gpt.py at its defaults, --backend aot_eager) on
+    rank 0 of a fake world of 2, after one call."""
     if REPO not in sys.path:  # examples.gpt lives in the checkout, not the package
         sys.path.insert(0, REPO)
     import torch
     import torch.distributed as dist
+    import torch.nn.functional as F
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    import zero_fx
     from examples.gpt import GPT, GPTConfig
-    from zero_fx import zero_compile
-    from zero_fx.plan.offline import language_model_loss
 
     if dist.is_initialized():
         raise RuntimeError("the GPT samples start a fake world of 2 ranks of their own; a "
                            "process group is already initialized in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    world = 2
+    example = example_defaults()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         with tempfile.TemporaryDirectory(prefix="zero_fx-samples-") as dump_dir:
             torch.manual_seed(0)
-            model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2,
-                                  n_embd=32, bias=False))
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            model = GPT(GPTConfig(vocab_size=256, block_size=example["seq"],
+                                  n_layer=example["layers"], n_head=example["heads"],
+                                  n_embd=example["width"]))
+            opt = torch.optim.AdamW(model.parameters(), lr=example["lr"], weight_decay=0.1)
+            if hasattr(zero_fx, "DebugOptions"):
+                dumping = {"debug": zero_fx.DebugOptions(dump_dir=dump_dir)}
+            else:
+                dumping = {"dump_dir": dump_dir}
 
-            @zero_compile(stage=3, backend="aot_eager", persistence_threshold=0,
-                          dump_dir=dump_dir)
-            def step(model, opt, x, y):
-                loss = language_model_loss(model, x, y)
+            @zero_fx.zero_compile(stage=3, backend="aot_eager", **dumping)
+            def train_step(model, opt, x, y):
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
                 return loss
 
-            x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-            step(model, opt, x, torch.roll(x, -1, dims=1))
-            files = sorted(os.path.relpath(os.path.join(root, f), dump_dir).replace(os.sep, "/")
-                           for root, _, names in os.walk(dump_dir) for f in names)
-            return (("explain", str(step.explain())),
-                    ("traffic", str(step.traffic())),
-                    ("dump-files", "\n".join(files)))
+            x = torch.randint(0, 256, (example["batch_size"] // world, example["seq"] + 1),
+                              generator=torch.Generator().manual_seed(0))
+            train_step(model, opt, x[:, :-1], x[:, 1:])
+            files = [os.path.join(root, f) for root, _, names in os.walk(dump_dir) for f in names]
+            folder = os.path.commonpath([os.path.dirname(f) for f in files]) if files else dump_dir
+            listing = sorted(os.path.relpath(f, folder).replace(os.sep, "/") for f in files)
+            return (("explain", str(train_step.explain())),
+                    ("traffic", str(train_step.traffic())),
+                    ("dump-files", "\n".join(listing)))
     finally:
         dist.destroy_process_group()
 
@@ -285,12 +322,12 @@ def _missing_without_matplotlib() -> frozenset:
 
 SAMPLES = {s.name: s for s in (
     Sample("explain", lambda: gpt_step_samples()["explain"],
-           "print(step.explain()) of the example GPT's stage-3 step, 2 fake ranks",
+           "print(train_step.explain()) of examples/train_gpt.py's step at stage 3, 2 fake ranks",
            graph_positions=True),
     Sample("traffic", lambda: gpt_step_samples()["traffic"],
-           "print(step.traffic()) of the same step", graph_positions=True),
+           "print(train_step.traffic()) of the same step", graph_positions=True),
     Sample("dump-files", lambda: gpt_step_samples()["dump-files"],
-           "the files dump_dir= holds after one call of the same step",
+           "the files of the same step's dump folder after one call",
            optional_lines=_missing_without_matplotlib),
     Sample("plan", plan_sample, " ".join(PLAN_COMMAND)),
     Sample("estimate", estimate_sample, " ".join(ESTIMATE_COMMAND)),
