@@ -43,7 +43,7 @@ def load_model_builder(spec: str, layers: int | None = None):
     return import_builder(spec)
 
 
-def main(argv=None) -> None:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m zero_fx.estimate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt-1b",
@@ -67,6 +67,11 @@ def main(argv=None) -> None:
     parser.add_argument("--traffic", action="store_true", help="also print every collective")
     parser.add_argument("--explain", action="store_true",
                         help="print the whole explain() report of the planned step instead")
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = make_parser()
     args = parser.parse_args(argv)
     replicas, shards = mesh_shape(parser, args.mesh, args.world)
     over = f"{replicas} x {shards} ranks (hybrid)" if args.mesh else f"{shards} ranks"

@@ -26,7 +26,7 @@ from .models import MODEL_NAMES_HELP, model_source
 from .planner import OPTIMIZER_BYTES, format_report, plan_model
 
 
-def main(argv=None) -> None:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m zero_fx.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True,
@@ -52,6 +52,11 @@ def main(argv=None) -> None:
                         help="ranks are on this many nodes: set flat and hybrid sharding (one "
                              "replica per node) side by side, bytes sent within and across nodes")
     parser.add_argument("--buckets", action="store_true", help="list every bucket")
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = make_parser()
     args = parser.parse_args(argv)
     if args.world < 1:
         parser.error(f"--world must be >= 1, got {args.world}")
