@@ -1,0 +1,260 @@
+"""The docs cannot go stale: every output sample marked in them (``<!-- sample: NAME -->``
+above a fenced block) has the structure of what the code prints now (docs/samples.py, whose
+docstring gives the rule: numbers that vary by machine are masked, names and counts are
+not); a sample made stale on purpose fails that check; every ``[Note: ...]`` the docs cite
+is defined in the code; every repository file they cite exists; and they carry no words
+about how the project's work was organised.
+
+``python -m docs.samples`` rewrites the samples when the code's output changes."""
+
+import glob
+import os
+import re
+import subprocess
+
+import pytest
+
+from docs import samples
+
+REPO = samples.REPO
+
+DOCS = ("README.md", "docs/*.md", "bench/README.md", "passes/README.md")
+"""The user-facing docs every check here reads."""
+
+NOTE_SOURCES = ("zero_fx", "passes", "bench", "examples")
+"""Where a ``[Note: X]`` may be defined: a docstring or comment line that starts with it."""
+
+REQUIRED = ("explain", "traffic", "plan")
+"""Samples the docs must show somewhere."""
+
+try:
+    MARKERS = samples.all_markers()
+    MARKER_ERROR = None
+except samples.SampleError as e:  # reported by test_every_marker_names_a_sample_and_a_block
+    MARKERS, MARKER_ERROR = [], str(e)
+
+
+def doc_files() -> list[str]:
+    return [path for pattern in DOCS for path in sorted(glob.glob(os.path.join(REPO, pattern)))]
+
+
+def read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def rel(path: str) -> str:
+    return os.path.relpath(path, REPO)
+
+
+@pytest.fixture(scope="module")
+def produced():
+    """Every cheap sample the docs mark, and traffic (for the stale-sample tests), produced
+    once: one compiled step serves explain, traffic and dump-files; the CLIs' processes run
+    while it compiles."""
+    names = {m.name for m in MARKERS if samples.SAMPLES[m.name].cheap} | {"traffic"}
+    return samples.produce_many(sorted(names))
+
+
+# --------------------------------------------------------------------------- samples
+
+def test_every_marker_names_a_sample_and_a_block():
+    assert MARKER_ERROR is None, MARKER_ERROR
+
+
+@pytest.mark.parametrize("name", REQUIRED)
+def test_the_docs_show_the_main_samples(name):
+    where = [f"{rel(m.path)}:{m.line}" for m in MARKERS if m.name == name]
+    assert where, (f"no <!-- sample: {name} --> in {', '.join(DOCS)}: the docs should show "
+                   f"{samples.SAMPLES[name].what}")
+
+
+@pytest.mark.parametrize("marker", MARKERS, ids=[f"{rel(m.path)}:{m.line}:{m.name}" for m in MARKERS])
+def test_sample_has_the_structure_of_what_the_code_prints(marker, produced):
+    if not samples.SAMPLES[marker.name].cheap:
+        pytest.skip(f"{marker.name} is too slow to regenerate here (python -m docs.samples --check)")
+    diff = samples.differences(marker.name, marker.body, produced[marker.name])
+    assert not diff, (f"{rel(marker.path)}:{marker.line}: sample {marker.name!r} is stale; "
+                      f"python -m docs.samples --only {marker.name} rewrites it:\n"
+                      + "\n".join(diff))
+
+
+def test_a_stale_sample_fails_the_check(produced):
+    current = produced["traffic"]
+    lines = current.split("\n")
+    assert samples.differences("traffic", current, current) == []
+    renamed = current.replace("wpe.weight", "wpe.bias", 1)
+    assert renamed != current
+    assert samples.differences("traffic", renamed, current), "a renamed parameter passed"
+    dropped = "\n".join(lines[:2] + lines[3:])
+    assert samples.differences("traffic", dropped, current), "a missing line passed"
+    # a count the code decides: the launches
+    recounted = re.sub(r"\b(\d+) launches", lambda m: f"{int(m.group(1)) + 1} launches", current)
+    assert recounted != current
+    assert samples.differences("traffic", recounted, current), "a wrong count passed"
+
+
+def test_numbers_that_vary_do_not_make_a_sample_stale(produced):
+    """Floats, byte sizes, times and graph positions are masked; columns may realign."""
+    current = produced["traffic"]
+    moved = re.sub(r"\d+\.\d+", "9.99", current)                 # ratios
+    moved = re.sub(r"\b[\d,]+ B\b", "1,234,567 B", moved)         # byte sizes
+    moved = re.sub(r"(forward|backward)(\s+)\d+(\s+)\d+", r"\1\2 1234\3 5678", moved)  # positions
+    assert moved != current
+    assert samples.differences("traffic", moved, current) == []
+    assert samples.structure("step 311.65 ms in 0.9 s, 21.9 GiB, 128 B at 0x7f3a, 2026-11-21") == \
+        samples.structure("step 2.5 ms in 12.25 s, 1.0 GiB, 4096 B at 0x1, 2027-01-02")
+    assert samples.structure("35 buckets, 291 tensors") != samples.structure("34 buckets, 291 tensors")
+
+
+def test_check_and_rewrite_from_the_command_line(tmp_path, produced, capsys):
+    """--check exits 1 and names the stale block's file and line; a rewrite keeps the fence
+    and its language tag, and --check then passes."""
+    doc = tmp_path / "page.md"
+    stale = produced["traffic"].split("\n")
+    del stale[3]
+    doc.write_text("# A page\n\n<!-- sample: traffic -->\n```text\n" + "\n".join(stale)
+                   + "\n```\n\nAfter.\n")
+    assert samples.main(["--check", "--only", "traffic", str(doc)]) == 1
+    assert f"{doc}:3: sample 'traffic' is stale" in capsys.readouterr().out
+    assert samples.main(["--only", "traffic", str(doc)]) == 0
+    text = doc.read_text()
+    assert "<!-- sample: traffic -->\n```text\n" + produced["traffic"] + "\n```\n\nAfter.\n" in text
+    assert samples.main(["--check", str(doc)]) == 0
+
+
+@pytest.mark.parametrize("page, error", [
+    ("<!-- sample: no-such-sample -->\n```\nx\n```\n", ":2: unknown sample 'no-such-sample'"),
+    ("<!-- sample: traffic -->\n\nsome prose\n", ":2: the sample 'traffic' must be followed by"),
+    ("<!-- sample: traffic -->\n```text\nx\n", ":2: the code block of sample 'traffic' is never closed"),
+])
+def test_a_bad_marker_is_an_error_naming_file_and_line(tmp_path, capsys, page, error):
+    doc = tmp_path / "page.md"
+    doc.write_text("# A page\n" + page)
+    assert samples.main(["--check", str(doc)]) == 2
+    assert f"{doc}{error}" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- notes
+
+NOTE = re.compile(r"\[Note:\s+([^\]]+?)\s*\]")
+
+
+def note_definitions() -> set[str]:
+    """``[Note: X]`` at the start of a line (after indentation, ``#`` or ``\"\"\"``)."""
+    defined = set()
+    start = re.compile(r"^\s*(?:#\s*)?(?:[rbuf]?\"\"\"|[rbuf]?''')?\[Note:\s+([^\]]+?)\s*\]")
+    for folder in NOTE_SOURCES:
+        for path in glob.glob(os.path.join(REPO, folder, "**", "*.py"), recursive=True):
+            for line in read(path).split("\n"):
+                m = start.match(line)
+                if m:
+                    defined.add(" ".join(m.group(1).split()))
+    return defined
+
+
+def test_every_cited_note_is_defined_in_the_code():
+    defined = note_definitions()
+    assert len(defined) > 20, defined  # the convention is still the one read here
+    missing = []
+    for path in doc_files():
+        text = read(path)
+        for m in NOTE.finditer(text):
+            note = " ".join(m.group(1).split())  # a citation may wrap over lines
+            if note not in defined:
+                line = text.count("\n", 0, m.start()) + 1
+                missing.append(f"{rel(path)}:{line}: [Note: {note}]")
+    assert not missing, ("notes cited in the docs and defined nowhere in "
+                         f"{', '.join(NOTE_SOURCES)}/:\n" + "\n".join(missing))
+
+
+# --------------------------------------------------------------------------- paths
+
+PATH = re.compile(r"(?<![\w./~:-])((?:\.ci|[A-Za-z_][\w.-]*)/[\w./-]*)")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+BARE = re.compile(r"`([\w-]+\.(?:py|sh))`")
+FENCED = re.compile(r"^\s*(```|~~~).*?^\s*\1\s*$", re.S | re.M)
+BARE_NAMES_IN = ("bench/README.md", "passes/README.md")
+"""Docs in a code folder, where a bare file name (`wire.py`) means a file beside them."""
+
+
+def ignored(paths: list[str]) -> set[str]:
+    """The paths git ignores (outputs such as bench/out/), relative to the repository."""
+    if not paths:
+        return set()
+    try:
+        done = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=REPO,
+                              input="\n".join(paths), capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return set(done.stdout.split())
+
+
+def cited_paths(path: str, text: str = None) -> list[tuple[int, str]]:
+    """(line, path relative to the repository) for each repository file the doc at ``path``
+    cites (``text``: its text, if not the file's)."""
+    text = read(path) if text is None else text
+    here = os.path.dirname(path)
+    top = {entry for entry in os.listdir(REPO) if not entry.startswith(".")} | {".ci"}
+    cited = []
+
+    def add(offset, target):
+        cited.append((text.count("\n", 0, offset) + 1,
+                      os.path.normpath(os.path.relpath(target, REPO))))
+
+    for m in PATH.finditer(text):
+        token = m.group(1).rstrip(".,;:")
+        first = token.split("/", 1)[0]
+        if first in top:
+            add(m.start(), os.path.join(REPO, token))
+        elif here != REPO and os.path.exists(os.path.join(here, first)):
+            add(m.start(), os.path.join(here, token))  # bench/README's results/...
+    for m in LINK.finditer(text):
+        target = m.group(1).split("#", 1)[0]
+        if target and not re.match(r"^[a-z][a-z0-9+.-]*:", target):  # not a URL or mailto
+            add(m.start(), os.path.join(here, target))
+    if rel(path) in BARE_NAMES_IN:
+        prose = FENCED.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+        for m in BARE.finditer(prose):
+            add(m.start(), os.path.join(here, m.group(1)))
+    return cited
+
+
+def test_every_cited_repository_file_exists():
+    missing = []
+    for path in doc_files():
+        cited = cited_paths(path)
+        outputs = ignored(sorted({p for _, p in cited if not os.path.exists(os.path.join(REPO, p))}))
+        for line, target in cited:
+            if not os.path.exists(os.path.join(REPO, target)) and target not in outputs:
+                missing.append(f"{rel(path)}:{line}: {target}")
+    assert not missing, "files the docs cite that the repository lacks:\n" + "\n".join(missing)
+
+
+def test_the_path_check_sees_what_it_should():
+    """The path check's own test: a cited file that is gone is found, outputs are not."""
+    assert ("examples/train_gpt.py" in {p for _, p in cited_paths(os.path.join(REPO, "README.md"))}
+            or not os.path.exists(os.path.join(REPO, "README.md")))
+    page = os.path.join(REPO, "docs", "a-page.md")
+    cited = {p: line for line, p in cited_paths(page, (
+        "# A page\n"
+        "See `zero_fx/no_such_file.py` and [the stages](stages_gone.md),\n"
+        "https://example.com/docs/x.md, bench/out/x.json, meta-llama/Llama-3-8B.\n"))}
+    assert cited == {"zero_fx/no_such_file.py": 2, "docs/stages_gone.md": 2, "bench/out/x.json": 3}
+    assert ignored(["bench/out/x.json", "zero_fx/no_such_file.py"]) == {"bench/out/x.json"}
+
+
+# --------------------------------------------------------------------------- wording
+
+ORGANISATION = re.compile(r"\bissues? #?\d+|\bparts? \d+ of\b|\bpart \d+\)|, part \d+\b", re.I)
+
+
+def test_no_words_about_how_the_work_is_organised():
+    found = []
+    for path in doc_files():
+        text = read(path)
+        for m in ORGANISATION.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            found.append(f"{rel(path)}:{line}: {m.group(0)!r}")
+    assert not found, ("the docs speak of the project's issues or their parts; say what the "
+                       "code does instead:\n" + "\n".join(found))
