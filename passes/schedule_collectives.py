@@ -9,15 +9,17 @@ compute, and never across the forward/backward boundary:
 - all-gathers: in each phase, gather ``i`` is issued where gather
   ``i - prefetch`` is waited for, so it runs while the compute that uses gather
   ``i - prefetch`` (and those after it) runs. Its wait stays right before its
-  first use. With ``memory_budget_bytes``, the prefetch distance shrinks (to 0 if
+  first use (``prefetch``, ``prefetch_buckets`` of zero_compile). With
+  ``memory_budget_bytes`` (``max_gathered_bytes``), the prefetch distance shrinks (to 0 if
   need be) wherever the gathered buckets alive at the new issue point plus this
   one would exceed the budget;
 - reductions (reduce-scatter, all-reduce): issued where ``bucket_collectives``
   put them, as soon as their last gradient exists; reduction ``i`` is waited for
-  right before reduction ``i + prefetch`` is issued, or at the end of the step.
+  right before reduction ``i + k`` is issued (``k``: ``reduce_overlap_buckets``), or at
+  the end of the step.
   With hybrid sharding a bucket's all-reduce across replicas reads its
   reduce-scatter's shard: it is issued where that is waited for and waited
-  ``prefetch`` reductions later again.
+  ``k`` reductions later again.
   A reduction's input (a bucket of full gradients) stays alive until its wait,
   so the distance is bounded.
 
@@ -49,13 +51,16 @@ def schedule_collectives(gm: GraphModule, plan) -> GraphModule:
     ``meta["zero_carries"]``. Ensures: the same nodes compute the same values
     (only positions change); no collective is issued before the inputs it
     reads nor waited after its first user.
-    Does nothing when ``prefetch`` is 0 or the world is one rank.
+    Does nothing when ``prefetch`` and the reductions' overlap are 0 or the world is one rank.
     """
-    if plan.prefetch == 0 or plan.world_size == 1:
+    overlap = reduce_overlap(plan)
+    if (plan.prefetch == 0 and overlap == 0) or plan.world_size == 1:
         return gm
-    for phase in Phase:
-        _prefetch_gathers(gm, plan, phase)
-    _sink_reduction_waits(gm, plan)
+    if plan.prefetch:
+        for phase in Phase:
+            _prefetch_gathers(gm, plan, phase)
+    if overlap:
+        _sink_reduction_waits(gm, overlap)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -80,7 +85,14 @@ def _prefetch_gathers(gm: GraphModule, plan, phase: Phase) -> None:
                 break
 
 
-def _sink_reduction_waits(gm: GraphModule, plan) -> None:
+def reduce_overlap(plan) -> int:
+    """How many reductions later each reduction is waited for: ``plan.reduce_overlap_buckets``,
+    or ``plan.prefetch`` when that is None."""
+    overlap = getattr(plan, "reduce_overlap_buckets", None)
+    return plan.prefetch if overlap is None else overlap
+
+
+def _sink_reduction_waits(gm: GraphModule, overlap: int) -> None:
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     reductions = [n for n in gm.graph.nodes
                   if is_collective(n) and not is_all_gather(n) and not _chained(n)]
@@ -94,10 +106,10 @@ def _sink_reduction_waits(gm: GraphModule, plan) -> None:
         tail = _tail(_wait_of(reduction), order)
         segments = _segments(tail)
         outside_users = [u for n in tail for u in n.users if u not in tail]
-        last = anchor(i + plan.prefetch * len(segments))
+        last = anchor(i + overlap * len(segments))
         if all(u is output or order[u] >= order[last] for u in outside_users):
             for j, segment in enumerate(segments, start=1):
-                here = anchor(i + plan.prefetch * j)
+                here = anchor(i + overlap * j)
                 for node in segment:
                     here.prepend(node)
 
@@ -111,7 +123,7 @@ def _chained(collective: Node) -> bool:
 
 def _segments(tail: list[Node]) -> list[list[Node]]:
     """``tail`` cut before each wait after its first: a chained reduction's issue goes with
-    the wait it reads, its own wait ``prefetch`` reductions later, so it overlaps too."""
+    the wait it reads, its own wait ``k`` reductions later, so it overlaps too."""
     segments = [[]]
     for node in tail:
         if is_wait(node) and segments[-1]:

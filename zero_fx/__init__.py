@@ -5,7 +5,7 @@ from .api import CompiledStep, explain, zero_compile
 from .capture.step_graph import CaptureError
 from .checkpoint.files import CheckpointError, checkpoint_exists
 from .compiler.backend import Compilation
-from .config import MixedPrecision, ZeroConfig
+from .config import DebugOptions, MixedPrecision, ZeroConfig
 from .inspection.explain import Explanation
 from .logs import set_logs, set_logs_from_environment
 from .materialize import MaterializeError, load_pretrained
@@ -26,6 +26,7 @@ __all__ = [
     "CollectiveFailedError",
     "Compilation",
     "CompiledStep",
+    "DebugOptions",
     "Distributed",
     "Estimate",
     "estimate",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import difflib
 import functools
 import logging
 import types
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.fx import GraphModule
@@ -21,7 +23,8 @@ from .capture.step_calls import trace_started
 from .capture.step_graph import CaptureError
 from .checkpoint import save_load as checkpoint
 from .compiler.backend import Compilation, StepCompiler
-from .config import DEFAULT_PERSISTENCE_THRESHOLD, MixedPrecision, ZeroConfig, describe_backend
+from .config import (DEPRECATED_OPTIONS, DebugOptions, ZeroConfig, describe_backend,
+                     old_names_in_errors, translate_deprecated)
 from .formatting import ranks_phrase
 from .inspection.explain import Explanation, explain_graph
 from .materialize import PretrainedWeights
@@ -39,33 +42,15 @@ log = logging.getLogger("zero_fx")
 def zero_compile(
     fn: Optional[Callable] = None,
     *,
-    stage: int = 3,
-    backend: Any = "inductor",
+    config: Optional[ZeroConfig] = None,
     model: Optional[torch.nn.Module] = None,
     optimizer: Optional[torch.optim.Optimizer] = None,
-    disable_passes: Sequence[str] = (),
-    elementwise_optimizer: Optional[bool] = None,
-    bucket_bytes: Optional[int] = None,
-    prefetch: int = 1,
-    pin_schedule: bool = True,
-    regional: bool = True,
-    memory_budget_bytes: Optional[int] = None,
-    persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
-    keep_resident: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
-    passes: Sequence = (),
-    dump_dir: Optional[str] = None,
-    check_ranks: bool = True,
-    mixed_precision: Optional[MixedPrecision] = None,
-    accumulation_steps: int = 1,
-    max_grad_norm: Optional[float] = None,
-    init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
-    recompute: Any = None,
-    activation_memory_budget: Optional[float] = None,
-    mesh: Any = None,
+    **options: Any,
 ):
     """Compile a whole training step (forward, ``loss.backward()``, ``opt.step()``) with ZeRO.
 
-    Use as ``@zero_compile`` or ``@zero_compile(stage=3, backend="aot_eager")``::
+    Use as ``@zero_compile``, ``@zero_compile(stage=3, backend="aot_eager")`` or
+    ``@zero_compile(config=ZeroConfig(...))``::
 
         @zero_compile(stage=3)
         def train_step(model, opt, x, y):
@@ -88,41 +73,40 @@ def zero_compile(
       before its forward use and again before its backward use.
 
     Args:
+        config: a ``ZeroConfig`` holding the options below. Keyword options given with it
+            override the fields it leaves at their defaults; a keyword for a field the
+            config sets to something else raises ``ValueError``.
+        model, optimizer: name them when the step closes over them instead of
+            taking them as arguments.
+
+    Options (keywords, or fields of ``ZeroConfig``; the FSDP2 and DeepSpeed settings
+    closest to each are in the docs' comparison):
         stage: ZeRO stage: 0 = DDP (gradients all-reduced, nothing sharded),
             1 = optimizer states sharded, 2 = + gradients, 3 = + parameters.
         backend: "inductor" (default), "aot_eager", "eager", or a callable
             ``compiler(gm, example_inputs) -> callable`` for the rewritten graph.
-        model, optimizer: name them when the step closes over them instead of
-            taking them as arguments.
-        disable_passes: names of zero_fx passes to skip, for debugging.
-        elementwise_optimizer: declare that an optimizer zero_fx does not know
-            updates each element independently.
-        bucket_bytes: byte cap of one fused collective; None: the stage's
-            default (25 MiB; 16 MiB in stage 3), 0: one per parameter.
-        prefetch: buckets each all-gather is issued ahead of its use, and each
-            reduction waited after its issue; 0: no overlap.
-        pin_schedule: Inductor: hold its generated program to that schedule (control
-            dependencies; ``explain()`` says whether it runs it). False lets
-            Inductor re-sort collectives; for comparison only. With ``regional``
-            there is no whole program to pin.
         regional: compile each distinct run of compute between collectives once
             (a 48-block model compiles about as fast as a 12-block one) and run the
             step's graph, with its collectives, as Python; False: one whole-step
             program (Inductor, pinned). Applies to "inductor" and "aot_eager".
-        memory_budget_bytes: stage 3: cap on gathered bytes alive at once.
-        persistence_threshold, keep_resident: stage 3: parameters of at most
-            this many elements (default 16384), or those ``keep_resident(name,
-            param)`` picks, are gathered once per step and kept resident.
+        bucket_bytes: byte cap of one fused collective; None: the stage's default
+            (25 MiB; one repeated block per bucket in stage 3), 0: one per parameter.
+        prefetch_buckets: stage 3: each all-gather is issued this many buckets ahead of
+            its use (default 1); 0: where it is used.
+        reduce_overlap_buckets: each gradient reduction is waited for this many
+            reductions after its issue, overlapping the backward (default 1); 0: at once.
+        max_gathered_bytes: stage 3: cap on the bytes of gathered parameters alive at
+            once; prefetching stops where it would pass it. None: no cap.
+        resident_max_numel, keep_resident: stage 3: parameters of at most this many
+            elements (default 16384), or those ``keep_resident(name, param)`` picks,
+            stay resident: gathered once per step and kept (``explain()`` lists them).
+        elementwise_optimizer: declare that an optimizer zero_fx does not know
+            updates each element independently.
         passes: your own FX passes, run among ours: ``zero_fx.before("reduce_grads",
             fn)``, ``zero_fx.after("gather_params", fn)``, or a bare ``fn`` (after our
             rewrites, before ``check_invariants``). ``fn(gm) -> gm`` (or None after
-            editing ``gm`` in place).
-        dump_dir: write the graph before and after each pass (text, HTML), the
-            memory plot and ``explain()`` there at each compilation; default: the
-            ``ZERO_FX_DUMP`` environment variable, else no dumps.
-        check_ranks: before each call's first collective, check that every rank
-            is about to run the same graph (one 8-byte all-gather); a mismatch
-            raises ``RanksDisagreeError`` naming the ranks instead of hanging.
+            editing ``gm`` in place). A pass that breaks an invariant raises
+            ``InvariantError`` naming it.
         mixed_precision: ``zero_fx.MixedPrecision(param_dtype=torch.bfloat16)``: compute
             and all-gather in bf16, keep fp32 masters and optimizer state; float16
             adds dynamic loss scaling.
@@ -133,57 +117,102 @@ def zero_compile(
         init_fn: a model built on the meta device is initialized on the first call one
             module at a time, each rank keeping its shards; ``init_fn(module)`` is the
             model's own init after its modules are built (nanoGPT's ``self.apply(
-            self._init_weights)``). README, "Models too big for one device".
+            self._init_weights)``).
         recompute: recompute forward values in the backward instead of keeping them:
             ``"blocks"`` keeps only each repeated block's input (activation
-            checkpointing), ``"auto"`` keeps what fits ``activation_memory_budget``
-            (a fraction of the activations, or bytes), a policy ``fn(node) -> "save" |
-            "recompute"`` decides per op. Dropout replays its mask. README, "Activation
-            recompute".
+            checkpointing), ``"auto"`` keeps what fits the activation budget, a policy
+            ``fn(node) -> "save" | "recompute"`` decides per op. Dropout replays its mask.
+        activation_budget_fraction, activation_budget_bytes: ``recompute="auto"``'s budget,
+            as a fraction in (0, 1] of the activations or as bytes (one of the two;
+            either alone implies ``recompute="auto"``; default: half).
         mesh: a ``DeviceMesh`` over every rank. 2-D, ``init_device_mesh(device, (replicas,
             shards), mesh_dim_names=("replicate", "shard"))``: hybrid sharding, sharded
             within each shard group (a node) and replicated across them, the gradient
-            shards all-reduced across replicas. 1-D or None: flat. README, "Hybrid
-            sharding over nodes".
+            shards all-reduced across replicas. 1-D or None: flat.
+        debug: ``zero_fx.DebugOptions(dump_dir=..., disable_passes=..., check_ranks=...,
+            pin_schedule=...)``: graph dumps (default: the ``ZERO_FX_DUMP`` environment
+            variable), passes to skip, the ranks' agreement check before each call's
+            first collective (on by default; a mismatch raises ``RanksDisagreeError``
+            instead of hanging), and Inductor schedule pinning with ``regional=False``.
+
+    The names of 0.1 (``zero_fx.config.DEPRECATED_OPTIONS``) still work for one release,
+    with a ``FutureWarning``: ``memory_budget_bytes`` -> ``max_gathered_bytes``;
+    ``persistence_threshold`` -> ``resident_max_numel``; ``activation_memory_budget`` ->
+    ``activation_budget_fraction`` / ``activation_budget_bytes``; ``prefetch`` ->
+    ``prefetch_buckets`` and ``reduce_overlap_buckets``; ``pin_schedule``,
+    ``disable_passes``, ``dump_dir``, ``check_ranks`` -> ``debug=DebugOptions(...)``.
 
     Inspect a compiled step with ``step.explain()``, ``step.traffic()``,
-    ``step.estimate()`` and ``step.graphs``; see the README, "Inspecting a
-    compiled step".
+    ``step.estimate()`` and ``step.graphs``.
 
     The step must call ``loss.backward()`` once, ``opt.step()`` once and
-    ``opt.zero_grad()``; the optimizer steps after the compiled graph, on the
-    shards. Returned tensors are detached (the backward has already run).
-    Outside the step, stage 3's parameters hold no values: run the model in
-    ``with step.gathered_parameters():``.
+    ``opt.zero_grad()`` (checked before anything compiles; ``CaptureError`` otherwise);
+    the optimizer steps after the compiled graph, on the shards. Returned tensors are
+    detached (the backward has already run). Outside the step, stage 3's parameters hold
+    no values: run the model in ``with step.gathered_parameters():``.
     """
-    config = ZeroConfig(
-        stage=stage,
-        backend=backend,
-        disable_passes=disable_passes,
-        elementwise_optimizer=elementwise_optimizer,
-        bucket_bytes=bucket_bytes,
-        prefetch=prefetch,
-        pin_schedule=pin_schedule,
-        regional=regional,
-        memory_budget_bytes=memory_budget_bytes,
-        persistence_threshold=persistence_threshold,
-        keep_resident=keep_resident,
-        passes=passes,
-        dump_dir=dump_dir,
-        check_ranks=check_ranks,
-        mixed_precision=mixed_precision,
-        accumulation_steps=accumulation_steps,
-        max_grad_norm=max_grad_norm,
-        init_fn=init_fn,
-        recompute=recompute,
-        activation_memory_budget=activation_memory_budget,
-        mesh=mesh,
-    )
+    config = _config_from(config, options)
 
     def wrap(step_fn: Callable) -> "CompiledStep":
         return CompiledStep(step_fn, config, model=model, optimizer=optimizer)
 
     return wrap(fn) if fn is not None else wrap
+
+
+def _config_from(config: Optional[ZeroConfig], options: dict) -> ZeroConfig:
+    """``config`` with the keyword ``options`` (new or renamed names) applied: a keyword may
+    set a field the config leaves at its default, or repeat the config's value."""
+    known = {f.name for f in dataclasses.fields(ZeroConfig)}
+    unknown = [name for name in options if name not in known and name not in DEPRECATED_OPTIONS]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], [*known, *DEPRECATED_OPTIONS], n=1)
+        raise TypeError(f"zero_compile got an unknown option {unknown[0]!r}"
+                        + (f" (did you mean {near[0]!r}?)" if near else "")
+                        + f"; the options are ZeroConfig's fields: {', '.join(sorted(known))}")
+    with old_names_in_errors(options):
+        return _configured(config, translate_deprecated(options, stacklevel=3))
+
+
+def _configured(config: Optional[ZeroConfig], options: dict) -> ZeroConfig:
+    if config is None:
+        return ZeroConfig(**options)
+    if not isinstance(config, ZeroConfig):
+        raise TypeError(f"config must be a zero_fx.ZeroConfig(...), got {type(config).__name__}")
+    default = ZeroConfig()
+    changes = {}
+    for name, value in options.items():
+        if name == "debug":
+            value = _merged_debug(config.debug, value, default.debug)
+        elif not _same(getattr(config, name), getattr(default, name)) and not _same(
+                getattr(config, name), value):
+            raise ValueError(f"{name} is set both in config= ({getattr(config, name)!r}) and as a "
+                             f"keyword ({value!r}); set it in one place")
+        changes[name] = value
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def _merged_debug(configured: DebugOptions, given: Any, default: DebugOptions) -> DebugOptions:
+    if not isinstance(given, DebugOptions):
+        raise TypeError(f"debug must be a zero_fx.DebugOptions(...), got {type(given).__name__}")
+    changes = {}
+    for f in dataclasses.fields(DebugOptions):
+        value, ours = getattr(given, f.name), getattr(configured, f.name)
+        if _same(value, getattr(default, f.name)) or _same(value, ours):
+            continue
+        if not _same(ours, getattr(default, f.name)):
+            raise ValueError(f"debug {f.name} is set both in config= ({ours!r}) and as a keyword "
+                             f"({value!r}); set it in one place")
+        changes[f.name] = value
+    return dataclasses.replace(configured, **changes) if changes else configured
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # values without a plain ==, a tensor or a mesh: only identity counts
+        return False
 
 
 DYNAMO_CONFIG = dict(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -77,7 +80,7 @@ Compiler = Callable[[torch.fx.GraphModule, list], Callable]
 NAMED_BACKENDS = ("inductor", "aot_eager", "eager")
 
 DUMP_ENV = "ZERO_FX_DUMP"
-"""Set to a folder to dump every compiled step's graphs there (see ``ZeroConfig.dump_dir``)."""
+"""Set to a folder to dump every compiled step's graphs there (see ``DebugOptions.dump_dir``)."""
 
 MiB = 1 << 20
 DEFAULT_BUCKET_BYTES = {0: 25 * MiB, 1: 25 * MiB, 2: 25 * MiB, 3: BLOCKS}
@@ -86,24 +89,57 @@ are working memory (with prefetch, two are alive at once on top of the shards): 
 repeated block of the model per bucket ([Note: buckets by block] in plan/layout.py)."""
 RECOMPUTE_MODES = (None, "blocks", "auto")
 DEFAULT_ACTIVATION_BUDGET = 0.5
-"""``recompute="auto"`` without ``activation_memory_budget``: keep half the activations."""
-DEFAULT_PERSISTENCE_THRESHOLD = 1 << 14
+"""``recompute="auto"`` without an activation budget: keep half the activations."""
+DEFAULT_RESIDENT_MAX_NUMEL = 1 << 14
 """Stage 3 keeps parameters of at most this many elements resident: norm
 weights and biases of models up to a 16K hidden size, never a weight matrix of
 a real model. (DeepSpeed's ``stage3_param_persistence_threshold`` is 1e5.)"""
+DEFAULT_PERSISTENCE_THRESHOLD = DEFAULT_RESIDENT_MAX_NUMEL
+"""The old name of ``DEFAULT_RESIDENT_MAX_NUMEL``."""
+
+
+@dataclass(frozen=True)
+class DebugOptions:
+    """Options for debugging and comparing a compiled step (``zero_compile(debug=...)``);
+    the defaults are what training wants."""
+
+    dump_dir: Optional[str] = None
+    """Write the graph before and after each pass (text and HTML), the memory
+    plot and ``explain()`` under this folder at each compilation. ``None``: the
+    environment variable ``ZERO_FX_DUMP``, if set; otherwise no dumps."""
+    disable_passes: Sequence[str] = field(default_factory=tuple)
+    """Names of our passes to skip (see ``zero_fx.passes.PASS_ORDER``)."""
+    check_ranks: bool = True
+    """Before each call's first collective, check that all ranks are about to run the
+    same graph (one 8-byte all-gather; a mismatch raises ``RanksDisagreeError`` instead
+    of hanging: [Note: checking that ranks agree] in zero_fx/runtime/rank_agreement.py).
+    False skips the check."""
+    pin_schedule: bool = True
+    """``regional=False`` with Inductor only (it does nothing under the default
+    ``regional=True``): hold Inductor's generated program to our collective schedule with
+    control dependencies ([Note: pinning the schedule through Inductor] in
+    zero_fx/compiler/pin_schedule.py); ``explain()`` says whether the program runs it.
+    False lets Inductor re-sort the collectives: for comparison only."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
+        if self.dump_dir is None and os.environ.get(DUMP_ENV):
+            object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV])
 
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """How ``zero_compile`` shards and compiles a training step."""
+    """How ``zero_compile`` shards and compiles a training step: ``zero_compile(config=
+    ZeroConfig(...))``, or the same options as keywords of ``zero_compile``.
+
+    The options renamed after 0.1 (``DEPRECATED_OPTIONS``) are still accepted here and by
+    ``zero_compile`` for one release, with a ``FutureWarning`` naming the new option."""
 
     stage: int = 3
     """ZeRO stage: 0 = DDP, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters."""
     backend: Union[BackendName, Compiler] = "inductor"
     """Lowers the rewritten graph: "inductor", "aot_eager", "eager" (run the
     rewritten aten graph as is), or a callable ``compiler(gm, example_inputs) -> callable``."""
-    disable_passes: Sequence[str] = field(default_factory=tuple)
-    """Names of our passes to skip (see ``zero_fx.passes.PASS_ORDER``); for debugging."""
     elementwise_optimizer: Optional[bool] = None
     """Declare that an optimizer zero_fx does not know updates each element
     independently (so it may step on flat shards). ``None``: known torch.optim
@@ -113,41 +149,31 @@ class ZeroConfig:
     launch; ``"blocks"``: one launch per repeated block of the model ([Note: buckets by
     block] in plan/layout.py). ``None``: the stage's default (``DEFAULT_BUCKET_BYTES``:
     blocks in stage 3, 25 MiB below); 0: one collective per parameter."""
-    prefetch: int = 1
-    """Collectives issued ahead of the compute that needs them: stage 3 issues
-    an all-gather this many buckets early; reductions are waited for this many
-    buckets late. 0: every collective is issued and waited where it is used."""
-    pin_schedule: bool = True
-    """Inductor: hold its generated program to our collective schedule with control
-    dependencies ([Note: pinning the schedule through Inductor] in zero_fx/compiler/pin_schedule.py);
-    ``explain()`` says whether the program runs it. False lets Inductor re-sort the
-    collectives (its peak-memory reordering waits on each one right after issuing it):
-    for comparison only."""
+    prefetch_buckets: int = 1
+    """Stage 3: each all-gather is issued this many buckets ahead of the compute that
+    needs it (within ``max_gathered_bytes``). 0: issued where it is used."""
+    reduce_overlap_buckets: int = 1
+    """Every stage: each gradient reduction (reduce-scatter, all-reduce) is waited for
+    this many reductions after it is issued, so it runs during the backward. 0: waited
+    right after it is issued."""
     regional: bool = True
     """"inductor" and "aot_eager": compile each distinct run of compute between
     collectives once and run the step's graph itself as Python, so compile time grows
     with the number of distinct runs, not with depth ([Note: regional compilation] in
-    zero_fx/compiler/regions.py). False compiles the whole step as one program (with
-    ``pin_schedule``). Dynamic shapes always compile the whole step."""
-    memory_budget_bytes: Optional[int] = None
-    """Stage 3: the most gathered (full) bytes alive at once; prefetch stops where
-    it would exceed it. ``None``: bounded by ``prefetch`` only."""
-    persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD
-    """Stage 3: parameters with at most this many elements are gathered once per
-    step and kept through forward and backward (no backward gather). 0: none."""
+    zero_fx/compiler/regions.py). False compiles the whole step as one program (see
+    ``DebugOptions.pin_schedule``). Dynamic shapes always compile the whole step."""
+    max_gathered_bytes: Optional[int] = None
+    """Stage 3: the most bytes of gathered (full) parameters alive at once; prefetching
+    stops where it would exceed it. ``None``: bounded by ``prefetch_buckets`` only."""
+    resident_max_numel: int = DEFAULT_RESIDENT_MAX_NUMEL
+    """Stage 3: parameters with at most this many elements stay resident: gathered once
+    per step and kept through forward and backward (no backward gather). 0: none."""
     keep_resident: Optional[Callable[[str, torch.nn.Parameter], bool]] = None
     """Stage 3: ``keep_resident(name, param)`` true keeps that parameter resident too."""
     passes: Sequence = field(default_factory=tuple)
     """The user's FX passes, run among ours: ``zero_fx.before(name, fn)``,
     ``zero_fx.after(name, fn)``, or a bare ``fn`` (right before ``check_invariants``).
     Each takes the GraphModule and returns it, or None after editing it in place."""
-    dump_dir: Optional[str] = None
-    """Write the graph before and after each pass (text and HTML), the memory
-    plot and ``explain()`` under this folder at each compilation. ``None``: the
-    environment variable ``ZERO_FX_DUMP``, if set; otherwise no dumps."""
-    check_ranks: bool = True
-    """Before each call's first collective, check that all ranks are about to run the
-    same graph ([Note: checking that ranks agree] in zero_fx/runtime/rank_agreement.py)."""
     mixed_precision: Optional[MixedPrecision] = None
     """Compute and gather in a lower precision, keep fp32 masters ([Note: mixed
     precision] in zero_fx/runtime/precision.py). None: everything in the parameters' dtype."""
@@ -166,19 +192,27 @@ class ZeroConfig:
     """What the backward recomputes instead of keeping from the forward ([Note: recompute as
     a graph pass] in passes/recompute_activations.py): None (keep what eager keeps);
     ``"blocks"``: keep only each repeated block's input (full activation checkpointing);
-    ``"auto"``: keep what fits ``activation_memory_budget``, the rest chosen by the cost
-    model's recompute time per byte; or a policy ``fn(node) -> "save" | "recompute"``
-    asked for every forward op. Random ops (dropout) are never recomputed: their results
-    are kept, so a recomputed dropout applies the forward's mask."""
+    ``"auto"``: keep what fits ``activation_budget_fraction`` or ``activation_budget_bytes``,
+    the rest chosen by the cost model's recompute time per byte; or a policy
+    ``fn(node) -> "save" | "recompute"`` asked for every forward op. Random ops (dropout)
+    are never recomputed: their results are kept, so a recomputed dropout applies the
+    forward's mask."""
+    activation_budget_fraction: Optional[float] = None
+    """``recompute="auto"``: keep this fraction, in (0, 1], of the bytes the backward would
+    keep without recompute (as torch's partitioner knob ``activation_memory_budget``).
+    Setting it alone means ``recompute="auto"``; default with ``"auto"``:
+    ``DEFAULT_ACTIVATION_BUDGET``."""
+    activation_budget_bytes: Optional[int] = None
+    """``recompute="auto"``: keep at most this many bytes of activations for the backward.
+    Setting it alone means ``recompute="auto"``. Not with ``activation_budget_fraction``."""
     mesh: Any = None
     """A ``DeviceMesh`` over every rank: 2-D ``(replicas, shards)`` with ``mesh_dim_names=
     ("replicate", "shard")`` shards within each shard group and all-reduces the gradient
     shards across replicas ([Note: hybrid sharding] in zero_fx/runtime/process_group.py);
     1-D, or None: flat sharding over every rank. Stage 0 ignores the shard dimension."""
-    activation_memory_budget: Union[float, int, None] = None
-    """``recompute="auto"``: a fraction (0-1, as torch's partitioner knob) of the bytes kept
-    for the backward without recompute, or a number of bytes (> 1). Setting it alone means
-    ``recompute="auto"``; default with ``"auto"``: ``DEFAULT_ACTIVATION_BUDGET``."""
+    debug: DebugOptions = field(default_factory=DebugOptions)
+    """Dumps, disabled passes, the ranks' agreement check and Inductor schedule pinning
+    (``DebugOptions``)."""
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -193,21 +227,21 @@ class ZeroConfig:
             )
         if not isinstance(self.backend, str) and not callable(self.backend):
             raise TypeError(f"backend must be a name or a callable, got {type(self.backend).__name__}")
-        object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
+        if not isinstance(self.debug, DebugOptions):
+            raise TypeError(f"debug must be a zero_fx.DebugOptions(...), got "
+                            f"{type(self.debug).__name__}")
         object.__setattr__(self, "passes", tuple(self.passes))
-        pass_names(disable=self.disable_passes, extra=self.passes)  # raises on a bad name or entry
-        if self.dump_dir is None and os.environ.get(DUMP_ENV):
-            object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV])
-        for name in ("bucket_bytes", "memory_budget_bytes"):
+        pass_names(disable=self.debug.disable_passes, extra=self.passes)  # raises on a bad name or entry
+        for name in ("bucket_bytes", "max_gathered_bytes"):
             value = getattr(self, name)
             if name == "bucket_bytes" and value == BLOCKS:
                 continue
             if value is not None and (not isinstance(value, int) or value < 0):
                 also = f", {BLOCKS!r}" if name == "bucket_bytes" else ""
                 raise ValueError(f"{name} must be a number of bytes >= 0{also} or None, got {value!r}")
-        for name in ("prefetch", "persistence_threshold"):
+        for name in ("prefetch_buckets", "reduce_overlap_buckets", "resident_max_numel"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if self.keep_resident is not None and not callable(self.keep_resident):
             raise TypeError("keep_resident must be a callable (name, param) -> bool")
@@ -223,17 +257,30 @@ class ZeroConfig:
         if self.recompute not in RECOMPUTE_MODES and not callable(self.recompute):
             raise ValueError(f"recompute must be None, 'blocks', 'auto' or a policy "
                              f"fn(node) -> 'save' | 'recompute'; got {self.recompute!r}")
-        budget = self.activation_memory_budget
-        if budget is not None:
-            if self.recompute not in (None, "auto"):
-                raise ValueError(f"activation_memory_budget goes with recompute='auto', not "
-                                 f"recompute={self.recompute!r}")
-            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
-                raise ValueError("activation_memory_budget must be a fraction in (0, 1] of the "
-                                 f"activations or a number of bytes > 1; got {budget!r}")
+        self._check_activation_budget()
         check_mesh(self.mesh, self.stage)
         if self.init_fn is not None and not callable(self.init_fn):
             raise TypeError(f"init_fn must be a callable init_fn(module), got {type(self.init_fn).__name__}")
+
+    def _check_activation_budget(self) -> None:
+        fraction, nbytes = self.activation_budget_fraction, self.activation_budget_bytes
+        if fraction is None and nbytes is None:
+            return
+        name = "activation_budget_fraction" if fraction is not None else "activation_budget_bytes"
+        if fraction is not None and nbytes is not None:
+            raise ValueError("set activation_budget_fraction or activation_budget_bytes, not both")
+        if self.recompute not in (None, "auto"):
+            raise ValueError(f"{name} goes with recompute='auto', not recompute={self.recompute!r}")
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                     or not 0 < fraction <= 1):
+            raise ValueError(f"activation_budget_fraction must be a fraction in (0, 1] of the "
+                             f"activations; got {fraction!r} (a number of bytes is "
+                             f"activation_budget_bytes)")
+        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int)
+                                   or nbytes < 1):
+            raise ValueError(f"activation_budget_bytes must be a number of bytes >= 1; got "
+                             f"{nbytes!r} (a fraction of the activations is "
+                             f"activation_budget_fraction)")
 
     def plan_options(self, hardware: str = "cpu-gloo") -> dict:
         """What ``plan_for_module`` takes from this config: residency, buckets, schedule,
@@ -241,24 +288,170 @@ class ZeroConfig:
         ``hardware`` preset)."""
         return {
             "recompute": self._recompute_for_plan(hardware),
-            "persistence_threshold": self.persistence_threshold,
+            "persistence_threshold": self.resident_max_numel,
             "keep_resident": self.keep_resident,
             "bucket_bytes": (DEFAULT_BUCKET_BYTES[self.stage] if self.bucket_bytes is None
                              else self.bucket_bytes),
-            "prefetch": self.prefetch,
-            "memory_budget_bytes": self.memory_budget_bytes,
+            "prefetch": self.prefetch_buckets,
+            "reduce_overlap_buckets": self.reduce_overlap_buckets,
+            "memory_budget_bytes": self.max_gathered_bytes,
             "accumulation_steps": self.accumulation_steps,
             **(self.mixed_precision.plan_options() if self.mixed_precision else {}),
         }
 
     def _recompute_for_plan(self, preset: str):
-        if self.recompute != "auto" and self.activation_memory_budget is None:
+        budget = (self.activation_budget_fraction if self.activation_budget_bytes is None
+                  else self.activation_budget_bytes)
+        if self.recompute != "auto" and budget is None:
             return self.recompute
         from .analysis.cost_model import hardware, node_seconds
 
-        budget = self.activation_memory_budget
         return ActivationBudget(DEFAULT_ACTIVATION_BUDGET if budget is None else budget,
                                 seconds=functools.partial(node_seconds, hw=hardware(preset)))
+
+    # -- the names of 0.1, for one release (DEPRECATED_OPTIONS) ---------------------------
+    @property
+    def prefetch(self) -> int:
+        _warn_renamed("prefetch", "prefetch_buckets (and reduce_overlap_buckets)", stacklevel=2)
+        return self.prefetch_buckets
+
+    @property
+    def memory_budget_bytes(self) -> Optional[int]:
+        _warn_renamed("memory_budget_bytes", "max_gathered_bytes", stacklevel=2)
+        return self.max_gathered_bytes
+
+    @property
+    def persistence_threshold(self) -> int:
+        _warn_renamed("persistence_threshold", "resident_max_numel", stacklevel=2)
+        return self.resident_max_numel
+
+    @property
+    def activation_memory_budget(self) -> Union[float, int, None]:
+        _warn_renamed("activation_memory_budget",
+                      "activation_budget_fraction or activation_budget_bytes", stacklevel=2)
+        return (self.activation_budget_fraction if self.activation_budget_bytes is None
+                else self.activation_budget_bytes)
+
+    @property
+    def pin_schedule(self) -> bool:
+        _warn_renamed("pin_schedule", "debug.pin_schedule", stacklevel=2)
+        return self.debug.pin_schedule
+
+    @property
+    def disable_passes(self) -> tuple:
+        _warn_renamed("disable_passes", "debug.disable_passes", stacklevel=2)
+        return self.debug.disable_passes
+
+    @property
+    def dump_dir(self) -> Optional[str]:
+        _warn_renamed("dump_dir", "debug.dump_dir", stacklevel=2)
+        return self.debug.dump_dir
+
+    @property
+    def check_ranks(self) -> bool:
+        _warn_renamed("check_ranks", "debug.check_ranks", stacklevel=2)
+        return self.debug.check_ranks
+
+
+DEPRECATED_OPTIONS = {
+    "memory_budget_bytes": "max_gathered_bytes",
+    "persistence_threshold": "resident_max_numel",
+    "activation_memory_budget": "activation_budget_fraction (<= 1) or activation_budget_bytes",
+    "prefetch": "prefetch_buckets and reduce_overlap_buckets",
+    "pin_schedule": "debug=DebugOptions(pin_schedule=...)",
+    "disable_passes": "debug=DebugOptions(disable_passes=...)",
+    "dump_dir": "debug=DebugOptions(dump_dir=...)",
+    "check_ranks": "debug=DebugOptions(check_ranks=...)",
+}
+"""Options renamed after 0.1 -> what replaces them. Accepted for one release (0.2), with
+a ``FutureWarning``."""
+
+_FIELDS_OF_OLD_NAME = {
+    "memory_budget_bytes": ("max_gathered_bytes",),
+    "persistence_threshold": ("resident_max_numel",),
+    "activation_memory_budget": ("activation_budget_fraction", "activation_budget_bytes"),
+    "prefetch": ("prefetch_buckets", "reduce_overlap_buckets"),
+}
+
+
+@contextlib.contextmanager
+def old_names_in_errors(options: dict):
+    """A ``ValueError`` or ``TypeError`` about a field the caller set by its old name (in
+    ``options``) speaks of the old name, which is the one the caller wrote."""
+    renamed = {new: old for old in options for new in _FIELDS_OF_OLD_NAME.get(old, ())}
+    try:
+        yield
+    except (ValueError, TypeError) as err:
+        message = str(err)
+        for new, old in renamed.items():
+            if message.startswith(f"{new} "):
+                raise type(err)(f"{old}{message[len(new):]} ({old!r} is now "
+                                f"{DEPRECATED_OPTIONS[old]})") from None
+        raise
+
+
+def _warn_renamed(old: str, new: str, stacklevel: int) -> None:
+    warnings.warn(f"zero_fx: the option {old!r} is now {new}; {old!r} still works in "
+                  f"0.2 and is removed after it", FutureWarning, stacklevel=stacklevel + 1)
+
+
+def translate_deprecated(options: dict, *, stacklevel: int = 2) -> dict:
+    """``options`` (``ZeroConfig``'s keywords) with the names of 0.1 replaced by theirs,
+    each with a ``FutureWarning``. Raises ``ValueError`` when an old name and its new
+    name are both given."""
+    old = [name for name in options if name in DEPRECATED_OPTIONS]
+    if not old:
+        return options
+    new = {k: v for k, v in options.items() if k not in DEPRECATED_OPTIONS}
+
+    def put(old_name: str, name: str, value) -> None:
+        if name in new:
+            raise ValueError(f"{old_name} is the old name of {name}: set {name} alone")
+        new[name] = value
+
+    debug = {}
+    for name in old:
+        value = options[name]
+        _warn_renamed(name, DEPRECATED_OPTIONS[name], stacklevel=stacklevel + 1)
+        if name == "memory_budget_bytes":
+            put(name, "max_gathered_bytes", value)
+        elif name == "persistence_threshold":
+            put(name, "resident_max_numel", value)
+        elif name == "prefetch":
+            put(name, "prefetch_buckets", value)
+            put(name, "reduce_overlap_buckets", value)
+        elif name == "activation_memory_budget":
+            if value is None:
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1:
+                put(name, "activation_budget_bytes", int(value))
+            else:  # a fraction, or a bad value that activation_budget_fraction rejects
+                put(name, "activation_budget_fraction", value)
+        else:
+            debug[name] = value
+    if debug:
+        given = new.get("debug")
+        if given is not None and not isinstance(given, DebugOptions):
+            raise TypeError(f"debug must be a zero_fx.DebugOptions(...), got {type(given).__name__}")
+        base = given or DebugOptions()
+        both = [name for name in debug if getattr(base, name) != getattr(DebugOptions(), name)]
+        if both:
+            raise ValueError(f"{both[0]} is set both as a keyword and in debug=DebugOptions(...): "
+                             f"set it in debug= alone")
+        new["debug"] = dataclasses.replace(base, **debug)
+    return new
+
+
+_dataclass_init = ZeroConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_accepting_old_names(self, *args, **kwargs):
+    with old_names_in_errors(kwargs):
+        _dataclass_init(self, *args, **translate_deprecated(kwargs, stacklevel=2))
+
+
+ZeroConfig.__init__ = _init_accepting_old_names
 
 
 def check_mesh(mesh, stage: int) -> None:

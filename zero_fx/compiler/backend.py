@@ -68,7 +68,7 @@ class StepCompiler:
         self.observers = observers
         self.explain = explain
         """The step's ``explain()``, written into the dumps."""
-        self.pipeline = build_pipeline(sharded.plan, disable=config.disable_passes,
+        self.pipeline = build_pipeline(sharded.plan, disable=config.debug.disable_passes,
                                        extra=config.passes)
 
     def __call__(self, dynamo_gm: GraphModule, example_inputs: list) -> StepRunner:
@@ -83,8 +83,8 @@ class StepCompiler:
         with CompileProgress(self.step_name) as progress:
             with progress.phase("capturing the step as one graph"):
                 gm = capture_step_graph(dynamo_gm, example_inputs, names)
-            dump = (GraphDump(self.config.dump_dir, self.step_name, plan.rank,
-                              len(self.compilations), plan) if self.config.dump_dir else None)
+            dump = (GraphDump(self.config.debug.dump_dir, self.step_name, plan.rank,
+                              len(self.compilations), plan) if self.config.debug.dump_dir else None)
             with progress.phase(f"rewriting its {len(gm.graph.nodes)} nodes with zero_fx's passes"):
                 gm = run_pipeline(gm, self._pipeline_for(gm),
                                   observe=dump.observe if dump else None)
@@ -97,7 +97,7 @@ class StepCompiler:
                                 + (" by regions" if regional else "")):
                 lowered = lower(gm, fakes_like_dynamo(inputs) if dynamic else inputs,
                                 self.config.backend, dynamic=dynamic,
-                                pin_schedule=self.config.pin_schedule, resident=plan.resident,
+                                pin_schedule=self.config.debug.pin_schedule, resident=plan.resident,
                                 regional=self.config.regional)
         if lowered.order.difference:
             log.warning("zero_fx: %s", lowered.order)
@@ -141,7 +141,7 @@ class StepCompiler:
         log.info("zero_fx: the model checkpoints %d region(s) with torch.utils.checkpoint; "
                  "zero_fx recomputes them with recompute='blocks'", gm.meta[CHECKPOINTED_META])
         return build_pipeline(dataclasses.replace(plan, recompute="blocks"),
-                              disable=self.config.disable_passes, extra=self.config.passes)
+                              disable=self.config.debug.disable_passes, extra=self.config.passes)
 
     def _extra_inputs(self, gm: GraphModule) -> list[torch.Tensor]:
         """The graph's inputs after the step's own: the loss scale, if ``scale_loss`` added it."""

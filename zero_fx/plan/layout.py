@@ -110,8 +110,11 @@ class ShardPlan:
     """Byte cap of one fused collective (``bucket_collectives``); 0: one per parameter;
     ``BLOCKS``: one per repeated block of the model ([Note: buckets by block])."""
     prefetch: int = 0
-    """How many collectives ``schedule_collectives`` lets run ahead of the compute
+    """How many all-gathers ``schedule_collectives`` lets run ahead of the compute
     that needs them; 0: issue each right before its first use."""
+    reduce_overlap_buckets: Optional[int] = None
+    """How many reductions later ``schedule_collectives`` waits for each gradient
+    reduction; 0: right after its issue. None: ``prefetch``."""
     memory_budget_bytes: Optional[int] = None
     """Stage 3: cap on gathered bytes alive at once; prefetch stops where it would pass it."""
     compute_dtype: Optional[torch.dtype] = None
@@ -238,6 +241,7 @@ def make_plan(
     bucket_bytes: Union[int, str] = 0,
     prefetch: int = 0,
     memory_budget_bytes: Optional[int] = None,
+    reduce_overlap_buckets: Optional[int] = None,
     compute_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
     loss_scaled: bool = False,
@@ -288,6 +292,8 @@ def make_plan(
                          f"{bucket_bytes!r}")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    if reduce_overlap_buckets is not None and reduce_overlap_buckets < 0:
+        raise ValueError(f"reduce_overlap_buckets must be >= 0, got {reduce_overlap_buckets}")
     if accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
     return ShardPlan(
@@ -300,6 +306,7 @@ def make_plan(
         bucket_bytes=bucket_bytes,
         prefetch=prefetch,
         memory_budget_bytes=memory_budget_bytes,
+        reduce_overlap_buckets=reduce_overlap_buckets,
         compute_dtype=compute_dtype,
         reduce_dtype=reduce_dtype,
         loss_scaled=loss_scaled,

@@ -59,7 +59,7 @@ def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch:
 
         gm = trace_to_aten(step)(named, tokens, targets)
     mark_step_graph(gm, [*named, None, None], {i + 1: name for i, name in enumerate(named)})
-    return run_pipeline(gm, build_pipeline(plan, disable=config.disable_passes, extra=config.passes)), plan
+    return run_pipeline(gm, build_pipeline(plan, disable=config.debug.disable_passes, extra=config.passes)), plan
 
 
 @contextlib.contextmanager

@@ -86,7 +86,7 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
               if precision is not None and precision.scales_loss else None)
     update = OptimizerUpdate(state, accumulation_steps=config.accumulation_steps,
                              max_grad_norm=config.max_grad_norm, scaler=scaler)
-    agreement = RankAgreement(world.ranks if config.check_ranks and not world.simulated else 1)
+    agreement = RankAgreement(world.ranks if config.debug.check_ranks and not world.simulated else 1)
     _log_plan(plan, world)
     return Sharded(plan, state, update, scaler, agreement)
 

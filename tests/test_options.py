@@ -1,0 +1,149 @@
+"""zero_compile's options: ZeroConfig as config=, the renamed options (old names warn and
+mean what they meant), the debugging group, and the two halves of the old ``prefetch``."""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import models
+from zero_fx import DebugOptions, ZeroConfig, rewritten_step_on_fake, zero_compile
+from zero_fx.config import DEPRECATED_OPTIONS
+from zero_fx.passes.predicates import is_all_gather, is_collective, is_wait
+
+from test_api import batch, standard_step, tiny
+
+
+@pytest.mark.parametrize("old, value, new", [
+    ("memory_budget_bytes", 1 << 20, {"max_gathered_bytes": 1 << 20}),
+    ("persistence_threshold", 7, {"resident_max_numel": 7}),
+    ("activation_memory_budget", 0.25, {"activation_budget_fraction": 0.25}),
+    ("activation_memory_budget", 1, {"activation_budget_fraction": 1}),
+    ("activation_memory_budget", 5e6, {"activation_budget_bytes": 5_000_000}),
+    ("prefetch", 2, {"prefetch_buckets": 2, "reduce_overlap_buckets": 2}),
+    ("pin_schedule", False, {"debug": DebugOptions(pin_schedule=False)}),
+    ("disable_passes", ["schedule_collectives"],
+     {"debug": DebugOptions(disable_passes=("schedule_collectives",))}),
+    ("dump_dir", "/tmp/dumps", {"debug": DebugOptions(dump_dir="/tmp/dumps")}),
+    ("check_ranks", False, {"debug": DebugOptions(check_ranks=False)}),
+])
+@pytest.mark.parametrize("where", ["zero_compile", "ZeroConfig"])
+def test_an_old_name_warns_with_the_new_one_and_means_the_same(where, old, value, new):
+    wanted = ZeroConfig(**new)
+    with pytest.warns(FutureWarning, match=rf"'{old}' is now .*{list(new)[0].split('_')[0]}") as seen:
+        config = (zero_compile(standard_step, **{old: value}).config if where == "zero_compile"
+                  else ZeroConfig(**{old: value}))
+    assert config == wanted
+    assert all(w.filename == __file__ for w in seen), "the warning points at the caller"
+    with pytest.warns(FutureWarning, match=f"'{old}' is now"):
+        getattr(config, old)  # reading it still works, and warns too
+
+
+def test_every_old_name_is_covered():
+    assert set(DEPRECATED_OPTIONS) == {
+        "memory_budget_bytes", "persistence_threshold", "activation_memory_budget", "prefetch",
+        "pin_schedule", "disable_passes", "dump_dir", "check_ranks"}
+
+
+def test_an_old_name_with_its_new_name_is_an_error():
+    with pytest.raises(ValueError, match="prefetch is the old name of prefetch_buckets"):
+        with pytest.warns(FutureWarning):
+            zero_compile(standard_step, prefetch=1, prefetch_buckets=2)
+    with pytest.raises(ValueError, match="dump_dir is set both as a keyword and in debug="):
+        with pytest.warns(FutureWarning):
+            zero_compile(standard_step, dump_dir="a", debug=DebugOptions(dump_dir="b"))
+
+
+def test_the_new_names_train_without_a_warning(tmp_path):
+    """No internal reader uses a deprecated name: a step with every renamed option set by its
+    new name runs without a FutureWarning."""
+    model = tiny()
+    opt = torch.optim.AdamW(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        step = zero_compile(standard_step, backend="aot_eager", prefetch_buckets=2,
+                            reduce_overlap_buckets=0, max_gathered_bytes=1 << 20,
+                            resident_max_numel=0, activation_budget_fraction=0.5,
+                            debug=DebugOptions(dump_dir=str(tmp_path), check_ranks=False,
+                                               pin_schedule=False))
+        step(model, opt, *batch())
+        step.explain()
+    assert any(tmp_path.rglob("*.txt"))
+
+
+def test_config_is_accepted_and_keywords_fill_its_defaults():
+    config = ZeroConfig(stage=2, bucket_bytes=0, debug=DebugOptions(check_ranks=False))
+    step = zero_compile(standard_step, config=config, backend="eager",
+                        debug=DebugOptions(disable_passes=["schedule_collectives"]))
+    assert step.config == dataclasses.replace(
+        config, backend="eager",
+        debug=DebugOptions(check_ranks=False, disable_passes=("schedule_collectives",)))
+    assert zero_compile(config=config)(standard_step).config is config
+    assert zero_compile(standard_step, config=config, stage=2).config == config  # the same value
+    model = tiny()
+    step(model, torch.optim.AdamW(model.parameters()), *batch())
+    assert step.plan.stage == 2
+
+
+@pytest.mark.parametrize("config, options, message", [
+    (ZeroConfig(stage=2), {"stage": 1}, r"stage is set both in config= \(2\) and as a keyword \(1\)"),
+    (ZeroConfig(debug=DebugOptions(dump_dir="a")), {"debug": DebugOptions(dump_dir="b")},
+     r"debug dump_dir is set both in config="),
+])
+def test_an_option_set_in_config_and_as_a_keyword_is_an_error(config, options, message):
+    with pytest.raises(ValueError, match=message):
+        zero_compile(standard_step, config=config, **options)
+
+
+def test_config_must_be_a_zeroconfig_and_options_must_exist():
+    with pytest.raises(TypeError, match="config must be a zero_fx.ZeroConfig"):
+        zero_compile(standard_step, config={"stage": 2})
+    with pytest.raises(TypeError, match="unknown option 'prefetch_bucket' .*did you mean 'prefetch_buckets'"):
+        zero_compile(standard_step, prefetch_bucket=1)
+    with pytest.raises(TypeError, match="debug must be a zero_fx.DebugOptions"):
+        ZeroConfig(debug={"dump_dir": "x"})
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"activation_budget_fraction": 2.0}, r"activation_budget_fraction must be a fraction in \(0, 1\].*activation_budget_bytes"),
+    ({"activation_budget_bytes": 0.5}, r"activation_budget_bytes must be a number of bytes.*activation_budget_fraction"),
+    ({"activation_budget_fraction": 0.5, "activation_budget_bytes": 10}, "not both"),
+    ({"recompute": "blocks", "activation_budget_bytes": 10}, "goes with recompute='auto'"),
+    ({"prefetch_buckets": -1}, "prefetch_buckets must be an int >= 0"),
+    ({"reduce_overlap_buckets": 1.5}, "reduce_overlap_buckets must be an int >= 0"),
+    ({"max_gathered_bytes": -1}, "max_gathered_bytes must be a number of bytes"),
+    ({"resident_max_numel": -1}, "resident_max_numel must be an int >= 0"),
+])
+def test_bad_values_say_what_is_allowed(options, message):
+    with pytest.raises(ValueError, match=message):
+        ZeroConfig(**options)
+
+
+def _waited_after(gm, kind):
+    """For each collective of ``kind`` (all-gathers, or reductions), how many nodes after it its
+    wait is: where the schedule put it."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    chosen = [n for n in gm.graph.nodes if is_collective(n) and (is_all_gather(n) == (kind == "gather"))]
+    return [order[next(u for u in n.users if is_wait(u))] - order[n] for n in chosen]
+
+
+def _scheduled(**options):
+    gm, _ = rewritten_step_on_fake(lambda: models.build("gpt"), batch=2, seq=models.SEQ,
+                                   vocab_size=models.VOCAB, world_size=2, stage=3,
+                                   bucket_bytes=0, **options)
+    return gm
+
+
+def test_prefetch_buckets_and_reduce_overlap_buckets_move_only_their_own_collectives():
+    neither = _scheduled(prefetch_buckets=0, reduce_overlap_buckets=0)
+    gathers = _scheduled(prefetch_buckets=1, reduce_overlap_buckets=0)
+    reductions = _scheduled(prefetch_buckets=0, reduce_overlap_buckets=1)
+    assert _waited_after(gathers, "gather") != _waited_after(neither, "gather")
+    assert _waited_after(gathers, "reduce") == _waited_after(neither, "reduce")
+    assert _waited_after(reductions, "reduce") != _waited_after(neither, "reduce")
+    assert _waited_after(reductions, "gather") == _waited_after(neither, "gather")
+    with pytest.warns(FutureWarning):
+        old = _scheduled(prefetch=1)  # both halves, as before
+    both = _scheduled(prefetch_buckets=1, reduce_overlap_buckets=1)
+    assert [n.target for n in old.graph.nodes] == [n.target for n in both.graph.nodes]
