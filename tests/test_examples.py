@@ -54,22 +54,39 @@ def losses(stdout):
             re.findall(r"step +(\d+)/\d+  loss (\d+\.\d+)  ", stdout)}
 
 
-def test_train_gpt_with_bf16_accumulation_and_clipping():
+def test_train_gpt_with_bf16_accumulation_and_clipping_on_a_file_of_its_size(tmp_path):
+    """Its own text file and model size, bf16, 2 micro-batches a step, clipping; the learning
+    rate warms up then decays; a held-out evaluation every 4 steps and at the end."""
+    data = tmp_path / "text.txt"
+    data.write_text("The quick brown fox jumps over the lazy dog. " * 100)
     out = torchrun("train_gpt.py", "--steps", "8", "--precision", "bf16",
-                   "--accumulation-steps", "2", "--max-grad-norm", "1.0")
+                   "--accumulation-steps", "2", "--max-grad-norm", "1.0", "--data", str(data),
+                   "--layers", "2", "--width", "64", "--heads", "2", "--seq", "16",
+                   "--lr", "1e-2", "--warmup-steps", "2", "--eval-every", "4", "--seed", "1")
+    assert "(2 layers, width 64, 2 heads, 16 tokens)" in out and "4,050 bytes of text.txt" in out
     norms = [float(m) for m in re.findall(r"grad norm (\d+\.\d+)", out)]
     assert len(losses(out)) == len(norms) == 8
     assert losses(out)[8] < losses(out)[1]  # it learns
+    rates = [float(r) for r in re.findall(r"  lr (\d\.\d+e[-+]\d+)  ", out)]
+    assert rates[:2] == [5e-3, 1e-2] and rates[2:] == sorted(rates[2:], reverse=True)
+    assert rates[-1] > 1e-3  # the cosine ends at a tenth of the peak, after the last step
+    assert len(re.findall(r"\d tok/s", out)) == 8 and re.search(r"throughput [\d,]+ tokens/s", out)
+    held_out = [float(m) for m in re.findall(r"held-out loss (\d+\.\d+)", out)]
+    assert len(held_out) == 2 and held_out[1] < held_out[0]  # after step 4, and at the end
     assert "traffic per step" in out and "memory on rank 0" in out
 
 
 def test_train_gpt_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
+    """The checkpoint holds the learning-rate schedule too: the resumed run continues it (its
+    own different --lr and --warmup-steps are reported and ignored)."""
     folder = str(tmp_path / "ckpt")
-    first = torchrun("train_gpt.py", "--steps", "4", "--checkpoint-every", "2",
+    first = torchrun("train_gpt.py", "--steps", "4", "--decay-steps", "6", "--checkpoint-every", "2",
                      "--checkpoint-dir", folder)
     assert "saved" in first and os.path.isdir(os.path.join(folder, "latest"))
-    resumed = torchrun("train_gpt.py", "--steps", "6", "--checkpoint-dir", folder)
+    resumed = torchrun("train_gpt.py", "--steps", "6", "--checkpoint-dir", folder,
+                       "--lr", "0.5", "--warmup-steps", "1")
     assert "resumed from" in resumed and "after step 4" in resumed
+    assert "the learning-rate schedule continues as saved" in resumed
     assert sorted(losses(resumed)) == [5, 6]
     whole = torchrun("train_gpt.py", "--steps", "6")
     assert [losses(resumed)[s] for s in (5, 6)] == [losses(whole)[s] for s in (5, 6)]
