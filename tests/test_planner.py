@@ -128,7 +128,7 @@ def test_over_nodes_flat_and_hybrid_are_set_side_by_side():
     """[Note: what the planner counts]: flat stage 3 over 16 ranks on 4 nodes sends all its
     ring bytes across nodes; hybrid (4 x 4) sends only 2(R-1)/R of its gradient shards; 2 x 8
     (shard groups of two nodes) sends its ring bytes and its all-reduce across."""
-    source = model_source("examples.gpt:gpt_1b")
+    source = model_source("gpt-1b")  # the package's torch GPT: no transformers needed
     report = plan_model(source, world_size=16, stage=3, dtype=torch.bfloat16, nodes=4)
     flat, hybrid, two_nodes_each = report.levels
     assert flat.within_node == 0 and flat.across_nodes == report.stages[3].wire_bytes
