@@ -161,7 +161,7 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
     if seq is not None:
         report.working_set, report.working_set_how = _working_set(
             source, world_size=world_size, stage=stage, dtype=dtype, batch=batch or 1, seq=seq,
-            recompute={"recompute": recompute, "activation_memory_budget": activation_memory_budget})
+            recompute={"recompute": recompute, **_budget_option(activation_memory_budget)})
     if nodes > 1:
         report.nodes = nodes
         report.levels = _levels(report, plan_over, nodes, item, mixed)
@@ -247,7 +247,7 @@ def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: tor
         raise SystemExit(f"--seq {seq} is longer than the model's {source.max_positions} positions")
     if source.layers is None:
         return float(traced_peak(None)), f"traced whole, batch {batch} x {seq} tokens per rank"
-    chosen = recompute["recompute"] or ("auto" if recompute["activation_memory_budget"] else None)
+    chosen = recompute["recompute"] or ("auto" if len(recompute) > 1 else None)
     # With recompute the first block adds less than the others (its recomputed activations
     # set the peak only from the second block on): extrapolate from the second and third.
     first = 2 if chosen and source.layers >= 3 else 1
@@ -367,3 +367,11 @@ def _three_digits(x: float) -> str:
     """120, 31.4, 16.6, 1.88: three significant digits, as the ZeRO paper prints them."""
     decimals = max(0, 2 - math.floor(math.log10(abs(x)))) if x else 0
     return f"{x:.{decimals}f}"
+
+
+def _budget_option(budget: Optional[float]) -> dict:
+    """``--activation-budget`` (a fraction when <= 1, else bytes) as zero_compile's option."""
+    if budget is None:
+        return {}
+    return ({"activation_budget_fraction": budget} if budget <= 1
+            else {"activation_budget_bytes": int(budget)})
