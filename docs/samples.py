@@ -91,10 +91,8 @@ PLAN_COMMAND = ("python", "-m", "zero_fx.plan", "--model", "llama3-8b", "--world
                 "--dtype", "bf16")
 """The ``plan`` sample's command, as shown; ``python`` runs as this interpreter."""
 
-ESTIMATE_COMMAND = ("python", "-m", "zero_fx.estimate", "--model", "llama-8b", "--world", "8")
-"""The ``estimate`` sample's command, as shown; ``python`` runs as this interpreter. (The
-estimate CLI calls Llama 3 8B ``llama-8b`` where the planner says ``llama3-8b``; once both
-take ``llama3-8b``, say that here.)"""
+ESTIMATE_COMMAND = ("python", "-m", "zero_fx.estimate", "--model", "llama3-8b", "--world", "8")
+"""The ``estimate`` sample's command, as shown; ``python`` runs as this interpreter."""
 
 PEER_RESULTS = "bench/results/*.json"
 """The peer benchmark's results the ``performance`` table is made from (files with
