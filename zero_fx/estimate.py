@@ -59,11 +59,13 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3))
     parser.add_argument("--hardware", default="8xh100-nvlink", choices=sorted(PRESETS))
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=2048,
+                        help="tokens per sequence (at most a named model's positions)")
     add_dtype_argument(parser, default="bf16",
-                       help="the dtype the model is built in (default bf16)")
+                       help="the dtype the model is built in; default bf16")
     parser.add_argument("--bucket-bytes", type=int, default=None)
-    parser.add_argument("--prefetch", type=int, default=1)
+    parser.add_argument("--prefetch", type=int, default=1,
+                        help="collectives issued this many buckets ahead (as zero_compile's)")
     parser.add_argument("--traffic", action="store_true", help="also print every collective")
     parser.add_argument("--explain", action="store_true",
                         help="print the whole explain() report of the planned step instead")

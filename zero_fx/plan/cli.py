@@ -28,4 +28,4 @@ def parse_dtype(text: str) -> torch.dtype:
 def add_dtype_argument(parser: argparse.ArgumentParser, *, default, help: str) -> None:
     """``--dtype`` parsed by ``parse_dtype``; ``default`` is a spelling or None."""
     parser.add_argument("--dtype", type=parse_dtype, default=default,
-                        metavar="{fp32,bf16,fp16}", help=f"{help} ({DTYPE_CHOICES})")
+                        metavar="DTYPE", help=f"{help} ({DTYPE_CHOICES})")
