@@ -37,7 +37,7 @@ def make_parser() -> argparse.ArgumentParser:
                         help="the stage to detail (buckets, working set); the tables show all")
     add_dtype_argument(parser, default="fp32",
                        help="compute dtype, default fp32; bf16/fp16 mean mixed precision with fp32 "
-                           "masters")
+                            "masters")
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES))
     parser.add_argument("--seq", type=int, default=None,
                         help="tokens per sequence: trace the step's working set at this length")
