@@ -1,10 +1,10 @@
 """What to do about the capture failures users meet most, keyed by what PyTorch says.
 
-zero_fx needs the whole step as one graph (see DESIGN.md), so a graph break is an
-error, never a silent fallback to several graphs. PyTorch's own messages name the
+zero_fx needs the whole step as one graph (see docs/architecture.md), so a graph break is
+an error, never a silent fallback to several graphs. PyTorch's own messages name the
 construct but not the way out for a training step; these hints do. Each pattern was
-met on a real model (HuggingFace GPT-2, Llama and Mixtral among them; README, "Models
-that do not capture").
+met on a real model (HuggingFace GPT-2, Llama and Mixtral among them; docs/huggingface.md,
+"Models that do not capture").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the ZeRO table promises per stage: traffic per step and model-state bytes per rank.
 
-The table (``shared/DESIGN.md``, ZeRO paper §5) for Ψ parameters on N ranks,
+The table (``docs/stages.md``, ZeRO paper §5) for Ψ parameters on N ranks,
 in full precision (fp32 parameters, gradients and optimizer state; the shard
 the optimizer steps on is the fp32 master):
 
