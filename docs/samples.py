@@ -16,7 +16,10 @@ From the repository root::
     python -m docs.samples --check FILE.md    # other files than the default ones
 
 The files are README.md, docs/*.md, bench/README.md and passes/README.md. A marker with an
-unknown name, or not followed by a fence, is an error naming the file and line (exit 2).
+unknown name, or not followed by a fence, is an error naming the file and line (exit 2). A
+sample whose producer fails is reported with the reason, its blocks left as they are (exit
+3 when rewriting; with --check it counts as stale). Both modes say on stderr how long each
+producer took.
 Rewriting keeps the fence lines (and their language tag) and replaces what is between.
 
 The samples (``SAMPLES``):
@@ -71,7 +74,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import functools
 import glob
 import json
 import os
@@ -129,12 +131,22 @@ def example_defaults() -> dict:
     return {w: defaults[w] for w in wanted}
 
 
+_GPT_STEP: list = []
+
+
 def gpt_step_samples() -> dict[str, str]:
-    """``explain``, ``traffic`` and ``dump-files`` from one compiled step (cached)."""
-    return dict(_gpt_step_samples())
+    """``explain``, ``traffic`` and ``dump-files`` from one compiled step (kept, or its
+    failure kept: one compile, whichever of them asks first)."""
+    if not _GPT_STEP:
+        try:
+            _GPT_STEP.append(dict(_gpt_step_samples()))
+        except Exception as e:  # noqa: BLE001 - raised again for each of the three
+            _GPT_STEP.append(e)
+    if isinstance(_GPT_STEP[0], Exception):
+        raise _GPT_STEP[0]
+    return _GPT_STEP[0]
 
 
-@functools.lru_cache(maxsize=None)
 def _gpt_step_samples() -> tuple[tuple[str, str], ...]:
     """The example's step (examples/train_gpt.py at its defaults, --backend aot_eager) on
     rank 0 of a fake world of 2, after one call."""
@@ -334,20 +346,49 @@ SAMPLES = {s.name: s for s in (
 )}
 
 
-@functools.lru_cache(maxsize=None)
+class SampleFailed(Exception):
+    """A sample's producer raised: the message says which and why."""
+
+
+_PRODUCED: dict = {}
+TIMES: dict = {}
+"""Seconds each sample's producer took in this process (the GPT samples share one compile,
+counted for the first of them produced)."""
+
+
 def produce(name: str) -> str:
-    """What the code prints now for the sample ``name`` (cached for the process)."""
-    return SAMPLES[name].produce().rstrip("\n")
+    """What the code prints now for the sample ``name`` (kept for the process); SampleFailed
+    if its producer raised."""
+    if name not in _PRODUCED:
+        start = time.perf_counter()
+        try:
+            _PRODUCED[name] = SAMPLES[name].produce().rstrip("\n")
+        except Exception as e:  # noqa: BLE001 - reported with the sample's name
+            _PRODUCED[name] = SampleFailed(f"sample {name!r} could not be produced: "
+                                           f"{type(e).__name__}: {e}")
+        TIMES[name] = time.perf_counter() - start
+    result = _PRODUCED[name]
+    if isinstance(result, SampleFailed):
+        raise result
+    return result
 
 
-def produce_many(names) -> dict[str, str]:
-    """Several samples at once: the commands' processes run while this one compiles."""
+def produce_many(names) -> dict:
+    """Several samples at once (the commands' processes run while this one compiles): name
+    -> its text, or the SampleFailed its producer gave."""
     from concurrent.futures import ThreadPoolExecutor
+
+    def attempt(name):
+        try:
+            return produce(name)
+        except SampleFailed as e:
+            return e
+
     names = list(dict.fromkeys(names))
     commands = [n for n in names if SAMPLES[n].produce in (plan_sample, estimate_sample)]
     with ThreadPoolExecutor(max_workers=max(len(commands), 1)) as pool:
-        running = {n: pool.submit(produce, n) for n in commands}
-        here = {n: produce(n) for n in names if n not in running}
+        running = {n: pool.submit(attempt, n) for n in commands}
+        here = {n: attempt(n) for n in names if n not in running}
         return {n: running[n].result() if n in running else here[n] for n in names}
 
 
@@ -480,18 +521,20 @@ def all_markers(files: Optional[list[str]] = None) -> list[Marker]:
     return [m for path in (default_files() if files is None else files) for m in markers(path)]
 
 
-def rewrite(path: str, only: Optional[set] = None) -> list[str]:
-    """Put what the code prints now in the file's marked blocks; the names that changed."""
+def rewrite(path: str, only: Optional[set] = None) -> tuple[list[str], list[str]]:
+    """Put what the code prints now in the file's marked blocks: the names rewritten, and
+    reports of the samples that could not be produced (their blocks are left as they are)."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     lines = text.split("\n")
-    changed = []
-    produce_many(m.name for m in markers(path, lines) if not only or m.name in only)
-    for m in reversed(markers(path, lines)):
-        if only and m.name not in only:
-            continue
-        current = produce(m.name)
-        if current != m.body:
+    found = [m for m in markers(path, lines) if not only or m.name in only]
+    produced = produce_many(m.name for m in found)
+    changed, failed = [], []
+    for m in reversed(found):
+        current = produced[m.name]
+        if isinstance(current, SampleFailed):
+            failed.append(f"{_display(m.path)}:{m.line}: {current}")
+        elif current != m.body:
             indent = FENCE.match(lines[m.start - 1]).group("indent")
             lines[m.start:m.end] = [indent + line if line else line
                                     for line in current.split("\n")]
@@ -499,23 +542,30 @@ def rewrite(path: str, only: Optional[set] = None) -> list[str]:
     if changed:
         with open(path, "w", encoding="utf-8") as f:
             f.write("\n".join(lines))
-    return changed[::-1]
+    return changed[::-1], failed[::-1]
 
 
 def check(files: Optional[list[str]] = None, only: Optional[set] = None) -> list[str]:
-    """Reports of the marked blocks whose structure differs from what the code prints now."""
+    """Reports of the marked blocks whose structure differs from what the code prints now,
+    or whose sample could not be produced."""
     stale = []
-    found = all_markers(files)
-    produce_many(m.name for m in found if not only or m.name in only)
+    found = [m for m in all_markers(files) if not only or m.name in only]
+    produced = produce_many(m.name for m in found)
     for m in found:
-        if only and m.name not in only:
+        current = produced[m.name]
+        if isinstance(current, SampleFailed):
+            stale.append(f"{_display(m.path)}:{m.line}: {current}")
             continue
-        diff = differences(m.name, m.body, produce(m.name))
+        diff = differences(m.name, m.body, current)
         if diff:
             stale.append(f"{_display(m.path)}:{m.line}: sample {m.name!r} is stale "
                          f"(python -m docs.samples --only {m.name} rewrites it):\n  "
                          + "\n  ".join(diff))
     return stale
+
+
+def _times() -> str:
+    return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in TIMES.items())
 
 
 def main(argv=None) -> int:
@@ -549,12 +599,19 @@ def main(argv=None) -> int:
         for report in stale:
             print(report)
         checked = sum(1 for m in found if not only or m.name in only)
-        print(f"{checked} sample(s) checked, {len(stale)} stale", file=sys.stderr)
+        print(f"{checked} sample(s) checked, {len(stale)} stale or failed (produced in: "
+              f"{_times() or 'none'})", file=sys.stderr)
         return 1 if stale else 0
+    failed = []
     for path in files:
-        for name in rewrite(path, only):
+        changed, failures = rewrite(path, only)
+        failed += failures
+        for name in changed:
             print(f"{_display(path)}: rewrote {name}")
-    return 0
+    for report in failed:
+        print(f"error: {report}", file=sys.stderr)
+    print(f"produced in: {_times() or 'none'}", file=sys.stderr)
+    return 3 if failed else 0
 
 
 if __name__ == "__main__":

@@ -49,11 +49,17 @@ def rel(path: str) -> str:
 
 @pytest.fixture(scope="module")
 def produced():
-    """Every cheap sample the docs mark, and traffic (for the stale-sample tests), produced
-    once: one compiled step serves explain, traffic and dump-files; the CLIs' processes run
-    while it compiles."""
+    """Name -> text, or the SampleFailed its producer gave, for every cheap sample the docs
+    mark and for traffic (the stale-sample tests'), produced once: one compiled step serves
+    explain, traffic and dump-files; the CLIs' processes run while it compiles."""
     names = {m.name for m in MARKERS if samples.SAMPLES[m.name].cheap} | {"traffic"}
     return samples.produce_many(sorted(names))
+
+
+def text_of(produced, name: str) -> str:
+    if isinstance(produced[name], samples.SampleFailed):
+        pytest.fail(str(produced[name]))
+    return produced[name]
 
 
 # --------------------------------------------------------------------------- samples
@@ -73,14 +79,15 @@ def test_the_docs_show_the_main_samples(name):
 def test_sample_has_the_structure_of_what_the_code_prints(marker, produced):
     if not samples.SAMPLES[marker.name].cheap:
         pytest.skip(f"{marker.name} is too slow to regenerate here (python -m docs.samples --check)")
-    diff = samples.differences(marker.name, marker.body, produced[marker.name])
+    current = text_of(produced, marker.name)
+    diff = samples.differences(marker.name, marker.body, current)
     assert not diff, (f"{rel(marker.path)}:{marker.line}: sample {marker.name!r} is stale; "
                       f"python -m docs.samples --only {marker.name} rewrites it:\n"
                       + "\n".join(diff))
 
 
 def test_a_stale_sample_fails_the_check(produced):
-    current = produced["traffic"]
+    current = text_of(produced, "traffic")
     lines = current.split("\n")
     assert samples.differences("traffic", current, current) == []
     renamed = current.replace("wpe.weight", "wpe.bias", 1)
@@ -96,7 +103,7 @@ def test_a_stale_sample_fails_the_check(produced):
 
 def test_numbers_that_vary_do_not_make_a_sample_stale(produced):
     """Floats, byte sizes, times and graph positions are masked; columns may realign."""
-    current = produced["traffic"]
+    current = text_of(produced, "traffic")
     moved = re.sub(r"\d+\.\d+", "9.99", current)                 # ratios
     moved = re.sub(r"\b[\d,]+ B\b", "1,234,567 B", moved)         # byte sizes
     moved = re.sub(r"(forward|backward)(\s+)\d+(\s+)\d+", r"\1\2 1234\3 5678", moved)  # positions
@@ -111,7 +118,7 @@ def test_check_and_rewrite_from_the_command_line(tmp_path, produced, capsys):
     """--check exits 1 and names the stale block's file and line; a rewrite keeps the fence
     and its language tag, and --check then passes."""
     doc = tmp_path / "page.md"
-    stale = produced["traffic"].split("\n")
+    stale = text_of(produced, "traffic").split("\n")
     del stale[3]
     doc.write_text("# A page\n\n<!-- sample: traffic -->\n```text\n" + "\n".join(stale)
                    + "\n```\n\nAfter.\n")
@@ -121,6 +128,20 @@ def test_check_and_rewrite_from_the_command_line(tmp_path, produced, capsys):
     text = doc.read_text()
     assert "<!-- sample: traffic -->\n```text\n" + produced["traffic"] + "\n```\n\nAfter.\n" in text
     assert samples.main(["--check", str(doc)]) == 0
+
+
+def test_a_producer_that_fails_is_reported_by_name(tmp_path, monkeypatch, capsys):
+    def broken():
+        raise RuntimeError("the CLI exited 1")
+
+    monkeypatch.setitem(samples.SAMPLES, "broken", samples.Sample("broken", broken, "a test's"))
+    doc = tmp_path / "page.md"
+    doc.write_text("<!-- sample: broken -->\n```\nold\n```\n")
+    assert samples.main([str(doc)]) == 3
+    assert "page.md:1: sample 'broken' could not be produced: RuntimeError: the CLI exited 1" \
+        in capsys.readouterr().err
+    assert doc.read_text() == "<!-- sample: broken -->\n```\nold\n```\n"
+    assert samples.main(["--check", str(doc)]) == 1
 
 
 @pytest.mark.parametrize("page, error", [
