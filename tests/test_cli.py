@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -132,5 +131,6 @@ def test_install_hints_name_packages_not_extras_or_a_checkout():
         assert "[" not in hint and " -e" not in hint and " ." not in hint, hint
     from zero_fx.inspection.memory_plot import MATPLOTLIB_MISSING
     assert "pip install matplotlib " in MATPLOTLIB_MISSING
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert TRANSFORMERS_PIN in extras["hf"]  # the hint's pin is the [hf] extra's
