@@ -1,17 +1,23 @@
 """LoRA-style fine-tuning with ZeRO: a frozen GPT base, trainable low-rank adapters.
 
     torchrun --nproc_per_node 2 examples/lora.py          # 2 CPU ranks, stage 3
+    torchrun --nproc_per_node 2 examples/lora.py --lora-rank 4 --adapter-path adapter.pt
 
 Every linear layer of the blocks gets ``W x + B A x`` with A (rank r x in) and B (out x r)
 trainable and W frozen. zero_fx then steps, reduces and keeps optimizer state for the
 adapters only; in stage 3 the frozen base stays sharded (1/N per rank) and is gathered
 where used, but its gradients are never computed or reduced. The closing lines show it:
 the reduce-scatter carries the adapters' elements only, and the base is bitwise unchanged.
+
+At the end the adapters alone are saved (--adapter-path): a small file of their weights,
+by name (``torch.save``; ``load_adapter`` reads it into a model with adapters). The base is
+whatever it was before training: only the adapters need keeping.
 """
 
 import argparse
 import os
 import sys
+import warnings
 
 import torch
 import torch.nn as nn
@@ -29,10 +35,19 @@ parser.add_argument("--steps", type=int, default=60)
 parser.add_argument("--batch-size", type=int, default=8, help="global batch, split over ranks")
 parser.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
 parser.add_argument("--backend", default="inductor", help="inductor | aot_eager | eager")
-parser.add_argument("--rank", type=int, default=8, help="the adapters' rank r")
+parser.add_argument("--lora-rank", type=int, default=8, help="the adapters' rank r")
+parser.add_argument("--rank", type=int, dest="old_lora_rank", default=None,
+                    help=argparse.SUPPRESS)  # the old name, which read as the process rank
+parser.add_argument("--adapter-path", default="lora_adapter.pt",
+                    help="where to save the trained adapters (their weights only) at the end")
 add_device_argument(parser)
 args = parser.parse_args()
 run = launch(device=args.device)
+if args.old_lora_rank is not None:
+    if run.rank == 0:
+        warnings.warn("lora.py: --rank is renamed --lora-rank (it read as the process rank); "
+                      "--rank goes in the next release", FutureWarning, stacklevel=1)
+    args.lora_rank = args.old_lora_rank
 
 
 class LoRALinear(nn.Module):
@@ -48,6 +63,18 @@ class LoRALinear(nn.Module):
 
     def forward(self, x):
         return self.base(x) + self.up(self.down(x)) * self.scale
+
+
+def adapter_state(parameters: dict) -> dict:
+    """The adapters' weights of a ``{name: tensor}`` of the model (``down`` and ``up``)."""
+    return {name: t for name, t in parameters.items() if name.endswith((".down.weight", ".up.weight"))}
+
+
+def load_adapter(model: nn.Module, path: str) -> None:
+    """Put the adapters saved at ``path`` into ``model`` (the base with adapters of that rank)."""
+    result = model.load_state_dict(torch.load(path, weights_only=True)["weights"], strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"{path} holds adapters this model lacks: {result.unexpected_keys[:3]}")
 
 
 def add_adapters(model: nn.Module, rank: int) -> nn.Module:
@@ -78,13 +105,13 @@ def get_batch(step):
 
 
 torch.manual_seed(0)
-model = add_adapters(GPT(cfg), args.rank).to(run.device)
+model = add_adapters(GPT(cfg), args.lora_rank).to(run.device)
 base_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
 trainable = [p for p in model.parameters() if p.requires_grad]
 opt = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.0)  # the adapters only
 total = sum(p.numel() for p in model.parameters())
 run.log(f"GPT with {total / 1e6:.2f}M parameters, {sum(p.numel() for p in trainable) / 1e6:.3f}M "
-        f"of them trainable (rank-{args.rank} adapters), stage {args.stage}, {run.world} rank(s)")
+        f"of them trainable (rank-{args.lora_rank} adapters), stage {args.stage}, {run.world} rank(s)")
 
 
 @zero_compile(stage=args.stage, backend=args.backend)
@@ -110,4 +137,14 @@ reduced = sum(train_step.traffic().numel_by_kind().get(k, 0) for k in ("reduce_s
 run.log("\n" + summary(train_step, final_loss=loss.item(), clock=clock))
 run.log(f"gradient reduction per step: {reduced:,} elements (the adapters: "
         f"{sum(p.numel() for p in trainable):,} parameters); frozen base unchanged: {unchanged}")
+
+# -- the adapters alone: the small file worth keeping (the base did not change) ------------
+adapters = adapter_state(after)
+if run.rank == 0:
+    torch.save({"lora_rank": args.lora_rank, "weights": {n: t.cpu() for n, t in adapters.items()}},
+               args.adapter_path)
+    run.log(f"saved the adapters to {args.adapter_path}: {len(adapters)} tensors, "
+            f"{sum(t.numel() for t in adapters.values()):,} parameters, "
+            f"{os.path.getsize(args.adapter_path) / 2**10:.1f} KiB (the whole model: "
+            f"{sum(t.numel() * t.element_size() for t in after.values()) / 2**10:.1f} KiB)")
 run.finish()

@@ -149,13 +149,23 @@ def test_finetune_llama_loads_into_shards_and_saves_what_transformers_reloads(tm
     assert difference < 1e-5  # measured 1.0e-6: the order of a sum over 2 ranks
 
 
-def test_lora_trains_the_adapters_and_leaves_the_frozen_base_alone():
-    out = torchrun("lora.py", "--steps", "20")
-    assert losses(out)[20] < losses(out)[1]
+def test_lora_trains_the_adapters_leaves_the_frozen_base_alone_and_saves_them_alone(tmp_path):
+    import torch
+
+    path = tmp_path / "adapter.pt"
+    out = torchrun("lora.py", "--steps", "20", "--lora-rank", "4", "--adapter-path", str(path))
+    assert losses(out)[20] < losses(out)[1] and "(rank-4 adapters)" in out
     reduced, adapters = re.search(
         r"gradient reduction per step: ([\d,]+) elements \(the adapters: ([\d,]+) parameters\)", out).groups()
     assert reduced == adapters  # no gradient of the frozen base is reduced
     assert "frozen base unchanged: True" in out
+    saved = torch.load(path, weights_only=True)
+    weights = saved["weights"]
+    assert saved["lora_rank"] == 4 and len(weights) == 4 * 4 * 2  # 4 blocks of 4 layers: down, up
+    assert all(name.endswith((".down.weight", ".up.weight")) for name in weights)
+    assert f"{sum(t.numel() for t in weights.values()):,}" == adapters  # the adapters, only
+    assert all(t.shape[0 if name.endswith("down.weight") else 1] == 4 for name, t in weights.items())
+    assert all(t.abs().sum() > 0 for t in weights.values())  # trained: up starts at zero
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
