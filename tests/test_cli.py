@@ -134,3 +134,21 @@ def test_install_hints_name_packages_not_extras_or_a_checkout():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert TRANSFORMERS_PIN in extras["hf"]  # the hint's pin is the [hf] extra's
+
+
+def test_the_estimate_passes_the_options_by_their_current_names(capsys):
+    """--prefetch-buckets and --reduce-overlap-buckets are zero_compile's options; the old
+    --prefetch still sets both (with a note)."""
+    import warnings
+
+    from zero_fx import ZeroConfig
+
+    parser = estimate_cli.make_parser()
+    options = estimate_cli.overlap_options(parser.parse_args([]))
+    assert options == {"prefetch_buckets": 1, "reduce_overlap_buckets": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no FutureWarning of a renamed option
+        ZeroConfig(stage=3, backend="eager", **options)
+    old = parser.parse_args(["--prefetch", "0", "--reduce-overlap-buckets", "2"])
+    assert estimate_cli.overlap_options(old) == {"prefetch_buckets": 0, "reduce_overlap_buckets": 2}
+    assert "--prefetch is now --prefetch-buckets" in capsys.readouterr().err

@@ -64,8 +64,14 @@ def make_parser() -> argparse.ArgumentParser:
     add_dtype_argument(parser, default="bf16",
                        help="the dtype the model is built in; default bf16")
     parser.add_argument("--bucket-bytes", type=int, default=None)
-    parser.add_argument("--prefetch", type=int, default=1,
-                        help="collectives issued this many buckets ahead (as zero_compile's)")
+    parser.add_argument("--prefetch-buckets", type=int, default=None, metavar="N",
+                        help="stage 3: each all-gather is issued N buckets ahead of its use "
+                             "(zero_compile's prefetch_buckets; default 1)")
+    parser.add_argument("--reduce-overlap-buckets", type=int, default=None, metavar="N",
+                        help="each gradient reduction is waited for N reductions after it is "
+                             "issued (zero_compile's reduce_overlap_buckets; default 1)")
+    parser.add_argument("--prefetch", type=int, default=None, metavar="N",
+                        help="the old option: both of the above")
     parser.add_argument("--traffic", action="store_true", help="also print every collective")
     parser.add_argument("--explain", action="store_true",
                         help="print the whole explain() report of the planned step instead")
@@ -93,7 +99,7 @@ def main(argv=None) -> None:
     gm, plan = rewritten_step_on_fake(
         build, batch=args.batch, seq=args.seq, vocab_size=args.vocab or vocab_size_of(build),
         world_size=shards, replicas=replicas, stage=args.stage, dtype=args.dtype,
-        bucket_bytes=args.bucket_bytes, prefetch=args.prefetch)
+        bucket_bytes=args.bucket_bytes, **overlap_options(args))
     print(f"planned in {time.perf_counter() - start:.1f} s: {plan.total_numel / 1e9:.2f}B "
           f"parameters, {len(gm.graph.nodes)} nodes", file=sys.stderr)
     if args.explain:
@@ -104,6 +110,18 @@ def main(argv=None) -> None:
     report = traffic_report(gm, plan)
     print(report if args.traffic else report.summary())
     print(estimate(gm, plan, args.hardware))
+
+
+def overlap_options(args) -> dict:
+    """``prefetch_buckets`` and ``reduce_overlap_buckets`` from their flags, or from the old
+    ``--prefetch`` (which set both)."""
+    if args.prefetch is not None:
+        print("note: --prefetch is now --prefetch-buckets and --reduce-overlap-buckets",
+              file=sys.stderr)
+    old = 1 if args.prefetch is None else args.prefetch
+    return {"prefetch_buckets": old if args.prefetch_buckets is None else args.prefetch_buckets,
+            "reduce_overlap_buckets": (old if args.reduce_overlap_buckets is None
+                                       else args.reduce_overlap_buckets)}
 
 
 def mesh_shape(parser, mesh, world) -> tuple[int, int]:
