@@ -16,11 +16,11 @@ From the repository root::
     python -m docs.samples --check FILE.md    # other files than the default ones
 
 The files are README.md, docs/*.md, bench/README.md and passes/README.md. A marker with an
-unknown name, or not followed by a fence, is an error naming the file and line (exit 2). A
-sample whose producer fails is reported with the reason, its blocks left as they are (exit
-3 when rewriting; with --check it counts as stale). Both modes say on stderr how long each
-producer took.
-Rewriting keeps the fence lines (and their language tag) and replaces what is between.
+unknown name, or not followed by a fence, is an error naming the file and line (exit 2).
+Rewriting keeps the fence lines (and their language tag) and replaces what is between. A
+sample whose producer fails is reported with the reason and its blocks are left as they
+are (exit 3 when rewriting; under --check it counts as stale). Both modes say on stderr how
+long each producer took.
 
 The samples (``SAMPLES``):
 
@@ -29,9 +29,8 @@ The samples (``SAMPLES``):
   backend="aot_eager")``, on rank 0 of a fake world of 2 ranks (torch's ``fake`` process
   group: shapes are real, nothing is sent), after one call: ``print(train_step.explain())``,
   ``print(train_step.traffic())``, and the files of its dump folder (one rank and
-  compilation: ``<dump_dir>/train_step/rank0/compile0/``), sorted. ``torchrun
-  --nproc_per_node 2 examples/train_gpt.py --explain --backend aot_eager`` prints the same
-  report. One compilation serves all three (see ``gpt_step_samples``).
+  compilation: ``<dump_dir>/train_step/rank0/compile0/``), sorted. One compilation serves
+  all three (see ``gpt_step_samples``).
 - ``plan``: ``python -m zero_fx.plan`` (``PLAN_COMMAND``), its standard output.
 - ``estimate``: ``python -m zero_fx.estimate`` (``ESTIMATE_COMMAND``), its standard output.
   Both show the command as the block's first line (``$ python -m ...``).
@@ -59,9 +58,12 @@ the calls of each, lines of a list, the benchmark's steps and cores.
 Masked besides, in ``explain`` and ``traffic`` only (``GRAPH_POSITIONS``): positions in the
 rewritten graph and its node counts (issued/waited, ready/first use/last use/released
 after, ``node 236``, ``nodes 90–249``, ``197 nodes``, ``14 ops``, the tensors alive at the
-estimated peak) and the numeric suffixes
-of node names (``mm_11``): they are deterministic, but shift whenever a pass or torch's
-decompositions add a node, which changes nothing a reader of the sample looks for.
+estimated peak) and the numeric suffixes of node names (``mm_11``): they are deterministic,
+but shift whenever a pass or torch's decompositions add a node, which changes nothing a
+reader of the sample looks for.
+
+In ``dump-files``, where matplotlib is not installed, ``memory.png`` (which needs it) is
+left out of both sides.
 
 Runs of spaces count as one (columns realign when a number's width changes), and trailing
 blank lines are ignored.

@@ -135,6 +135,7 @@ def test_a_producer_that_fails_is_reported_by_name(tmp_path, monkeypatch, capsys
         raise RuntimeError("the CLI exited 1")
 
     monkeypatch.setitem(samples.SAMPLES, "broken", samples.Sample("broken", broken, "a test's"))
+    monkeypatch.setattr(samples, "_PRODUCED", dict(samples._PRODUCED))  # forget it afterwards
     doc = tmp_path / "page.md"
     doc.write_text("<!-- sample: broken -->\n```\nold\n```\n")
     assert samples.main([str(doc)]) == 3
