@@ -163,7 +163,8 @@ def main() -> None:
             model.save_pretrained(args.save_dir, state_dict=state)
             reloaded = transformers.AutoModelForCausalLM.from_pretrained(args.save_dir)
             with torch.no_grad():
-                again = reloaded(input_ids=held_out[0].cpu(), attention_mask=held_out[1].cpu()).logits
+                tokens, mask = held_out[0].cpu(), held_out[1].cpu()
+                again = reloaded(input_ids=tokens, attention_mask=mask).logits
             difference = (again.float() - trained).abs().max().item()
             run.log(f"saved {args.save_dir} (save_pretrained, {len(state)} tensors); reloaded with "
                     f"from_pretrained, its logits on held-out examples differ from the trained "

@@ -67,7 +67,8 @@ class LoRALinear(nn.Module):
 
 def adapter_state(parameters: dict) -> dict:
     """The adapters' weights of a ``{name: tensor}`` of the model (``down`` and ``up``)."""
-    return {name: t for name, t in parameters.items() if name.endswith((".down.weight", ".up.weight"))}
+    return {name: t for name, t in parameters.items()
+            if name.endswith((".down.weight", ".up.weight"))}
 
 
 def load_adapter(model: nn.Module, path: str) -> None:

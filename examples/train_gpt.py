@@ -44,7 +44,7 @@ from examples.gpt import GPT, GPTConfig  # noqa: E402
 from examples.launch import GROUP_TIMEOUT, add_device_argument, launch  # noqa: E402
 from examples.progress import Progress  # noqa: E402
 from examples.summary import StepClock, summary  # noqa: E402
-from zero_fx import MixedPrecision, checkpoint_exists, zero_compile  # noqa: E402
+from zero_fx import DebugOptions, MixedPrecision, checkpoint_exists, zero_compile  # noqa: E402
 
 # -- arguments ------------------------------------------------------------------
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "shakespeare.txt")
@@ -180,11 +180,11 @@ if args.hybrid:
 precision = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
 
 
-@zero_compile(stage=args.stage, backend=args.backend, dump_dir=args.dump_dir,
+@zero_compile(stage=args.stage, backend=args.backend,
               mixed_precision=MixedPrecision(param_dtype=precision, output_dtype=torch.float32)
               if precision else None,
               accumulation_steps=args.accumulation_steps, max_grad_norm=args.max_grad_norm,
-              mesh=mesh)
+              mesh=mesh, debug=DebugOptions(dump_dir=args.dump_dir))
 def train_step(model, opt, x, y):
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
@@ -252,8 +252,9 @@ else:
     held_out = evaluate()
     log("\n" + summary(train_step, final_loss=loss.item(), clock=clock))
     steady = clock.seconds[1:] or clock.seconds  # the first step compiles
-    log(f"held-out loss {held_out:.4f}; throughput {tokens_per_step * len(steady) / sum(steady):,.0f} "
-        f"tokens/s over all ranks (steps after the first)")
+    throughput = tokens_per_step * len(steady) / sum(steady)
+    log(f"held-out loss {held_out:.4f}; throughput {throughput:,.0f} tokens/s over all ranks "
+        f"(steps after the first)")
     log(f"(stage 0 would hold {3 * 4 * num_params / 2**20:.2f} MiB between steps)")
 if args.explain and loss is not None:
     log(train_step.explain())

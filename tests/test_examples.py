@@ -80,8 +80,8 @@ def test_train_gpt_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
     """The checkpoint holds the learning-rate schedule too: the resumed run continues it (its
     own different --lr and --warmup-steps are reported and ignored)."""
     folder = str(tmp_path / "ckpt")
-    first = torchrun("train_gpt.py", "--steps", "4", "--decay-steps", "6", "--checkpoint-every", "2",
-                     "--checkpoint-dir", folder)
+    first = torchrun("train_gpt.py", "--steps", "4", "--decay-steps", "6",
+                     "--checkpoint-every", "2", "--checkpoint-dir", folder)
     assert "saved" in first and os.path.isdir(os.path.join(folder, "latest"))
     resumed = torchrun("train_gpt.py", "--steps", "6", "--checkpoint-dir", folder,
                        "--lr", "0.5", "--warmup-steps", "1")
@@ -164,7 +164,8 @@ def test_lora_trains_the_adapters_leaves_the_frozen_base_alone_and_saves_them_al
     assert saved["lora_rank"] == 4 and len(weights) == 4 * 4 * 2  # 4 blocks of 4 layers: down, up
     assert all(name.endswith((".down.weight", ".up.weight")) for name in weights)
     assert f"{sum(t.numel() for t in weights.values()):,}" == adapters  # the adapters, only
-    assert all(t.shape[0 if name.endswith("down.weight") else 1] == 4 for name, t in weights.items())
+    assert all(t.shape[0 if name.endswith("down.weight") else 1] == 4
+               for name, t in weights.items())
     assert all(t.abs().sum() > 0 for t in weights.values())  # trained: up starts at zero
 
 
