@@ -489,6 +489,12 @@ def _display(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
+def _closing(lines: list[str], opening: int, fence: str) -> Optional[int]:
+    """The index of the line closing the fence opened at ``opening`` (None: never closed)."""
+    close = re.compile(rf"^\s*{re.escape(fence[0])}{{{len(fence)},}}\s*$")
+    return next((j for j in range(opening + 1, len(lines)) if close.match(lines[j])), None)
+
+
 def markers(path: str, lines: Optional[list[str]] = None) -> list[Marker]:
     """The marked blocks of a file; SampleError on an unknown name or a marker with no fence."""
     if lines is None:
@@ -499,6 +505,10 @@ def markers(path: str, lines: Optional[list[str]] = None) -> list[Marker]:
     while i < len(lines):
         m = MARKER.match(lines[i])
         if not m:
+            other = FENCE.match(lines[i])
+            if other:  # a code block of the docs' own: a marker shown in it is no marker
+                i = _closing(lines, i, other.group("fence"))
+                i = len(lines) if i is None else i
             i += 1
             continue
         where = f"{_display(path)}:{i + 1}"
@@ -509,9 +519,7 @@ def markers(path: str, lines: Optional[list[str]] = None) -> list[Marker]:
         if not opening:
             raise SampleError(f"{where}: the sample {name!r} must be followed by a fenced code "
                               "block on the next line")
-        fence = opening.group("fence")
-        close = re.compile(rf"^\s*{re.escape(fence[0])}{{{len(fence)},}}\s*$")
-        end = next((j for j in range(i + 2, len(lines)) if close.match(lines[j])), None)
+        end = _closing(lines, i + 1, opening.group("fence"))
         if end is None:
             raise SampleError(f"{where}: the code block of sample {name!r} is never closed")
         found.append(Marker(path, i + 1, name, "\n".join(lines[i + 2:end]), i + 2, end))

@@ -130,6 +130,13 @@ def test_check_and_rewrite_from_the_command_line(tmp_path, produced, capsys):
     assert samples.main(["--check", str(doc)]) == 0
 
 
+def test_a_marker_shown_in_a_code_block_is_no_marker(tmp_path):
+    doc = tmp_path / "page.md"
+    doc.write_text("How to mark a sample:\n\n````markdown\n<!-- sample: NAME -->\n```\n...\n```\n"
+                   "````\n\n<!-- sample: plan -->\n```text\nx\n```\n")
+    assert [(m.line, m.name, m.body) for m in samples.markers(str(doc))] == [(10, "plan", "x")]
+
+
 def test_a_producer_that_fails_is_reported_by_name(tmp_path, monkeypatch, capsys):
     def broken():
         raise RuntimeError("the CLI exited 1")
