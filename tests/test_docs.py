@@ -276,7 +276,9 @@ def test_the_path_check_sees_what_it_should():
 
 # --------------------------------------------------------------------------- wording
 
-ORGANISATION = re.compile(r"\bissues? #?\d+|\bparts? \d+ of\b|\bpart \d+\)|, part \d+\b", re.I)
+ORGANISATION = re.compile(r"\bissues? #?\d+|\bparts? \d+ of\b|\bpart \d+\)|, part \d+\b"
+                          r"|\bthe issue'?s\b", re.I)
+"""An issue by number, a part of one, or "the issue's targets"."""
 
 
 def test_no_words_about_how_the_work_is_organised():
@@ -288,3 +290,13 @@ def test_no_words_about_how_the_work_is_organised():
             found.append(f"{rel(path)}:{line}: {m.group(0)!r}")
     assert not found, ("the docs speak of the project's issues or their parts; say what the "
                        "code does instead:\n" + "\n".join(found))
+
+
+@pytest.mark.parametrize("text, found", [
+    ("as in issue 20, part 3", ["issue 20", ", part 3"]),
+    ("part 2 of the plan", ["part 2 of"]),
+    ("the issue's targets", ["the issue's"]),
+    ("in issue order; issued and waited; an issue with gloo", []),
+])
+def test_the_wording_check_sees_what_it_should(text, found):
+    assert [m.group(0) for m in ORGANISATION.finditer(text)] == found
