@@ -83,7 +83,7 @@ def tiny_gpt():
 
 def test_planning_on_fake_tensors_at_sixteen_ranks():
     gm, plan = rewritten_step_on_fake(tiny_gpt, batch=2, seq=32, vocab_size=128, world_size=16,
-                                      persistence_threshold=0, bucket_bytes=0)
+                                      resident_max_numel=0, bucket_bytes=0)
     assert plan.world_size == 16 and plan.total_numel == sum(p.numel() for p in tiny_gpt().parameters())
     shards = [n for n in gm.graph.nodes if n.op == "placeholder" and "zero_param" in n.meta]
     assert all(n.meta["val"].numel() == plan.layout(n.meta["zero_param"]).shard_numel for n in shards)
