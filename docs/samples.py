@@ -267,7 +267,7 @@ def performance_sample() -> str:
             runs.append((path, result))
     if not runs:
         raise RuntimeError(f"no peer results in {PEER_RESULTS}")
-    # the models in the order of their size on disk is arbitrary: order them by parameters
+    # file names order the models by name: order them by size instead
     runs.sort(key=lambda run: run[1]["summaries"][0]["psi"])
     peers: list[str] = []
     for _, result in runs:
@@ -275,7 +275,7 @@ def performance_sample() -> str:
     head = ["peer"]
     for _, result in runs:
         model = result["args"]["model"]
-        head += [f"{model} step ms", f"{model} peak MiB"]
+        head += [f"{model} step ms", f"{model} peak MiB/rank"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for peer in peers:
         cells = [peer]
