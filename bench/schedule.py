@@ -140,7 +140,7 @@ def main() -> None:
               f"{args.width}, seq {args.seq}, batch {args.batch} per rank; rank 0:\n")
         print(markdown(rows))
         print(f"\ncalibrated: {calibrated}")
-        planned = [planned_exposure(m, 8, 1, s) for m, s in (("gpt-1b", 2048), ("llama-8b", 4096))]
+        planned = [planned_exposure(m, 8, 1, s) for m, s in (("gpt-1b", 2048), ("llama3-8b", 4096))]
         for p in planned:
             print(f"planned on fake tensors, 8xh100-nvlink preset, stage 3, bf16: {p['model']} "
                   f"({p['params'] / 1e9:.2f}B), batch {p['batch_per_rank']} x {p['seq']} per rank: "

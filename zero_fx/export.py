@@ -19,18 +19,19 @@ import torch
 
 from .checkpoint.save_load import model_state_dict
 from .formatting import format_bytes
+from .plan.cli import add_dtype_argument
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m zero_fx.export", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="a folder written by step.save_checkpoint")
     parser.add_argument("output", help="the .pt file to write")
-    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                        help="cast floating parameters (default: as saved, the fp32 masters)")
+    add_dtype_argument(parser, default=None,
+                       help="cast floating parameters (default: as saved, the fp32 masters)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     print(f"reading {args.checkpoint} ...", flush=True)
-    state = model_state_dict(args.checkpoint, getattr(torch, args.dtype) if args.dtype else None)
+    state = model_state_dict(args.checkpoint, args.dtype)
     torch.save(state, args.output)
     size = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
     print(f"wrote {args.output}: {len(state)} entries, {format_bytes(size)}, "
