@@ -134,7 +134,7 @@ def _plan_section(plan) -> str:
     lines.append("  buckets: one per repeated block (bucket_bytes='blocks')" if plan.bucket_bytes == BLOCKS
                  else f"  buckets of at most {format_bytes(plan.bucket_bytes)}"
                  if plan.bucket_bytes else "  one collective per parameter (bucket_bytes=0)")
-    lines[-1] += (f", prefetch {plan.prefetch}, memory budget "
+    lines[-1] += (f", prefetch_buckets {plan.prefetch}, max_gathered_bytes "
                   f"{format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else 'none'}")
     if plan.compute_dtype is not None:
         lines.append(f"  mixed precision: compute and gather {short_dtype(plan.compute_dtype)}, reduce "
