@@ -8,7 +8,7 @@ the loss. The peers and what each compiles:
 - ``zero_fx-<s>``: ``@zero_compile(stage=s)`` over the whole step (one graph, each
   distinct run of compute compiled once); ``zero_fx-3-whole``: ``regional=False``,
   the whole step as one Inductor program; ``zero_fx-3-blocks`` / ``zero_fx-3-auto``: with ``recompute="blocks"`` /
-  ``recompute="auto"`` (``activation_memory_budget`` 0.5);
+  ``recompute="auto"`` (``activation_budget_fraction`` 0.5);
 - ``ddp`` / ``ddp-compiled``: ``DistributedDataParallel``; compiled is
   ``torch.compile(DDP(model))`` (forward and backward; dynamo splits the graph at
   DDP's buckets), the optimizer stays eager;

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from examples.gpt import GPT, GPTConfig
-from zero_fx import PRESETS, Hardware, estimate, rewritten_step_on_fake, zero_compile
+from zero_fx import PRESETS, DebugOptions, Hardware, estimate, rewritten_step_on_fake, zero_compile
 from zero_fx.estimate import load_model_builder, vocab_size_of
 from zero_fx.plan.offline import language_model_loss
 
@@ -29,10 +29,13 @@ from .runs import (join_group, leave_group, machine, median_step_seconds, rows_o
 
 VARIANTS = {
     "stage 0 (DDP)": dict(stage=0),
-    "stage 3 unscheduled": dict(stage=3, bucket_bytes=0, prefetch=0, persistence_threshold=0),
-    "stage 3 scheduled": dict(stage=3, bucket_bytes=0, prefetch=1, persistence_threshold=0),
-    "stage 3 scheduled, Inductor's own order": dict(stage=3, bucket_bytes=0, prefetch=1,
-                                                     persistence_threshold=0, pin_schedule=False),
+    "stage 3 unscheduled": dict(stage=3, bucket_bytes=0, prefetch_buckets=0, reduce_overlap_buckets=0,
+                                resident_max_numel=0),
+    "stage 3 scheduled": dict(stage=3, bucket_bytes=0, prefetch_buckets=1, reduce_overlap_buckets=1,
+                              resident_max_numel=0),
+    "stage 3 scheduled, Inductor's own order": dict(stage=3, bucket_bytes=0, prefetch_buckets=1,
+                                                     reduce_overlap_buckets=1, resident_max_numel=0,
+                                                     debug=DebugOptions(pin_schedule=False)),
     "stage 3 scheduled + bucketed": dict(stage=3),
 }
 """zero_compile options of each row; the last is the default configuration."""

@@ -83,7 +83,7 @@ def measure_stage(stage: int, world_size: int, *, width: int, depth: int, steps:
         times.append(time.perf_counter() - start)
     psi = sum(p.numel() for p in model.parameters())
     formula = model_state_bytes(stage, psi, world_size, optimizer_bytes=ADAM_STATE_BYTES)
-    working_set = working_set_bytes(stage, bucket_bytes, train_step.config.prefetch)
+    working_set = working_set_bytes(stage, bucket_bytes, train_step.config.prefetch_buckets)
     report = train_step.traffic()
     return {
         "stage": stage,
