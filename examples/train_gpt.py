@@ -96,12 +96,14 @@ rank, world, device, log = run.rank, run.world, run.device, run.log
 
 # -- data: the file's bytes are the tokens; the last --val-fraction is held out -------
 with open(args.data, "rb") as f:
-    text = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).long()
+    text = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)  # one byte a token
 split = int(len(text) * (1 - args.val_fraction))
 train_text, val_text = text[:split], text[split:]
 if min(len(train_text), len(val_text)) <= args.seq:
     parser.error(f"{args.data}: {len(text):,} bytes leave too little text to train and evaluate "
                  f"on sequences of {args.seq} (--seq, --val-fraction)")
+if args.width % args.heads:
+    parser.error(f"--heads {args.heads} must divide --width {args.width}")
 cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                 n_embd=args.width)
 if args.batch_size % world:
@@ -112,7 +114,7 @@ local_batch = args.batch_size // world
 def windows(source, starts):
     """This rank's slice of a global batch of windows: inputs, and targets one byte on."""
     starts = starts[rank * local_batch:(rank + 1) * local_batch]
-    seq = torch.stack([source[s:s + args.seq + 1] for s in starts.tolist()]).to(device)
+    seq = torch.stack([source[s:s + args.seq + 1] for s in starts.tolist()]).long().to(device)
     return seq[:, :-1], seq[:, 1:]
 
 
