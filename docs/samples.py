@@ -99,6 +99,10 @@ ESTIMATE_COMMAND = ("python", "-m", "zero_fx.estimate", "--model", "llama3-8b", 
 """The ``estimate`` sample's command, as shown; ``python`` runs as this interpreter."""
 
 PEER_RESULTS = "bench/results/*.json"
+"""The run of every peer (DDP, FSDP2, DeepSpeed, zero_fx's stages): the ``performance`` sample."""
+LATEST_RESULTS = "bench/results/recompute-2026-11-25/*.json"
+"""The latest run of zero_fx-3 against FSDP2: the ``performance-latest`` sample, the README's
+table. Point it at a newer run's folder when one lands."""
 """The peer benchmark's results the ``performance`` table is made from (files with
 ``summaries``; others, e.g. the schedule benchmark's, are passed over)."""
 
@@ -257,16 +261,17 @@ def _peers_command(args: dict) -> str:
     return " ".join(words)
 
 
-def performance_sample() -> str:
-    """Step time and peak memory per rank, per peer and model, from bench/results."""
+def performance_sample(results: str = PEER_RESULTS) -> str:
+    """Step time and peak memory per rank, per peer and model, from the peer benchmark's
+    JSON files matching ``results``."""
     runs = []
-    for path in sorted(glob.glob(os.path.join(REPO, PEER_RESULTS))):
+    for path in sorted(glob.glob(os.path.join(REPO, results))):
         with open(path) as f:
             result = json.load(f)
         if result.get("summaries"):
             runs.append((path, result))
     if not runs:
-        raise RuntimeError(f"no peer results in {PEER_RESULTS}")
+        raise RuntimeError(f"no peer results in {results}")
     # file names order the models by name: order them by size instead
     runs.sort(key=lambda run: run[1]["summaries"][0]["psi"])
     peers: list[str] = []
@@ -295,8 +300,10 @@ def performance_sample() -> str:
                 cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("Ratios in brackets: against FSDP2 eager (fsdp2). "
-                 "† one process on the whole global batch (no data parallelism).")
+    whole_batch = any(s.get("whole_batch") for _, result in runs for s in result["summaries"])
+    lines.append("Ratios in brackets: against FSDP2 eager (fsdp2)."
+                 + (" † one process on the whole global batch (no data parallelism)."
+                    if whole_batch else ""))
     machines = sorted({result["machine"] for _, result in runs})
     lines.append(f"Machine: {'; '.join(machines)}.")
     for path, result in runs:
@@ -344,7 +351,9 @@ SAMPLES = {s.name: s for s in (
     Sample("plan", plan_sample, " ".join(PLAN_COMMAND)),
     Sample("estimate", estimate_sample, " ".join(ESTIMATE_COMMAND)),
     Sample("performance", performance_sample,
-           "step time and peak memory per rank from bench/results/*.json"),
+           f"step time and peak memory per rank from {PEER_RESULTS}"),
+    Sample("performance-latest", lambda: performance_sample(LATEST_RESULTS),
+           f"step time and peak memory per rank from {LATEST_RESULTS}"),
 )}
 
 
