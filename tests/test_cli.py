@@ -152,3 +152,14 @@ def test_the_estimate_passes_the_options_by_their_current_names(capsys):
     old = parser.parse_args(["--prefetch", "0", "--reduce-overlap-buckets", "2"])
     assert estimate_cli.overlap_options(old) == {"prefetch_buckets": 0, "reduce_overlap_buckets": 2}
     assert "--prefetch is now --prefetch-buckets" in capsys.readouterr().err
+
+
+def test_importing_the_estimate_command_line_leaves_the_estimate_function_alone():
+    """``zero_fx.estimate`` is both the cost model's function and the command line's module:
+    importing the module (as this file does above) must not replace the function."""
+    import zero_fx
+    import zero_fx.estimate  # noqa: F401
+    from zero_fx.analysis.cost_model import estimate
+
+    assert estimate_cli is sys.modules["zero_fx.estimate"]
+    assert zero_fx.estimate is estimate

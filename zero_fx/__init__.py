@@ -1,5 +1,11 @@
 """zero_fx: compiler-based ZeRO for PyTorch."""
 
+# The command line ``python -m zero_fx.estimate`` is a module named like the function
+# ``zero_fx.estimate``. Importing a submodule sets the package's attribute of its name, so a
+# later ``import zero_fx.estimate`` would replace the function by the module. Imported here
+# first, the module is in sys.modules before the function is bound below, and later imports
+# of it leave the attribute alone.
+from . import estimate as _estimate_command_line  # noqa: F401  (before the function below)
 from .analysis.cost_model import PRESETS, Estimate, Hardware, estimate
 from .api import CompiledStep, explain, zero_compile
 from .capture.step_graph import CaptureError
