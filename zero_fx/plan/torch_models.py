@@ -4,8 +4,8 @@ plain torch modules, shipped with the package so that the CLIs need nothing but 
 Two families, each mapping token ids ``(batch, seq)`` to logits ``(batch, seq, vocab)``:
 
 - ``GPT``: GPT-2's layout (learned positions, pre-norm LayerNorm blocks, a 4x GELU
-  MLP, the output projection tied to the token embedding); the parameter names are
-  examples/gpt.py's, so a plan of either lists the same buckets.
+  MLP, the output projection tied to the token embedding), in the style of nanoGPT; the
+  examples train it (examples/gpt.py re-exports it with small defaults).
 - ``Llama``: Llama's (RMSNorm, rotary positions, grouped-query attention, SwiGLU, an
   untied output projection).
 
@@ -32,7 +32,12 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     bias: bool = True
-    """Biases in Linear and LayerNorm layers (GPT-2 has them)."""
+    """Biases in Linear and LayerNorm layers (GPT-2 has them). The key part of the qkv
+    bias has a gradient that is zero in exact arithmetic, which Adam turns into updates of
+    pure rounding noise; parity tests use bias=False to compare real signal."""
+    dropout: float = 0.0
+    """Dropout after the embeddings and on each block's two residual branches (nanoGPT's
+    places, less attention dropout); 0 leaves no dropout op in the model."""
 
 
 @dataclass(frozen=True)
@@ -53,19 +58,24 @@ ModelConfig = Union[GPTConfig, LlamaConfig]
 
 # -- GPT ------------------------------------------------------------------------------------
 
+def _dropout(p: float) -> nn.Module:
+    return nn.Dropout(p) if p else nn.Identity()
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_dropout = _dropout(cfg.dropout)
 
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)))
 
 
 class GPTBlock(nn.Module):
@@ -75,7 +85,8 @@ class GPTBlock(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias), nn.GELU(),
-                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias))
+                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias),
+                                 _dropout(cfg.dropout))
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -88,17 +99,29 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = _dropout(cfg.dropout)
         self.blocks = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied input/output embedding
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx):
         pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
 
 
 # -- Llama ----------------------------------------------------------------------------------
