@@ -179,12 +179,8 @@ def _gpt_step_samples() -> tuple[tuple[str, str], ...]:
                                   n_layer=example["layers"], n_head=example["heads"],
                                   n_embd=example["width"]))
             opt = torch.optim.AdamW(model.parameters(), lr=example["lr"], weight_decay=0.1)
-            if hasattr(zero_fx, "DebugOptions"):
-                dumping = {"debug": zero_fx.DebugOptions(dump_dir=dump_dir)}
-            else:
-                dumping = {"dump_dir": dump_dir}
-
-            @zero_fx.zero_compile(stage=3, backend="aot_eager", **dumping)
+            @zero_fx.zero_compile(stage=3, backend="aot_eager",
+                                  debug=zero_fx.DebugOptions(dump_dir=dump_dir))
             def train_step(model, opt, x, y):
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
                 loss.backward()
