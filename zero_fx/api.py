@@ -19,6 +19,7 @@ from .analysis.collective_counter import CollectiveCounter
 from .analysis.cost_model import Estimate, estimate
 from .analysis.traffic import TrafficReport, traffic_report
 from .capture.hints import capture_failed, capture_hint
+from .capture.routed_experts import RoutedExperts, route_experts_with_fixed_shapes
 from .capture.step_calls import trace_started
 from .capture.step_graph import CaptureError
 from .checkpoint import save_load as checkpoint
@@ -243,6 +244,9 @@ class CompiledStep:
         self._optimizer = optimizer
         self.state: Optional[ShardedState] = None
         self.plan: Optional[ShardPlan] = None
+        self.moe_blocks: list[RoutedExperts] = []
+        """The mixture-of-experts blocks given a fixed-shape forward on the first call
+        ([Note: routed experts with fixed shapes] in zero_fx/capture/routed_experts.py)."""
         self._sharded: Optional[Sharded] = None
         """What the first call set up (plan, state, update, scaler, rank agreement)."""
         self._compiler: Optional[StepCompiler] = None
@@ -307,6 +311,7 @@ class CompiledStep:
 
     def _shard(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                pretrained: Optional[PretrainedWeights] = None) -> None:
+        self.moe_blocks = route_experts_with_fixed_shapes(model)
         self._sharded = shard(model, optimizer, self.config, self.__name__, pretrained)
         self.plan, self.state = self._sharded.plan, self._sharded.state
         self._compiler = StepCompiler(self.__name__, self.config, self._sharded,

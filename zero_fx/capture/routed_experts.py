@@ -1,0 +1,416 @@
+"""Mixture-of-experts blocks, rewritten to fixed shapes before capture.
+
+[Note: routed experts with fixed shapes]
+HuggingFace's MoE blocks (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3) loop over the experts
+that received tokens (``for expert_idx in expert_hit``) or skip empty ones (``if
+token_indices.numel() > 0``): a loop count that depends on the data, which one graph, the
+same on every rank, cannot hold. Before the first capture zero_fx finds such blocks by
+structure and gives each a forward of the same mathematics in fixed shapes:
+
+1. route: the block's own router gives each token its top-k experts and weights;
+2. sort the T*k (token, expert) pairs by expert (a stable argsort: static size), and
+   count each expert's pairs into int32 offsets (a scatter-add: static size);
+3. gather the pairs' token rows;
+4. run the experts as one grouped computation: the expert's own forward, traced once, with
+   each ``nn.Linear`` replaced by a grouped linear over the experts' stacked weights
+   (``grouped_mm.py``) and everything else (activations, products) applied row-wise;
+5. scale each row by its routing weight and scatter-add it back to its token.
+
+A block is recognised by what it holds, not its class: a list of at least two experts of
+the same structure, a router of the same width (an ``nn.Linear`` with one output per
+expert, or a module holding an (experts, hidden) weight that returns ``(indices,
+weights)``), and ``top_k`` or ``num_experts_per_tok`` on the block or its router. Which
+routing the block computes (softmax then top-k, renormalised or not; the router
+module's own), and its shared experts, are then confirmed by running the block's own
+forward and the fixed-shape one on the same random input (RNG state kept): the first form
+that agrees is installed. A block that looks like a mixture of experts and that no form
+reproduces raises ``CaptureError`` naming it, before anything is sharded: training it with
+a different routing would be silently wrong.
+
+The block's forward is replaced on the instance (``block.forward``); its parameters,
+names and state dict are untouched, so sharding, checkpoints and ``full_state_dict()``
+see the model the user built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .grouped_mm import grouped_linear
+from .step_graph import CaptureError
+
+log = logging.getLogger("zero_fx")
+
+TOP_K_NAMES = ("top_k", "num_experts_per_tok")
+SHAPE_THAT_CAPTURES = (
+    "zero_fx captures a mixture-of-experts block that holds its experts as an nn.ModuleList "
+    "of modules of one structure (nn.Linear layers and row-wise operations), a router with "
+    "one output per expert (an nn.Linear whose logits are softmaxed and top-k selected in the "
+    "block's forward, renormalised or not, or a router module returning (indices, weights)), "
+    "`top_k` or `num_experts_per_tok` on the block or its router, and optionally a shared "
+    "expert (`shared_expert` with a sigmoid `shared_expert_gate`, or `shared_experts`) added "
+    "to the output. Other blocks: write the expert loop in fixed shapes yourself (sort the "
+    "(token, expert) pairs by expert and run each expert on a fixed-size slice, or run every "
+    "expert on every token weighted by its routing weight).")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutedExperts:
+    """One mixture-of-experts block zero_fx rewrote (``step.moe_blocks``, ``explain()``)."""
+
+    name: str
+    """The block's module name."""
+    num_experts: int
+    top_k: int
+    routing: str
+    """How the block routes, in words (for example "softmax, top-2, renormalised")."""
+    expert_parameters: int
+    """Elements of all routed experts' parameters."""
+    shared_expert: Optional[str]
+    """The shared expert's module name, if the block has one."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Form:
+    """One fixed-shape forward a block may have: its routing, its shared expert."""
+
+    routing: str
+    forward: Callable  # (block, hidden_states) -> output
+    shared: Optional[str]
+
+
+def route_experts_with_fixed_shapes(model: nn.Module) -> list[RoutedExperts]:
+    """Give every mixture-of-experts block of ``model`` a fixed-shape forward (see the note);
+    what was rewritten, in module order. ``CaptureError`` for a block that looks like one
+    but computes something else."""
+    found = []
+    for name, block in model.named_modules():
+        if isinstance(getattr(block, "forward", None), _RoutedForward):
+            found.append(block.forward.info)
+            continue
+        parts = _moe_parts(block)
+        if parts is None:
+            continue
+        experts_name, router_name = parts
+        info = _install(name or type(block).__name__, block, experts_name, router_name)
+        found.append(info)
+    if found:
+        log.info("zero_fx: %d mixture-of-experts block(s) routed with fixed shapes (%s, %d "
+                 "experts, top-%d)", len(found), found[0].routing, found[0].num_experts,
+                 found[0].top_k)
+    return found
+
+
+# -- recognition ----------------------------------------------------------------------------
+
+def _moe_parts(block: nn.Module) -> Optional[tuple[str, str]]:
+    """(experts child, router child) of a block shaped like a mixture of experts, else None."""
+    for experts_name, experts in block.named_children():
+        if not (isinstance(experts, nn.ModuleList) and len(experts) >= 2
+                and _same_structure(experts)):
+            continue
+        for router_name, router in block.named_children():
+            if router is not experts and _routes_over(router, len(experts)):
+                return experts_name, router_name
+    return None
+
+
+def _same_structure(modules: nn.ModuleList) -> bool:
+    shapes = [[(n, p.shape) for n, p in m.named_parameters()] for m in modules]
+    return bool(shapes[0]) and all(s == shapes[0] for s in shapes)
+
+
+def _routes_over(router: nn.Module, num_experts: int) -> bool:
+    if isinstance(router, nn.Linear):
+        return router.out_features == num_experts
+    weight = getattr(router, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == num_experts
+
+
+def _top_k(block: nn.Module, router: nn.Module) -> Optional[int]:
+    for owner in (block, router):
+        for attr in TOP_K_NAMES:
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def _unrecognised(name: str, block: nn.Module, why: str) -> CaptureError:
+    return CaptureError(f"module {name!r} ({type(block).__name__}) looks like a mixture-of-experts "
+                        f"block, but {why}. {SHAPE_THAT_CAPTURES}")
+
+
+# -- installing a form ----------------------------------------------------------------------
+
+class _RoutedForward:
+    """The fixed-shape forward installed on a block (``block.forward``)."""
+
+    def __init__(self, block: nn.Module, form: _Form, grouped: "_GroupedExperts",
+                 experts: str, router: str, top_k: int, info: RoutedExperts):
+        self._block = block
+        self.form, self.grouped, self.experts, self.router, self.top_k = (
+            form, grouped, experts, router, top_k)
+        self.info = info
+
+    def __call__(self, hidden_states, *args, **kwargs):
+        if args or kwargs:
+            raise TypeError(f"{self.info.name}: the fixed-shape forward takes the hidden states only")
+        return self.form.forward(self._block, self, hidden_states)
+
+    def __deepcopy__(self, memo):
+        new = copy.copy(self)
+        new._block = copy.deepcopy(self._block, memo)
+        return new
+
+
+def _install(name: str, block: nn.Module, experts_name: str, router_name: str) -> RoutedExperts:
+    experts, router = getattr(block, experts_name), getattr(block, router_name)
+    top_k = _top_k(block, router)
+    if top_k is None:
+        raise _unrecognised(name, block, "neither it nor its router has `top_k` or "
+                                         "`num_experts_per_tok`")
+    try:
+        grouped = _GroupedExperts(experts[0])
+    except _NotGroupable as err:
+        raise _unrecognised(name, block, f"its experts cannot be run as one grouped "
+                                         f"computation ({err})") from None
+    original = type(block).forward
+    for form in _forms(block, router):
+        routed = _RoutedForward(block, form, grouped, experts_name, router_name, top_k,
+                                info=None)
+        if _reproduces(block, original, routed, experts[0]):
+            info = RoutedExperts(
+                name=name, num_experts=len(experts), top_k=top_k, routing=form.routing,
+                expert_parameters=sum(p.numel() for p in experts.parameters()),
+                shared_expert=form.shared)
+            routed.info = info
+            block.forward = routed
+            return info
+    raise _unrecognised(name, block, "none of the fixed-shape forms zero_fx knows reproduces "
+                                     "its output on a random input")
+
+
+def _forms(block: nn.Module, router: nn.Module) -> list[_Form]:
+    shared = _shared_expert(block)
+    if isinstance(router, nn.Linear):
+        normalise = getattr(block, "norm_topk_prob", None)
+        choices = [normalise] if isinstance(normalise, bool) else [True, False]
+        top_k = _top_k(block, router)
+        return [_Form(f"softmax, top-{top_k}{', renormalised' if n else ''}",
+                      _softmax_top_k_forward(n, shared), shared) for n in choices]
+    return [_Form("the router module's (indices, weights)", _router_module_forward(shared), shared)]
+
+
+def _shared_expert(block: nn.Module) -> Optional[str]:
+    for name in ("shared_expert", "shared_experts"):
+        if isinstance(getattr(block, name, None), nn.Module):
+            return name
+    return None
+
+
+def _add_shared(block: nn.Module, shared: Optional[str], hidden: torch.Tensor,
+                out: torch.Tensor) -> torch.Tensor:
+    if shared is None:
+        return out
+    extra = getattr(block, shared)(hidden)
+    gate = getattr(block, "shared_expert_gate", None)
+    if gate is not None:
+        extra = torch.sigmoid(gate(hidden)) * extra
+    return out + extra
+
+
+def _softmax_top_k_forward(normalise: bool, shared: Optional[str]) -> Callable:
+    """Mixtral / Qwen-MoE / OLMoE: a Linear router, softmax in fp32, top-k, optionally
+    renormalised, the weights cast back; returns (hidden, router logits)."""
+
+    def forward(block, routed: _RoutedForward, hidden_states):
+        shape = hidden_states.shape
+        jitter = getattr(block, "jitter_noise", 0)
+        if block.training and jitter:
+            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
+                1.0 - jitter, 1.0 + jitter)
+        hidden = hidden_states.reshape(-1, shape[-1])
+        logits = getattr(block, routed.router)(hidden)
+        weights = F.softmax(logits, dim=1, dtype=torch.float)
+        weights, chosen = torch.topk(weights, routed.top_k, dim=-1)
+        if normalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = _mix_experts(block, routed, hidden, chosen, weights.to(hidden.dtype), hidden.dtype)
+        out = _add_shared(block, shared, hidden, out)
+        return out.reshape(shape), logits
+
+    return forward
+
+
+def _router_module_forward(shared: Optional[str]) -> Callable:
+    """DeepSeek-V3: the router module returns (indices, weights) itself (its own code, so its
+    buffers behave as in eager); mixed in the weights' dtype; shared experts on the input."""
+
+    def forward(block, routed: _RoutedForward, hidden_states):
+        shape = hidden_states.shape
+        chosen, weights = getattr(block, routed.router)(hidden_states)
+        hidden = hidden_states.reshape(-1, shape[-1])
+        out = _mix_experts(block, routed, hidden, chosen, weights, weights.dtype)
+        out = out.to(hidden_states.dtype).reshape(shape)
+        return _add_shared(block, shared, hidden_states, out)
+
+    return forward
+
+
+def _mix_experts(block, routed: _RoutedForward, hidden: torch.Tensor, chosen: torch.Tensor,
+                 weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """sum over each token's k experts of weight * expert(token), in fixed shapes (the note)."""
+    experts = getattr(block, routed.experts)
+    tokens, k = chosen.shape
+    pairs = chosen.reshape(-1)
+    order = torch.argsort(pairs, stable=True)
+    token_of_row = torch.div(order, k, rounding_mode="floor")
+    expert_of_row = pairs[order]
+    counts = torch.zeros(len(experts), dtype=torch.int64, device=pairs.device)
+    counts = counts.scatter_add(0, pairs, torch.ones_like(pairs))
+    offs = counts.cumsum(0).to(torch.int32)
+    rows = routed.grouped(hidden[token_of_row], offs, expert_of_row, experts)
+    rows = rows * weights.reshape(-1)[order].unsqueeze(-1)
+    out = torch.zeros(tokens, hidden.shape[-1], dtype=out_dtype, device=hidden.device)
+    return out.index_add(0, token_of_row, rows.to(out_dtype))
+
+
+# -- the experts as one grouped computation --------------------------------------------------
+
+class _NotGroupable(Exception):
+    pass
+
+
+class _GroupedExperts:
+    """An expert's forward traced once (``torch.fx.symbolic_trace``), each ``nn.Linear``
+    replaced by ``grouped_linear`` over every expert's stacked weights. Other submodules
+    must hold no state (activations); other operations must act on each row alone, which
+    the installing check confirms numerically."""
+
+    def __init__(self, expert: nn.Module):
+        try:
+            traced = torch.fx.symbolic_trace(expert)
+        except Exception as err:  # noqa: BLE001 - any tracing failure means "not this shape"
+            raise _NotGroupable(f"torch.fx.symbolic_trace failed: {err}") from None
+        graph = torch.fx.Graph()
+        rows, offs, group_of_row = (graph.placeholder(n) for n in ("rows", "offs", "group_of_row"))
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.linears: list[tuple[str, bool]] = []
+        inputs = [n for n in traced.graph.nodes if n.op == "placeholder"]
+        if len(inputs) != 1:
+            raise _NotGroupable(f"its forward takes {len(inputs)} inputs, not one")
+        weights = []
+        for node in traced.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = rows
+            elif node.op == "call_module" and isinstance(traced.get_submodule(node.target), nn.Linear):
+                has_bias = traced.get_submodule(node.target).bias is not None
+                self.linears.append((node.target, has_bias))
+                weight = graph.placeholder(f"w_{len(weights)}")
+                bias = graph.placeholder(f"b_{len(weights)}") if has_bias else None
+                weights.append(weight)
+                env[node] = graph.call_function(
+                    grouped_linear, (env[node.args[0]], weight, bias, offs, group_of_row))
+            elif node.op == "call_module":
+                sub = traced.get_submodule(node.target)
+                if any(True for _ in sub.parameters()) or any(True for _ in sub.buffers()):
+                    raise _NotGroupable(f"its submodule {node.target!r} holds state and is not "
+                                        f"an nn.Linear")
+                env[node] = graph.node_copy(node, lambda n: env[n])
+            elif node.op == "get_attr":
+                raise _NotGroupable(f"its forward reads the tensor {node.target!r} directly")
+            else:
+                env[node] = graph.node_copy(node, lambda n: env[n])
+        if not self.linears:
+            raise _NotGroupable("it has no nn.Linear")
+        self.module = torch.fx.GraphModule(traced, graph)
+
+    def __call__(self, rows, offs, group_of_row, experts: nn.ModuleList):
+        stacked = []
+        for name, has_bias in self.linears:
+            linears = [e.get_submodule(name) for e in experts]
+            stacked.append(torch.stack([lin.weight for lin in linears]))
+            if has_bias:
+                stacked.append(torch.stack([lin.bias for lin in linears]))
+        return self.module(rows, offs, group_of_row, *stacked)
+
+
+# -- the check that a form reproduces the block ---------------------------------------------
+
+def _reproduces(block: nn.Module, original: Callable, routed: _RoutedForward,
+                expert: nn.Module) -> bool:
+    """Whether ``routed`` computes what the block's own forward does, on a random input."""
+    probe = _probe_copy(block)
+    routed_probe = copy.copy(routed)
+    routed_probe._block = probe
+    hidden_size = _hidden_size(expert)
+    device = next(probe.parameters()).device
+    tokens = 4 * len(getattr(probe, routed.experts))
+    was_training = probe.training
+    with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices(device)), _eval(probe):
+        torch.manual_seed(0)
+        x = torch.randn(2, tokens, hidden_size, device=device)
+        expected = original(probe, x.clone())
+        got = routed_probe(x.clone())
+    assert probe.training == was_training
+    return _same_output(expected, got)
+
+
+def _probe_copy(block: nn.Module) -> nn.Module:
+    """The block itself when it holds real fp32 values, else an fp32 CPU copy with random
+    weights (a meta-device or low-precision model)."""
+    params = list(block.parameters())
+    if all(p.device.type != "meta" and p.dtype == torch.float32 for p in params):
+        return block
+    probe = copy.deepcopy(block)
+    if any(p.device.type == "meta" for p in params):
+        probe = probe.to_empty(device="cpu")
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            for p in probe.parameters():
+                p.normal_(0.0, 0.1)
+            for b in probe.buffers():
+                b.zero_()
+    return probe.float()
+
+
+def _hidden_size(expert: nn.Module) -> int:
+    first = next(m for m in expert.modules() if isinstance(m, nn.Linear))
+    return first.in_features
+
+
+def _cuda_devices(device: torch.device) -> list:
+    return [device] if device.type == "cuda" else []
+
+
+@contextlib.contextmanager
+def _eval(block: nn.Module):
+    modes = [(m, m.training) for m in block.modules()]
+    block.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _same_output(expected, got) -> bool:
+    if isinstance(expected, torch.Tensor):
+        expected, got = (expected,), (got,) if isinstance(got, torch.Tensor) else got
+    if not isinstance(got, tuple) or len(got) != len(expected):
+        return False
+    for e, g in zip(expected, got):
+        if not isinstance(e, torch.Tensor) or not isinstance(g, torch.Tensor):
+            return False
+        if e.shape != g.shape or not torch.allclose(g.float(), e.float(), rtol=1e-4, atol=1e-5):
+            return False
+    return True
