@@ -1,4 +1,4 @@
-"""HuggingFace ``transformers`` GPT-2 and Llama built from a config with random weights
+"""HuggingFace ``transformers`` GPT-2, Llama, Mixtral and Qwen3-MoE built from a config with random weights
 (no hub access), ready for ``@zero_compile``.
 
 Two settings make them capture as one graph (README, "Models that do not capture"):
@@ -56,3 +56,42 @@ def tiny_llama(vocab_size: int = 64, seq: int = 16) -> nn.Module:
     """Two layers, width 32, grouped-query attention (4 heads, 2 key/value heads)."""
     return causal_lm(llama_config(vocab_size, seq, layers=2, width=32, heads=4, kv_heads=2,
                                   ffn=64))
+
+
+def mixtral_config(vocab_size: int, seq: int, layers: int, width: int, heads: int,
+                   kv_heads: int, ffn: int, experts: int = 8, top_k: int = 2,
+                   aux_loss_coef: float = 0.02):
+    """Mixtral with the router's load-balancing loss in ``outputs.loss``
+    (``output_router_logits=True``)."""
+    require_transformers()
+    return transformers.MixtralConfig(
+        vocab_size=vocab_size, max_position_embeddings=seq, hidden_size=width,
+        intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, num_local_experts=experts, num_experts_per_tok=top_k,
+        output_router_logits=True, router_aux_loss_coef=aux_loss_coef, attention_dropout=0.0)
+
+
+def qwen3_moe_config(vocab_size: int, seq: int, layers: int, width: int, heads: int,
+                     kv_heads: int, ffn: int, experts: int = 8, top_k: int = 2,
+                     aux_loss_coef: float = 0.02):
+    """Qwen3-MoE (every layer sparse), router loss in ``outputs.loss``."""
+    require_transformers()
+    return transformers.Qwen3MoeConfig(
+        vocab_size=vocab_size, max_position_embeddings=seq, hidden_size=width,
+        intermediate_size=ffn, moe_intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=width // heads,
+        num_experts=experts, num_experts_per_tok=top_k, output_router_logits=True,
+        router_aux_loss_coef=aux_loss_coef, attention_dropout=0.0)
+
+
+def tiny_mixtral(vocab_size: int = 64, seq: int = 16, experts: int = 8) -> nn.Module:
+    """Two layers, width 32, 8 experts of width 64, top-2: the parity tests' Mixtral."""
+    return causal_lm(mixtral_config(vocab_size, seq, layers=2, width=32, heads=4, kv_heads=2,
+                                    ffn=64, experts=experts))
+
+
+def tiny_qwen3_moe(vocab_size: int = 64, seq: int = 16, experts: int = 8) -> nn.Module:
+    """Two layers, width 32, 8 experts of width 32, top-2, renormalisation off (Qwen3's
+    default)."""
+    return causal_lm(qwen3_moe_config(vocab_size, seq, layers=2, width=32, heads=4,
+                                      kv_heads=2, ffn=32, experts=experts))
