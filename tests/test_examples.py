@@ -192,3 +192,16 @@ def test_the_step_clock_waits_for_a_gpu_and_measures_the_peak_after_compiling(mo
                          "synchronize", "reset peak", "step 1", "synchronize",
                          "synchronize", "step 2", "synchronize"]
     assert len(clock.seconds) == 3 and clock.peak_span == "steps after the first"
+
+
+def test_train_mixtral_routes_its_experts_with_fixed_shapes_and_learns():
+    """HF Mixtral at stage 3: its MoE blocks are rewritten before the first capture, the
+    router's load-balancing loss is part of the objective, and the loss falls."""
+    pytest.importorskip("transformers")
+    out = torchrun("train_mixtral.py", "--steps", "8")
+    assert len(losses(out)) == 8 and losses(out)[8] < losses(out)[1]  # it learns
+    aux = [float(a) for a in re.findall(r"  aux (\d+\.\d+)  ", out)]
+    assert len(aux) == 8 and all(a > 0 for a in aux)  # the router loss, printed each step
+    assert ("mixture of experts: zero_fx routed 2 block(s) with fixed shapes, 4 experts each, "
+            "top-2") in out
+    assert "model.layers.1.block_sparse_moe: 4 experts, top-2" in out
