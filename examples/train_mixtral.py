@@ -39,7 +39,8 @@ def main() -> None:
     from zero_fx import MixedPrecision, zero_compile
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--data", default=DATA, help="a text file, read byte by byte (vocabulary 256)")
+    parser.add_argument("--data", default=DATA,
+                        help="a text file, read byte by byte (vocabulary 256)")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (one MoE block each)")
     parser.add_argument("--width", type=int, default=64, help="hidden size")
     parser.add_argument("--heads", type=int, default=4, help="attention heads (divide --width)")
@@ -55,7 +56,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="learning rate (AdamW)")
     parser.add_argument("--seed", type=int, default=0, help="initial weights and batches")
     parser.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3],
-                        help="0 = DDP, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters")
+                        help="0 = DDP, 1 = shard optimizer states, 2 = + gradients, "
+                             "3 = + parameters")
     parser.add_argument("--backend", default="inductor", help="inductor | aot_eager | eager")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                         help="bf16: compute and all-gather in bf16 (experts by torch._grouped_mm), "
