@@ -30,7 +30,12 @@ class BenchModel:
     blocks: Callable[[nn.Module], list]
     """The repeated blocks (FSDP2 shards and compiles each; DeepSpeed ZeRO-3 prefetches them)."""
     hf: bool = False
-    """A HuggingFace ``transformers`` model: it computes its own loss from ``labels``."""
+    """A HuggingFace ``transformers`` model (called with ``input_ids=``, returns ``.logits``)."""
+    own_loss: bool = False
+    """An HF model whose loss is its own: ``model(input_ids=x, labels=x).loss`` (it shifts
+    the labels itself, so the last target is left out; a mixture of experts adds its
+    router's load-balancing loss there, which the logits alone cannot give; each rank's
+    is over its own tokens, so the whole-batch ``torch.compile`` peer's differs slightly)."""
     about: str = ""
     gpt: Optional[GPTConfig] = None
     """The configuration of an ``examples.gpt`` model (``with_layers`` rebuilds it deeper)."""
@@ -58,10 +63,11 @@ def _gpt_blocks(model: nn.Module) -> list:
 
 def _hf(kind: str, **sizes) -> Callable[[], nn.Module]:
     def build():
-        from examples.hf_models import causal_lm, gpt2_config, llama_config
+        from examples import hf_models
 
-        config = gpt2_config(**sizes) if kind == "gpt2" else llama_config(**sizes)
-        return causal_lm(config)
+        config = {"gpt2": hf_models.gpt2_config, "llama": hf_models.llama_config,
+                  "mixtral": hf_models.mixtral_config}[kind](**sizes)
+        return hf_models.causal_lm(config)  # loss_type "ForCausalLM", no dropout
     return build
 
 
@@ -91,6 +97,17 @@ MODELS = {
                                kv_heads=5, ffn=864),
                            vocab_size=8192, seq=256, batch_per_rank=4, blocks=_hf_blocks, hf=True,
                            about="HuggingFace LlamaForCausalLM from a config, 6 layers of width 320"),
+    # HF's own sparse block (a loop over the experts that received tokens) for the other
+    # peers (each expert also called on no rows: peer_trainers._every_expert_takes_part);
+    # zero_fx rewrites it to fixed shapes inside zero_compile (capture/routed_experts.py)
+    "hf-mixtral": BenchModel(_hf("mixtral", vocab_size=8192, seq=256, layers=4, width=256,
+                                 heads=4, kv_heads=2, ffn=512, experts=8, top_k=2,
+                                 aux_loss_coef=0.02),
+                             vocab_size=8192, seq=256, batch_per_rank=2, blocks=_hf_blocks,
+                             hf=True, own_loss=True,
+                             about="HuggingFace MixtralForCausalLM from a config, 4 layers of "
+                                   "width 256, 8 experts of width 512, top-2, router loss "
+                                   "0.02 (17.6M parameters)"),
 }
 
 
@@ -111,7 +128,10 @@ def rank_batch(spec: BenchModel, step: int, rank: int, world_size: int, device) 
 
 
 def loss_of(spec: BenchModel, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (the HF models take ``y`` as already shifted labels)."""
+    """Mean next-token cross-entropy (the HF models take ``y`` as already shifted labels);
+    for ``own_loss`` models the model's own loss, router loss included."""
+    if spec.own_loss:
+        return model(input_ids=x, labels=x).loss
     if spec.hf:
         logits = model(input_ids=x).logits
     else:

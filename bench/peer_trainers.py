@@ -27,6 +27,15 @@ the loss. The peers and what each compiles:
   whole step (dynamo's ``trace_autograd_ops``) on the whole global batch, so its
   loss agrees with the others. Its compile time is the reference for zero_fx's;
   its step time does the work of every rank in one process.
+
+A mixture-of-experts model (``hf-mixtral``) runs HF's own block in every peer but zero_fx:
+its loop over the experts that received tokens. An expert that no token of a rank chose
+then has no gradient on that rank, and FSDP2 reduce-scatters only the parameters that have
+one (torch 2.13), so the ranks' collectives no longer match and gloo aborts; DDP (without
+``find_unused_parameters``) and DeepSpeed also expect every rank to reduce the same
+parameters. So those peers call each expert once more per step on no rows
+(``_every_expert_takes_part``, which adds an exact zero): a zero gradient for every expert
+on every rank, as zero_fx's fixed-shape experts give, for a few empty matmuls.
 """
 
 from __future__ import annotations
@@ -61,6 +70,35 @@ class Trainer:
     """Trains the global batch rather than this rank's share (the torch.compile reference)."""
     zero_fx_step: Optional[Callable] = None
     """The ``@zero_compile`` step, for its traffic report and compile time."""
+
+
+def _every_expert_takes_part(model: nn.Module) -> None:
+    """Each mixture-of-experts block (a module with an ``experts`` ModuleList, as HF's
+    sparse blocks) adds to its output the sum of each expert's output on no rows, an exact
+    zero: the same values, and a (zero) gradient for every expert, whichever tokens the
+    rank routed."""
+    def touch_every_expert(block, args, output):
+        hidden = args[0] if args else None
+        if not isinstance(hidden, torch.Tensor):
+            return output
+        none = hidden.reshape(-1, hidden.shape[-1])[:0]
+        zero = sum(expert(none).sum() for expert in block.experts)
+        if isinstance(output, tuple):
+            return (output[0] + zero, *output[1:])
+        return output + zero
+
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, nn.ModuleList) and len(experts) > 1:
+            module.register_forward_hook(touch_every_expert)
+
+
+def _spmd_experts(make: Callable) -> Callable:
+    """``make`` with every expert taking part in each step (see the module's note)."""
+    def made(model: nn.Module, spec: BenchModel, setting: Setting) -> Trainer:
+        _every_expert_takes_part(model)
+        return make(model, spec, setting)
+    return made
 
 
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
@@ -197,14 +235,14 @@ PEERS = {
     "zero_fx-3-whole": zero_fx(3, regional=False),
     "zero_fx-3-blocks": zero_fx(3, recompute="blocks"),
     "zero_fx-3-auto": zero_fx(3, recompute="auto"),
-    "ddp": ddp(compiled=False),
-    "ddp-compiled": ddp(compiled=True),
-    "fsdp2": fsdp2(compiled=False),
-    "fsdp2-compiled": fsdp2(compiled=True),
-    "fsdp2-ac": fsdp2(compiled=False, checkpointed=True),
-    **{f"deepspeed-{s}": deepspeed(s) for s in (1, 2, 3)},
-    "deepspeed-3-ac": deepspeed(3, checkpointed=True),
-    "torch.compile": plain_compile,
+    "ddp": _spmd_experts(ddp(compiled=False)),
+    "ddp-compiled": _spmd_experts(ddp(compiled=True)),
+    "fsdp2": _spmd_experts(fsdp2(compiled=False)),
+    "fsdp2-compiled": _spmd_experts(fsdp2(compiled=True)),
+    "fsdp2-ac": _spmd_experts(fsdp2(compiled=False, checkpointed=True)),
+    **{f"deepspeed-{s}": _spmd_experts(deepspeed(s)) for s in (1, 2, 3)},
+    "deepspeed-3-ac": _spmd_experts(deepspeed(3, checkpointed=True)),
+    "torch.compile": _spmd_experts(plain_compile),
 }
 """Every peer by its command-line name, in the table's order."""
 

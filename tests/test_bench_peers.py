@@ -98,3 +98,43 @@ def test_under_torchrun_each_peer_still_runs_in_fresh_processes():
 def test_bad_arguments_are_refused_with_the_reason():
     run = run_bench("--steps", "3", "--warmup", "3", timeout=120)
     assert run.returncode == 2 and "nothing would be timed" in run.stderr
+
+
+def test_hf_mixtral_builds_blocks_batches_and_its_own_loss_with_router_loss():
+    """The MoE model's pieces, cheaply (no benchmark run, its weights on the meta device):
+    its config, the blocks FSDP2 shards, each rank's batch, and a loss that is HF's own,
+    router loss included (on the tiny Mixtral)."""
+    pytest.importorskip("transformers")
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from bench.peer_models import MODELS, loss_of, rank_batch
+    from bench.peers import parse_args
+    from examples.hf_models import tiny_mixtral
+
+    assert parse_args(["--model", "hf-mixtral", "--device", "cpu"]).model == "hf-mixtral"
+    spec = MODELS["hf-mixtral"]
+    with torch.device("meta"):
+        model = spec.build()
+    config = model.config
+    assert type(model).__name__ == "MixtralForCausalLM" and model.loss_type == "ForCausalLM"
+    assert (config.num_hidden_layers, config.hidden_size, config.num_local_experts,
+            config.num_experts_per_tok, config.intermediate_size) == (4, 256, 8, 2, 512)
+    assert config.output_router_logits and config.router_aux_loss_coef > 0
+    assert spec.blocks(model) == list(model.model.layers)
+    x, y = rank_batch(spec, 0, 1, 2, "cpu")
+    assert x.shape == y.shape == (spec.batch_per_rank, spec.seq)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+    torch.manual_seed(0)
+    tiny = dataclasses.replace(spec, build=tiny_mixtral, vocab_size=64, seq=16)
+    model = tiny.build()
+    x, y = rank_batch(tiny, 0, 0, 2, "cpu")
+    with torch.no_grad():
+        loss = loss_of(tiny, model, x, y)
+        out = model(input_ids=x)
+    ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+    assert out.aux_loss > 0
+    assert loss.item() == pytest.approx(
+        (ce + model.config.router_aux_loss_coef * out.aux_loss).item(), rel=1e-5)
