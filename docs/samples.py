@@ -32,6 +32,7 @@ The samples (``SAMPLES``):
   compilation: ``<dump_dir>/train_step/rank0/compile0/``), sorted. One compilation serves
   all three (see ``gpt_step_samples``).
 - ``plan``: ``python -m zero_fx.plan`` (``PLAN_COMMAND``), its standard output.
+- ``plan-moe``: the same for a mixture-of-experts model (``PLAN_MOE_COMMAND``).
 - ``estimate``: ``python -m zero_fx.estimate`` (``ESTIMATE_COMMAND``), its standard output.
   Both show the command as the block's first line (``$ python -m ...``).
 - ``performance``: a table made from the peer benchmark's results, bench/results/*.json
@@ -94,6 +95,10 @@ DOC_FILES = ("README.md", "docs/*.md", "bench/README.md", "passes/README.md")
 PLAN_COMMAND = ("python", "-m", "zero_fx.plan", "--model", "llama3-8b", "--world", "8",
                 "--dtype", "bf16")
 """The ``plan`` sample's command, as shown; ``python`` runs as this interpreter."""
+
+PLAN_MOE_COMMAND = ("python", "-m", "zero_fx.plan", "--model", "mixtral-8x7b", "--world", "8",
+                    "--dtype", "bf16")
+"""The ``plan-moe`` sample's command: the experts line and states of a mixture of experts."""
 
 ESTIMATE_COMMAND = ("python", "-m", "zero_fx.estimate", "--model", "llama3-8b", "--world", "8")
 """The ``estimate`` sample's command, as shown; ``python`` runs as this interpreter."""
@@ -213,6 +218,10 @@ def _command_output(command: tuple[str, ...]) -> str:
 
 def plan_sample() -> str:
     return _command_output(PLAN_COMMAND)
+
+
+def plan_moe_sample() -> str:
+    return _command_output(PLAN_MOE_COMMAND)
 
 
 def estimate_sample() -> str:
@@ -345,6 +354,7 @@ SAMPLES = {s.name: s for s in (
            "the files of the same step's dump folder after one call",
            optional_lines=_missing_without_matplotlib),
     Sample("plan", plan_sample, " ".join(PLAN_COMMAND)),
+    Sample("plan-moe", plan_moe_sample, " ".join(PLAN_MOE_COMMAND)),
     Sample("estimate", estimate_sample, " ".join(ESTIMATE_COMMAND)),
     Sample("performance", performance_sample,
            f"step time and peak memory per rank from {PEER_RESULTS}"),
@@ -392,7 +402,8 @@ def produce_many(names) -> dict:
             return e
 
     names = list(dict.fromkeys(names))
-    commands = [n for n in names if SAMPLES[n].produce in (plan_sample, estimate_sample)]
+    commands = [n for n in names if SAMPLES[n].produce in (plan_sample, plan_moe_sample,
+                                                                  estimate_sample)]
     with ThreadPoolExecutor(max_workers=max(len(commands), 1)) as pool:
         running = {n: pool.submit(attempt, n) for n in commands}
         here = {n: attempt(n) for n in names if n not in running}

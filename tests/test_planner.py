@@ -153,3 +153,124 @@ def test_the_command_line_plans_over_nodes():
         assert row in out.stdout, row
     bad = _plan_cli("--model", "llama3-70b", "--nodes", "3", "--world", "64")
     assert bad.returncode != 0 and "must split evenly over --nodes 3" in bad.stderr
+
+
+# -- mixture-of-experts models ---------------------------------------------------------------
+
+def test_the_moe_presets_count_every_expert_and_the_top_k_as_active():
+    """Mixtral 8x7B: 46.7B parameters, 12.9B active; DeepSeek-V3: 671B, 37B active (37.55B
+    counting both embeddings, as the 12.9B of Mixtral does). Built as the torch modules on
+    meta (the HF DeepSeek-V3 has the same 671,026,404,352, but takes a minute to build)."""
+    from zero_fx.plan import torch_models
+    from zero_fx.plan.models import NAMED
+    from zero_fx.plan.planner import expert_blocks
+
+    for name, total, active, blocks, shape, rel in (
+            ("mixtral-8x7b", 46.7e9, 12.9e9, 32, (8, 2, False), 0.01),
+            ("deepseek-v3", 671e9, 37e9, 58, (256, 8, True), 0.02)):
+        model = on_meta(lambda: torch_models.build(NAMED[name]))
+        experts = expert_blocks(model)
+        assert sum(p.numel() for p in model.parameters()) == pytest.approx(total, rel=0.01), name
+        assert experts.active_parameters == pytest.approx(active, rel=rel), name
+        assert (experts.blocks, experts.shapes) == (blocks, [shape])
+    assert torch_models.huggingface_config(NAMED["mixtral-8x7b"])["model_type"] == "mixtral"
+    assert torch_models.huggingface_config(NAMED["deepseek-v3"])["first_k_dense_replace"] == 3
+
+
+def test_a_dense_preset_is_unchanged():
+    from zero_fx.plan import torch_models
+    from zero_fx.plan.models import NAMED
+
+    assert torch_models.huggingface_config(NAMED["llama3-8b"]) == dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
+    model = on_meta(lambda: torch_models.build(NAMED["llama3-8b"]))
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
+    report = plan_model(model_source("examples.gpt:gpt_1b"), world_size=8)
+    assert report.experts is None and "Mixture of experts" not in format_report(report)
+
+
+def test_the_torch_moe_module_is_routed_like_zero_compile_routes_it():
+    """The package's MoE block (and MLA attention) runs, and capture's fixed-shape forward
+    reproduces it: the routing the planner traces is the one the model computes."""
+    from zero_fx.capture.routed_experts import route_experts_with_fixed_shapes
+    from zero_fx.plan import torch_models
+
+    cfg = torch_models.LlamaConfig(
+        vocab_size=64, dim=32, n_layer=2, n_head=4, n_kv_head=2, ffn_dim=64, max_positions=64,
+        experts=torch_models.Experts(n_experts=4, top_k=2, ffn_dim=16, n_shared=1,
+                                     dense_layers=1),
+        mla=torch_models.MLA(q_lora_rank=16, kv_lora_rank=8, qk_nope_dim=8, qk_rope_dim=4,
+                             v_head_dim=8))
+    torch.manual_seed(0)
+    model = torch_models.build(cfg)
+    x = torch.randint(0, 64, (2, 16))
+    eager = model(x)
+    [block] = route_experts_with_fixed_shapes(model)
+    assert (block.name, block.num_experts, block.top_k, block.shared_expert) == (
+        "blocks.1.moe", 4, 2, "shared_experts")
+    torch.testing.assert_close(model(x), eager)
+
+
+def _mixtral_config(tmp_path, experts: int, top_k: int, layers: int = 4) -> str:
+    config = {"model_type": "mixtral", "vocab_size": 128, "hidden_size": 32,
+              "intermediate_size": 64, "num_hidden_layers": layers, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 1024,
+              "num_local_experts": experts, "num_experts_per_tok": top_k}
+    path = tmp_path / f"mixtral-{experts}-{top_k}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_moe_activations_scale_with_top_k_not_with_the_experts(tmp_path):
+    """The working set traces the fixed-shape forward: T*k rows through the experts. Four
+    times the top-k adds (k-1) more rows of each expert's SwiGLU per token and block; four
+    times the experts adds their parameters (and the routing's T x E logits), no rows."""
+    hf("transformers")
+    tokens, layers, ffn, hidden = 1024, 4, 64, 32
+
+    def working_set(experts, top_k):
+        source = model_source(_mixtral_config(tmp_path, experts, top_k, layers))
+        return plan_model(source, world_size=2, stage=3, seq=tokens).working_set
+
+    base = working_set(4, 1)
+    more_k = working_set(4, 4) - base
+    more_experts = working_set(16, 1) - base
+    rows_added = layers * 3 * tokens * 3 * ffn * 4  # 3 more rows per token: w1, w3, product
+    assert more_k > rows_added
+    expert_bytes = layers * 12 * 3 * hidden * ffn * 4
+    logits = layers * tokens * 12 * 4
+    assert more_experts < 2 * expert_bytes + 8 * logits < more_k / 4
+
+
+def test_dense_blocks_before_the_experts_are_extrapolated_on_their_own(tmp_path):
+    """DeepSeek-V3's shape: 2 dense blocks, then 3 with experts; traced with 1 + 1, 1 + 2,
+    2 + 1 blocks, the extrapolation is what tracing all five gives."""
+    hf("transformers")
+    config = {"model_type": "deepseek_v3", "vocab_size": 128, "hidden_size": 32,
+              "intermediate_size": 96, "moe_intermediate_size": 16, "num_hidden_layers": 5,
+              "first_k_dense_replace": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+              "n_group": 2, "topk_group": 1, "q_lora_rank": 16, "kv_lora_rank": 8,
+              "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+              "max_position_embeddings": 1024}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    source = model_source(str(path))
+    assert source.dense_layers == 2
+    report = plan_model(source, world_size=2, stage=3, seq=256, batch=2)
+    assert "1 dense and 1 expert blocks" in report.working_set_how
+    source.layers = None
+    traced = plan_model(source, world_size=2, stage=3, seq=256, batch=2)
+    assert report.working_set == pytest.approx(traced.working_set, rel=0.02)
+    assert report.experts.shapes == [(8, 2, True)] and report.experts.blocks == 3
+
+
+def test_the_command_line_shows_the_experts_of_mixtral():
+    hf("transformers")
+    out = _plan_cli("--model", "mixtral-8x7b", "--world", "8", "--dtype", "bf16")
+    assert out.returncode == 0, out.stderr
+    assert "46.703B parameters" in out.stdout
+    assert ("Mixture of experts: 32 blocks of 8 experts, top-2. 45.097B expert parameters, "
+            "all sharded and stored; 12.880B parameters active per token") in out.stdout

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from . import torch_models
-from .torch_models import GPTConfig, LlamaConfig, ModelConfig
+from .torch_models import MLA, Experts, GPTConfig, LlamaConfig, ModelConfig
 
 TRANSFORMERS_PIN = "transformers==4.57.6"
 """The version pyproject.toml's [hf] extra pins (capture depends on the model code's details)."""
@@ -55,6 +55,19 @@ NAMED: dict[str, ModelConfig] = {
                              n_kv_head=8),
     "llama3-70b": LlamaConfig(**_LLAMA3, dim=8192, ffn_dim=28672, n_layer=80, n_head=64,
                               n_kv_head=8),
+    # Mixtral 8x7B: 46.7B parameters, 12.9B active (8 SwiGLU experts per block, top-2)
+    "mixtral-8x7b": LlamaConfig(vocab_size=32000, max_positions=32768, rope_theta=1e6, dim=4096,
+                                ffn_dim=14336, n_layer=32, n_head=32, n_kv_head=8,
+                                experts=Experts(n_experts=8, top_k=2, ffn_dim=14336)),
+    # DeepSeek-V3 (no multi-token-prediction module): 671B parameters, 37B active. 61
+    # blocks of multi-head latent attention; the first 3 dense (SwiGLU 18432), the others
+    # 256 routed experts of 2048 (top-8) and one shared. Its router's sigmoid and grouped
+    # top-k are the HF model's; the torch module routes by softmax (same shapes)
+    "deepseek-v3": LlamaConfig(vocab_size=129280, max_positions=163840, rope_theta=10000.0,
+                               dim=7168, ffn_dim=18432, n_layer=61, n_head=128, n_kv_head=128,
+                               experts=Experts(n_experts=256, top_k=8, ffn_dim=2048, n_shared=1,
+                                               dense_layers=3),
+                               mla=MLA()),
 }
 """The shapes of every model the CLIs know by name (torch_models builds them)."""
 
@@ -85,12 +98,16 @@ class ModelSource:
     """How to build the model, at full depth or with fewer layers."""
 
     description: str
-    build: Callable[[Optional[int]], nn.Module]
-    """``build(layers)``: the model, with ``layers`` transformer blocks (None: as configured)."""
+    build: Callable[..., nn.Module]
+    """``build(layers)``: the model, with ``layers`` transformer blocks (None: as configured);
+    ``build(layers, dense_layers)`` too when ``dense_layers``: that many of them without
+    experts."""
     layers: Optional[int]
     """Blocks in the full model, or None when the source cannot change its depth."""
     vocab_size: Optional[int]
     max_positions: Optional[int]
+    dense_layers: int = 0
+    """A mixture-of-experts model's leading blocks without experts (DeepSeek-V3's 3)."""
 
 
 def model_source(spec: str) -> ModelSource:
@@ -132,10 +149,12 @@ def _hf_source(config: dict, description: str) -> ModelSource:
         raise SystemExit(f"{description} has no model_type; is it a HuggingFace config.json?")
     base = transformers.AutoConfig.for_model(model_type, **config)
 
-    def build(layers: Optional[int]) -> nn.Module:
+    def build(layers: Optional[int], dense_layers: Optional[int] = None) -> nn.Module:
         cfg = transformers.AutoConfig.for_model(model_type, **config)
         if layers is not None:
             cfg.num_hidden_layers = layers
+        if dense_layers is not None:
+            cfg.first_k_dense_replace = dense_layers
         model = transformers.AutoModelForCausalLM.from_config(cfg)
         model.loss_type = "ForCausalLM"
         return model
@@ -143,7 +162,9 @@ def _hf_source(config: dict, description: str) -> ModelSource:
     return ModelSource(
         description=f"{description} (HuggingFace {type(base).__name__})", build=build,
         layers=getattr(base, "num_hidden_layers", None), vocab_size=base.vocab_size,
-        max_positions=getattr(base, "max_position_embeddings", None))
+        max_positions=getattr(base, "max_position_embeddings", None),
+        # DeepSeek's dense blocks before its experts
+        dense_layers=getattr(base, "first_k_dense_replace", 0) or 0)
 
 
 def _torch_source(name: str, *, missing_transformers: bool) -> ModelSource:
@@ -151,8 +172,11 @@ def _torch_source(name: str, *, missing_transformers: bool) -> ModelSource:
     how = (f"zero_fx's torch {type(cfg).__name__.removesuffix('Config')}"
            + ("; without transformers, not the HF model" if missing_transformers else ""))
     return ModelSource(description=f"{name} ({how})",
-                       build=lambda layers: torch_models.build(cfg, layers), layers=cfg.n_layer,
-                       vocab_size=cfg.vocab_size, max_positions=torch_models.max_positions(cfg))
+                       build=lambda layers, dense_layers=None: torch_models.build(
+                           cfg, layers, dense_layers),
+                       layers=cfg.n_layer, vocab_size=cfg.vocab_size,
+                       max_positions=torch_models.max_positions(cfg),
+                       dense_layers=getattr(getattr(cfg, "experts", None), "dense_layers", 0))
 
 
 def _function_source(spec: str) -> ModelSource:

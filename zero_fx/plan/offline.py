@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from typing import Callable
+from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -43,6 +44,7 @@ def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch:
     config = ZeroConfig(stage=stage, backend="eager", **options)
     with FakeTensorMode(), _default_dtype(dtype):
         model = build_model()
+        _route_experts(model)
         named = dict(model.named_parameters())
         hybrid = replicas > 1 and stage != 0
         plan = plan_for_module(model, world_size=world_size, stage=stage, group_name="planned",
@@ -60,6 +62,19 @@ def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch:
         gm = trace_to_aten(step)(named, tokens, targets)
     mark_step_graph(gm, [*named, None, None], {i + 1: name for i, name in enumerate(named)})
     return run_pipeline(gm, build_pipeline(plan, disable=config.debug.disable_passes, extra=config.passes)), plan
+
+
+def _route_experts(model: torch.nn.Module) -> None:
+    """Mixture-of-experts blocks get the fixed-shape forward ``zero_compile`` gives them before
+    capture ([Note: routed experts with fixed shapes]); their own forward loops over the
+    experts that received tokens, which no graph holds. Capture confirms the form on a
+    random input; on fake tensors there are no values to compare (and a real copy of a
+    DeepSeek-V3 block is 45 GB), so the first form of the block's router is taken: the
+    routing variants differ in arithmetic, not in shapes or memory."""
+    from ..capture import routed_experts
+
+    with mock.patch.object(routed_experts, "_reproduces", lambda *args: True):
+        routed_experts.route_experts_with_fixed_shapes(model)
 
 
 @contextlib.contextmanager

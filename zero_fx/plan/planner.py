@@ -22,6 +22,17 @@ block on). The peak estimate is the model states without
 their gradients, plus the larger of the working set (which holds the
 gradients until they are reduced) and the gradients.
 
+A mixture-of-experts model's states count every expert: each is a parameter, sharded
+and stored like any other. Its activations count what a token passes through: the
+planner traces the fixed-shape forward zero_fx captures ([Note: routed experts with
+fixed shapes]), whose expert matmuls run on the T*k (token, expert) rows of the
+block's top-k routing, plus the routing's buffers (router logits, the sorted pairs,
+offsets), whatever the number of experts. "Active parameters" are those one token
+passes through: all but the routed experts it is not sent to. A model with dense
+blocks before its experts (DeepSeek-V3) is traced with one dense block and one and two
+blocks with experts, and with two dense blocks: each kind of block grows the working
+set at its own rate.
+
 Over several nodes (``--nodes``) the planner sets flat sharding beside hybrid
 sharding ([Note: hybrid sharding] in zero_fx/runtime/process_group.py): one replica
 per node, sharded over the node's ranks, and fewer replicas of shard groups that
@@ -90,6 +101,45 @@ class Bucket:
 
 
 @dataclass
+class ExpertBlocks:
+    """A mixture-of-experts model's experts (``PlanReport.experts``)."""
+
+    blocks: int
+    shapes: list[tuple[int, int, bool]]
+    """Distinct (routed experts, top-k, shared expert) of the blocks, in model order."""
+    expert_parameters: int
+    """Elements of every block's routed experts (all sharded and stored)."""
+    active_parameters: int
+    """Elements one token passes through: all parameters but the routed experts it is not
+    sent to (each block's experts times 1 - top_k / experts)."""
+
+
+def expert_blocks(model: torch.nn.Module) -> Optional[ExpertBlocks]:
+    """The mixture-of-experts blocks of ``model`` as zero_fx's capture recognises them
+    (zero_fx/capture/routed_experts.py), or None for a dense model."""
+    from ..capture.routed_experts import _moe_parts, _shared_expert, _top_k
+
+    blocks, shapes, experts_total, inactive = 0, [], 0, 0.0
+    for block in model.modules():
+        parts = _moe_parts(block)
+        if parts is None:
+            continue
+        experts, router = (getattr(block, name) for name in parts)
+        top_k = _top_k(block, router) or len(experts)
+        numel = sum(p.numel() for p in experts.parameters())
+        blocks += 1
+        experts_total += numel
+        inactive += numel * (1 - min(top_k, len(experts)) / len(experts))
+        shape = (len(experts), top_k, _shared_expert(block) is not None)
+        if shape not in shapes:
+            shapes.append(shape)
+    if not blocks:
+        return None
+    total = sum(p.numel() for p in model.parameters())
+    return ExpertBlocks(blocks, shapes, experts_total, total - round(inactive))
+
+
+@dataclass
 class PlanReport:
     model: str
     world_size: int
@@ -112,6 +162,8 @@ class PlanReport:
     nodes: int = 1
     levels: Optional[list[LevelRow]] = None
     """With ``nodes`` > 1: flat and hybrid sharding of the chosen stage, side by side."""
+    experts: Optional[ExpertBlocks] = None
+    """A mixture-of-experts model's experts, None for a dense model."""
 
     @property
     def peak_bytes(self) -> Optional[float]:
@@ -157,7 +209,8 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
         model=source.description, world_size=world_size, stage=stage, dtype=dtype,
         optimizer=optimizer, psi=psi, tensors=len(plan.params), padding=plan.padding_numel,
         stages=[_stage_plan(s, plan, item, mixed, optimizer) for s in range(4)],
-        buckets=_buckets(plan, item), bucket_cap=plan.bucket_bytes, resident=len(plan.resident))
+        buckets=_buckets(plan, item), bucket_cap=plan.bucket_bytes, resident=len(plan.resident),
+        experts=expert_blocks(model))
     if seq is not None:
         report.working_set, report.working_set_how = _working_set(
             source, world_size=world_size, stage=stage, dtype=dtype, batch=batch or 1, seq=seq,
@@ -235,9 +288,11 @@ def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: tor
                  batch: int, seq: int, recompute: dict) -> tuple[float, str]:
     from ..plan.offline import rewritten_step_on_fake  # traces through the passes: import on use
 
-    def traced_peak(layers: Optional[int]) -> int:
+    def traced_peak(layers: Optional[int], dense_layers: Optional[int] = None) -> int:
+        build = ((lambda: source.build(layers)) if dense_layers is None
+                 else (lambda: source.build(layers, dense_layers)))
         gm, _ = rewritten_step_on_fake(
-            lambda: source.build(layers), batch=batch, seq=seq, vocab_size=source.vocab_size,
+            build, batch=batch, seq=seq, vocab_size=source.vocab_size,
             world_size=world_size, stage=stage, dtype=dtype, loss_fn=_causal_lm_loss, **recompute)
         return max(memory_timeline(gm).transient)
 
@@ -250,6 +305,20 @@ def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: tor
     chosen = recompute["recompute"] or ("auto" if len(recompute) > 1 else None)
     # With recompute the first block adds less than the others (its recomputed activations
     # set the peak only from the second block on): extrapolate from the second and third.
+    dense = source.dense_layers
+    if 0 < dense < source.layers:
+        # dense blocks, then blocks with experts: each kind grows at its own rate
+        moe = source.layers - dense
+        first = 2 if chosen and moe >= 3 else 1
+        base = traced_peak(1 + first, 1)
+        per_moe = traced_peak(2 + first, 1) - base
+        per_dense = traced_peak(2 + first, 2) - base if dense > 1 else 0
+        total = base + (moe - first) * per_moe + (dense - 1) * per_dense
+        how = (f"batch {batch} x {seq} tokens per rank, recompute {chosen or 'none'}; traced "
+               f"with 1 dense and {first} expert blocks, then one more of each, of {dense} dense "
+               f"and {moe} expert blocks on fake tensors: {base / GB:.2f} GB + {moe - first} x "
+               f"{per_moe / GB:.3f} GB + {dense - 1} x {per_dense / GB:.3f} GB")
+        return float(total), how
     first = 2 if chosen and source.layers >= 3 else 1
     base, grown = traced_peak(first), traced_peak(first + 1)
     total = base + (source.layers - first) * (grown - base)
@@ -278,6 +347,7 @@ def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = Non
         f"{report.psi / 1e9:.3f}B parameters (Ψ) in {report.tensors} tensors; padding to {n} "
         f"ranks adds {report.padding:,} elements. Planned in {report.seconds:.1f} s. "
         "GB = 10^9 bytes.",
+        *_format_experts(report),
         "",
         "Model states per rank at the peak of a step (parameters, gradients, masters, optimizer):",
         "",
@@ -311,6 +381,9 @@ def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = Non
               + "):"]
     for kind, buckets in report.buckets.items():
         sizes = [b.bytes for b in buckets]
+        if not sizes:  # every parameter resident
+            lines.append(f"- {kind}: none")
+            continue
         lines.append(f"- {kind}: {len(buckets)} buckets, {min(sizes) / 2**20:.1f} / "
                      f"{statistics.median(sizes) / 2**20:.1f} / {max(sizes) / 2**20:.1f} MiB "
                      "(smallest / median / largest)")
@@ -339,6 +412,17 @@ def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = Non
         lines.append(f"Model states fit in {device_memory_gb:g} GB in stages: "
                      f"{', '.join(map(str, fitting)) or 'none'} (activations not counted)")
     return "\n".join(lines)
+
+
+def _format_experts(report: PlanReport) -> list[str]:
+    e = report.experts
+    if e is None:
+        return []
+    shapes = "; ".join(f"{n} experts, top-{k}" + (" + a shared expert" if shared else "")
+                       for n, k, shared in e.shapes)
+    return [f"Mixture of experts: {e.blocks} blocks of {shapes}. {e.expert_parameters / 1e9:.3f}B "
+            f"expert parameters, all sharded and stored; {e.active_parameters / 1e9:.3f}B "
+            "parameters active per token (activations count each token's top-k experts)."]
 
 
 def _format_levels(report: PlanReport) -> list[str]:
