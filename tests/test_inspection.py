@@ -280,3 +280,38 @@ def test_explain_before_the_first_call_says_what_to_do():
         step.explain()
     with pytest.raises(TypeError, match="decorated with @zero_compile"):
         explain(torch.nn.Linear(2, 2))
+
+
+def _tiny_mixtral_rank(rank: int, world_size: int) -> dict:
+    from examples import hf_models
+
+    torch.manual_seed(0)
+    model = hf_models.tiny_mixtral(models.VOCAB, models.SEQ)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train_step(model, opt, x):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = zero_compile(train_step, stage=3, backend="aot_eager")
+    step(model, opt, models.global_batch("hf_llama", 0)[0])
+    return {"text": str(step.explain()), "estimate": step.estimate(),
+            "grouped": [str(n.target) for n in step.graphs[-1].graph.nodes
+                        if "grouped_mm" in str(n.target)]}
+
+
+def test_explain_lists_the_mixture_of_experts_blocks():
+    """One line per distinct shape of block; the grouped expert matmuls are priced."""
+    pytest.importorskip("transformers")
+    out = run_ranks(1, _tiny_mixtral_rank)[0]
+    lines = [l for l in out["text"].splitlines() if "mixture of experts" in l]
+    assert lines == [
+        "  mixture of experts: 2 blocks (model.layers.0.block_sparse_moe, "
+        "model.layers.1.block_sparse_moe): 8 experts, top-2, routed by softmax, top-2, "
+        "renormalised; 49,152 expert parameters each, resident (gathered once per step); "
+        "each token's rows run through its top-2 experts only, in fixed shapes"]
+    assert "zero_fx.grouped_mm_weight_grad.default" in out["grouped"]
+    assert out["estimate"].compute_seconds > 0

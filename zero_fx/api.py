@@ -380,7 +380,7 @@ class CompiledStep:
                  f"{ranks_phrase(plan.world_size, plan.replicas)} (this is rank {plan.rank}"
                  f"{of_group}), backend {describe_backend(self.config.backend)}")
         return explain_graph(self.graphs[-1], self.plan, hardware=hardware, title=title,
-                             compilations=self.compilations)
+                             compilations=self.compilations, moe_blocks=self.moe_blocks)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """A copy of the model's parameters as the optimizer holds them (fp32 masters under

@@ -18,6 +18,7 @@ from torch.fx import GraphModule
 from ..analysis.cost_model import CollectiveTiming, Estimate, replay
 from ..analysis.memory_timeline import MemoryTimeline, tensor_bytes
 from ..analysis.traffic import REPLICATE_GROUP
+from ..capture.routed_experts import RoutedExperts
 from ..formatting import format_bytes, format_seconds, short_dtype
 from ..passes.predicates import gathered_param, kept_through_loss, readers_through_views
 from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary
@@ -64,9 +65,12 @@ class Explanation:
     compilations: tuple[Compilation, ...]
     recompute: Optional[RecomputeSummary] = None
     """What ``recompute_activations`` recomputed and the memory it saves; None: nothing."""
+    moe_blocks: tuple[RoutedExperts, ...] = ()
+    """The mixture-of-experts blocks capture rewrote to fixed shapes (``step.moe_blocks``)."""
 
     def __str__(self) -> str:
-        sections = [self.title, _plan_section(self.plan), _collectives_section(self),
+        sections = [self.title, _plan_section(self.plan, self.moe_blocks),
+                    _collectives_section(self),
                     _lifetimes_section(self),
                     _memory_section(self.memory, self.compilations, self.recompute),
                     f"Estimate\n  {self.estimate}", _compilations_section(self.compilations)]
@@ -74,9 +78,11 @@ class Explanation:
 
 
 def explain_graph(gm: GraphModule, plan, *, hardware="cpu-gloo", title: str = "",
-                  compilations: Sequence[Compilation] = ()) -> Explanation:
+                  compilations: Sequence[Compilation] = (),
+                  moe_blocks: Sequence[RoutedExperts] = ()) -> Explanation:
     """The explanation of ``gm``, a graph our passes rewrote for ``plan`` (from a compiled
-    step's ``graphs``, or from ``rewritten_step_on_fake``)."""
+    step's ``graphs``, or from ``rewritten_step_on_fake``); ``moe_blocks``: the model's
+    mixture-of-experts blocks (``step.moe_blocks``), listed under the plan."""
     replayed = replay(gm, plan, hardware)
     memory = replayed.memory
     return Explanation(
@@ -88,6 +94,7 @@ def explain_graph(gm: GraphModule, plan, *, hardware="cpu-gloo", title: str = ""
         estimate=replayed.estimate,
         compilations=tuple(compilations),
         recompute=gm.meta.get(RECOMPUTE_META),
+        moe_blocks=tuple(moe_blocks),
     )
 
 
@@ -116,7 +123,33 @@ def _lifetimes(gm: GraphModule, plan, memory: MemoryTimeline) -> list[GatheredLi
 
 # -- rendering ---------------------------------------------------------------------------
 
-def _plan_section(plan) -> str:
+def _moe_lines(plan, moe_blocks: Sequence[RoutedExperts]) -> list[str]:
+    """One line per distinct shape of mixture-of-experts block ([Note: routed experts with
+    fixed shapes]); every rank runs every expert (no expert parallelism)."""
+    shapes: dict[tuple, list[str]] = {}
+    for b in moe_blocks:
+        shapes.setdefault((b.num_experts, b.top_k, b.routing, b.expert_parameters,
+                           b.shared_expert), []).append(b.name)
+    lines = []
+    for (experts, top_k, routing, numel, shared), names in shapes.items():
+        inside = [l.name for l in plan.params if l.name.startswith(f"{names[0]}.")]
+        held = ("whole on every rank" if not plan.params_sharded
+                else "resident (gathered once per step)"
+                if inside and all(n in plan.resident for n in inside)
+                else "gathered with their block's bucket" if plan.bucket_bytes == BLOCKS
+                else "gathered in the buckets of their block's parameters")
+        which = names[0] if len(names) == 1 else (
+            f"{names[0]}, {names[1]}" if len(names) == 2 else f"{names[0]} … {names[-1]}")
+        lines.append(
+            f"  mixture of experts: {len(names)} block{'s' if len(names) > 1 else ''} ({which}): "
+            f"{experts} experts, top-{top_k}, routed by {routing}"
+            + (f", shared expert {shared!r}" if shared else "")
+            + f"; {numel:,} expert parameters each, {held}; each token's rows run through its "
+              f"top-{top_k} experts only, in fixed shapes")
+    return lines
+
+
+def _plan_section(plan, moe_blocks: Sequence[RoutedExperts] = ()) -> str:
     lines = ["Plan"]
     dtypes = sorted({short_dtype(l.dtype) for l in plan.params})
     if plan.replicated:
@@ -148,6 +181,7 @@ def _plan_section(plan) -> str:
     if plan.params_sharded:
         lines.append(f"  resident (gathered once per step): {len(plan.resident)} parameters, "
                      f"{sum(plan.layout(n).numel for n in plan.resident):,} elements")
+    lines += _moe_lines(plan, moe_blocks)
     width = max((len(l.name) for l in plan.params), default=9)
     lines.append(f"  {'parameter':<{width}}  {'shape':<16} {'elements':>11} {'per rank':>10} "
                  f"{'padding':>8}")
