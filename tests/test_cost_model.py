@@ -199,3 +199,28 @@ def test_the_command_line_estimates_a_hybrid_mesh():
     bad = estimate_cli("--model", "test_cost_model:tiny_gpt", "--mesh", "2,4", "--world", "6",
                        check=False)
     assert bad.returncode != 0 and "is not --mesh 2,4's 8 ranks" in bad.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_expert_matmuls_cost_their_flops(dtype):
+    """A mixture-of-experts step (the planner's torch MoE, routed with fixed shapes) holds
+    zero_fx::grouped_mm and its weight gradient (fp32) or aten._grouped_mm (bf16): each is
+    priced 2·rows·K·N like a matmul, and the estimate runs."""
+    from zero_fx.plan import torch_models
+
+    cfg = torch_models.LlamaConfig(
+        vocab_size=64, dim=32, n_layer=2, n_head=4, n_kv_head=2, ffn_dim=64, max_positions=64,
+        experts=torch_models.Experts(n_experts=4, top_k=2, ffn_dim=16))
+    gm, plan = rewritten_step_on_fake(lambda: torch_models.build(cfg), batch=2, seq=16,
+                                      vocab_size=64, world_size=2, dtype=dtype)
+    grouped = [n for n in gm.graph.nodes if "grouped_mm" in str(n.target)]
+    expected = ({"zero_fx.grouped_mm.default", "zero_fx.grouped_mm_weight_grad.default"}
+                if dtype == torch.float32 else {"aten._grouped_mm.default"})
+    assert {str(n.target) for n in grouped} == expected
+    rows = 2 * 16 * 2  # tokens x top-k
+    for node in grouped:
+        a, b = (node.args[i].meta["val"] for i in (0, 1))
+        assert rows in a.shape
+        flops = 2 * a.numel() * b.shape[-1]  # rows·K·N in every form
+        assert node_seconds(node, SLOW_LINK) == pytest.approx(flops / 1e9 + 1e-6)
+    assert estimate(gm, plan, SLOW_LINK).compute_seconds > 0

@@ -5,7 +5,10 @@ of its communication the compute does not hide.
 Each node of the rewritten graph gets a duration from its shapes alone:
 
 - matrix products (mm, addmm, bmm, baddbmm) and attention: FLOPs / ``flops``
-  (2·M·N·K per product; attention 4·B·H·L·S·D forward, twice that backward);
+  (2·M·N·K per product; attention 4·B·H·L·S·D forward, twice that backward); the
+  grouped products of routed experts (``zero_fx::grouped_mm``, its weight gradient,
+  ``aten._grouped_mm``) likewise, 2·rows·K·N over all their rows (each row is
+  multiplied by one group's matrix; the T·k rows of top-k routing);
 - views cost nothing; every other op moves its inputs and output once through
   memory: bytes / ``memory_bandwidth``; plus ``op_overhead`` per op that runs;
 - a collective over N ranks of B bytes (ring): all-gather and reduce-scatter
@@ -50,6 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
+from ..capture import grouped_mm as _grouped_mm  # noqa: F401 - registers torch.ops.zero_fx
 from ..formatting import format_bytes
 from ..passes.predicates import is_collective, is_wait
 from .memory_timeline import MemoryTimeline, hint, is_view, memory_timeline, tensor_bytes, vals
@@ -289,7 +293,12 @@ def ring_seconds(nbytes: int, ranks: range, hw: Hardware) -> float:
 
 
 _MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),
-            aten.baddbmm.default: (1, 2)}
+            aten.baddbmm.default: (1, 2),
+            # grouped: x (rows, K) by w (groups, K, N), the weight gradient x (rows, K) by
+            # grad (rows, N), and _grouped_mm's 2-D/3-D forms: 2·numel(a)·N each
+            torch.ops.zero_fx.grouped_mm.default: (0, 1),
+            torch.ops.zero_fx.grouped_mm_weight_grad.default: (0, 1),
+            aten._grouped_mm.default: (0, 1)}
 
 
 def node_seconds(node: Node, hw: Hardware) -> float:
