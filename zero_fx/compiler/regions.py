@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from fractions import Fraction
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -279,7 +280,10 @@ def sink_views(gm: GraphModule) -> None:
     """Move each view to right before its first reader, so that it lies in the run of
     compute that reads it, and goes into that body ([Note: views only the body reads go
     in]); a view only aliases its base, so where it is made changes no lifetime."""
-    order = {node: float(i) for i, node in enumerate(gm.graph.nodes)}
+    # exact positions: float midpoints run out of bits after about 50 views sunk before one
+    # reader (a routed-experts block's backward unbinds 32+ expert gradients), and ties then
+    # put a view after a reader of it
+    order = {node: Fraction(i) for i, node in enumerate(gm.graph.nodes)}
     for node in reversed(list(gm.graph.nodes)):
         if not _pure_view(node) or not node.users:
             continue
