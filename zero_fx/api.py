@@ -19,7 +19,8 @@ from .analysis.collective_counter import CollectiveCounter
 from .analysis.cost_model import Estimate, estimate
 from .analysis.traffic import TrafficReport, traffic_report
 from .capture.hints import capture_failed, capture_hint
-from .capture.routed_experts import RoutedExperts, route_experts_with_fixed_shapes
+from .capture.routed_experts import (ExpertsRewrite, RoutedExperts,
+                                     route_experts_with_fixed_shapes, unrecognised_experts_error)
 from .capture.step_calls import trace_started
 from .capture.step_graph import CaptureError
 from .checkpoint import save_load as checkpoint
@@ -244,6 +245,7 @@ class CompiledStep:
         self._optimizer = optimizer
         self.state: Optional[ShardedState] = None
         self.plan: Optional[ShardPlan] = None
+        self._experts = ExpertsRewrite([], [])
         self.moe_blocks: list[RoutedExperts] = []
         """The mixture-of-experts blocks given a fixed-shape forward on the first call
         ([Note: routed experts with fixed shapes] in zero_fx/capture/routed_experts.py)."""
@@ -291,10 +293,10 @@ class CompiledStep:
                 if isinstance(inner, (CaptureError, ValueError, TypeError)):
                     raise inner from None
                 if capture_hint(str(inner)):
-                    raise capture_failed(inner) from err
+                    raise self._capture_failed(inner) from err
                 raise
             except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as err:
-                raise capture_failed(err) from err
+                raise self._capture_failed(err) from err
             except RuntimeError as err:
                 if is_communication_failure(err):
                     raise self._deferred.error_before_update(
@@ -302,6 +304,14 @@ class CompiledStep:
                 raise
         self._deferred.run(self._sharded.update, self.plan.rank, self._observers)
         return out
+
+    def _capture_failed(self, err: BaseException) -> CaptureError:
+        """PyTorch could not capture the step: with the mixture-of-experts blocks the rewrite
+        left alone named first, when there are any (their loops are the likely cause)."""
+        error = capture_failed(err)
+        if self._experts.unrecognised and capture_hint(str(err)):
+            return unrecognised_experts_error(self._experts, error)
+        return error
 
     def _traced_step(self, *args, **kwargs):
         trace_started()  # the optimizer calls this trace makes, checked before compiling
@@ -311,7 +321,8 @@ class CompiledStep:
 
     def _shard(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                pretrained: Optional[PretrainedWeights] = None) -> None:
-        self.moe_blocks = route_experts_with_fixed_shapes(model)
+        self._experts = route_experts_with_fixed_shapes(model)
+        self.moe_blocks = self._experts.blocks
         self._sharded = shard(model, optimizer, self.config, self.__name__, pretrained)
         self.plan, self.state = self._sharded.plan, self._sharded.state
         self._compiler = StepCompiler(self.__name__, self.config, self._sharded,

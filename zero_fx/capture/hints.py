@@ -26,19 +26,13 @@ _HINTS = (
     (("Could not extract specialized integer from data-dependent expression",),
      "A loop count or a size depends on a tensor's values (`for i in tensor:`, a `.item()` or "
      "`.tolist()` used as a size). Every rank must run the same collectives, so no shape in the "
-     "step may depend on values. Mixture-of-experts layers do this when they loop over the "
-     "experts that received tokens: zero_fx rewrites the blocks it recognises to fixed shapes "
-     "before capture (HuggingFace Mixtral, Qwen2/3-MoE, OLMoE and DeepSeek-V3 among them; "
-     "docs/moe.md), so in a mixture of experts this error means an expert loop it did not "
-     "recognise. Hold the experts in an nn.ModuleList of one structure beside a router with one "
-     "output per expert and `top_k` or `num_experts_per_tok`, an nn.Linear router's block "
-     "returning (output, router logits) as HuggingFace's do (then it is rewritten), or route "
-     "in fixed shapes yourself. A fixed-shape routing layer captures: run every expert on every "
-     "token and weight its output by the router's weight (zero where the token did not pick "
-     "it), or give each expert a fixed capacity of tokens (scatter into a [experts, capacity, "
-     "hidden] buffer, dropping the overflow). Keep such a layer's expert weights stacked in one "
-     "parameter: experts in an nn.ModuleList beside a router as wide are taken for a block to "
-     "rewrite."),
+     "step may depend on values. Mixture-of-experts layers loop over the experts that received "
+     "tokens: zero_fx rewrites the blocks it recognises to fixed shapes (HuggingFace Mixtral, "
+     "Qwen2/3-MoE, OLMoE and DeepSeek-V3 among them; docs/moe.md), so here it met a loop it did "
+     "not. A fixed-shape routing layer captures: run every expert on every token and weight its "
+     "output by the router's weight (zero where the token did not pick it), or give each expert "
+     "a fixed capacity of tokens (scatter into a [experts, capacity, hidden] buffer, dropping "
+     "the overflow)."),
     (("aten.nonzero", "DynamicOutputShapeException", "DataDependentOutputException"),
      "An op's output shape depends on the values (boolean-mask indexing `x[mask]`, `nonzero`, "
      "`unique`, `masked_select`). Use a fixed-shape form: `torch.where`, `masked_fill`, or "

@@ -22,10 +22,12 @@ expert, or a module holding an (experts, hidden) weight that returns ``(indices,
 weights)``), and ``top_k`` or ``num_experts_per_tok`` on the block or its router. Which
 routing the block computes (softmax then top-k, renormalised or not; the router
 module's own), and its shared experts, are then confirmed by running the block's own
-forward and the fixed-shape one on the same random input (RNG state kept): the first form
-that agrees is installed. A block that looks like a mixture of experts and that no form
-reproduces raises ``CaptureError`` naming it, before anything is sharded: training it with
-a different routing would be silently wrong.
+forward and the fixed-shape one on the same random input (RNG state and buffers kept): the
+first form that agrees is installed. A block that looks like a mixture of experts but that
+no form reproduces is left as it is, never given a routing it does not compute: if it
+already routes in fixed shapes it captures unchanged; if its loop is data-dependent,
+capture fails and ``CaptureError`` names the block and says why it was not rewritten
+(``ExpertsRewrite.unrecognised``).
 
 The block's forward is replaced on the instance (``block.forward``); its parameters,
 names and state dict are untouched, so sharding, checkpoints and ``full_state_dict()``
@@ -54,7 +56,8 @@ SHAPE_THAT_CAPTURES = (
     "zero_fx captures a mixture-of-experts block that holds its experts as an nn.ModuleList "
     "of modules of one structure (nn.Linear layers and row-wise operations), a router with "
     "one output per expert (an nn.Linear whose logits are softmaxed and top-k selected in the "
-    "block's forward, renormalised or not, or a router module returning (indices, weights)), "
+    "block's forward, renormalised or not, the block returning its output alone or with the "
+    "router logits; or a router module returning (indices, weights)), "
     "`top_k` or `num_experts_per_tok` on the block or its router, and optionally a shared "
     "expert (`shared_expert` with a sigmoid `shared_expert_gate`, or `shared_experts`) added "
     "to the output. Other blocks: write the expert loop in fixed shapes yourself (sort the "
@@ -79,6 +82,17 @@ class RoutedExperts:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertsRewrite:
+    """What ``route_experts_with_fixed_shapes`` did to a model."""
+
+    blocks: list[RoutedExperts]
+    """The blocks given a fixed-shape forward, in module order."""
+    unrecognised: list[str]
+    """One sentence per block that looks like a mixture of experts but was left as it is,
+    naming it and saying why (the capture error quotes them if the step does not capture)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class _Form:
     """One fixed-shape forward a block may have: its routing, its shared expert."""
 
@@ -87,26 +101,37 @@ class _Form:
     shared: Optional[str]
 
 
-def route_experts_with_fixed_shapes(model: nn.Module) -> list[RoutedExperts]:
+def route_experts_with_fixed_shapes(model: nn.Module) -> ExpertsRewrite:
     """Give every mixture-of-experts block of ``model`` a fixed-shape forward (see the note);
-    what was rewritten, in module order. ``CaptureError`` for a block that looks like one
-    but computes something else."""
-    found = []
+    what was rewritten and what was left as it is."""
+    found, unrecognised = [], []
     for name, block in model.named_modules():
-        if isinstance(getattr(block, "forward", None), _RoutedForward):
+        if isinstance(block.__dict__.get("forward"), _RoutedForward):
             found.append(block.forward.info)
             continue
         parts = _moe_parts(block)
         if parts is None:
             continue
         experts_name, router_name = parts
-        info = _install(name or type(block).__name__, block, experts_name, router_name)
-        found.append(info)
+        try:
+            found.append(_install(name or type(block).__name__, block, experts_name,
+                                  router_name))
+        except _NotRewritten as why:
+            unrecognised.append(str(why))
     if found:
         log.info("zero_fx: %d mixture-of-experts block(s) routed with fixed shapes (%s, %d "
                  "experts, top-%d)", len(found), found[0].routing, found[0].num_experts,
                  found[0].top_k)
-    return found
+    for why in unrecognised:
+        log.info("zero_fx: %s; it is left as it is", why)
+    return ExpertsRewrite(found, unrecognised)
+
+
+def unrecognised_experts_error(rewrite: ExpertsRewrite, error: CaptureError) -> CaptureError:
+    """The step did not capture (``error``) and the model has blocks the rewrite left alone:
+    name them, and say what shape of block the rewrite takes."""
+    return CaptureError(f"{error}\nIn this model, " + "; ".join(rewrite.unrecognised)
+                        + f".\n{SHAPE_THAT_CAPTURES}")
 
 
 # -- recognition ----------------------------------------------------------------------------
@@ -144,9 +169,13 @@ def _top_k(block: nn.Module, router: nn.Module) -> Optional[int]:
     return None
 
 
-def _unrecognised(name: str, block: nn.Module, why: str) -> CaptureError:
-    return CaptureError(f"module {name!r} ({type(block).__name__}) looks like a mixture-of-experts "
-                        f"block, but {why}. {SHAPE_THAT_CAPTURES}")
+class _NotRewritten(Exception):
+    """A block that looks like a mixture of experts, left as it is (the message says why)."""
+
+
+def _unrecognised(name: str, block: nn.Module, why: str) -> _NotRewritten:
+    return _NotRewritten(f"module {name!r} ({type(block).__name__}) looks like a "
+                         f"mixture-of-experts block, but {why}")
 
 
 # -- installing a form ----------------------------------------------------------------------
@@ -206,7 +235,8 @@ def _forms(block: nn.Module, router: nn.Module) -> list[_Form]:
         choices = [normalise] if isinstance(normalise, bool) else [True, False]
         top_k = _top_k(block, router)
         return [_Form(f"softmax, top-{top_k}{', renormalised' if n else ''}",
-                      _softmax_top_k_forward(n, shared), shared) for n in choices]
+                      _softmax_top_k_forward(n, shared, with_logits), shared)
+                for with_logits in (True, False) for n in choices]
     return [_Form("the router module's (indices, weights)", _router_module_forward(shared), shared)]
 
 
@@ -228,9 +258,10 @@ def _add_shared(block: nn.Module, shared: Optional[str], hidden: torch.Tensor,
     return out + extra
 
 
-def _softmax_top_k_forward(normalise: bool, shared: Optional[str]) -> Callable:
+def _softmax_top_k_forward(normalise: bool, shared: Optional[str], with_logits: bool) -> Callable:
     """Mixtral / Qwen-MoE / OLMoE: a Linear router, softmax in fp32, top-k, optionally
-    renormalised, the weights cast back; returns (hidden, router logits)."""
+    renormalised, the weights cast back; returns (hidden, router logits) as HuggingFace's
+    blocks do, or the hidden states alone."""
 
     def forward(block, routed: _RoutedForward, hidden_states):
         shape = hidden_states.shape
@@ -246,7 +277,7 @@ def _softmax_top_k_forward(normalise: bool, shared: Optional[str]) -> Callable:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         out = _mix_experts(block, routed, hidden, chosen, weights.to(hidden.dtype), hidden.dtype)
         out = _add_shared(block, shared, hidden, out)
-        return out.reshape(shape), logits
+        return (out.reshape(shape), logits) if with_logits else out.reshape(shape)
 
     return forward
 
@@ -297,6 +328,8 @@ class _GroupedExperts:
     the installing check confirms numerically."""
 
     def __init__(self, expert: nn.Module):
+        if isinstance(expert, nn.Linear):  # the expert is one linear layer
+            expert = nn.Sequential(expert)
         try:
             traced = torch.fx.symbolic_trace(expert)
         except Exception as err:  # noqa: BLE001 - any tracing failure means "not this shape"
@@ -337,7 +370,7 @@ class _GroupedExperts:
     def __call__(self, rows, offs, group_of_row, experts: nn.ModuleList):
         stacked = []
         for name, has_bias in self.linears:
-            linears = [e.get_submodule(name) for e in experts]
+            linears = [e if isinstance(e, nn.Linear) else e.get_submodule(name) for e in experts]
             stacked.append(torch.stack([lin.weight for lin in linears]))
             if has_bias:
                 stacked.append(torch.stack([lin.bias for lin in linears]))
@@ -359,8 +392,11 @@ def _reproduces(block: nn.Module, original: Callable, routed: _RoutedForward,
             _buffers_kept(probe):
         torch.manual_seed(0)
         x = torch.randn(2, tokens, hidden_size, device=device)
-        expected = original(probe, x.clone())
-        got = routed_probe(x.clone())
+        try:
+            expected = original(probe, x.clone())
+            got = routed_probe(x.clone())
+        except Exception:  # noqa: BLE001 - a block that fails on hidden states is not this form
+            return False
     return _same_output(expected, got)
 
 
