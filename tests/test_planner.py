@@ -207,7 +207,7 @@ def test_the_torch_moe_module_is_routed_like_zero_compile_routes_it():
     model = torch_models.build(cfg)
     x = torch.randint(0, 64, (2, 16))
     eager = model(x)
-    [block] = route_experts_with_fixed_shapes(model)
+    [block] = route_experts_with_fixed_shapes(model).blocks
     assert (block.name, block.num_experts, block.top_k, block.shared_expert) == (
         "blocks.1.moe", 4, 2, "shared_experts")
     torch.testing.assert_close(model(x), eager)
