@@ -82,23 +82,32 @@ def test_the_70b_llama_is_planned_on_meta():
 
 
 @pytest.mark.parametrize("recompute", [None, "blocks"])
-def test_the_working_set_extrapolated_from_two_blocks_matches_tracing_all(tmp_path, recompute):
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_the_working_set_extrapolated_from_steady_blocks_matches_tracing_all(tmp_path, family,
+                                                                              recompute):
+    """Extrapolated from the third and fourth of six blocks, the working set is within 2% of
+    tracing all six. From the first and second it was not: the first blocks also bring the
+    prefetched gather and the reduction in flight, once ([Note: what the planner counts]): on
+    this Mixtral the second block added 3.1x what each block from the fourth on adds."""
     hf("transformers")
-    config = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    # weights above resident_max_numel, as in real models: resident ones are held all step
+    config = {"model_type": family, "vocab_size": 128, "hidden_size": 128, "intermediate_size": 256,
+              "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 64}
+    if family == "mixtral":
+        config.update(num_local_experts=8, num_experts_per_tok=2)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     source = model_source(str(path))
     report = plan_model(source, world_size=2, stage=3, seq=32, batch=2, recompute=recompute)
-    source.layers = None  # trace all four blocks instead
+    source.layers = None  # trace all six blocks instead
     traced = plan_model(source, world_size=2, stage=3, seq=32, batch=2, recompute=recompute)
-    assert ("2 and 3" if recompute else "1 and 2") + " of 4 blocks" in report.working_set_how
+    assert "3 and 4 of 6 blocks" in report.working_set_how
     assert f"recompute {recompute or 'none'}" in report.working_set_how
     assert report.working_set == pytest.approx(traced.working_set, rel=0.02)
     assert report.peak_bytes > report.stages[3].state_bytes
     if recompute:
-        source.layers = 4
+        source.layers = 6
         without = plan_model(source, world_size=2, stage=3, seq=32, batch=2)
         assert report.working_set < without.working_set
 
@@ -245,11 +254,11 @@ def test_moe_activations_scale_with_top_k_not_with_the_experts(tmp_path):
 
 
 def test_dense_blocks_before_the_experts_are_extrapolated_on_their_own(tmp_path):
-    """DeepSeek-V3's shape: 2 dense blocks, then 3 with experts; traced with 1 + 1, 1 + 2,
-    2 + 1 blocks, the extrapolation is what tracing all five gives."""
+    """DeepSeek-V3's shape: 2 dense blocks, then 5 with experts; traced with 1 + 3, 1 + 4,
+    2 + 4 blocks, the extrapolation is what tracing all seven gives."""
     hf("transformers")
     config = {"model_type": "deepseek_v3", "vocab_size": 128, "hidden_size": 32,
-              "intermediate_size": 96, "moe_intermediate_size": 16, "num_hidden_layers": 5,
+              "intermediate_size": 96, "moe_intermediate_size": 16, "num_hidden_layers": 7,
               "first_k_dense_replace": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
               "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
               "n_group": 2, "topk_group": 1, "q_lora_rank": 16, "kv_lora_rank": 8,
@@ -260,11 +269,11 @@ def test_dense_blocks_before_the_experts_are_extrapolated_on_their_own(tmp_path)
     source = model_source(str(path))
     assert source.dense_layers == 2
     report = plan_model(source, world_size=2, stage=3, seq=256, batch=2)
-    assert "1 dense and 1 expert blocks" in report.working_set_how
+    assert "1 dense and 3 expert blocks" in report.working_set_how
     source.layers = None
     traced = plan_model(source, world_size=2, stage=3, seq=256, batch=2)
     assert report.working_set == pytest.approx(traced.working_set, rel=0.02)
-    assert report.experts.shapes == [(8, 2, True)] and report.experts.blocks == 3
+    assert report.experts.shapes == [(8, 2, True)] and report.experts.blocks == 5
 
 
 def test_the_command_line_shows_the_experts_of_mixtral():
