@@ -101,9 +101,33 @@ class _Form:
     shared: Optional[str]
 
 
-def route_experts_with_fixed_shapes(model: nn.Module) -> ExpertsRewrite:
+@dataclasses.dataclass(frozen=True)
+class MoeShape:
+    """What a block shaped like a mixture of experts holds (``moe_shape``)."""
+
+    experts: str
+    """The child ``nn.ModuleList`` of experts."""
+    router: str
+    num_experts: int
+    top_k: Optional[int]
+    shared_expert: Optional[str]
+
+
+def moe_shape(block: nn.Module) -> Optional[MoeShape]:
+    """The parts of ``block`` if it is shaped like a mixture of experts (the note), else None.
+    Reads only structure: works on the meta device and on fake tensors."""
+    parts = _moe_parts(block)
+    if parts is None:
+        return None
+    experts, router = (getattr(block, name) for name in parts)
+    return MoeShape(parts[0], parts[1], len(experts), _top_k(block, router), _shared_expert(block))
+
+
+def route_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True) -> ExpertsRewrite:
     """Give every mixture-of-experts block of ``model`` a fixed-shape forward (see the note);
-    what was rewritten and what was left as it is."""
+    what was rewritten and what was left as it is. ``confirm=False`` takes each block's
+    first form without running it (the planner, on fake tensors: the forms differ in
+    arithmetic, not in shapes or memory)."""
     found, unrecognised = [], []
     for name, block in model.named_modules():
         if isinstance(block.__dict__.get("forward"), _RoutedForward):
@@ -115,7 +139,7 @@ def route_experts_with_fixed_shapes(model: nn.Module) -> ExpertsRewrite:
         experts_name, router_name = parts
         try:
             found.append(_install(name or type(block).__name__, block, experts_name,
-                                  router_name))
+                                  router_name, confirm))
         except _NotRewritten as why:
             unrecognised.append(str(why))
     if found:
@@ -201,7 +225,8 @@ class _RoutedForward:
         return new
 
 
-def _install(name: str, block: nn.Module, experts_name: str, router_name: str) -> RoutedExperts:
+def _install(name: str, block: nn.Module, experts_name: str, router_name: str,
+             confirm: bool) -> RoutedExperts:
     experts, router = getattr(block, experts_name), getattr(block, router_name)
     top_k = _top_k(block, router)
     if top_k is None:
@@ -216,7 +241,7 @@ def _install(name: str, block: nn.Module, experts_name: str, router_name: str) -
     for form in _forms(block, router):
         routed = _RoutedForward(block, form, grouped, experts_name, router_name, top_k,
                                 info=None)
-        if _reproduces(block, original, routed, experts[0]):
+        if not confirm or _reproduces(block, original, routed, experts[0]):
             info = RoutedExperts(
                 name=name, num_experts=len(experts), top_k=top_k, routing=form.routing,
                 expert_parameters=sum(p.numel() for p in experts.parameters()),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from typing import Callable
-from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -71,10 +70,9 @@ def _route_experts(model: torch.nn.Module) -> None:
     random input; on fake tensors there are no values to compare (and a real copy of a
     DeepSeek-V3 block is 45 GB), so the first form of the block's router is taken: the
     routing variants differ in arithmetic, not in shapes or memory."""
-    from ..capture import routed_experts
+    from ..capture.routed_experts import route_experts_with_fixed_shapes
 
-    with mock.patch.object(routed_experts, "_reproduces", lambda *args: True):
-        routed_experts.route_experts_with_fixed_shapes(model)
+    route_experts_with_fixed_shapes(model, confirm=False)
 
 
 @contextlib.contextmanager

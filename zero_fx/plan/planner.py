@@ -124,20 +124,20 @@ class ExpertBlocks:
 def expert_blocks(model: torch.nn.Module) -> Optional[ExpertBlocks]:
     """The mixture-of-experts blocks of ``model`` as zero_fx's capture recognises them
     (zero_fx/capture/routed_experts.py), or None for a dense model."""
-    from ..capture.routed_experts import _moe_parts, _shared_expert, _top_k
+    from ..capture.routed_experts import moe_shape
 
     blocks, shapes, experts_total, inactive = 0, [], 0, 0.0
     for block in model.modules():
-        parts = _moe_parts(block)
-        if parts is None:
+        moe = moe_shape(block)
+        if moe is None:
             continue
-        experts, router = (getattr(block, name) for name in parts)
-        top_k = _top_k(block, router) or len(experts)
+        experts = getattr(block, moe.experts)
+        top_k = moe.top_k or moe.num_experts
         numel = sum(p.numel() for p in experts.parameters())
         blocks += 1
         experts_total += numel
-        inactive += numel * (1 - min(top_k, len(experts)) / len(experts))
-        shape = (len(experts), top_k, _shared_expert(block) is not None)
+        inactive += numel * (1 - min(top_k, moe.num_experts) / moe.num_experts)
+        shape = (moe.num_experts, top_k, moe.shared_expert is not None)
         if shape not in shapes:
             shapes.append(shape)
     if not blocks:
