@@ -367,7 +367,8 @@ class CompiledStep:
         """The collectives one call of the step issues (the latest compilation); print it for a table."""
         if not self.graphs:
             raise RuntimeError("the step has not been compiled yet; call it once first")
-        return traffic_report(self.graphs[-1], self.plan)
+        return traffic_report(self.graphs[-1], self.plan,
+                              tuple(block.experts for block in self.moe_blocks))
 
     def estimate(self, hardware="cpu-gloo") -> Estimate:
         """The cost model's step time, exposed communication and peak memory for the latest

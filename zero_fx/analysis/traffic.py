@@ -86,6 +86,9 @@ class TrafficReport:
     collectives: tuple[Collective, ...]
     replicas: int = 1
     """Hybrid sharding: copies of each shard; ``world_size`` is the shard group's size."""
+    expert_numel: Optional[dict] = None
+    """Mixture-of-experts models: elements of the routed experts' parameters each kind
+    moves per step (within the totals); None for a dense model."""
 
     def numel_by_kind(self) -> dict[str, int]:
         return self._total_by_kind(lambda c: c.numel)
@@ -137,6 +140,10 @@ class TrafficReport:
                              f"{_position(c.waited_at):>6}  {', '.join(c.bucket)}"
                              + (" (across replicas)" if c.group == REPLICATE_GROUP else ""))
         lines.append("  " + self.summary())
+        if self.expert_numel:
+            moved = [f"{kind} {numel:,} elements = {numel / self.psi:.3f} Ψ"
+                     for kind, numel in self.expert_numel.items() if numel]
+            lines.append(f"  of which routed experts' parameters: {'; '.join(moved) or 'nothing'}")
         return "\n".join(lines)
 
     def summary(self) -> str:
@@ -153,11 +160,12 @@ class TrafficReport:
         return f"totals: {'; '.join(kinds) or 'nothing'}; {launches} launches; {wire}"
 
 
-def traffic_report(gm: GraphModule, plan) -> TrafficReport:
+def traffic_report(gm: GraphModule, plan, expert_prefixes: tuple[str, ...] = ()) -> TrafficReport:
     """The collectives one step runs, in issue order: those of ``gm`` (a graph our
     passes rewrote for ``plan``); in stages 0-1 with gradient accumulation the
     reductions of the accumulated gradients, once per optimizer step; in stages
-    1-2 the gathers after the optimizer."""
+    1-2 the gathers after the optimizer. ``expert_prefixes``: the module names of a
+    mixture-of-experts model's routed experts, whose share the report gives apart."""
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     collectives = [_describe(node, position, plan) for node in gm.graph.nodes if is_collective(node)]
     if plan.world_size > 1 and not plan.reduces_in_graph:
@@ -173,7 +181,25 @@ def traffic_report(gm: GraphModule, plan) -> TrafficReport:
         collectives += _outside_graph(plan, "all_gather", "after step", plan.compute_dtype,
                                       trainable)
     return TrafficReport(stage=plan.stage, world_size=plan.world_size, psi=plan.total_numel,
-                         collectives=tuple(collectives), replicas=plan.replicas)
+                         collectives=tuple(collectives), replicas=plan.replicas,
+                         expert_numel=_expert_numel(collectives, plan, expert_prefixes))
+
+
+def _expert_numel(collectives: list[Collective], plan, prefixes: tuple[str, ...]):
+    """Per kind, the elements of the routed experts' parameters the collectives move (each
+    parameter's share of its bucket: its padded size, its shard across replicas)."""
+    if not prefixes:
+        return None
+    starts = tuple(f"{p}." for p in prefixes)
+    moved = Counter({kind: 0 for kind in KINDS})
+    for c in collectives:
+        for name in c.bucket:
+            if name.startswith(starts):
+                layout = plan.layout(name)
+                moved[c.kind] += (layout.shard_numel if c.group == REPLICATE_GROUP
+                                  else layout.numel if c.kind == "all_reduce"
+                                  else layout.padded_numel)
+    return dict(moved)
 
 
 def _outside_graph(plan, kind: str, phase: str, dtype, names: list[str],

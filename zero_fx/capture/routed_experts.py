@@ -71,6 +71,8 @@ class RoutedExperts:
 
     name: str
     """The block's module name."""
+    experts: str
+    """The module name of its list of routed experts (their parameters start with it)."""
     num_experts: int
     top_k: int
     routing: str
@@ -138,8 +140,7 @@ def route_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True) -
             continue
         experts_name, router_name = parts
         try:
-            found.append(_install(name or type(block).__name__, block, experts_name,
-                                  router_name, confirm))
+            found.append(_install(name, block, experts_name, router_name, confirm))
         except _NotRewritten as why:
             unrecognised.append(str(why))
     if found:
@@ -225,8 +226,9 @@ class _RoutedForward:
         return new
 
 
-def _install(name: str, block: nn.Module, experts_name: str, router_name: str,
+def _install(path: str, block: nn.Module, experts_name: str, router_name: str,
              confirm: bool) -> RoutedExperts:
+    name = path or type(block).__name__
     experts, router = getattr(block, experts_name), getattr(block, router_name)
     top_k = _top_k(block, router)
     if top_k is None:
@@ -243,7 +245,8 @@ def _install(name: str, block: nn.Module, experts_name: str, router_name: str,
                                 info=None)
         if not confirm or _reproduces(block, original, routed, experts[0]):
             info = RoutedExperts(
-                name=name, num_experts=len(experts), top_k=top_k, routing=form.routing,
+                name=name, experts=f"{path}.{experts_name}" if path else experts_name,
+                num_experts=len(experts), top_k=top_k, routing=form.routing,
                 expert_parameters=sum(p.numel() for p in experts.parameters()),
                 shared_expert=form.shared)
             routed.info = info
