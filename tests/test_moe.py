@@ -47,6 +47,10 @@ STEPS = 3
 STAGES = (0, 1, 2, 3)
 WORLD_SIZES = (2, 4)
 PARITY = 1e-5
+UPDATE_PARITY = 1e-4
+"""Bound on the relative error of each parameter's change over the run (final - initial):
+three steps move a weight by a fraction of a percent, so the bound on the parameter itself
+passes a gradient 1% off; its change shows it. Measured: at most 1e-5 (fp32)."""
 MOE_MODELS = {"mixtral": hf_models.tiny_mixtral, "qwen3_moe": hf_models.tiny_qwen3_moe}
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32)
 BF16_TOLERANCES = (5e-5, 9e-3)  # loss, worst master: tests/test_mixed_precision.py's
@@ -179,6 +183,11 @@ def test_moe_trains_as_single_process(name, stage, world_size):
     initial = dict(build_moe(name).named_parameters())
     still = [n for n, p in initial.items() if torch.equal(result["state"][n], p)]
     assert not still, f"parameters that did not move: {still}"  # every expert trained
+    expected = reference_run(name, world_size)["state"]
+    updates = {f"{n}@rank{rank}": relative_error(r["state"][n] - p, expected[n] - p)
+               for n, p in initial.items() for rank, r in enumerate(results)}
+    worst = max(updates, key=updates.get)
+    assert updates[worst] <= UPDATE_PARITY, f"{worst}: update's relative error {updates[worst]:.2e}"
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)
@@ -447,13 +456,9 @@ def test_an_unrecognised_moe_block_is_named_when_its_loop_does_not_capture():
         assert torch.equal(after[key], value), key
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a loop over `torch.unique(chosen).tolist()` fails capture with dynamo's "
-    "GuardOnDataDependentSymNode ('Could not guard on data-dependent expression'), a "
-    "RuntimeError that zero_fx/api.py CompiledStep.__call__ re-raises as it is (it is not "
-    "Unsupported/UserError, nor wrapped in BackendCompilerFailed, and hints.py has no needle "
-    "for it): no CaptureError, no block named"))
 def test_an_unrecognised_moe_block_with_a_unique_loop_is_named_too():
+    """A loop over `torch.unique(chosen).tolist()` fails capture with dynamo's
+    GuardOnDataDependentSymNode, a RuntimeError of its own: a CaptureError too."""
     model = LoopedMoEModel("sigmoid", "unique")
     step = zero_compile(_step, stage=3, backend="aot_eager")
     try:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.fx import GraphModule
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
@@ -295,7 +296,9 @@ class CompiledStep:
                 if capture_hint(str(inner)):
                     raise self._capture_failed(inner) from err
                 raise
-            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as err:
+            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
+                    GuardOnDataDependentSymNode) as err:
+                # the last: a Python branch or loop on a value (`for e in t.unique().tolist()`)
                 raise self._capture_failed(err) from err
             except RuntimeError as err:
                 if is_communication_failure(err):
