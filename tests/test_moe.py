@@ -15,8 +15,8 @@ value on the whole batch by 4e-6 (N=2) to 2.4e-5 (N=4) relative on the loss: mor
 
 Cost: one process group per world size; each rank trains every case in turn (a fresh
 model, optimizer and step each), and the tests read the cached results. Measured on the
-2-core box (2026-11-26, other jobs running, load 2-4): the world-2 launch 60-90 s, the
-world-4 launch 125-165 s, everything else about 35 s; the file 4.5-5 minutes.
+2-core box (2026-11-26, other jobs running, load 2-4): the world-2 launch 60-105 s, the
+world-4 launch 125-165 s, everything else about 35-50 s; the file 4.75-5.3 minutes.
 """
 
 from __future__ import annotations
