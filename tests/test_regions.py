@@ -170,3 +170,35 @@ def test_views_sunk_before_one_reader_stay_after_their_base():
     sink_views(gm)
     gm.graph.lint()  # raises if any node reads one defined after it
     assert torch.equal(gm(torch.ones(4, 64)), program(torch.ones(4, 64)))
+
+
+def _mixtral_regions(layers: int):
+    from examples.hf_models import causal_lm, mixtral_config
+
+    torch.manual_seed(0)
+    model = causal_lm(mixtral_config(64, 16, layers=layers, width=64, heads=4, kv_heads=2,
+                                     ffn=512, experts=4))  # router loss on
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @zero_compile(stage=3, backend="aot_eager")
+    def step(model, opt, x):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step(model, opt, torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)))
+    return step.compilations[-1].regions.regions
+
+
+def test_a_mixture_of_experts_compiles_one_backward_body_for_all_blocks(fake_world_of_two):
+    """The router loss concatenates every block's router logits; its backward slices each
+    block's part at its own offset. The slice stays outside the bodies and a body does not
+    depend on where its input starts, so 2 and 4 blocks compile the same bodies (each block's
+    backward was a body of its own)."""
+    pytest.importorskip("transformers")
+    two, four = _mixtral_regions(2), _mixtral_regions(4)
+    assert len(four) == len(two), ([r.nodes for r in two], [r.nodes for r in four])
+    biggest = max(four, key=lambda r: r.nodes)
+    assert len(biggest.runs_at) == 4, [(r.name, r.nodes, r.runs_at) for r in four]

@@ -38,7 +38,8 @@ its base. So before the graph is cut, each view is moved to right before its fir
 reads goes into that body: the body takes the bucket's copied-out parameter as it is and
 shapes it itself. The bodies' signatures still match across blocks (each block's copy-out
 has the same shapes), so none is added. A view read by two runs, or outside any body,
-stays in the outer graph. And views that give back their own base (``t(t(w))`` of a
+stays in the outer graph, and so does a view that picks a position of its base (a slice:
+``_picks_a_position``). And views that give back their own base (``t(t(w))`` of a
 matrix, which the backward makes of every weight and every weight gradient, a
 ``detach``) are dropped before anything else (``drop_identity_views``). On GPT-2's
 shape at 12 blocks (one of 2 fake ranks, aot_eager) the outer graph dispatched 1199 ops
@@ -202,6 +203,7 @@ def _separate_edges(run: list[Node]) -> list[Node]:
     pulled: set[Node] = set()
     for node in reversed(before):
         if (node.target is not operator.getitem and is_view(node) and node.users
+                and not _picks_a_position(node)
                 and all(user in inside or user in pulled for user in node.users)):
             pulled.add(node)
     before = [node for node in before if node not in pulled]
@@ -293,6 +295,21 @@ def sink_views(gm: GraphModule) -> None:
             first.prepend(node)
 
 
+aten = torch.ops.aten
+POSITIONAL_VIEWS = frozenset({aten.slice, aten.select, aten.narrow, aten.as_strided,
+                              aten.diagonal, aten.unfold})
+"""Views that pick a position of their base: their offsets may differ from block to block."""
+
+
+def _picks_a_position(node: Node) -> bool:
+    """A view such as ``slice(g, 0, 256, 384)``, which stays outside the body it feeds
+    ([Note: views only the body reads go in]): the backward of a concatenation over the
+    blocks (a mixture of experts' router logits, for the load-balancing loss) slices each
+    block's part at its own offset, and inside the bodies those offsets would make every
+    block's body distinct, compiled once per block."""
+    return getattr(node.target, "overloadpacket", None) in POSITIONAL_VIEWS
+
+
 def _pure_view(node: Node) -> bool:
     return node.op == "call_function" and node.target is not operator.getitem and is_view(node)
 
@@ -333,9 +350,12 @@ def signature(run: Sequence[Node]) -> tuple[str, list[Node], list[Node]]:
 
 
 def _value_signature(value) -> object:
+    """What a compiled body assumes of a value: shape, dtype, strides, device, and whether
+    its start is 16-byte aligned (what Inductor specializes on), not its offset: one
+    block's slice of a tensor over all blocks starts elsewhere than the next block's."""
     if isinstance(value, torch.Tensor):
         return ("T", tuple(value.shape), value.dtype, tuple(value.stride()),
-                value.device.type, value.storage_offset())
+                value.device.type, value.storage_offset() * value.element_size() % 16 == 0)
     if isinstance(value, (tuple, list)):
         return tuple(_value_signature(v) for v in value)
     return type(value).__name__
