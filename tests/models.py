@@ -80,3 +80,29 @@ def training_step(name: str):
         opt.zero_grad()
         return loss
     return train_step
+
+
+def language_model_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor):
+    """A step on a HuggingFace causal LM's own loss (for a mixture of experts, cross-entropy
+    plus the router's load-balancing loss)."""
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def mixtral_after_one_step(layers: int = 2, width: int = 64, ffn: int = 512, experts: int = 4,
+                           **options):
+    """A ``@zero_compile(stage=3, backend="aot_eager", **options)`` step of a small HF Mixtral
+    (router loss on; experts of ``width`` x ``ffn`` above the residency threshold by default)
+    after one call, and its model."""
+    from examples.hf_models import causal_lm, mixtral_config
+    from zero_fx import zero_compile
+
+    torch.manual_seed(0)
+    model = causal_lm(mixtral_config(VOCAB, SEQ, layers=layers, width=width, heads=4, kv_heads=2,
+                                     ffn=ffn, experts=experts))
+    step = zero_compile(language_model_step, **{"stage": 3, "backend": "aot_eager", **options})
+    step(model, torch.optim.SGD(model.parameters(), lr=0.1), global_batch("hf_llama", 0)[0])
+    return step, model

@@ -287,17 +287,8 @@ def _tiny_mixtral_rank(rank: int, world_size: int) -> dict:
 
     torch.manual_seed(0)
     model = hf_models.tiny_mixtral(models.VOCAB, models.SEQ)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def train_step(model, opt, x):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    step = zero_compile(train_step, stage=3, backend="aot_eager")
-    step(model, opt, models.global_batch("hf_llama", 0)[0])
+    step = zero_compile(models.language_model_step, stage=3, backend="aot_eager")
+    step(model, torch.optim.SGD(model.parameters(), lr=0.01), models.global_batch("hf_llama", 0)[0])
     return {"text": str(step.explain()), "estimate": step.estimate(),
             "grouped": [str(n.target) for n in step.graphs[-1].graph.nodes
                         if "grouped_mm" in str(n.target)]}

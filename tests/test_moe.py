@@ -70,12 +70,7 @@ def hf_loss(model, x):
     return model(input_ids=x, labels=x).loss  # cross-entropy + router aux loss
 
 
-def train_step(model, opt, x):
-    loss = hf_loss(model, x)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
+train_step = models.language_model_step
 
 
 # -- the distributed runs ---------------------------------------------------------------------
@@ -321,13 +316,6 @@ def train_eager_and_zero_fx(build, loss_of, batches, **options):
     """The same model trained by plain eager PyTorch and by @zero_compile (world size 1)."""
     eager, compiled = build(), build()
     losses = {"eager": [], "zero_fx": []}
-    opt = models.make_optimizer(eager, "sgd")
-    for x in batches:
-        loss = loss_of(eager, x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses["eager"].append(loss.item())
 
     def step_fn(model, opt, x):
         loss = loss_of(model, x)
@@ -335,6 +323,10 @@ def train_eager_and_zero_fx(build, loss_of, batches, **options):
         opt.step()
         opt.zero_grad()
         return loss
+
+    opt = models.make_optimizer(eager, "sgd")
+    for x in batches:
+        losses["eager"].append(step_fn(eager, opt, x).item())
 
     opt = models.make_optimizer(compiled, "sgd")
     step = zero_compile(step_fn, backend="aot_eager", **options)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from examples.gpt import GPT, GPTConfig
+import models
 from training import parity_errors, reference_run, zero_fx_run
 from zero_fx import zero_compile
 from zero_fx.compiler.lowered_schedule import planned_schedule
@@ -173,22 +174,7 @@ def test_views_sunk_before_one_reader_stay_after_their_base():
 
 
 def _mixtral_regions(layers: int):
-    from examples.hf_models import causal_lm, mixtral_config
-
-    torch.manual_seed(0)
-    model = causal_lm(mixtral_config(64, 16, layers=layers, width=64, heads=4, kv_heads=2,
-                                     ffn=512, experts=4))  # router loss on
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    @zero_compile(stage=3, backend="aot_eager")
-    def step(model, opt, x):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    step(model, opt, torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)))
+    step, _ = models.mixtral_after_one_step(layers)
     return step.compilations[-1].regions.regions
 
 

@@ -93,25 +93,7 @@ def test_the_report_gives_the_routed_experts_share(fake_world_of_two):
     are gathered twice and reduce-scattered once, like every other, and the report says
     how much of each kind they are."""
     pytest.importorskip("transformers")
-    import torch
-
-    from examples.hf_models import causal_lm, mixtral_config
-    from zero_fx import zero_compile
-
-    torch.manual_seed(0)
-    model = causal_lm(mixtral_config(64, 16, layers=2, width=64, heads=4, kv_heads=2, ffn=512,
-                                     experts=4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    @zero_compile(stage=3, backend="aot_eager")
-    def step(model, opt, x):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    step(model, opt, torch.randint(0, 64, (2, 16)))
+    step, model = models.mixtral_after_one_step()
     report = step.traffic()
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert report.expert_numel == {"all_gather": 2 * experts, "reduce_scatter": experts,
