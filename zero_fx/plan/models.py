@@ -155,7 +155,10 @@ def _hf_source(config: dict, description: str) -> ModelSource:
             cfg.num_hidden_layers = layers
         if dense_layers is not None:
             cfg.first_k_dense_replace = dense_layers
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        # shapes only: HuggingFace's weight init visits every module (DeepSeek-V3's 45k
+        # experts' linears: about 40 s on meta), and the planner reads no values
+        with transformers.modeling_utils.no_init_weights():
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
         model.loss_type = "ForCausalLM"
         return model
 
