@@ -159,6 +159,7 @@ def _hf_source(config: dict, description: str) -> ModelSource:
         # experts' linears: about 40 s on meta), and the planner reads no values
         with transformers.modeling_utils.no_init_weights():
             model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model.tie_weights()  # the init it skipped also ties the embedding and the head
         model.loss_type = "ForCausalLM"
         return model
 
