@@ -84,14 +84,16 @@ def qwen3_moe_config(vocab_size: int, seq: int, layers: int, width: int, heads: 
         router_aux_loss_coef=aux_loss_coef, attention_dropout=0.0)
 
 
-def tiny_mixtral(vocab_size: int = 64, seq: int = 16, experts: int = 8) -> nn.Module:
-    """Two layers, width 32, 8 experts of width 64, top-2: the parity tests' Mixtral."""
-    return causal_lm(mixtral_config(vocab_size, seq, layers=2, width=32, heads=4, kv_heads=2,
-                                    ffn=64, experts=experts))
+def tiny_mixtral(vocab_size: int = 64, seq: int = 16, experts: int = 8,
+                 layers: int = 2) -> nn.Module:
+    """Two layers, width 32, 8 experts of width 64, top-2: the tests' Mixtral."""
+    return causal_lm(mixtral_config(vocab_size, seq, layers=layers, width=32, heads=4,
+                                    kv_heads=2, ffn=64, experts=experts))
 
 
-def tiny_qwen3_moe(vocab_size: int = 64, seq: int = 16, experts: int = 8) -> nn.Module:
+def tiny_qwen3_moe(vocab_size: int = 64, seq: int = 16, experts: int = 8,
+                   layers: int = 2) -> nn.Module:
     """Two layers, width 32, 8 experts of width 32, top-2, renormalisation off (Qwen3's
     default)."""
-    return causal_lm(qwen3_moe_config(vocab_size, seq, layers=2, width=32, heads=4,
+    return causal_lm(qwen3_moe_config(vocab_size, seq, layers=layers, width=32, heads=4,
                                       kv_heads=2, ffn=32, experts=experts))

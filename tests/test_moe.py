@@ -15,8 +15,9 @@ value on the whole batch by 4e-6 (N=2) to 2.4e-5 (N=4) relative on the loss: mor
 
 Cost: one process group per world size; each rank trains every case in turn (a fresh
 model, optimizer and step each), and the tests read the cached results. Measured on the
-2-core box (2026-11-26, other jobs running, load 2-4): the world-2 launch 60-105 s, the
-world-4 launch 125-165 s, everything else about 35-50 s; the file 4.75-5.3 minutes.
+2-core box (2026-11-26): with two-layer models and other jobs running, the world-2 launch
+60-105 s, the world-4 launch 125-165 s; on the quiet machine 61 and 113 s. One layer
+(``LAYERS``) since.
 """
 
 from __future__ import annotations
@@ -52,14 +53,18 @@ UPDATE_PARITY = 1e-4
 three steps move a weight by a fraction of a percent, so the bound on the parameter itself
 passes a gradient 1% off; its change shows it. Measured: at most 1e-5 (fp32)."""
 MOE_MODELS = {"mixtral": hf_models.tiny_mixtral, "qwen3_moe": hf_models.tiny_qwen3_moe}
+LAYERS = 1
+"""Decoder layers of the parity grid's models: with one, each case's capture and passes
+take about a third less than with two (blocks sharing compiled bodies are
+tests/test_regions.py's). The other tests build two."""
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32)
 BF16_TOLERANCES = (5e-5, 9e-3)  # loss, worst master: tests/test_mixed_precision.py's
 BF16_CASE = ("mixtral", 3, "bf16")  # at world size 2
 
 
-def build_moe(name: str, seed: int = 0) -> nn.Module:
+def build_moe(name: str, seed: int = 0, layers: int = 2) -> nn.Module:
     torch.manual_seed(seed)
-    return MOE_MODELS[name](models.VOCAB, models.SEQ)
+    return MOE_MODELS[name](models.VOCAB, models.SEQ, layers=layers)
 
 
 def tokens(step: int) -> torch.Tensor:
@@ -100,7 +105,7 @@ class CaseFailed:
 def moe_case(rank: int, world_size: int, name: str, stage: int, precision: str,
              steps: int) -> dict:
     started = time.perf_counter()
-    model = build_moe(name)
+    model = build_moe(name, layers=LAYERS)
     opt = models.make_optimizer(model, "sgd")
     step = zero_compile(train_step, stage=stage, backend="aot_eager",
                         mixed_precision=BF16 if precision == "bf16" else None)
@@ -137,7 +142,7 @@ def moe_run(world_size: int, case: tuple) -> list:
 @functools.lru_cache(maxsize=None)
 def reference_run(name: str, world_size: int, aux_loss: bool = True) -> dict:
     """HF eager, single process, the whole global batch as ``world_size`` averaged slices."""
-    model = build_moe(name)
+    model = build_moe(name, layers=LAYERS)
     if not aux_loss:
         model.router_aux_loss_coef = 0.0
     opt = models.make_optimizer(model, "sgd")
@@ -173,9 +178,10 @@ def test_moe_trains_as_single_process(name, stage, world_size):
     result = results[0]
     assert result["compilations"] == 1
     assert [b.name for b in result["moe_blocks"]] == [
-        n for n, m in build_moe(name).named_modules() if type(m).__name__.endswith("SparseMoeBlock")]
+        n for n, m in build_moe(name, layers=LAYERS).named_modules()
+        if type(m).__name__.endswith("SparseMoeBlock")]
     assert all(b.num_experts == 8 and b.top_k == 2 for b in result["moe_blocks"])
-    initial = dict(build_moe(name).named_parameters())
+    initial = dict(build_moe(name, layers=LAYERS).named_parameters())
     still = [n for n, p in initial.items() if torch.equal(result["state"][n], p)]
     assert not still, f"parameters that did not move: {still}"  # every expert trained
     expected = reference_run(name, world_size)["state"]
@@ -194,7 +200,7 @@ def test_router_aux_loss_is_in_the_objective(name):
     without_aux = errors_against(results, reference_run(name, 2, aux_loss=False))
     assert without_aux["loss"] > 100 * PARITY >= 100 * with_aux["loss"]
     gates = [k for k in with_aux if ".gate.weight@" in k]
-    assert len(gates) == 2 * 2  # two layers, two ranks
+    assert len(gates) == LAYERS * 2  # per layer, per rank
     for gate in gates:
         assert without_aux[gate] > 100 * PARITY >= 100 * with_aux[gate], gate
 
