@@ -318,18 +318,22 @@ RECOGNISED = {  # model: (blocks, routing, shared expert)
 }
 
 
-def train_eager_and_zero_fx(build, loss_of, batches, **options):
-    """The same model trained by plain eager PyTorch and by @zero_compile (world size 1)."""
-    eager, compiled = build(), build()
-    losses = {"eager": [], "zero_fx": []}
-
-    def step_fn(model, opt, x):
+def step_on(loss_of):
+    """A training step (forward, backward, optimizer) on ``loss_of(model, x)``."""
+    def step(model, opt, x):
         loss = loss_of(model, x)
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss
+    return step
 
+
+def train_eager_and_zero_fx(build, loss_of, batches, **options):
+    """The same model trained by plain eager PyTorch and by @zero_compile (world size 1)."""
+    eager, compiled = build(), build()
+    losses = {"eager": [], "zero_fx": []}
+    step_fn = step_on(loss_of)
     opt = models.make_optimizer(eager, "sgd")
     for x in batches:
         losses["eager"].append(step_fn(eager, opt, x).item())
@@ -430,7 +434,7 @@ def unrecognised_moe_error(loop: str):
     parameters before, and as the step holds them after."""
     model = LoopedMoEModel("sigmoid", loop)
     before = {k: v.clone() for k, v in model.named_parameters()}
-    step = zero_compile(_step, stage=3, backend="aot_eager")
+    step = zero_compile(step_on(regression_loss), stage=3, backend="aot_eager")
     with pytest.raises(zero_fx.CaptureError) as raised:
         step(model, models.make_optimizer(model, "sgd"), regression_batch(0))
     return str(raised.value), step, before
@@ -458,7 +462,7 @@ def test_an_unrecognised_moe_block_with_a_unique_loop_is_named_too():
     """A loop over `torch.unique(chosen).tolist()` fails capture with dynamo's
     GuardOnDataDependentSymNode, a RuntimeError of its own: a CaptureError too."""
     model = LoopedMoEModel("sigmoid", "unique")
-    step = zero_compile(_step, stage=3, backend="aot_eager")
+    step = zero_compile(step_on(regression_loss), stage=3, backend="aot_eager")
     try:
         step(model, models.make_optimizer(model, "sgd"), regression_batch(0))
     except zero_fx.CaptureError as err:
@@ -469,12 +473,6 @@ def test_an_unrecognised_moe_block_with_a_unique_loop_is_named_too():
         raise AssertionError("no error")
 
 
-def _step(model, opt, x):
-    loss = regression_loss(model, x)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 def test_the_same_block_with_softmax_routing_is_rewritten_and_trains_like_eager():

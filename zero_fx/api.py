@@ -247,9 +247,6 @@ class CompiledStep:
         self.state: Optional[ShardedState] = None
         self.plan: Optional[ShardPlan] = None
         self._experts = ExpertsRewrite([], [])
-        self.moe_blocks: list[RoutedExperts] = []
-        """The mixture-of-experts blocks given a fixed-shape forward on the first call
-        ([Note: routed experts with fixed shapes] in zero_fx/capture/routed_experts.py)."""
         self._sharded: Optional[Sharded] = None
         """What the first call set up (plan, state, update, scaler, rank agreement)."""
         self._compiler: Optional[StepCompiler] = None
@@ -325,7 +322,6 @@ class CompiledStep:
     def _shard(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                pretrained: Optional[PretrainedWeights] = None) -> None:
         self._experts = route_experts_with_fixed_shapes(model)
-        self.moe_blocks = self._experts.blocks
         self._sharded = shard(model, optimizer, self.config, self.__name__, pretrained)
         self.plan, self.state = self._sharded.plan, self._sharded.state
         self._compiler = StepCompiler(self.__name__, self.config, self._sharded,
@@ -335,6 +331,12 @@ class CompiledStep:
     def _compile_graph(self, dynamo_gm: GraphModule, example_inputs: list):
         """The dynamo backend: ``StepCompiler`` (compiler/backend.py), made on the first call."""
         return self._compiler(dynamo_gm, example_inputs)
+
+    @property
+    def moe_blocks(self) -> list[RoutedExperts]:
+        """The mixture-of-experts blocks given a fixed-shape forward on the first call
+        ([Note: routed experts with fixed shapes] in zero_fx/capture/routed_experts.py)."""
+        return self._experts.blocks
 
     @property
     def compile_seconds(self) -> list[float]:

@@ -135,12 +135,11 @@ def route_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True) -
         if isinstance(block.__dict__.get("forward"), _RoutedForward):
             found.append(block.forward.info)
             continue
-        parts = _moe_parts(block)
-        if parts is None:
+        shape = moe_shape(block)
+        if shape is None:
             continue
-        experts_name, router_name = parts
         try:
-            found.append(_install(name, block, experts_name, router_name, confirm))
+            found.append(_install(name, block, shape, confirm))
         except _NotRewritten as why:
             unrecognised.append(str(why))
     if found:
@@ -226,11 +225,10 @@ class _RoutedForward:
         return new
 
 
-def _install(path: str, block: nn.Module, experts_name: str, router_name: str,
-             confirm: bool) -> RoutedExperts:
+def _install(path: str, block: nn.Module, shape: MoeShape, confirm: bool) -> RoutedExperts:
     name = path or type(block).__name__
+    experts_name, router_name, top_k = shape.experts, shape.router, shape.top_k
     experts, router = getattr(block, experts_name), getattr(block, router_name)
-    top_k = _top_k(block, router)
     if top_k is None:
         raise _unrecognised(name, block, "neither it nor its router has `top_k` or "
                                          "`num_experts_per_tok`")
@@ -240,7 +238,7 @@ def _install(path: str, block: nn.Module, experts_name: str, router_name: str,
         raise _unrecognised(name, block, f"its experts cannot be run as one grouped "
                                          f"computation ({err})") from None
     original = type(block).forward
-    for form in _forms(block, router):
+    for form in _forms(block, router, shape):
         routed = _RoutedForward(block, form, grouped, experts_name, router_name, top_k,
                                 info=None)
         if not confirm or _reproduces(block, original, routed, experts[0]):
@@ -256,13 +254,12 @@ def _install(path: str, block: nn.Module, experts_name: str, router_name: str,
                                      "its output on a random input")
 
 
-def _forms(block: nn.Module, router: nn.Module) -> list[_Form]:
-    shared = _shared_expert(block)
+def _forms(block: nn.Module, router: nn.Module, shape: MoeShape) -> list[_Form]:
+    shared = shape.shared_expert
     if isinstance(router, nn.Linear):
         normalise = getattr(block, "norm_topk_prob", None)
         choices = [normalise] if isinstance(normalise, bool) else [True, False]
-        top_k = _top_k(block, router)
-        return [_Form(f"softmax, top-{top_k}{', renormalised' if n else ''}",
+        return [_Form(f"softmax, top-{shape.top_k}{', renormalised' if n else ''}",
                       _softmax_top_k_forward(n, shared, with_logits), shared)
                 for with_logits in (True, False) for n in choices]
     return [_Form("the router module's (indices, weights)", _router_module_forward(shared), shared)]

@@ -62,8 +62,8 @@ from __future__ import annotations
 
 import logging
 import operator
-from fractions import Fraction
 import time
+from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -295,9 +295,9 @@ def sink_views(gm: GraphModule) -> None:
             first.prepend(node)
 
 
-aten = torch.ops.aten
-POSITIONAL_VIEWS = frozenset({aten.slice, aten.select, aten.narrow, aten.as_strided,
-                              aten.diagonal, aten.unfold})
+POSITIONAL_VIEWS = frozenset({torch.ops.aten.slice, torch.ops.aten.select, torch.ops.aten.narrow,
+                              torch.ops.aten.as_strided, torch.ops.aten.diagonal,
+                              torch.ops.aten.unfold})
 """Views that pick a position of their base: their offsets may differ from block to block."""
 
 
