@@ -75,9 +75,10 @@ def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
 def _gather_code(plan):
     def code(names):
         layouts = [plan.layout(n) for n in names]
+        size, group = plan.collective_group(names[0])  # a bucket is one group's
         return functools.partial(gather_bucket, numels=[l.numel for l in layouts],
-                                 shapes=[l.shape for l in layouts], world_size=plan.world_size,
-                                 group_name=plan.group_name, dtype=plan.compute_dtype)
+                                 shapes=[l.shape for l in layouts], world_size=size,
+                                 group_name=group, dtype=plan.compute_dtype)
     return code
 
 

@@ -92,7 +92,8 @@ def gather_bucket(*shards: torch.Tensor, numels: Sequence[int], shapes: Sequence
 
 def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_size: int,
                           group_name: str, dtype: Optional[torch.dtype] = None, replicas: int = 1,
-                          replicate_group_name: str = "", averages: bool = False) -> list[torch.Tensor]:
+                          replicate_group_name: str = "", averages: bool = False,
+                          mean_over: Optional[int] = None) -> list[torch.Tensor]:
     """This rank's 1-D shard of each gradient's mean over ranks, in ``dtype`` (None: the
     gradients' own).
 
@@ -102,25 +103,30 @@ def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_s
     count, in 16 bits before the sum, in 32 after it ([Note: divide before the sum]). With
     ``replicas`` (hybrid sharding), the shard is also summed across the replicate group.
     ``averages``: the backend averages in the collective (NCCL's AVG, a sum pre-multiplied
-    by 1/N): no division op at all.
+    by 1/N): no division op at all. ``mean_over``: the ranks whose batches the mean is over,
+    where they are more than the group's (a routed expert's gradient under expert
+    parallelism, reduced over its expert-data-parallel group and divided by every rank's
+    count: [Note: expert parallelism] in zero_fx/plan/expert_parallel.py).
     """
+    ranks = mean_over or world_size * replicas
     grads = [_cast(g, dtype) for g in grads]
     if world_size == 1:
-        return [torch.nn.functional.pad(g.reshape(-1), (0, p)) if p else g.reshape(-1)
+        flat = [torch.nn.functional.pad(g.reshape(-1), (0, p)) if p else g.reshape(-1)
                 for g, p in zip(grads, paddings)]
+        return flat if ranks == 1 else [_average(f, ranks) for f in flat]
     rows = [g if g.dim() == 1 or (g.dim() > 1 and g.shape[0] % world_size == 0) else g.reshape(-1)
             for g in grads]
     buffer = torch._chunk_cat(rows, 0, world_size)
     op = "avg" if averages else "sum"
     first = not averages and _divides_first(buffer.dtype)
     if first:
-        buffer = _average(buffer, world_size * replicas)
+        buffer = _average(buffer, ranks)
     shard = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buffer.view(-1), op, world_size,
                                                           group_name))
     if replicas > 1:
         shard = _c10d.wait_tensor(_c10d.all_reduce(shard, op, replicate_group_name))
     if not (averages or first):
-        shard = _average(shard, world_size * replicas)
+        shard = _average(shard, ranks)
     if len(grads) == 1:
         return [shard]
     return list(shard.split([(g.numel() + p) // world_size for g, p in zip(grads, paddings)]))

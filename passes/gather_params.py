@@ -68,8 +68,8 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
             gather_bucket,
             numels=[layout.numel],
             shapes=[layout.shape],
-            world_size=plan.world_size,
-            group_name=plan.group_name,
+            world_size=plan.collective_group(layout.name)[0],
+            group_name=plan.collective_group(layout.name)[1],
             dtype=plan.compute_dtype,
         )
         users_by_phase = _users_by_phase(placeholder)

@@ -132,6 +132,11 @@ def zero_compile(
             shards), mesh_dim_names=("replicate", "shard"))``: hybrid sharding, sharded
             within each shard group (a node) and replicated across them, the gradient
             shards all-reduced across replicas. 1-D or None: flat.
+        expert_parallel: stage 3, mixture-of-experts models: split each block's routed
+            experts over this many consecutive ranks (a divisor of the world size and of
+            the experts per block); tokens travel to their experts' ranks by all-to-all
+            and back, and each expert is sharded over the ranks holding it. 1 (default):
+            every rank runs every expert.
         debug: ``zero_fx.DebugOptions(dump_dir=..., disable_passes=..., check_ranks=...,
             pin_schedule=...)``: graph dumps (default: the ``ZERO_FX_DUMP`` environment
             variable), passes to skip, the ranks' agreement check before each call's
@@ -322,7 +327,8 @@ class CompiledStep:
     def _shard(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                pretrained: Optional[PretrainedWeights] = None) -> None:
         self._experts = route_experts_with_fixed_shapes(model)
-        self._sharded = shard(model, optimizer, self.config, self.__name__, pretrained)
+        self._sharded = shard(model, optimizer, self.config, self.__name__, pretrained,
+                              moe_blocks=self._experts.blocks)
         self.plan, self.state = self._sharded.plan, self._sharded.state
         self._compiler = StepCompiler(self.__name__, self.config, self._sharded,
                                       graphs=self.graphs, compilations=self.compilations,

@@ -210,6 +210,10 @@ class ZeroConfig:
     ("replicate", "shard")`` shards within each shard group and all-reduces the gradient
     shards across replicas ([Note: hybrid sharding] in zero_fx/runtime/process_group.py);
     1-D, or None: flat sharding over every rank. Stage 0 ignores the shard dimension."""
+    expert_parallel: int = 1
+    """Stage 3, mixture-of-experts models: split each block's routed experts over this many
+    ranks, tokens travelling to their experts' ranks and back ([Note: expert parallelism]
+    in zero_fx/plan/expert_parallel.py). 1: every rank runs every expert."""
     debug: DebugOptions = field(default_factory=DebugOptions)
     """Dumps, disabled passes, the ranks' agreement check and Inductor schedule pinning
     (``DebugOptions``)."""
@@ -259,6 +263,7 @@ class ZeroConfig:
                              f"fn(node) -> 'save' | 'recompute'; got {self.recompute!r}")
         self._check_activation_budget()
         check_mesh(self.mesh, self.stage)
+        check_expert_parallel(self.expert_parallel, self.stage, self.mesh)
         if self.init_fn is not None and not callable(self.init_fn):
             raise TypeError(f"init_fn must be a callable init_fn(module), got {type(self.init_fn).__name__}")
 
@@ -452,6 +457,23 @@ def _init_accepting_old_names(self, *args, **kwargs):
 
 
 ZeroConfig.__init__ = _init_accepting_old_names
+
+
+def check_expert_parallel(degree, stage: int, mesh) -> None:
+    """An expert-parallel degree zero_fx can run, or an error saying what to choose instead."""
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+        raise ValueError(f"expert_parallel must be an int >= 1 (ranks each block's experts are "
+                         f"split over; 1: none), got {degree!r}")
+    if degree == 1:
+        return
+    if stage != 3:
+        raise ValueError(f"expert_parallel={degree} needs stage=3: it splits the experts' "
+                         f"parameters over ranks, and stages 0-2 keep every parameter whole on "
+                         f"every rank (got stage={stage})")
+    if mesh is not None and mesh.ndim > 1:
+        raise ValueError(f"expert_parallel={degree} with a hybrid mesh is not supported yet: "
+                         "use a flat world (mesh=None) with expert parallelism, or the mesh "
+                         "without it")
 
 
 def check_mesh(mesh, stage: int) -> None:

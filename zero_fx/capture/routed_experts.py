@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .expert_exchange import dispatch_and_combine
 from .grouped_mm import grouped_linear
 from .step_graph import CaptureError
 
@@ -151,6 +152,28 @@ def route_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True) -
     return ExpertsRewrite(found, unrecognised)
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalExperts:
+    """Expert parallelism for one block: this rank runs experts ``first`` to ``first + E /
+    degree`` and exchanges tokens with the ``degree`` ranks of ``group_name``."""
+
+    degree: int
+    first: int
+    group_name: str
+
+
+def hold_local_experts(model: nn.Module, blocks: list[RoutedExperts], degree: int, rank: int,
+                       group_name: str) -> None:
+    """Expert parallelism: every rewritten block of ``model`` runs only the experts of slice
+    ``rank`` of ``degree`` and sends the other rows to their ranks ([Note: expert
+    parallelism] in zero_fx/plan/expert_parallel.py); ``degree`` 1 undoes it. ``degree``
+    divides every block's number of experts."""
+    for info in blocks:
+        routed = model.get_submodule(info.experts.rpartition(".")[0]).forward
+        routed.parallel = (None if degree == 1 else
+                           LocalExperts(degree, rank * info.num_experts // degree, group_name))
+
+
 def unrecognised_experts_error(rewrite: ExpertsRewrite, error: CaptureError) -> CaptureError:
     """The step did not capture (``error``) and the model has blocks the rewrite left alone:
     name them, and say what shape of block the rewrite takes."""
@@ -213,6 +236,9 @@ class _RoutedForward:
         self.form, self.grouped, self.experts, self.router, self.top_k = (
             form, grouped, experts, router, top_k)
         self.info = info
+        self.parallel: Optional[LocalExperts] = None
+        """With expert parallelism, the experts this rank holds and the group it exchanges
+        tokens with (``hold_local_experts``)."""
 
     def __call__(self, hidden_states, *args, **kwargs):
         if args or kwargs:
@@ -333,8 +359,16 @@ def _mix_experts(block, routed: _RoutedForward, hidden: torch.Tensor, chosen: to
     expert_of_row = pairs[order]
     counts = torch.zeros(len(experts), dtype=torch.int64, device=pairs.device)
     counts = counts.scatter_add(0, pairs, torch.ones_like(pairs))
-    offs = counts.cumsum(0).to(torch.int32)
-    rows = routed.grouped(hidden[token_of_row], offs, expert_of_row, experts)
+    if routed.parallel is None:
+        offs = counts.cumsum(0).to(torch.int32)
+        rows = routed.grouped(hidden[token_of_row], offs, expert_of_row, experts)
+    else:  # [Note: exchanging rows in fixed shapes]
+        held = routed.parallel
+        local = experts[held.first:held.first + len(experts) // held.degree]
+        rows = dispatch_and_combine(
+            hidden[token_of_row], counts,
+            lambda received, offs, group_of_row: routed.grouped(received, offs, group_of_row, local),
+            degree=held.degree, top_k=k, group_name=held.group_name)
     rows = rows * weights.reshape(-1)[order].unsqueeze(-1)
     out = torch.zeros(tokens, hidden.shape[-1], dtype=out_dtype, device=hidden.device)
     return out.index_add(0, token_of_row, rows.to(out_dtype))

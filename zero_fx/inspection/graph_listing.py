@@ -82,6 +82,10 @@ def _group_roles(plan) -> dict:
         roles[plan.group_name] = "<shard group>"
         if plan.replicate_group_name:
             roles[plan.replicate_group_name] = "<replicate group>"
+        parallel = getattr(plan, "expert_parallel", None)
+        if parallel is not None:
+            roles[parallel.group_name] = "<expert-parallel group>"
+            roles[parallel.data_group_name] = "<expert-data-parallel group>"
     return roles
 
 

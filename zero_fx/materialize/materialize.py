@@ -131,7 +131,8 @@ class _Sink:
         """``full``: the tensor's whole value, on any device (this call may free it); what
         this rank keeps of it goes to ``self.device``."""
         if self.sharded(mt):
-            shard = cut_shard(full, self.plan.layout(mt.name), self.plan.rank)
+            shard = (cut_shard(full, self.plan.layout(mt.name), self.plan.shard_rank(mt.name))
+                     if self.plan.holds(mt.name) else full.new_empty(0))
             self.masters[mt.name] = shard.to(self.device)
             _free(full)
             if mt.is_meta:  # the parameter keeps its shape, not its values
@@ -152,7 +153,10 @@ class _Sink:
         if mt.is_meta:
             self._values[id(mt.tensor)] = storageless(mt.tensor, self.device)
         layout = self.plan.layout(mt.name)
-        start, stop = layout.owned_range(self.plan.rank)
+        if not self.plan.holds(mt.name):  # a routed expert another rank holds
+            self.masters[mt.name] = torch.zeros(0, dtype=layout.dtype, device=self.device)
+            return
+        start, stop = layout.owned_range(self.plan.shard_rank(mt.name))
         shard = torch.zeros(layout.shard_numel, dtype=layout.dtype, device=self.device)
         fill(shard[: stop - start], start, stop)
         self.masters[mt.name] = shard

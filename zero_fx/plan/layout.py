@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
+from .expert_parallel import ExpertParallel
+
 
 @dataclass(frozen=True)
 class ParamLayout:
@@ -43,8 +45,11 @@ class ParamLayout:
     shard_numel: int
     """Elements each rank holds: ceil(numel / N); the last rank's tail is padding."""
     shard_offset: int
-    """Start of this parameter's shard in a rank's flat shard buffer."""
+    """Start of this parameter's shard in a rank's flat shard buffer (-1: this rank holds
+    none of it, a routed expert of another rank under expert parallelism)."""
     world_size: int
+    """Ranks it is sharded over: the shard group's, or a routed expert's expert-data-parallel
+    group under expert parallelism ([Note: expert parallelism] in expert_parallel.py)."""
     requires_grad: bool = True
 
     @property
@@ -143,6 +148,33 @@ class ShardPlan:
     recompute: Any = None
     """What the backward recomputes instead of keeping (``recompute_activations``): None,
     ``"blocks"``, a policy ``fn(node) -> "save" | "recompute"`` or an ``ActivationBudget``."""
+    expert_parallel: Optional[ExpertParallel] = None
+    """Stage 3: routed experts split over ranks ([Note: expert parallelism])."""
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank holds a shard of parameter ``name`` (all but the routed experts
+        of other ranks under expert parallelism)."""
+        return self.expert_parallel is None or self.expert_parallel.holds(name)
+
+    def is_expert(self, name: str) -> bool:
+        """Whether ``name`` is a routed expert's parameter split by expert parallelism."""
+        return self.expert_parallel is not None and name in self.expert_parallel.slices
+
+    def shard_rank(self, name: str) -> int:
+        """This rank's place among the ranks parameter ``name`` is sharded over."""
+        return self.expert_parallel.data_rank if self.is_expert(name) else self.rank
+
+    def collective_group(self, name: str) -> tuple[int, str]:
+        """(ranks, group name) that gather and reduce parameter ``name``: the shard group,
+        or for a routed expert its expert-data-parallel group."""
+        if self.is_expert(name):
+            return self.expert_parallel.data_size, self.expert_parallel.data_group_name
+        return self.world_size, self.group_name
+
+    @property
+    def ranks_averaged(self) -> int:
+        """Every gradient is the mean over this many ranks' batches."""
+        return self.world_size * self.replicas
 
     def unit_of(self, name: str) -> str:
         """The block a parameter belongs to ([Note: buckets by block]); the recompute pass
@@ -179,7 +211,7 @@ class ShardPlan:
     @property
     def shard_numel(self) -> int:
         """Elements in one rank's flat shard buffer (same on every rank)."""
-        return sum(p.shard_numel for p in self.params)
+        return sum(p.shard_numel for p in self.params if self.holds(p.name))
 
     @property
     def total_numel(self) -> int:
@@ -204,7 +236,8 @@ class ShardPlan:
         for name in names:
             layout = self.layout(name)
             size = layout.padded_numel * self.gather_dtype(layout).itemsize
-            same_dtype = buckets and self.layout(buckets[-1][0]).dtype == layout.dtype
+            same_dtype = buckets and self.layout(buckets[-1][0]).dtype == layout.dtype and (
+                self.is_expert(buckets[-1][0]) == self.is_expert(name))
             fits = (block_of(buckets[-1][-1]) == block_of(name) if by_block
                     else filled + size <= cap) if buckets else False
             if same_dtype and fits:
@@ -250,6 +283,7 @@ def make_plan(
     replicas: int = 1,
     replicate_group_name: str = "",
     collectives_average: bool = False,
+    expert_parallel: Optional[ExpertParallel] = None,
 ) -> ShardPlan:
     """Lay out parameters ``(name, shape, dtype, requires_grad)`` over ``world_size`` ranks.
 
@@ -264,12 +298,15 @@ def make_plan(
     layouts = []
     offset = 0
     seen = set()
+    experts = expert_parallel.slices if expert_parallel is not None else {}
     for name, shape, dtype, requires_grad in named_shapes:
         if name in seen:
             raise ValueError(f"parameter {name!r} appears twice in the plan")
         seen.add(name)
         numel = math.prod(shape)
-        shard_numel = -(-numel // world_size)  # ceil
+        ranks = expert_parallel.data_size if name in experts else world_size
+        shard_numel = -(-numel // ranks)  # ceil
+        held = expert_parallel is None or expert_parallel.holds(name)
         layouts.append(
             ParamLayout(
                 name=name,
@@ -277,12 +314,12 @@ def make_plan(
                 dtype=dtype,
                 numel=numel,
                 shard_numel=shard_numel,
-                shard_offset=offset,
+                shard_offset=offset if held else -1,
                 requires_grad=requires_grad,
-                world_size=world_size,
+                world_size=ranks,
             )
         )
-        offset += shard_numel
+        offset += shard_numel if held else 0
     resident = frozenset(resident) if stage == 3 else frozenset()
     unknown = resident - seen
     if unknown:
@@ -315,6 +352,7 @@ def make_plan(
         replicas=replicas,
         replicate_group_name=replicate_group_name,
         collectives_average=collectives_average,
+        expert_parallel=expert_parallel,
     )
 
 
@@ -351,7 +389,8 @@ def plan_for_module(
 
 
 def cut_shard(full: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
-    """This rank's flat, padded slice of a parameter-shaped tensor (a fresh copy)."""
+    """This rank's flat, padded slice of a parameter-shaped tensor (a fresh copy); ``rank``:
+    its place among the parameter's ranks (``ShardPlan.shard_rank``)."""
     flat = full.detach().reshape(-1)
     start, stop = layout.owned_range(rank)
     shard = flat.new_zeros(layout.shard_numel)

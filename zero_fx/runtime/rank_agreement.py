@@ -20,6 +20,7 @@ call; ``zero_compile(check_ranks=False)`` skips it.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -59,12 +60,35 @@ class CallSignature:
 
 def graph_signature(gm: GraphModule, plan) -> GraphSignature:
     rows = graph_rows(gm, plan, rank_neutral=True)
+    neutral = _expert_neutral(plan)
     return GraphSignature(
-        fingerprint=hashlib.sha256(format_rows(rows).encode()).digest(),
+        fingerprint=hashlib.sha256(neutral(format_rows(rows)).encode()).digest(),
         input_names=tuple(r.name for r in rows if r.kind == "input"),
-        collectives=tuple(f"{r.kind} {r.value}: {r.note}" for r in rows
+        collectives=tuple(neutral(f"{r.kind} {r.value}: {r.note}") for r in rows
                           if r.kind in COLLECTIVE_KINDS),
     )
+
+
+def _expert_neutral(plan):
+    """Under expert parallelism each rank's graph reads its own experts (rank 0 experts 0-3,
+    rank 1 experts 4-7, ...): the same computation on other parameters. Their index reads
+    as ``<e>`` in what ranks compare, in dotted names and in the names dynamo derives
+    (``experts_modules_4_``)."""
+    parallel = getattr(plan, "expert_parallel", None)
+    if parallel is None:
+        return lambda text: text
+    lists = {_experts_list(name) for name in parallel.slices}
+    pattern = re.compile("(" + "|".join(re.escape(n) for n in sorted(lists)) +
+                         r")(\.|_modules_|_)\d+(?=[._])")
+    return lambda text: pattern.sub(r"\1\2<e>", text)
+
+
+def _experts_list(parameter: str) -> str:
+    """The experts list's own name in an expert's parameter name ("...experts.4.w1.weight"
+    -> "experts"): the part before the last number."""
+    parts = parameter.split(".")
+    index = max(i for i, part in enumerate(parts) if part.isdigit())
+    return parts[index - 1]
 
 
 def call_signature(graph: GraphSignature, inputs: Sequence) -> CallSignature:

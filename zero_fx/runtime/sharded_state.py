@@ -78,14 +78,13 @@ class ShardedState:
         for name, param in self.params.items():
             master = masters.get(name)
             if master is None:
-                master = (param.detach().clone() if plan.replicated
-                          else cut_shard(param, plan.layout(name), world.rank))
+                master = (param.detach().clone() if plan.replicated else self._cut(name, param))
             self.shards[name] = torch.nn.Parameter(master, requires_grad=param.requires_grad)
         rebind_to_shards(
             optimizer,
             {param: self.shards[name] for name, param in self.params.items()},
             lambda param, tensor: (tensor.detach().clone() if plan.replicated else
-                                   cut_shard(tensor, plan.layout(self._name_of[id(param)]), world.rank)),
+                                   self._cut(self._name_of[id(param)], tensor)),
         )
         with torch.no_grad():
             for param in self.params.values():
@@ -102,6 +101,13 @@ class ShardedState:
         for module in model.modules():
             if any(True for _ in module.parameters()):
                 module._apply = RefuseConversion(module)
+
+    def _cut(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a tensor shaped like parameter ``name``: empty for a routed
+        expert another rank holds ([Note: expert parallelism] in zero_fx/plan/expert_parallel.py)."""
+        if not self.plan.holds(name):
+            return full.detach().new_empty(0)
+        return cut_shard(full, self.plan.layout(name), self.plan.shard_rank(name))
 
     @property
     def shards_are_params(self) -> bool:
@@ -307,6 +313,12 @@ class ShardedState:
         send_bytes = torch.empty(most, dtype=torch.uint8, device=device)
         gathered_bytes = torch.empty(most * size, dtype=torch.uint8, device=device)
         for layouts, gathered_dtype in zip(buckets, dtypes):
+            if self.plan.is_expert(layouts[0].name):  # [Note: expert parallelism]
+                for layout in layouts:
+                    whole = self._gather_expert(layout.name, self.shards[layout.name].detach(),
+                                                gathered_dtype)
+                    yield layout.name, _copied(whole, None, to) if keep else None
+                continue
             numel = sum(l.shard_numel for l in layouts)
             send = send_bytes[:numel * gathered_dtype.itemsize].view(gathered_dtype)
             for piece, layout in zip(send.split([l.shard_numel for l in layouts]), layouts):
@@ -388,10 +400,27 @@ class ShardedState:
 
     def _gather(self, names: list[str], shards: list[torch.Tensor],
                 dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
+        if self.plan.is_expert(names[0]):  # a bucket holds experts only, or none
+            return [self._gather_expert(name, shard, dtype) for name, shard in zip(names, shards)]
         layouts = [self.plan.layout(name) for name in names]
         return gather_bucket(*shards, numels=[l.numel for l in layouts],
                              shapes=[l.shape for l in layouts], world_size=self.world.size,
                              group_name=self.world.group_name, dtype=dtype)
+
+    def _gather_expert(self, name: str, shard: torch.Tensor,
+                       dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """A routed expert's whole value on every rank, under expert parallelism: its shards
+        live on the ranks of one expert-data-parallel group only, so every rank puts in a
+        buffer of a shard's size (the holders their shard, the others zeros), gathered over
+        all ranks, and the holders' rows make the value. For whole values (checkpoints,
+        ``full_parameters``), not the step: it moves the expert ``P`` times over."""
+        layout, parallel = self.plan.layout(name), self.plan.expert_parallel
+        mine = shard if self.plan.holds(name) else shard.new_zeros(layout.shard_numel)
+        mine = mine.to(dtype) if dtype is not None and mine.dtype.is_floating_point else mine
+        gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(
+            mine.contiguous(), self.plan.world_size, self.plan.group_name))
+        rows = gathered.view(self.plan.world_size, -1)[parallel.slices[name]::parallel.degree]
+        return rows.reshape(-1)[:layout.numel].view(layout.shape)
 
     def held_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor this rank holds for the model: shards, their grads, optimizer state,

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from ..analysis.cost_model import hardware_for
+from ..capture.routed_experts import RoutedExperts
 from ..config import ZeroConfig
 from ..formatting import ranks_phrase
 from ..materialize import PretrainedWeights, materialize
 from ..plan import ShardPlan, plan_for_module
+from .expert_groups import split_experts
 from .gloo_all_gather import use_gloo_single_tensor_all_gather
 from .precision import LossScaler, cast_at_model_edge
 from .process_group import (check_current_cuda_device, check_devices_match_backend,
@@ -53,11 +55,14 @@ def find_model_and_optimizer(args, kwargs, model: Optional[torch.nn.Module],
 
 
 def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig,
-          step_name: str, pretrained: Optional[PretrainedWeights] = None) -> Sharded:
+          step_name: str, pretrained: Optional[PretrainedWeights] = None,
+          moe_blocks: Sequence[RoutedExperts] = ()) -> Sharded:
     """Plan and shard ``model`` and ``optimizer`` over the default process group (a world of
     one if none) or ``config.mesh``; in place: the model and optimizer are the user's,
-    rebound to shards."""
+    rebound to shards. ``moe_blocks``: the model's rewritten mixture-of-experts blocks,
+    whose experts ``config.expert_parallel`` splits over ranks."""
     world = world_of(config.mesh, config.stage)
+    experts = split_experts(model, moe_blocks, world, config.expert_parallel)
     check_devices_match_backend(model.parameters())
     device = training_device(model.parameters())
     check_current_cuda_device(device)
@@ -70,6 +75,7 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
                            group_name=world.group_name, replicas=world.replicas,
                            replicate_group_name=world.replicate_group_name,
                            collectives_average=collectives_average(world, device),
+                           expert_parallel=experts,
                            **config.plan_options(hardware_for(model)))
     try:  # a meta model, or pretrained weights: this rank's values (the model is unchanged on error)
         masters = materialize(model, plan, init_fn=config.init_fn, pretrained=pretrained,

@@ -1,0 +1,113 @@
+"""Tokens to their experts' ranks and back: the all-to-alls of expert parallelism.
+
+[Note: exchanging rows in fixed shapes]
+With expert parallelism ([Note: expert parallelism] in zero_fx/plan/expert_parallel.py)
+each rank holds ``E / P`` of a block's experts, and a token's rows travel to the ranks
+holding its top-k experts and back. How many rows go to each rank depends on the routing,
+but one graph, the same on every rank, holds only fixed shapes. So each exchange is one
+op whose shapes are fixed and whose split sizes are values:
+
+- ``exchange_counts``: each rank tells every rank of its expert-parallel group how many
+  rows it sends to each of that rank's experts (an even all-to-all of ``E`` counts);
+- ``exchange_rows``: the rows themselves (``all_to_all_single`` with uneven splits, read
+  from the counts inside the op). A rank receives at most every peer's every token once
+  per local expert, ``P * T * min(k, E / P)`` rows: the received buffer has that many,
+  the valid rows first, zeros after. Nothing is dropped, whatever the routing.
+
+Both are custom ops: to the compiler a node with a static output shape that issues its
+collective and waits for it (the schedule does not move it: the rows it sends come from
+the router just before). ``exchange_rows``' gradient is the same exchange the other way
+round. Each op's ``tokens`` side (the rows a rank sends out in the dispatch, receives back
+in the combine) is always ``T * k`` rows: what ``traffic()`` and ``counting_collectives()``
+count for it, so that both are the same on every rank and at every step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+
+def _group(group_name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+@torch.library.custom_op("zero_fx::exchange_counts", mutates_args=())
+def exchange_counts(counts: Tensor, group_name: str) -> Tensor:
+    """``counts`` (P * El,): how many rows this rank sends to each expert of the group, rank
+    by rank; returns (P * El,): how many rows each peer sends to each of this rank's experts,
+    peer by peer."""
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts.contiguous(), group=_group(group_name))
+    return received
+
+
+@exchange_counts.register_fake
+def _(counts: Tensor, group_name: str) -> Tensor:
+    return torch.empty_like(counts)
+
+
+@torch.library.custom_op("zero_fx::exchange_rows", mutates_args=())
+def exchange_rows(rows: Tensor, send: Tensor, receive: Tensor, out_rows: int,
+                  group_name: str) -> Tensor:
+    """Send ``rows``' first ``sum(send)`` rows, ``send[p]`` of them to peer ``p`` in order;
+    return ``out_rows`` rows: ``receive[p]`` from each peer ``p`` in order, then zeros."""
+    send_splits, receive_splits = send.tolist(), receive.tolist()
+    sent, received = sum(send_splits), sum(receive_splits)
+    if received > out_rows or sent > rows.shape[0]:
+        raise RuntimeError(
+            f"expert parallelism: this rank would receive {received} rows into a buffer of "
+            f"{out_rows} (or send {sent} of {rows.shape[0]}): the ranks of an expert-parallel "
+            "group must run the same step on batches of the same shape")
+    out = rows.new_zeros(out_rows, *rows.shape[1:])
+    dist.all_to_all_single(out[:received], rows[:sent].contiguous(), receive_splits,
+                           send_splits, group=_group(group_name))
+    return out
+
+
+@exchange_rows.register_fake
+def _(rows: Tensor, send: Tensor, receive: Tensor, out_rows: int, group_name: str) -> Tensor:
+    return rows.new_empty(out_rows, *rows.shape[1:])
+
+
+def _setup_context(ctx, inputs, output):
+    rows, send, receive, out_rows, group_name = inputs
+    ctx.save_for_backward(send, receive)
+    ctx.in_rows, ctx.group_name = rows.shape[0], group_name
+
+
+def _backward(ctx, grad):
+    send, receive = ctx.saved_tensors
+    return (exchange_rows(grad.contiguous(), receive, send, ctx.in_rows, ctx.group_name),
+            None, None, None, None)
+
+
+exchange_rows.register_autograd(_backward, setup_context=_setup_context)
+
+
+def dispatch_and_combine(rows: Tensor, counts: Tensor, run_local_experts, *, degree: int,
+                         top_k: int, group_name: str) -> Tensor:
+    """``rows`` (T * k, hidden), sorted by expert, ``counts`` (E,) rows per expert: send each
+    row to the rank holding its expert, run ``run_local_experts(rows, offs, group_of_row)``
+    there on the received rows sorted by local expert, and bring the results back in
+    ``rows``' order ([Note: exchanging rows in fixed shapes])."""
+    local = counts.shape[0] // degree
+    tokens = rows.shape[0] // top_k
+    capacity = degree * tokens * min(top_k, local)
+    send = counts.view(degree, local).sum(1)
+    received_counts = exchange_counts(counts, group_name)          # (P * El,), peer-major
+    receive = received_counts.view(degree, local).sum(1)
+    received = exchange_rows(rows, send, receive, capacity, group_name)
+    # the received rows are peer-major, each peer's sorted by expert: sort them by local
+    # expert (stable: a peer's rows keep their order); the zero rows after the valid ones last
+    ends = received_counts.cumsum(0)
+    segment = torch.searchsorted(ends, torch.arange(capacity, device=rows.device), right=True)
+    expert_of_row = torch.where(segment < ends.shape[0], segment % local, local)
+    order = torch.argsort(expert_of_row, stable=True)
+    offs = received_counts.view(degree, local).sum(0).cumsum(0).to(torch.int32)
+    group_of_row = expert_of_row[order].clamp(max=local - 1)
+    out = run_local_experts(received[order], offs, group_of_row)
+    back = torch.empty_like(out).index_copy(0, order, out)          # peer-major again
+    return exchange_rows(back, receive, send, rows.shape[0], group_name)

@@ -1,0 +1,70 @@
+"""Which ranks hold which experts, and over which group each expert weight is sharded.
+
+[Note: expert parallelism]
+``zero_compile(stage=3, expert_parallel=P)`` splits each mixture-of-experts block's ``E``
+routed experts over ``P`` ranks. The ``W`` ranks form ``W / P`` expert-parallel groups of
+``P`` consecutive ranks (rank ``g`` is in group ``g // P`` at place ``g % P``, so that a
+group sits on one node's fast links), and place ``i`` of every group holds experts ``i *
+E / P`` to ``(i + 1) * E / P - 1`` of every block. The ``D = W / P`` ranks at the same
+place (``i``, ``i + P``, ...) hold the same experts: their expert-data-parallel group.
+
+- Expert weights are ZeRO-sharded over the expert-data-parallel group (``D`` ranks):
+  gathered there before the block runs, and their gradients reduce-scattered there. A
+  rank holds ``1 / D`` of each of its ``E / P`` experts, so ``E / (P * D) = E / W`` of a
+  block's experts' elements, the same as without expert parallelism; what changes is
+  that it gathers ``E / P`` experts instead of ``E`` (memory and bytes), and that its
+  tokens travel ([Note: exchanging rows in fixed shapes] in
+  zero_fx/capture/expert_exchange.py).
+- Everything else (attention, norms, routers, shared experts, embeddings) is sharded
+  over all ``W`` ranks, as without expert parallelism.
+- Every gradient is the mean over all ``W`` ranks' batches. An expert's gradient on a
+  rank already sums the rows of the ``P`` ranks of its expert-parallel group that chose
+  it; the reduce-scatter over the ``D`` ranks holding it adds the other groups', so it is
+  divided by ``W``, not ``D`` (DeepSpeed divides expert gradients the same way).
+
+Only stage 3 splits experts: stages 0-2 keep every parameter whole on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """This rank's place in expert parallelism (the note)."""
+
+    degree: int
+    """P: ranks a block's experts are split over (an expert-parallel group)."""
+    rank: int
+    """This rank's place in its expert-parallel group: the slice of experts it holds."""
+    group_name: str
+    """The expert-parallel group: the ranks this one exchanges tokens with."""
+    data_size: int
+    """D = W / P: ranks that hold the same experts (an expert-data-parallel group)."""
+    data_rank: int
+    """This rank's place in its expert-data-parallel group."""
+    data_group_name: str
+    """The expert-data-parallel group: expert weights are sharded and reduced over it."""
+    slices: Mapping[str, int] = field(default_factory=dict)
+    """Each routed expert's parameter name -> the slice (expert-parallel place) that holds it."""
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank holds (a shard of) parameter ``name``."""
+        return self.slices.get(name, self.rank) == self.rank
+
+
+def expert_slices(experts_modules: Mapping[str, int], parameter_names, degree: int
+                  ) -> dict[str, int]:
+    """``{parameter name: slice}`` for every parameter of the routed experts:
+    ``experts_modules`` maps each block's experts list (``RoutedExperts.experts``) to its
+    number of experts; expert ``i``'s parameters go to slice ``i // (E / degree)``."""
+    slices = {}
+    for name in parameter_names:
+        for prefix, count in experts_modules.items():
+            head, _, rest = name.partition(prefix + ".")
+            index = rest.partition(".")[0]
+            if head == "" and rest and index.isdigit():
+                slices[name] = int(index) // (count // degree)
+    return slices

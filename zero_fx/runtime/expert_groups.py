@@ -1,0 +1,55 @@
+"""The process groups of expert parallelism, made on the first call ([Note: expert
+parallelism] in zero_fx/plan/expert_parallel.py)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..capture.routed_experts import RoutedExperts, hold_local_experts
+from ..plan.expert_parallel import ExpertParallel, expert_slices
+from .process_group import World, world_timeout
+
+
+def split_experts(model: torch.nn.Module, blocks: Sequence[RoutedExperts], world: World,
+                  degree: int) -> Optional[ExpertParallel]:
+    """Expert parallelism of ``degree`` over ``world``: make its groups (on every rank, in
+    the same order), point each block's forward at this rank's experts, and say which rank
+    holds which expert. None for ``degree`` 1."""
+    if degree == 1:
+        return None
+    if not blocks:
+        raise ValueError(f"expert_parallel={degree}, but zero_fx found no mixture-of-experts "
+                         "block to split in this model (step.moe_blocks is empty; "
+                         "zero_fx.set_logs('info') says which blocks were left alone and why): "
+                         "use expert_parallel=1")
+    uneven = [b for b in blocks if b.num_experts % degree]
+    if uneven:
+        raise ValueError(f"expert_parallel={degree} splits each block's experts evenly over "
+                         f"{degree} ranks, but {uneven[0].name} has {uneven[0].num_experts} "
+                         f"experts: choose a degree that divides {uneven[0].num_experts}")
+    if world.size % degree:
+        raise ValueError(f"expert_parallel={degree} must divide the {world.size} ranks: each "
+                         f"group of {degree} consecutive ranks splits the experts")
+    ranks = dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(
+        world.group_name))
+    size = len(ranks) // degree
+    timeout = world_timeout()
+    mine_parallel = mine_data = None
+    for first in range(0, len(ranks), degree):  # groups of consecutive ranks exchange tokens
+        group = dist.new_group(ranks[first:first + degree], timeout=timeout)
+        if world.rank // degree == first // degree:
+            mine_parallel = group
+    for place in range(degree):  # the ranks at one place hold the same experts
+        group = dist.new_group(ranks[place::degree], timeout=timeout)
+        if world.rank % degree == place:
+            mine_data = group
+    parallel = ExpertParallel(
+        degree=degree, rank=world.rank % degree, group_name=mine_parallel.group_name,
+        data_size=size, data_rank=world.rank // degree, data_group_name=mine_data.group_name,
+        slices=expert_slices({b.experts: b.num_experts for b in blocks},
+                             [n for n, _ in model.named_parameters()], degree))
+    hold_local_experts(model, list(blocks), degree, parallel.rank, parallel.group_name)
+    return parallel
