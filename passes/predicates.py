@@ -65,6 +65,25 @@ def is_collective(node: Node) -> bool:
     return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node)
 
 
+def is_token_exchange(node: Node) -> bool:
+    """An all-to-all of expert parallelism ([Note: exchanging rows in fixed shapes] in
+    zero_fx/capture/expert_exchange.py): it issues and waits for its collective itself, so
+    the passes that move collectives leave it where it is."""
+    return node.op == "call_function" and getattr(node.target, "namespace", None) == "zero_fx" \
+        and getattr(node.target, "_opname", "") in TOKEN_EXCHANGE_OPS
+
+
+TOKEN_EXCHANGE_OPS = ("exchange_counts", "exchange_rows")
+
+
+def token_exchange_numel(rows_in, rows_out) -> int:
+    """What an all-to-all of expert parallelism counts as moved ([Note: exchanging rows in
+    fixed shapes]): its token side, the smaller of what it sends and what it receives (the
+    T * k routed rows, the same on every rank at every step, where the other side is the
+    worst case's buffer); the counts' exchange, its whole tensor."""
+    return min(rows_in.numel(), rows_out.numel())
+
+
 def is_wait(node: Node) -> bool:
     return _target_is(node, _c10d.wait_tensor.default)
 

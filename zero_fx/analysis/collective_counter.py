@@ -8,7 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .traffic import KINDS
+from ..passes.predicates import TOKEN_EXCHANGE_OPS, token_exchange_numel
+from .traffic import ALL_TO_ALL, KINDS
 
 _c10d = torch.ops._c10d_functional
 
@@ -23,13 +24,19 @@ class CollectiveCounter(TorchDispatchMode):
     """
 
     def __init__(self):
-        super().__init__()
+        super().__init__()  # all_to_all (expert parallelism) appears once one runs
         self.numel: Counter = Counter({kind: 0 for kind in KINDS})
         self.bytes: Counter = Counter({kind: 0 for kind in KINDS})
         self.launches: Counter = Counter({kind: 0 for kind in KINDS})
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.namespace == "zero_fx" and func._opname in TOKEN_EXCHANGE_OPS:
+            numel = token_exchange_numel(args[0], out)
+            self.numel[ALL_TO_ALL] += numel
+            self.bytes[ALL_TO_ALL] += numel * args[0].element_size()
+            self.launches[ALL_TO_ALL] += 1
+            return out
         kind = _KIND_OF.get(func.overloadpacket)
         if kind is not None:
             # the whole buffer: what is gathered, what is reduced

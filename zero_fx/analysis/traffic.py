@@ -34,13 +34,18 @@ from ..passes.predicates import (
     is_all_reduce,
     is_collective,
     is_reduce_scatter,
+    is_token_exchange,
     is_wait,
     phase_of,
     runs_across_replicas,
+    token_exchange_numel,
 )
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+ALL_TO_ALL = "all_to_all"
+"""Expert parallelism's exchanges of tokens (a kind of the totals only where there are any)."""
 SHARD_GROUP, REPLICATE_GROUP = "shard group", "replicate group"
+EXPERT_GROUP, EXPERT_DATA_GROUP = "expert-parallel group", "expert-data-parallel group"
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,10 @@ class TrafficReport:
     expert_numel: Optional[dict] = None
     """Mixture-of-experts models: elements of the routed experts' parameters each kind
     moves per step (within the totals); None for a dense model."""
+    expert_parallel: int = 1
+    """Ranks each block's experts are split over ([Note: expert parallelism] in
+    zero_fx/plan/expert_parallel.py); the expert-data-parallel group has ``world_size /
+    expert_parallel``."""
 
     def numel_by_kind(self) -> dict[str, int]:
         return self._total_by_kind(lambda c: c.numel)
@@ -101,7 +110,7 @@ class TrafficReport:
         return self._total_by_kind(lambda c: 1)
 
     def _total_by_kind(self, value) -> dict[str, int]:
-        totals = Counter({kind: 0 for kind in KINDS})
+        totals = Counter({kind: 0 for kind in KINDS})  # all_to_all only where there are any
         for c in self.collectives:
             totals[c.kind] += value(c)
         return dict(totals)
@@ -117,12 +126,14 @@ class TrafficReport:
     def wire_bytes_by_group(self) -> dict[str, int]:
         """Bytes each rank sends per step over a ring, within its shard group and across
         replicas ([Note: counting traffic])."""
-        ring = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
-        sizes = {SHARD_GROUP: self.world_size, REPLICATE_GROUP: self.replicas}
+        ring = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, ALL_TO_ALL: 1}
+        sizes = {SHARD_GROUP: self.world_size, REPLICATE_GROUP: self.replicas,
+                 EXPERT_GROUP: self.expert_parallel,
+                 EXPERT_DATA_GROUP: self.world_size // self.expert_parallel}
         totals = {SHARD_GROUP: 0, REPLICATE_GROUP: 0} if self.replicas > 1 else {SHARD_GROUP: 0}
         for c in self.collectives:
-            n = sizes[c.group]
-            totals[c.group] += ring[c.kind] * c.bytes * (n - 1) // n
+            n = sizes[c.group]  # an all-to-all sends (n-1)/n of its rows on average
+            totals[c.group] = totals.get(c.group, 0) + ring[c.kind] * c.bytes * (n - 1) // n
         return totals
 
     def __str__(self) -> str:
@@ -138,7 +149,7 @@ class TrafficReport:
                 lines.append(f"  {i:>3}  {c.kind:<14} {str(c.dtype).removeprefix('torch.'):<8} "
                              f"{c.numel:>11,}  {c.phase:<10} {_position(c.issued_at):>6} "
                              f"{_position(c.waited_at):>6}  {', '.join(c.bucket)}"
-                             + (" (across replicas)" if c.group == REPLICATE_GROUP else ""))
+                             + (f" ({c.group})" if c.group != SHARD_GROUP else ""))
         lines.append("  " + self.summary())
         if self.expert_numel:
             moved = [f"{kind} {numel:,} elements = {numel / self.psi:.3f} Ψ"
@@ -153,10 +164,12 @@ class TrafficReport:
                  for kind, numel in self.numel_by_kind().items() if numel]
         launches = sum(self.launches_by_kind().values())
         wire = f"on the wire (ring) per rank: {self.wire_bytes():,} B"
-        if self.replicas > 1:
-            by_group = self.wire_bytes_by_group()
-            wire += (f" ({by_group[SHARD_GROUP]:,} B within the shard group, "
-                     f"{by_group[REPLICATE_GROUP]:,} B across replicas)")
+        by_group = self.wire_bytes_by_group()
+        if len(by_group) > 1:
+            wire += " (" + ", ".join(
+                f"{nbytes:,} B " + ("across replicas" if group == REPLICATE_GROUP else
+                                    f"within the {group}")
+                for group, nbytes in by_group.items()) + ")"
         return f"totals: {'; '.join(kinds) or 'nothing'}; {launches} launches; {wire}"
 
 
@@ -167,7 +180,8 @@ def traffic_report(gm: GraphModule, plan, expert_prefixes: tuple[str, ...] = ())
     1-2 the gathers after the optimizer. ``expert_prefixes``: the module names of a
     mixture-of-experts model's routed experts, whose share the report gives apart."""
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
-    collectives = [_describe(node, position, plan) for node in gm.graph.nodes if is_collective(node)]
+    collectives = [_describe(node, position, plan) for node in gm.graph.nodes
+                   if is_collective(node) or is_token_exchange(node)]
     if plan.world_size > 1 and not plan.reduces_in_graph:
         kind = "all_reduce" if plan.replicated else "reduce_scatter"
         collectives += _outside_graph(plan, kind, "after accumulation", plan.reduce_dtype,
@@ -180,9 +194,11 @@ def traffic_report(gm: GraphModule, plan, expert_prefixes: tuple[str, ...] = ())
         trainable = [layout.name for layout in plan.params if layout.requires_grad]
         collectives += _outside_graph(plan, "all_gather", "after step", plan.compute_dtype,
                                       trainable)
+    parallel = getattr(plan, "expert_parallel", None)
     return TrafficReport(stage=plan.stage, world_size=plan.world_size, psi=plan.total_numel,
                          collectives=tuple(collectives), replicas=plan.replicas,
-                         expert_numel=_expert_numel(collectives, plan, expert_prefixes))
+                         expert_numel=_expert_numel(collectives, plan, expert_prefixes),
+                         expert_parallel=parallel.degree if parallel else 1)
 
 
 def _expert_numel(collectives: list[Collective], plan, prefixes: tuple[str, ...]):
@@ -193,6 +209,8 @@ def _expert_numel(collectives: list[Collective], plan, prefixes: tuple[str, ...]
     starts = tuple(f"{p}." for p in prefixes)
     moved = Counter({kind: 0 for kind in KINDS})
     for c in collectives:
+        if c.kind == ALL_TO_ALL:
+            continue
         for name in c.bucket:
             if name.startswith(starts):
                 layout = plan.layout(name)
@@ -226,6 +244,12 @@ def _position(index: Optional[int]) -> str:
 
 
 def _describe(node: Node, position: dict[Node, int], plan) -> Collective:
+    if is_token_exchange(node):  # [Note: exchanging rows in fixed shapes]
+        rows = node.args[0].meta["val"]
+        return Collective(kind=ALL_TO_ALL, dtype=rows.dtype,
+                          numel=token_exchange_numel(rows, node.meta["val"]), bucket=(),
+                          phase=phase_of(node).value, issued_at=position[node],
+                          waited_at=position[node], node=node.name, group=EXPERT_GROUP)
     if is_all_gather(node):
         kind, buffer = "all_gather", node.meta["val"]
     elif is_reduce_scatter(node):
@@ -243,5 +267,13 @@ def _describe(node: Node, position: dict[Node, int], plan) -> Collective:
         issued_at=position[node],
         waited_at=position[waits[0]] if waits else -1,
         node=node.name,
-        group=REPLICATE_GROUP if runs_across_replicas(node, plan) else SHARD_GROUP,
+        group=(REPLICATE_GROUP if runs_across_replicas(node, plan) else
+               EXPERT_DATA_GROUP if _on_expert_data_group(node, plan) else SHARD_GROUP),
     )
+
+
+def _on_expert_data_group(collective: Node, plan) -> bool:
+    """A gather or reduction of routed experts' weights under expert parallelism (the
+    group's name is a functional collective's last argument)."""
+    parallel = getattr(plan, "expert_parallel", None)
+    return parallel is not None and collective.args[-1] == parallel.data_group_name
