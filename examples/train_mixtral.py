@@ -2,6 +2,7 @@
 
     pip install -e ".[examples]"
     torchrun --nproc_per_node 2 examples/train_mixtral.py            # 2 CPU ranks, stage 3
+    torchrun --nproc_per_node 2 examples/train_mixtral.py --expert-parallel 2   # experts split
     torchrun --nproc_per_node 2 examples/train_mixtral.py --layers 4 --width 128 \\
         --experts 8 --top-k 2 --seq 64 --steps 300
 
@@ -62,6 +63,9 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                         help="bf16: compute and all-gather in bf16 (experts by torch._grouped_mm), "
                              "fp32 masters")
+    parser.add_argument("--expert-parallel", type=int, default=1,
+                        help="stage 3: split each block's experts over this many ranks (divides "
+                             "--experts and the number of ranks); 1: every rank runs every expert")
     parser.add_argument("--explain", action="store_true",
                         help="print what zero_fx did: plan, collectives, memory")
     add_device_argument(parser)
@@ -107,7 +111,7 @@ def main() -> None:
             f"{args.precision}; {len(text):,} bytes of {os.path.basename(args.data)}")
 
     # -- the training step: the one line where zero_fx plugs in ---------------------------------
-    @zero_compile(stage=args.stage, backend=args.backend,
+    @zero_compile(stage=args.stage, backend=args.backend, expert_parallel=args.expert_parallel,
                   mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
                                                  output_dtype=torch.float32)
                   if args.precision == "bf16" else None)
@@ -144,6 +148,10 @@ def main() -> None:
         for b in blocks:
             run.log(f"  {b.name}: {b.num_experts} experts, top-{b.top_k}, {b.routing}"
                     + (f", shared expert {b.shared_expert}" if b.shared_expert else ""))
+        if args.expert_parallel > 1:
+            run.log(f"expert parallelism {args.expert_parallel}: each rank runs "
+                    f"{first.num_experts // args.expert_parallel} of each block's experts and "
+                    f"exchanges tokens by all_to_all (in the traffic line above)")
     if args.explain:
         run.log(train_step.explain())
     run.finish()

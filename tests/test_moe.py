@@ -80,9 +80,13 @@ train_step = models.language_model_step
 
 # -- the distributed runs ---------------------------------------------------------------------
 
+EP_CASES = [(name, 3, "ep2") for name in MOE_MODELS]  # at world size 4
+"""Expert parallelism 2 ([Note: expert parallelism] in zero_fx/plan/expert_parallel.py)."""
+
+
 def cases(world_size: int) -> list:
     fp32 = [(name, stage, "fp32") for name in MOE_MODELS for stage in STAGES]
-    return fp32 + ([BF16_CASE] if world_size == 2 else [])
+    return fp32 + ([BF16_CASE] if world_size == 2 else EP_CASES)
 
 
 def moe_rank(rank: int, world_size: int, case_list: list, steps: int) -> dict:
@@ -102,15 +106,24 @@ class CaseFailed:
         self.text = text
 
 
-def moe_case(rank: int, world_size: int, name: str, stage: int, precision: str,
+def moe_case(rank: int, world_size: int, name: str, stage: int, variant: str,
              steps: int) -> dict:
+    """``variant``: "fp32", "bf16" (mixed precision) or "ep2" (expert parallelism 2; its
+    last step counted by ``counting_collectives``)."""
     started = time.perf_counter()
     model = build_moe(name, layers=LAYERS)
     opt = models.make_optimizer(model, "sgd")
     step = zero_compile(train_step, stage=stage, backend="aot_eager",
-                        mixed_precision=BF16 if precision == "bf16" else None)
-    losses = [step(model, opt, tokens(i).chunk(world_size)[rank]).item() for i in range(steps)]
+                        mixed_precision=BF16 if variant == "bf16" else None,
+                        expert_parallel=2 if variant == "ep2" else 1)
+    losses = [step(model, opt, tokens(i).chunk(world_size)[rank]).item() for i in range(steps - 1)]
+    with step.counting_collectives() as counted:
+        losses.append(step(model, opt, tokens(steps - 1).chunk(world_size)[rank]).item())
     return {
+        "counted": dict(counted.numel),
+        "traffic": step.traffic(),
+        "explain": str(step.explain()) if variant == "ep2" else "",
+        "held": {n: s.numel() for n, s in step.state.shards.items()},
         "losses": losses,
         "state": step.full_state_dict(cpu_offload=False),
         "compilations": len(step.compilations),
@@ -171,7 +184,39 @@ def errors_against(results: list, reference: dict) -> dict:
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("name", MOE_MODELS)
 def test_moe_trains_as_single_process(name, stage, world_size):
-    results = moe_run(world_size, (name, stage, "fp32"))
+    assert_trains_like_eager(name, moe_run(world_size, (name, stage, "fp32")), world_size)
+
+
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_expert_parallel_trains_as_single_process(name):
+    """Stage 3, world 4, experts split over 2 ranks: parity with eager, each rank holding
+    shards of its half of the experts only, and the all-to-alls in the traffic report,
+    counted as they ran."""
+    results = moe_run(4, (name, 3, "ep2"))
+    assert_trains_like_eager(name, results, 4)
+    experts = {b.experts: b.num_experts for b in results[0]["moe_blocks"]}
+    for rank, r in enumerate(results):
+        mine = range((rank % 2) * 4, (rank % 2) * 4 + 4)  # ranks 0, 2: experts 0-3; 1, 3: 4-7
+        for param, numel in r["held"].items():
+            prefix = next((p for p in experts if param.startswith(p + ".")), None)
+            if prefix is not None:
+                index = int(param[len(prefix) + 1:].split(".")[0])
+                assert (numel > 0) == (index in mine), (rank, param, numel)
+        report = r["traffic"]
+        assert r["counted"] == report.numel_by_kind(), rank
+        exchanges = [c for c in report.collectives if c.kind == "all_to_all"]
+        # per block: the counts and two row exchanges forward, two row exchanges backward
+        assert len(exchanges) == 5 * LAYERS
+        rows = 8 // 4 * models.SEQ * 2  # this rank's tokens, top-2
+        hidden = r["state"]["model.embed_tokens.weight"].shape[1]
+        assert sorted({c.numel for c in exchanges}) == [8, rows * hidden]
+    assert "expert parallelism 2: this rank runs experts 0-3 of each block" in results[0]["explain"]
+    assert "this rank runs experts 4-7" in results[1]["explain"]
+
+
+def assert_trains_like_eager(name: str, results: list, world_size: int) -> None:
+    """Loss, every parameter and buffer, and every parameter's update within the parity
+    bounds of single-process HF eager on the same global batch; every parameter moved."""
     errors = errors_against(results, reference_run(name, world_size))
     worst = max(errors, key=errors.get)
     assert errors[worst] <= PARITY, f"{worst}: relative error {errors[worst]:.2e}"

@@ -43,6 +43,7 @@ log = logging.getLogger("zero_fx")
 
 def save(state: ShardedState, path: str, counters: dict, extra: Any = None) -> None:
     """Write ``state`` (and the runtime's ``counters``, ``extra``) to ``path``; a collective."""
+    _refuse_expert_parallel(state, "save_checkpoint")
     path = os.fspath(path)
     world = state.world
     _on_rank_0(world, path, prepare_save, path)
@@ -70,6 +71,7 @@ def save(state: ShardedState, path: str, counters: dict, extra: Any = None) -> N
 def load(state: ShardedState, path: str) -> tuple[dict, Any]:
     """Read ``path`` into ``state`` (any world size or stage it was saved at); return the
     saved runtime counters and ``extra``. A collective."""
+    _refuse_expert_parallel(state, "load_checkpoint")
     path = _readable(os.fspath(path))
     manifest = read_manifest(path)
     _check_files_on_all_ranks(state, path, manifest)
@@ -347,6 +349,19 @@ def _readable(path: str) -> str:
         log.warning("zero_fx: a save into %s was interrupted after moving the previous checkpoint "
                     "aside; loading it from %s (the next save puts it back)", path, found)
     return found
+
+
+def _refuse_expert_parallel(state: ShardedState, what: str) -> None:
+    """Sharded checkpoints describe each parameter as one run of shards over every rank; a
+    routed expert under expert parallelism lives on some ranks only, which they do not
+    describe yet."""
+    if state.plan.expert_parallel is not None:
+        raise NotImplementedError(
+            f"{what} with expert_parallel={state.plan.expert_parallel.degree}: sharded "
+            "checkpoints do not hold experts split over ranks yet. Save the whole state "
+            "instead (step.full_state_dict(), on every rank; torch.save it on rank 0), and "
+            "to resume, load it into the model with model.load_state_dict before the step's "
+            "first call")
 
 
 def load_full(path: str) -> dict[str, torch.Tensor]:

@@ -125,7 +125,7 @@ def _lifetimes(gm: GraphModule, plan, memory: MemoryTimeline) -> list[GatheredLi
 
 def _moe_lines(plan, moe_blocks: Sequence[RoutedExperts]) -> list[str]:
     """One line per distinct shape of mixture-of-experts block ([Note: routed experts with
-    fixed shapes]); every rank runs every expert (no expert parallelism)."""
+    fixed shapes]); then, under expert parallelism, which experts this rank runs."""
     shapes: dict[tuple, list[str]] = {}
     for b in moe_blocks:
         shapes.setdefault((b.num_experts, b.top_k, b.routing, b.expert_parameters,
@@ -146,6 +146,17 @@ def _moe_lines(plan, moe_blocks: Sequence[RoutedExperts]) -> list[str]:
             + (f", shared expert {shared!r}" if shared else "")
             + f"; {numel:,} expert parameters each, {held}; each token's rows run through its "
               f"top-{top_k} experts only, in fixed shapes")
+    parallel = plan.expert_parallel
+    if parallel is not None and moe_blocks:
+        local = moe_blocks[0].num_experts // parallel.degree
+        first = parallel.rank * local
+        lines.append(
+            f"  expert parallelism {parallel.degree}: this rank runs experts {first}-"
+            f"{first + local - 1} of each block, and sends each token's rows to the rank of its "
+            f"experts and back (all_to_all over its {parallel.degree} ranks, group "
+            f"{parallel.group_name!r}); its experts' weights are sharded over the "
+            f"{parallel.data_size} rank(s) that hold the same experts (group "
+            f"{parallel.data_group_name!r}); every other parameter over all {plan.world_size}")
     return lines
 
 

@@ -1,0 +1,99 @@
+"""Expert parallelism's set-up and errors ([Note: expert parallelism] in
+zero_fx/plan/expert_parallel.py), in one process: the options it refuses, the plan it makes,
+and a step on a fake world of 4. Its parity with HF eager at world 4 is tests/test_moe.py's
+(``test_expert_parallel_trains_as_single_process``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import models
+from zero_fx import ZeroConfig
+from zero_fx.capture.routed_experts import RoutedExperts
+from zero_fx.plan.expert_parallel import ExpertParallel, expert_slices
+from zero_fx.plan.layout import make_plan
+from zero_fx.runtime.expert_groups import split_experts
+from zero_fx.runtime.process_group import World
+
+pytest.importorskip("transformers")
+
+EXPERTS = "model.layers.0.mlp.experts"
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(stage=2, expert_parallel=2), "needs stage=3"),
+    (dict(stage=3, expert_parallel=0), "int >= 1"),
+    (dict(stage=3, expert_parallel=True), "int >= 1"),
+])
+def test_options_it_refuses(options, words):
+    with pytest.raises(ValueError, match=words):
+        ZeroConfig(**options)
+
+
+def block(experts: int) -> RoutedExperts:
+    return RoutedExperts(name="model.layers.0.mlp", experts=EXPERTS, num_experts=experts,
+                         top_k=2, routing="softmax, top-2", expert_parameters=0,
+                         shared_expert=None)
+
+
+@pytest.mark.parametrize("blocks, world, words", [
+    ([], 4, "found no mixture-of-experts block"),
+    ([block(6)], 4, "has 6 experts: choose a degree that divides 6"),
+    ([block(8)], 6, "must divide the 6 ranks"),
+])
+def test_worlds_and_models_it_refuses(blocks, world, words):
+    """Refused before any process group is made: the model's blocks and the world size
+    are read first."""
+    with pytest.raises(ValueError, match=words):
+        split_experts(torch.nn.Linear(2, 2), blocks, World(size=world, rank=0, group_name="w"),
+                      degree=4)
+
+
+def test_the_plan_shards_experts_over_the_ranks_that_hold_them():
+    """World 4, EP 2, rank 1 (place 1, data rank 0): experts 2-3 of 4 are its own,
+    sharded over 2 ranks; experts 0-1 are not held; the rest over all 4 ranks."""
+    names = [f"{EXPERTS}.{i}.w" for i in range(4)] + ["model.norm.weight"]
+    parallel = ExpertParallel(degree=2, rank=1, group_name="ep", data_size=2, data_rank=0,
+                              data_group_name="edp",
+                              slices=expert_slices({EXPERTS: 4}, names, 2))
+    assert parallel.slices == {names[0]: 0, names[1]: 0, names[2]: 1, names[3]: 1}
+    plan = make_plan([(n, (6, 5), torch.float32, True) for n in names], world_size=4, rank=1,
+                     stage=3, bucket_bytes="blocks", expert_parallel=parallel)
+    assert [plan.holds(n) for n in names] == [False, False, True, True, True]
+    assert plan.collective_group(names[2]) == (2, "edp")
+    assert plan.collective_group("model.norm.weight") == (4, plan.group_name)
+    assert plan.layout(names[2]).shard_numel == 15 and plan.layout(names[4]).shard_numel == 8
+    assert plan.shard_numel == 15 + 15 + 8  # what this rank holds
+    assert plan.shard_rank(names[3]) == 0 and plan.shard_rank(names[4]) == 1
+    assert plan.buckets(names) == [names[:4], names[4:]]  # experts apart from the rest
+
+
+@pytest.fixture
+def fake_world_of_four():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_step_on_a_fake_world_of_four(fake_world_of_four, tmp_path):
+    """Shapes and memory as a real run's (the fake group returns no values: each rank's
+    counts stand for every peer's). Rank 0 holds experts 0-1 of 4, gathers them over its
+    2-rank expert-data-parallel group, and exchanges T*k rows per block 4 times a step;
+    sharded checkpoints are refused, saying what to do instead."""
+    step, _ = models.mixtral_after_one_step(layers=1, experts=4, expert_parallel=2)
+    held = {n: s.numel() for n, s in step.state.shards.items() if ".experts." in n}
+    assert {n.split(".experts.")[1].split(".")[0] for n, numel in held.items() if numel} == {"0", "1"}
+    report = step.traffic()
+    tokens = models.global_batch("hf_llama", 0)[0].numel()  # the whole batch on this "rank"
+    rows = [c for c in report.collectives if c.kind == "all_to_all" and c.dtype.is_floating_point]
+    assert [c.numel for c in rows] == [tokens * 2 * 64] * 4  # top-2, width 64
+    expert_gathers = [c for c in report.collectives if c.group == "expert-data-parallel group"]
+    assert expert_gathers and all(".experts.0." in c.bucket[0] for c in expert_gathers)
+    assert "this rank runs experts 0-1 of each block" in str(step.explain())
+    with pytest.raises(NotImplementedError, match="full_state_dict"):
+        step.save_checkpoint(str(tmp_path / "checkpoint"))
