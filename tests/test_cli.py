@@ -86,16 +86,18 @@ def test_a_bad_dtype_says_what_is_accepted(capsys):
     assert "'float8' is not one of fp32|float32, bf16|bfloat16, fp16|float16" in capsys.readouterr().err
 
 
-def test_plan_and_estimate_take_the_same_names_and_build_the_same_shapes():
+def test_plan_and_estimate_take_the_same_names_and_build_the_same_shapes(named_model_on_meta):
     """Every name (and old name) builds in both CLIs; the planner's model (HuggingFace's when
-    transformers is installed) has the estimate's parameter count, and both --help list it."""
+    transformers is installed) has the estimate's parameter count, and both --help list it.
+    The estimate's model is built once (named_model_on_meta: estimate.load_model_builder on
+    meta, shared with test_planner) and its vocabulary read from that same build."""
     for spec in [*NAMED, *ALIASES]:
         source = model_source(spec)
         planned = on_meta(lambda: source.build(None))
-        estimated = on_meta(estimate_cli.load_model_builder(spec))
+        estimated = named_model_on_meta(spec)
         assert sum(p.numel() for p in planned.parameters()) == \
             sum(p.numel() for p in estimated.parameters()), spec
-        assert source.vocab_size == estimate_cli.vocab_size_of(estimate_cli.load_model_builder(spec))
+        assert source.vocab_size == estimate_cli.vocab_size_of(lambda: estimated), spec
     helps = [" ".join(cli.make_parser().format_help().split()) for cli in (estimate_cli, plan_cli)]
     for name in [*NAMED, *ALIASES]:
         assert all(name in text for text in helps), name

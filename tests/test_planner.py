@@ -81,34 +81,57 @@ def test_the_70b_llama_is_planned_on_meta():
     assert report.stages[3].state_bytes == pytest.approx(16 * report.psi / 64)
 
 
+@pytest.fixture(scope="module")
+def steady_plans(tmp_path_factory):
+    """``plan(family, recompute, trace_all)``: stage 3 of a six-block Llama or Mixtral at
+    world 2, batch 2 x 32 tokens, extrapolated from its steady blocks (or, ``trace_all``,
+    from tracing all six), planned once for the module: the recompute case's plan without
+    recompute is the plain case's extrapolated plan."""
+    plans = {}
+
+    def plan(family, recompute, trace_all):
+        key = (family, recompute, trace_all)
+        if key not in plans:
+            # weights above resident_max_numel, as in real models: resident ones are held
+            # all step
+            config = {"model_type": family, "vocab_size": 128, "hidden_size": 128,
+                      "intermediate_size": 256, "num_hidden_layers": 6,
+                      "num_attention_heads": 4, "num_key_value_heads": 2,
+                      "max_position_embeddings": 64}
+            if family == "mixtral":
+                config.update(num_local_experts=8, num_experts_per_tok=2)
+            path = tmp_path_factory.mktemp(family) / "config.json"
+            path.write_text(json.dumps(config))
+            source = model_source(str(path))
+            assert source.layers == 6
+            if trace_all:
+                source.layers = None  # trace all six blocks instead
+            plans[key] = plan_model(source, world_size=2, stage=3, seq=32, batch=2,
+                                    recompute=recompute)
+        return plans[key]
+
+    return plan
+
+
 @pytest.mark.parametrize("recompute", [None, "blocks"])
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
-def test_the_working_set_extrapolated_from_steady_blocks_matches_tracing_all(tmp_path, family,
+def test_the_working_set_extrapolated_from_steady_blocks_matches_tracing_all(steady_plans, family,
                                                                               recompute):
     """Extrapolated from the third and fourth of six blocks, the working set is within 2% of
     tracing all six. From the first and second it was not: the first blocks also bring the
     prefetched gather and the reduction in flight, once ([Note: what the planner counts]): on
     this Mixtral the second block added 3.1x what each block from the fourth on adds."""
     hf("transformers")
-    # weights above resident_max_numel, as in real models: resident ones are held all step
-    config = {"model_type": family, "vocab_size": 128, "hidden_size": 128, "intermediate_size": 256,
-              "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": 64}
-    if family == "mixtral":
-        config.update(num_local_experts=8, num_experts_per_tok=2)
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    source = model_source(str(path))
-    report = plan_model(source, world_size=2, stage=3, seq=32, batch=2, recompute=recompute)
-    source.layers = None  # trace all six blocks instead
-    traced = plan_model(source, world_size=2, stage=3, seq=32, batch=2, recompute=recompute)
+    report = steady_plans(family, recompute, trace_all=False)
+    traced = steady_plans(family, recompute, trace_all=True)
     assert "3 and 4 of 6 blocks" in report.working_set_how
+    assert "traced whole" in traced.working_set_how
     assert f"recompute {recompute or 'none'}" in report.working_set_how
     assert report.working_set == pytest.approx(traced.working_set, rel=0.02)
     assert report.peak_bytes > report.stages[3].state_bytes
     if recompute:
-        source.layers = 6
-        without = plan_model(source, world_size=2, stage=3, seq=32, batch=2)
+        without = steady_plans(family, None, trace_all=False)
+        assert "recompute none; traced with 3 and 4 of 6 blocks" in without.working_set_how
         assert report.working_set < without.working_set
 
 
@@ -117,9 +140,33 @@ def _plan_cli(*args):
                           text=True, timeout=300)
 
 
-def test_the_command_prints_every_stage_and_says_whether_it_fits():
+@pytest.fixture
+def plan_command(capsys):
+    """``run(*args)``: python -m zero_fx.plan's main in this process (the ~3 s of a fresh
+    interpreter's imports saved; test_an_unknown_model_says_what_is_accepted and test_cli run
+    the real command) -> its exit code, standard output and standard error."""
+    from zero_fx.plan.__main__ import main
+
+    def run(*args):
+        capsys.readouterr()  # what came before is not the command's
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as stop:
+            if stop.code is None or isinstance(stop.code, int):
+                code = stop.code or 0
+            else:  # a message: the interpreter prints it and exits 1
+                print(stop.code, file=sys.stderr)
+                code = 1
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["python", "-m", "zero_fx.plan", *args], code, out, err)
+
+    return run
+
+
+def test_the_command_prints_every_stage_and_says_whether_it_fits(plan_command):
     hf("transformers")
-    out = _plan_cli("--model", "zero-paper-7.5b", "--world", "64", "--dtype", "fp16",
+    out = plan_command("--model", "zero-paper-7.5b", "--world", "64", "--dtype", "fp16",
                     "--device-memory", "32")
     assert out.returncode == 0, out.stderr
     for row in ("| 0 |", "| 1 |", "| 2 |", "| 3 ← |", "| 120 |", "| 31.4 |", "| 16.6 |"):
@@ -153,23 +200,24 @@ def test_over_nodes_flat_and_hybrid_are_set_side_by_side():
         plan_model(source, world_size=16, nodes=3)
 
 
-def test_the_command_line_plans_over_nodes():
+def test_the_command_line_plans_over_nodes(plan_command):
     hf("transformers")
-    out = _plan_cli("--model", "llama3-70b", "--nodes", "8", "--world", "64", "--dtype", "bf16")
+    out = plan_command("--model", "llama3-70b", "--nodes", "8", "--world", "64", "--dtype", "bf16")
     assert out.returncode == 0, out.stderr
     for row in ("| flat over 64 ranks |", "| hybrid: 8 replicas x 8 ranks |",
                 "| hybrid: 2 replicas x 32 ranks (4 nodes each) |"):
         assert row in out.stdout, row
-    bad = _plan_cli("--model", "llama3-70b", "--nodes", "3", "--world", "64")
+    bad = plan_command("--model", "llama3-70b", "--nodes", "3", "--world", "64")
     assert bad.returncode != 0 and "must split evenly over --nodes 3" in bad.stderr
 
 
 # -- mixture-of-experts models ---------------------------------------------------------------
 
-def test_the_moe_presets_count_every_expert_and_the_top_k_as_active():
+def test_the_moe_presets_count_every_expert_and_the_top_k_as_active(named_model_on_meta):
     """Mixtral 8x7B: 46.7B parameters, 12.9B active; DeepSeek-V3: 671B, 37B active (37.55B
     counting both embeddings, as the 12.9B of Mixtral does). Built as the torch modules on
-    meta (the HF DeepSeek-V3 has the same 671,026,404,352, but takes a minute to build)."""
+    meta (the HF DeepSeek-V3 has the same 671,026,404,352, but takes a minute to build), the
+    builds the estimate makes (named_model_on_meta: built once, shared with test_cli)."""
     from zero_fx.plan import torch_models
     from zero_fx.plan.models import NAMED
     from zero_fx.plan.planner import expert_blocks
@@ -177,7 +225,8 @@ def test_the_moe_presets_count_every_expert_and_the_top_k_as_active():
     for name, total, active, blocks, shape, rel in (
             ("mixtral-8x7b", 46.7e9, 12.9e9, 32, (8, 2, False), 0.01),
             ("deepseek-v3", 671e9, 37e9, 58, (256, 8, True), 0.02)):
-        model = on_meta(lambda: torch_models.build(NAMED[name]))
+        model = named_model_on_meta(name)
+        assert isinstance(model, torch_models.Llama), name  # the torch module, not HF's
         experts = expert_blocks(model)
         assert sum(p.numel() for p in model.parameters()) == pytest.approx(total, rel=0.01), name
         assert experts.active_parameters == pytest.approx(active, rel=rel), name
@@ -276,9 +325,9 @@ def test_dense_blocks_before_the_experts_are_extrapolated_on_their_own(tmp_path)
     assert report.experts.shapes == [(8, 2, True)] and report.experts.blocks == 5
 
 
-def test_the_command_line_shows_the_experts_of_mixtral():
+def test_the_command_line_shows_the_experts_of_mixtral(plan_command):
     hf("transformers")
-    out = _plan_cli("--model", "mixtral-8x7b", "--world", "8", "--dtype", "bf16")
+    out = plan_command("--model", "mixtral-8x7b", "--world", "8", "--dtype", "bf16")
     assert out.returncode == 0, out.stderr
     assert "46.703B parameters" in out.stdout
     assert ("Mixture of experts: 32 blocks of 8 experts, top-2. 45.097B expert parameters, "
