@@ -8,7 +8,8 @@ the loss. The peers and what each compiles:
 - ``zero_fx-<s>``: ``@zero_compile(stage=s)`` over the whole step (one graph, each
   distinct run of compute compiled once); ``zero_fx-3-whole``: ``regional=False``,
   the whole step as one Inductor program; ``zero_fx-3-blocks`` / ``zero_fx-3-auto``: with ``recompute="blocks"`` /
-  ``recompute="auto"`` (``activation_budget_fraction`` 0.5);
+  ``recompute="auto"`` (``activation_budget_fraction`` 0.5); ``zero_fx-3-ep2``: a
+  mixture-of-experts model's experts split over 2 ranks (``expert_parallel=2``);
 - ``ddp`` / ``ddp-compiled``: ``DistributedDataParallel``; compiled is
   ``torch.compile(DDP(model))`` (forward and backward; dynamo splits the graph at
   DDP's buckets), the optimizer stays eager;
@@ -111,7 +112,8 @@ def _autocast(setting: Setting):
     return torch.autocast(setting.device.type, dtype=torch.bfloat16)
 
 
-def zero_fx(stage: int, recompute: Optional[str] = None, regional: bool = True):
+def zero_fx(stage: int, recompute: Optional[str] = None, regional: bool = True,
+            expert_parallel: int = 1):
     def make(model: nn.Module, spec: BenchModel, setting: Setting) -> Trainer:
         from zero_fx import MixedPrecision, zero_compile
 
@@ -120,7 +122,8 @@ def zero_fx(stage: int, recompute: Optional[str] = None, regional: bool = True):
                                     output_dtype=torch.float32) if setting.bf16 else None)
 
         @zero_compile(stage=stage, backend=setting.backend, mixed_precision=precision,
-                      bucket_bytes=setting.bucket_bytes, recompute=recompute, regional=regional)
+                      bucket_bytes=setting.bucket_bytes, recompute=recompute, regional=regional,
+                      expert_parallel=expert_parallel)
         def train_step(model, opt, x, y):
             loss = loss_of(spec, model, x, y)
             loss.backward()
@@ -235,6 +238,7 @@ PEERS = {
     "zero_fx-3-whole": zero_fx(3, regional=False),
     "zero_fx-3-blocks": zero_fx(3, recompute="blocks"),
     "zero_fx-3-auto": zero_fx(3, recompute="auto"),
+    "zero_fx-3-ep2": zero_fx(3, expert_parallel=2),
     "ddp": _spmd_experts(ddp(compiled=False)),
     "ddp-compiled": _spmd_experts(ddp(compiled=True)),
     "fsdp2": _spmd_experts(fsdp2(compiled=False)),
@@ -248,6 +252,9 @@ PEERS = {
 
 REFERENCE = "fsdp2"
 """The table's ratios are against this peer."""
+
+MOE_ONLY_PEERS = {"zero_fx-3-ep2"}
+"""Peers for a mixture-of-experts model only (run by default with hf-mixtral)."""
 
 OPTIONAL_PEERS = {"deepspeed": "deepspeed"}
 """Peers whose package is an optional extra: name prefix -> module to import."""

@@ -38,7 +38,7 @@ from zero_fx.runtime.init_distributed import DistributedSetupError, resolve_devi
 from . import cpu_memory, peers_report
 from .peer_launch import launch_peer, launch_peer_here, peer_environment
 from .peer_models import MODELS, BenchModel
-from .peer_trainers import OPTIONAL_PEERS, PEERS, REFERENCE, Setting
+from .peer_trainers import MOE_ONLY_PEERS, OPTIONAL_PEERS, PEERS, REFERENCE, Setting
 from .runs import GROUP_TIMEOUT, machine, write_json
 
 LOSS_RTOL = {False: 2e-3, True: 3e-2}
@@ -55,8 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fake-world", type=int, default=0, metavar="N",
                    help="one process simulating N ranks with the fake process group: real "
                         "per-rank memory, no real communication, losses not compared")
-    p.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS), metavar="PEER",
-                   help=f"default: all of {', '.join(PEERS)}")
+    p.add_argument("--peers", nargs="+", choices=list(PEERS), metavar="PEER",
+                   help=f"default: all of {', '.join(PEERS)} (those for a mixture of experts, "
+                        f"{', '.join(sorted(MOE_ONLY_PEERS))}, with hf-mixtral only)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first, the first compiles")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of compiled peers")
@@ -75,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--result-file", help=argparse.SUPPRESS)
     p.add_argument("--store-prefix", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.peers is None:
+        args.peers = [peer for peer in PEERS
+                      if peer not in MOE_ONLY_PEERS or args.model == "hf-mixtral"]
     if args.fake_world and "RANK" in os.environ and not args.worker_of:
         p.error("--fake-world simulates the ranks in one process: start it with python, "
                 "not torchrun")
