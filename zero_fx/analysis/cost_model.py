@@ -19,12 +19,21 @@ Each node of the rewritten graph gets a duration from its shapes alone:
   fast as its slowest hop. That is what hybrid sharding avoids: its gathers and
   reduce-scatters stay on one node, only the all-reduce of gradient shards
   crosses ([Note: hybrid sharding] in runtime/process_group.py).
+- expert parallelism ([Note: expert parallelism] in zero_fx/plan/expert_parallel.py): the
+  experts' gathers and reduce-scatters run on the expert-data-parallel group (``D = W /
+  P`` ranks at stride ``P``; the functional collective's last argument names the group);
+  the token exchanges (``zero_fx::exchange_rows`` and ``exchange_counts``) on the
+  expert-parallel group of ``P`` consecutive ranks. An exchange of B bytes (its token
+  side, ``token_exchange_numel``: T·k rows, [Note: exchanging rows in fixed shapes]) sends
+  (P-1)/P of them: ``link_latency + (P-1)/P·B / link_bandwidth``, at the network's speed
+  when the group spans nodes (P above ``ranks_per_node``). It issues and waits for its
+  collective itself, so nothing hides it: compute stands blocked for all of it.
 
 The graph is then replayed in its order on two streams: compute runs nodes one
 after another; communication runs collectives one after another (as one NCCL
 or gloo process group does; with hybrid sharding the replicate group is a
-stream of its own), each starting when it is issued and the previous
-one has finished. A wait blocks compute until its collective has finished;
+stream of its own, and so are expert parallelism's two groups), each starting when it is
+issued and the previous one has finished. A wait blocks compute until its collective has finished;
 the time compute spends blocked is the *exposed* communication. Where
 communication shares the compute's core (``communication_overlap`` below 1:
 gloo on a CPU with no idle core), the share of a collective it cannot hide
@@ -55,9 +64,17 @@ from torch.fx import GraphModule, Node
 
 from ..capture import grouped_mm as _grouped_mm  # noqa: F401 - registers torch.ops.zero_fx
 from ..formatting import format_bytes
-from ..passes.predicates import is_collective, is_wait
+from ..passes.predicates import is_collective, is_token_exchange, is_wait
 from .memory_timeline import MemoryTimeline, hint, is_view, memory_timeline, tensor_bytes, vals
-from .traffic import REPLICATE_GROUP, SHARD_GROUP, Collective, traffic_report
+from .traffic import (
+    ALL_TO_ALL,
+    EXPERT_DATA_GROUP,
+    EXPERT_GROUP,
+    REPLICATE_GROUP,
+    SHARD_GROUP,
+    Collective,
+    traffic_report,
+)
 
 aten = torch.ops.aten
 
@@ -212,7 +229,8 @@ def replay(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_pa
     report = traffic_report(gm, plan)
     in_graph = {c.node: c for c in report.collectives if c.node}
     compute = busy_compute = busy_comm = exposed = 0.0
-    comm_free = {SHARD_GROUP: 0.0, REPLICATE_GROUP: 0.0}  # one stream per process group
+    # one stream per process group
+    comm_free = dict.fromkeys((SHARD_GROUP, REPLICATE_GROUP, EXPERT_GROUP, EXPERT_DATA_GROUP), 0.0)
     # per collective: start, finish, busy compute and ops at issue, compute time it shared
     issued: dict[Node, tuple[float, float, float, int, float]] = {}
     ops = 0
@@ -228,6 +246,18 @@ def replay(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_pa
             exposed += shared
             issued[node] = (start, start + seconds, busy_compute, ops, shared)
             busy_comm += seconds
+        elif is_token_exchange(node):  # issues and waits itself: compute stands blocked
+            collective = in_graph[node.name]
+            start = max(compute, comm_free[EXPERT_GROUP])
+            seconds = collective_seconds(collective, plan, hw)
+            comm_free[EXPERT_GROUP] = start + seconds
+            blocked = start + seconds - compute
+            timings.append(CollectiveTiming(collective=collective, start=start,
+                                            finish=start + seconds, compute_between=0.0,
+                                            ops_between=0, exposed=blocked))
+            compute += blocked
+            exposed += blocked
+            busy_comm += seconds
         elif is_wait(node) and node.args[0] in issued:
             start, finish, compute_at_issue, ops_at_issue, shared = issued[node.args[0]]
             blocked = max(0.0, finish - compute)
@@ -242,7 +272,8 @@ def replay(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_pa
             compute += seconds
             busy_compute += seconds
             ops += seconds > 0
-    shard_bytes = sum(l.shard_numel * l.dtype.itemsize for l in plan.params)
+    # what this rank holds: under expert parallelism, its shards of its own experts only
+    shard_bytes = sum(l.shard_numel * l.dtype.itemsize for l in plan.params if plan.holds(l.name))
     if plan.replicated:
         shard_bytes *= n
     optimizer = 7 * shard_bytes / hw.memory_bandwidth + hw.op_overhead * len(plan.params)
@@ -268,8 +299,11 @@ def replay(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_pa
 
 def collective_seconds(collective: Collective, plan, hw: Hardware) -> float:
     """A ring collective's duration on the group it runs on (the links of one node, or the
-    network when the group spans nodes); an all-reduce is a reduce-scatter plus an all-gather."""
+    network when the group spans nodes); an all-reduce is a reduce-scatter plus an all-gather;
+    an all-to-all of expert parallelism one latency and (P-1)/P of its bytes (the note)."""
     ranks = group_ranks(plan, collective.group)
+    if collective.kind == ALL_TO_ALL:
+        return all_to_all_seconds(collective.bytes, ranks, hw)
     seconds = ring_seconds(collective.bytes, ranks, hw)
     return 2 * seconds if collective.kind == "all_reduce" else seconds
 
@@ -277,9 +311,17 @@ def collective_seconds(collective: Collective, plan, hw: Hardware) -> float:
 def group_ranks(plan, group: str) -> range:
     """The ranks of the first ``group`` of ``plan`` (every group of a kind is laid out alike):
     ranks ``0..N-1`` flat or for the shard group, every shard group's first rank for the
-    replicate group ([Note: hybrid sharding])."""
+    replicate group ([Note: hybrid sharding]); under expert parallelism ([Note: expert
+    parallelism] in zero_fx/plan/expert_parallel.py) ``P`` consecutive ranks for the
+    expert-parallel group, the ranks at stride ``P`` for the expert-data-parallel group."""
     if group == REPLICATE_GROUP:
         return range(0, plan.world_size * plan.replicas, plan.world_size)
+    parallel = getattr(plan, "expert_parallel", None)
+    degree = parallel.degree if parallel is not None else 1
+    if group == EXPERT_GROUP:
+        return range(degree)
+    if group == EXPERT_DATA_GROUP:
+        return range(0, plan.world_size, degree)
     return range(plan.world_size)
 
 
@@ -290,6 +332,16 @@ def ring_seconds(nbytes: int, ranks: range, hw: Hardware) -> float:
         return 0.0
     bandwidth, latency = hw.link(ranks)
     return (n - 1) * (latency + nbytes / n / bandwidth)
+
+
+def all_to_all_seconds(nbytes: int, ranks: range, hw: Hardware) -> float:
+    """An all-to-all over ``ranks`` of ``nbytes`` (what one rank sends and receives in all,
+    its own share included): one latency, and the (N-1)/N of the bytes that leave the rank."""
+    n = len(ranks)
+    if n == 1:
+        return 0.0
+    bandwidth, latency = hw.link(ranks)
+    return latency + nbytes * (n - 1) / n / bandwidth
 
 
 _MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),
