@@ -1,8 +1,14 @@
-"""What the command lines of zero_fx share: one spelling of dtypes, both accepted.
+"""What the command lines of zero_fx share: one spelling of dtypes, both accepted; the
+planner's expert-parallelism options.
 
 ``--dtype`` takes ``fp32`` or ``float32``, ``bf16`` or ``bfloat16``, ``fp16`` or
 ``float16`` (the short names and torch's), in every command line that takes one
 (``python -m zero_fx.plan``, ``python -m zero_fx.estimate``).
+
+``--expert-parallel 1,2,4,8`` (with ``--hardware``) compares degrees of expert
+parallelism in ``python -m zero_fx.plan`` ([Note: planning expert parallelism] in
+zero_fx/plan/planner.py): ``add_expert_parallel_arguments(parser)`` adds them,
+``expert_parallel_options(parser, args)`` checks them and gives ``plan_model``'s keywords.
 """
 
 from __future__ import annotations
@@ -29,3 +35,45 @@ def add_dtype_argument(parser: argparse.ArgumentParser, *, default, help: str) -
     """``--dtype`` parsed by ``parse_dtype``; ``default`` is a spelling or None."""
     parser.add_argument("--dtype", type=parse_dtype, default=default,
                         metavar="DTYPE", help=f"{help} ({DTYPE_CHOICES})")
+
+
+def parse_degrees(text: str) -> tuple[int, ...]:
+    """``--expert-parallel``'s value: degrees separated by commas, ``1,2,4,8``."""
+    try:
+        degrees = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of degrees such as 1,2,4,8") from None
+    if not degrees or min(degrees) < 1:
+        raise argparse.ArgumentTypeError(f"degrees must be >= 1, got {text!r}")
+    return degrees
+
+
+def add_expert_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """The planner's ``--expert-parallel`` and ``--hardware``."""
+    from ..analysis.cost_model import PRESETS
+
+    parser.add_argument("--expert-parallel", type=parse_degrees, default=(), metavar="P,P,...",
+                        help="stage 3, mixture-of-experts models, with --seq: compare these "
+                             "degrees of expert parallelism (each divides --world and a block's "
+                             "experts): peak per rank, bytes per rank and step time")
+    parser.add_argument("--hardware", default=None, choices=sorted(PRESETS),
+                        help="cost-model preset for --expert-parallel's step times (default "
+                             "8xh100-nvlink up to 8 ranks, else 4x8xh100-ib: nodes of 8)")
+
+
+def expert_parallel_options(parser: argparse.ArgumentParser, args) -> dict:
+    """``plan_model``'s ``expert_parallel`` and ``hardware`` from ``args``; a usage error
+    where expert parallelism cannot apply."""
+    degrees = args.expert_parallel
+    if degrees:
+        if args.stage != 3:
+            parser.error(f"--expert-parallel needs --stage 3 (expert parallelism splits the "
+                         f"experts' sharded weights; stages 0-2 keep every parameter whole), "
+                         f"got --stage {args.stage}")
+        if args.seq is None:
+            parser.error("--expert-parallel compares working sets and step times: give --seq")
+        uneven = [p for p in degrees if args.world % p]
+        if uneven:
+            parser.error(f"--expert-parallel {uneven[0]} does not divide --world {args.world}")
+    return {"expert_parallel": degrees, "hardware": args.hardware}

@@ -46,6 +46,40 @@ all of its bytes count as crossing nodes: flat's, and a multi-node shard group's
 One replica per node keeps gathers and reduce-scatters within the node, and only
 the all-reduce of the gradient shards (2(R-1)/R·Ψ/S elements per rank) crosses.
 Hybrid's price is memory: its states are sharded S ways, not N.
+
+[Note: planning expert parallelism]
+``--expert-parallel 1,2,4,8`` compares degrees P of expert parallelism ([Note: expert
+parallelism] in zero_fx/plan/expert_parallel.py; stage 3 only) side by side. Model states
+do not change: a rank holds E/W of each block's experts whatever P. Three things do:
+
+- the gathered working set: a block gathers its E/P experts, not E, and its experts'
+  gradients before the reduce-scatter are E/P experts' too;
+- the expert computation's rows: the receiving buffer is the worst case, C = P*T*min(k,
+  E/P) rows ([Note: exchanging rows in fixed shapes]), where without expert parallelism
+  the experts run on the T*k routed rows;
+- bytes: the experts' gathers and reduce-scatters move 1/P of their elements (over the
+  expert-data-parallel group of D = W/P ranks, which sends (D-1)/D of them), and each MoE
+  block adds four exchanges of its T*k rows (dispatch, combine and their gradients), of
+  which a rank sends (P-1)/P (the counts' exchange, E integers, is left out).
+
+The planner does not trace each degree. Tracing expert parallelism on fake tensors would
+need the offline trace (zero_fx/plan/offline.py) to build the expert-parallel plan and to
+leave the other ranks' experts out of the gradients; instead the graph it already traces
+(P = 1) is priced again for each P: in its memory timeline every tensor that holds routed
+experts' weights or gradients (a gathered or reduced bucket: the experts' share of its
+elements; the stacked expert weights and their gradients) counts 1/P of its bytes, and
+every tensor of the expert computation's routed rows (those of T*k rows connected to a
+grouped matmul, not across the index ops that gather tokens and add them back) counts
+C/(T*k) of its bytes; the peak is then taken again and extrapolated over the blocks as
+for P = 1. That is an estimate: a traced expert-parallel step also keeps the token side's
+T*k rows beside the buffer, and its peak may fall at another node.
+
+The step time is the cost model's compute (the replay of the traced graphs, extrapolated
+like the working set; expert FLOPs on T*k rows a rank, what balanced routing gives it),
+beside which the gathers and reduce-scatters run (a ring each kind on its group, overlapped
+with compute as the cost model's prefetch does: max of the two), plus the exchanges, which
+nothing hides: 4 per MoE block of ``link_latency + (P-1)/P*bytes / link_bandwidth`` on the
+expert-parallel group's link (within a node while P <= the preset's ranks per node).
 """
 
 from __future__ import annotations
@@ -53,10 +87,12 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Optional, Union
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
 
 import torch
+from torch.fx import GraphModule
 
 from ..analysis.memory_timeline import memory_timeline
 from ..config import DEFAULT_BUCKET_BYTES, DEFAULT_PERSISTENCE_THRESHOLD
@@ -119,6 +155,18 @@ class ExpertBlocks:
     active_parameters: int
     """Elements one token passes through: all parameters but the routed experts it is not
     sent to (each block's experts times 1 - top_k / experts)."""
+    routed: list[tuple[str, int, int, int]] = field(default_factory=list)
+    """Each block: (its experts' module name, routed experts E, top-k, hidden size)."""
+
+    def is_expert(self, name: str) -> bool:
+        """Whether parameter ``name`` is a routed expert's, in this model or in one of fewer
+        blocks built from the same config (layer indices read as any index)."""
+        patterns = {_any_index(prefix) + "." for prefix, *_ in self.routed}
+        return _any_index(name).startswith(tuple(patterns))
+
+
+def _any_index(name: str) -> str:
+    return re.sub(r"\.\d+(?=\.|$)", ".#", name)
 
 
 def expert_blocks(model: torch.nn.Module) -> Optional[ExpertBlocks]:
@@ -126,13 +174,16 @@ def expert_blocks(model: torch.nn.Module) -> Optional[ExpertBlocks]:
     (zero_fx/capture/routed_experts.py), or None for a dense model."""
     from ..capture.routed_experts import moe_shape
 
-    blocks, shapes, experts_total, inactive = 0, [], 0, 0.0
-    for block in model.modules():
+    blocks, shapes, experts_total, inactive, routed = 0, [], 0, 0.0, []
+    for path, block in model.named_modules():
         moe = moe_shape(block)
         if moe is None:
             continue
         experts = getattr(block, moe.experts)
         top_k = moe.top_k or moe.num_experts
+        hidden = getattr(block, moe.router).weight.shape[-1]
+        routed.append((f"{path}.{moe.experts}" if path else moe.experts, moe.num_experts,
+                       min(top_k, moe.num_experts), hidden))
         numel = sum(p.numel() for p in experts.parameters())
         blocks += 1
         experts_total += numel
@@ -143,7 +194,30 @@ def expert_blocks(model: torch.nn.Module) -> Optional[ExpertBlocks]:
     if not blocks:
         return None
     total = sum(p.numel() for p in model.parameters())
-    return ExpertBlocks(blocks, shapes, experts_total, total - round(inactive))
+    return ExpertBlocks(blocks, shapes, experts_total, total - round(inactive), routed)
+
+
+@dataclass
+class ExpertParallelRow:
+    """One degree of expert parallelism, stage 3 ([Note: planning expert parallelism])."""
+
+    degree: int
+    working_set: float
+    peak_bytes: float
+    traffic: dict[str, float]
+    """Bytes each kind works on per step per rank: all_gather, reduce_scatter, all_to_all
+    (the token side)."""
+    wire_bytes: float
+    """Bytes each rank sends per step (rings and exchanges)."""
+    compute_seconds: float
+    collective_seconds: float
+    """Gathers and reduce-scatters, one after another (beside compute)."""
+    exchange_seconds: float
+    """The token exchanges, which nothing hides."""
+
+    @property
+    def step_seconds(self) -> float:
+        return max(self.compute_seconds, self.collective_seconds) + self.exchange_seconds
 
 
 @dataclass
@@ -171,6 +245,10 @@ class PlanReport:
     """With ``nodes`` > 1: flat and hybrid sharding of the chosen stage, side by side."""
     experts: Optional[ExpertBlocks] = None
     """A mixture-of-experts model's experts, None for a dense model."""
+    expert_parallel: Optional[list[ExpertParallelRow]] = None
+    """With ``expert_parallel`` degrees: each one's peak, bytes and step time."""
+    hardware: str = ""
+    """The cost model's hardware the step times are for (with ``expert_parallel``)."""
 
     @property
     def peak_bytes(self) -> Optional[float]:
@@ -190,14 +268,27 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
                dtype: torch.dtype = torch.float32, optimizer: str = "adamw",
                batch: Optional[int] = None, seq: Optional[int] = None,
                recompute: Optional[str] = None,
-               activation_memory_budget: Optional[float] = None, nodes: int = 1) -> PlanReport:
+               activation_memory_budget: Optional[float] = None, nodes: int = 1,
+               expert_parallel: Sequence[int] = (), hardware: Optional[str] = None
+               ) -> PlanReport:
     """Plan ``source``'s model on ``world_size`` ranks; trace the working set when ``seq`` is
     given, with ``recompute`` (and its budget) as ``zero_compile`` takes them. ``nodes`` > 1:
-    also set flat and hybrid sharding side by side ([Note: what the planner counts])."""
+    also set flat and hybrid sharding side by side ([Note: what the planner counts]).
+    ``expert_parallel``: degrees of expert parallelism to compare (stage 3, with ``seq``),
+    their step times on ``hardware`` (a cost-model preset; default 8xH100 over NVLink up
+    to 8 ranks, nodes of 8 over InfiniBand above; [Note: planning expert parallelism])."""
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     if nodes < 1 or world_size % nodes:
         raise ValueError(f"{world_size} ranks do not split evenly over {nodes} nodes")
+    degrees = tuple(dict.fromkeys(expert_parallel))
+    if degrees and stage != 3:
+        raise ValueError(f"expert parallelism needs stage 3 (it splits the experts' sharded "
+                         f"weights over ranks; stages 0-2 keep every parameter whole on every "
+                         f"rank), got stage {stage}")
+    if degrees and seq is None:
+        raise ValueError("expert parallelism is planned from the step's working set: give seq "
+                         "(--seq) too")
     start = time.perf_counter()
     model = on_meta(lambda: source.build(None))
     item = dtype.itemsize
@@ -218,15 +309,151 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
         stages=[_stage_plan(s, plan, item, mixed, optimizer) for s in range(4)],
         buckets=_buckets(plan, item), bucket_cap=plan.bucket_bytes, resident=len(plan.resident),
         experts=expert_blocks(model))
+    if degrees:
+        _check_degrees(degrees, world_size, report.experts)
+        report.hardware = hardware or ("8xh100-nvlink" if world_size <= 8 else "4x8xh100-ib")
     if seq is not None:
-        report.working_set, report.working_set_how = _working_set(
+        traced, report.working_set_how = _working_set(
             source, world_size=world_size, stage=stage, dtype=dtype, batch=batch or 1, seq=seq,
-            recompute={"recompute": recompute, **_budget_option(activation_memory_budget)})
+            recompute={"recompute": recompute, **_budget_option(activation_memory_budget)},
+            experts=report.experts if degrees else None, degrees=degrees,
+            hardware=report.hardware)
+        report.working_set = traced[1]
+        if degrees:
+            report.expert_parallel = [
+                _expert_parallel_row(report, plan, p, traced, (batch or 1) * seq)
+                for p in degrees]
     if nodes > 1:
         report.nodes = nodes
         report.levels = _levels(report, plan_over, nodes, item, mixed)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _check_degrees(degrees: Sequence[int], world_size: int,
+                   experts: Optional[ExpertBlocks]) -> None:
+    if experts is None:
+        raise ValueError("expert parallelism splits mixture-of-experts blocks, and this model "
+                         "has none")
+    counts = sorted({e for _, e, _, _ in experts.routed})
+    for p in degrees:
+        if p < 1 or world_size % p or any(e % p for e in counts):
+            raise ValueError(f"expert parallelism of degree {p} must divide the {world_size} "
+                             f"ranks and the {'/'.join(map(str, counts))} experts of a block")
+
+
+def _expert_parallel_row(report: PlanReport, plan: ShardPlan, degree: int, traced: dict,
+                         tokens: int) -> ExpertParallelRow:
+    """Degree ``degree``'s bytes and time, and its peak from the re-priced working set
+    ([Note: planning expert parallelism])."""
+    from ..analysis.cost_model import all_to_all_seconds, hardware, ring_seconds
+
+    hw, experts, item = hardware(report.hardware), report.experts, report.dtype.itemsize
+    w, p = report.world_size, degree
+    d = w // p
+    def padded(layout, ranks: int) -> int:
+        return -(-layout.numel // ranks) * ranks
+
+    def summed(of_experts: bool, resident: bool) -> int:  # elements, padded over their group
+        return sum(padded(layout, d if of_experts else w) for layout in plan.params
+                   if experts.is_expert(layout.name) == of_experts
+                   and (not resident or layout.name in plan.resident))
+
+    # stage 3 gathers twice what is not resident, once what is ([Note: what the planner
+    # counts]); a rank gathers (and reduces) its E/P experts
+    other = summed(False, False)
+    gather_other = (2 * other - summed(False, True)) * item
+    gather_experts = (2 * summed(True, False) - summed(True, True)) / p * item
+    reduce_other, reduce_experts = other * item, summed(True, False) / p * item
+    exchange = sum(4 * tokens * k * hidden * item for _, _, k, hidden in experts.routed
+                   ) if p > 1 else 0  # P = 1 exchanges nothing
+    on_shards = (gather_other + reduce_other) * (w - 1) / w
+    on_experts = (gather_experts + reduce_experts) * (d - 1) / d
+    states = report.stages[3].states
+    return ExpertParallelRow(
+        degree=p, working_set=traced[p], peak_bytes=peak_of(states, traced[p]),
+        traffic={"all_gather": gather_other + gather_experts,
+                 "reduce_scatter": reduce_other + reduce_experts, "all_to_all": exchange},
+        wire_bytes=on_shards + on_experts + exchange * (p - 1) / p,
+        compute_seconds=traced["compute"],
+        collective_seconds=(ring_seconds(gather_other + reduce_other, range(w), hw)
+                            + ring_seconds(gather_experts + reduce_experts, range(0, w, p), hw)),
+        exchange_seconds=sum(4 * all_to_all_seconds(tokens * k * hidden * item, range(p), hw)
+                             for _, _, k, hidden in experts.routed))
+
+
+_GROUPED_MATMULS = ("zero_fx.grouped_mm", "zero_fx.grouped_mm_weight_grad", "aten._grouped_mm")
+_TOKEN_MOVES = ("index", "scatter", "gather", "sort")
+"""Ops that move rows between the token side and the routed rows: the routed rows' region
+stops at them ([Note: planning expert parallelism])."""
+
+
+def _peaks_by_degree(gm: GraphModule, plan: ShardPlan, experts: ExpertBlocks, tokens: int,
+                     degrees: Sequence[int]) -> dict[int, float]:
+    """The working set of ``gm`` (traced without expert parallelism) priced again for each
+    degree ([Note: planning expert parallelism])."""
+    from ..passes.predicates import carried_params
+
+    timeline = memory_timeline(gm)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    shape_of_rows = {tokens * k: (e, k) for _, e, k, _ in experts.routed}
+    counts = {e for _, e, _, _ in experts.routed}
+    routed = _routed_rows(gm, set(shape_of_rows))
+    priced = []  # (first, last, bytes, experts' share, (E, k) of routed rows or None)
+    for t in timeline.tensors:
+        node = nodes[t.node]
+        val = node.meta.get("val")
+        val = val[0] if isinstance(val, (list, tuple)) and val else val
+        names = carried_params(node)
+        if names:
+            sizes = [(plan.layout(n).padded_numel, experts.is_expert(n)) for n in names]
+            share = sum(s for s, e in sizes if e) / max(1, sum(s for s, _ in sizes))
+        else:  # stacked expert weights and their gradients: (E, K, N)
+            share = float(isinstance(val, torch.Tensor) and val.ndim == 3
+                          and int(val.shape[0]) in counts)
+        rows = shape_of_rows.get(int(val.shape[0])) if node.name in routed else None
+        priced.append((t.index, t.last_use, t.bytes, share, rows))
+    peaks = {}
+    for p in degrees:
+        change = [0.0] * (len(timeline.transient) + 1)
+        for first, last, nbytes, share, rows in priced:
+            scale = 1 - share + share / p
+            if rows is not None:
+                e, k = rows
+                scale *= p * min(k, e // p) / k  # C / (T * k)
+            change[first] += nbytes * scale
+            change[last + 1] -= nbytes * scale
+        alive, peak = 0.0, 0.0
+        for delta in change[:-1]:
+            alive += delta
+            peak = max(peak, alive)
+        peaks[p] = peak
+    return peaks
+
+
+def _routed_rows(gm: GraphModule, rows: set[int]) -> set[str]:
+    """Names of the nodes holding the expert computation's routed rows: tensors of T*k rows
+    connected to a grouped matmul through such tensors, not across the ops that move rows
+    between tokens and routed rows (``_TOKEN_MOVES``)."""
+    def has_rows(node) -> bool:
+        val = node.meta.get("val")
+        return isinstance(val, torch.Tensor) and val.ndim >= 1 and int(val.shape[0]) in rows
+
+    def moves_tokens(node) -> bool:
+        return any(word in str(node.target) for word in _TOKEN_MOVES)
+
+    stack = [n for n in gm.graph.nodes if n.op == "call_function"
+             and str(n.target).startswith(_GROUPED_MATMULS)]
+    seen = {n for n in stack if has_rows(n)}
+    while stack:
+        node = stack.pop()
+        for other in [*node.all_input_nodes, *node.users]:
+            if other in seen or other.op != "call_function" or not has_rows(other):
+                continue
+            seen.add(other)
+            if not moves_tokens(other):
+                stack.append(other)
+    return {n.name for n in seen}
 
 
 def _levels(report: PlanReport, plan_over, nodes: int, item: int, mixed: bool) -> list[LevelRow]:
@@ -292,16 +519,29 @@ def _buckets(plan: ShardPlan, item: int) -> dict[str, list[Bucket]]:
 
 
 def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: torch.dtype,
-                 batch: int, seq: int, recompute: dict) -> tuple[float, str]:
+                 batch: int, seq: int, recompute: dict, experts: Optional[ExpertBlocks] = None,
+                 degrees: Sequence[int] = (), hardware: str = "") -> tuple[dict, str]:
+    """The working set extrapolated to the model's depth, ``{1: bytes}``; with ``experts``,
+    also each degree of ``degrees`` and the cost model's ``"compute"`` seconds on
+    ``hardware`` ([Note: planning expert parallelism])."""
     from ..plan.offline import rewritten_step_on_fake  # traces through the passes: import on use
 
-    def traced_peak(layers: Optional[int], dense_layers: Optional[int] = None) -> int:
+    def traced_peak(layers: Optional[int], dense_layers: Optional[int] = None) -> dict:
         build = ((lambda: source.build(layers)) if dense_layers is None
                  else (lambda: source.build(layers, dense_layers)))
-        gm, _ = rewritten_step_on_fake(
+        gm, plan = rewritten_step_on_fake(
             build, batch=batch, seq=seq, vocab_size=source.vocab_size,
             world_size=world_size, stage=stage, dtype=dtype, loss_fn=_causal_lm_loss, **recompute)
-        return max(memory_timeline(gm).transient)
+        if experts is None:
+            return {1: float(max(memory_timeline(gm).transient))}
+        from ..analysis.cost_model import replay
+
+        out: dict = _peaks_by_degree(gm, plan, experts, batch * seq, sorted({1, *degrees}))
+        out["compute"] = replay(gm, plan, hardware).estimate.compute_seconds
+        return out
+
+    def grow(base: dict, *more: tuple[int, dict]) -> dict:  # base + n x (traced - base), by key
+        return {key: base[key] + sum(n * (t[key] - base[key]) for n, t in more) for key in base}
 
     if source.vocab_size is None:
         raise SystemExit("the model has no nn.Embedding to read a vocabulary size from")
@@ -309,28 +549,29 @@ def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: tor
         raise SystemExit(f"--seq {seq} is longer than the model's {source.max_positions} positions")
     chosen = recompute["recompute"] or ("auto" if len(recompute) > 1 else None)
     if source.layers is None or source.layers <= STEADY_FROM + 1:
-        return float(traced_peak(None)), (f"batch {batch} x {seq} tokens per rank, recompute "
-                                          f"{chosen or 'none'}; traced whole")
+        return traced_peak(None), (f"batch {batch} x {seq} tokens per rank, recompute "
+                                   f"{chosen or 'none'}; traced whole")
     dense = source.dense_layers
     first = STEADY_FROM  # [Note: what the planner counts]
     if 0 < dense < source.layers and source.layers - dense > STEADY_FROM:
         # dense blocks, then blocks with experts: each kind grows at its own rate
         moe = source.layers - dense
         base = traced_peak(1 + first, 1)
-        per_moe = traced_peak(2 + first, 1) - base
-        per_dense = traced_peak(2 + first, 2) - base if dense > 1 else 0
-        total = base + (moe - first) * per_moe + (dense - 1) * per_dense
+        more_moe = traced_peak(2 + first, 1)
+        more_dense = traced_peak(2 + first, 2) if dense > 1 else base
+        total = grow(base, (moe - first, more_moe), (dense - 1, more_dense))
+        per_moe, per_dense = more_moe[1] - base[1], more_dense[1] - base[1]
         how = (f"batch {batch} x {seq} tokens per rank, recompute {chosen or 'none'}; traced "
                f"with 1 dense and {first} expert blocks, then one more of each, of {dense} dense "
-               f"and {moe} expert blocks on fake tensors: {base / GB:.2f} GB + {moe - first} x "
+               f"and {moe} expert blocks on fake tensors: {base[1] / GB:.2f} GB + {moe - first} x "
                f"{per_moe / GB:.3f} GB + {dense - 1} x {per_dense / GB:.3f} GB")
-        return float(total), how
+        return total, how
     base, grown = traced_peak(first), traced_peak(first + 1)
-    total = base + (source.layers - first) * (grown - base)
+    total = grow(base, (source.layers - first, grown))
     how = (f"batch {batch} x {seq} tokens per rank, recompute {chosen or 'none'}; "
            f"traced with {first} and {first + 1} of {source.layers} blocks on fake tensors: "
-           f"{base / GB:.2f} GB + {source.layers - first} x {(grown - base) / GB:.3f} GB")
-    return float(total), how
+           f"{base[1] / GB:.2f} GB + {source.layers - first} x {(grown[1] - base[1]) / GB:.3f} GB")
+    return total, how
 
 
 def _causal_lm_loss(model, tokens, targets):
@@ -412,6 +653,8 @@ def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = Non
         if device_memory_gb is not None:
             verdict = "fits" if peak <= device_memory_gb * GB else "does NOT fit"
             lines.append(f"    {verdict} in {device_memory_gb:g} GB per device")
+    if report.expert_parallel:
+        lines += ["", *_format_expert_parallel(report, device_memory_gb)]
     if device_memory_gb is not None and report.working_set is None:
         fitting = [s.stage for s in report.stages if s.state_bytes <= device_memory_gb * GB]
         lines.append(f"Model states fit in {device_memory_gb:g} GB in stages: "
@@ -428,6 +671,37 @@ def _format_experts(report: PlanReport) -> list[str]:
     return [f"Mixture of experts: {e.blocks} blocks of {shapes}. {e.expert_parameters / 1e9:.3f}B "
             f"expert parameters, all sharded and stored; {e.active_parameters / 1e9:.3f}B "
             "parameters active per token (activations count each token's top-k experts)."]
+
+
+def _format_expert_parallel(report: PlanReport, device_memory_gb: Optional[float]) -> list[str]:
+    e = report.experts
+    counts = "/".join(str(n) for n in sorted({n for _, n, _, _ in e.routed}))
+    tokens = report.working_set_how.split(" tokens")[0].removeprefix("batch ")
+    lines = [f"Expert parallelism, stage {report.stage} (a block's {counts} experts split over P "
+             f"ranks; per rank per step; times on {report.hardware}; [Note: planning expert "
+             "parallelism] in zero_fx/plan/planner.py):", "",
+             "| P | experts gathered per block | expert rows per block | working set | "
+             "estimated peak per rank | all-gather + reduce-scatter | all-to-all | sent per rank "
+             "| step (compute, collectives, exchanges) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    _, n, k, _ = e.routed[-1]
+    for row in report.expert_parallel:
+        p = row.degree
+        rows = f"{p * min(k, n // p)}T" if p > 1 else f"{k}T"
+        fits = ("" if device_memory_gb is None else
+                " (fits)" if row.peak_bytes <= device_memory_gb * GB else " (does NOT fit)")
+        lines.append(
+            f"| {p} | {n // p} | {rows} | {row.working_set / GB:.2f} GB | "
+            f"{row.peak_bytes / GB:.2f} GB{fits} | "
+            f"{(row.traffic['all_gather'] + row.traffic['reduce_scatter']) / GB:.2f} GB | "
+            f"{row.traffic['all_to_all'] / GB:.2f} GB | {row.wire_bytes / GB:.2f} GB | "
+            f"{1e3 * row.step_seconds:.0f} ms ({1e3 * row.compute_seconds:.0f}, "
+            f"{1e3 * row.collective_seconds:.0f}, {1e3 * row.exchange_seconds:.1f}) |")
+    lines.append(f"T = {tokens} tokens per rank. Model states are the same for every P. The "
+                 "buffer of received rows is the worst case, P·T·min(k, E/P) rows; all-to-all "
+                 "counts the token side, 4 exchanges of T·k rows per block, of which a rank "
+                 "sends (P-1)/P. The step is max(compute, collectives) + exchanges.")
+    return lines
 
 
 def _format_levels(report: PlanReport) -> list[str]:
