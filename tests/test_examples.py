@@ -54,15 +54,29 @@ def losses(stdout):
             re.findall(r"step +(\d+)/\d+  loss (\d+\.\d+)  ", stdout)}
 
 
-def test_train_gpt_with_bf16_accumulation_and_clipping_on_a_file_of_its_size(tmp_path):
+SMALL_GPT = ("--precision", "bf16", "--accumulation-steps", "2", "--max-grad-norm", "1.0",
+             "--layers", "2", "--width", "64", "--heads", "2", "--seq", "16", "--eval-every", "4",
+             "--seed", "1")
+"""train_gpt.py's options of the run below (with --data): bf16, 2 micro-batches a step,
+clipping, a held-out evaluation every 4 steps, a small model."""
+
+
+@pytest.fixture(scope="module")
+def small_gpt(tmp_path_factory):
+    """The options of train_gpt.py's run on its own text file (SMALL_GPT and --data), and
+    what 8 uninterrupted steps of it print (peak learning rate 1e-2 after 2 warmup steps):
+    checked below, and the run the checkpoint test stops and resumes (one torchrun less)."""
+    data = tmp_path_factory.mktemp("small_gpt") / "text.txt"
+    data.write_text("The quick brown fox jumps over the lazy dog. " * 100)
+    options = (*SMALL_GPT, "--data", str(data))
+    return options, torchrun("train_gpt.py", "--steps", "8", *options, "--lr", "1e-2",
+                             "--warmup-steps", "2")
+
+
+def test_train_gpt_with_bf16_accumulation_and_clipping_on_a_file_of_its_size(small_gpt):
     """Its own text file and model size, bf16, 2 micro-batches a step, clipping; the learning
     rate warms up then decays; a held-out evaluation every 4 steps and at the end."""
-    data = tmp_path / "text.txt"
-    data.write_text("The quick brown fox jumps over the lazy dog. " * 100)
-    out = torchrun("train_gpt.py", "--steps", "8", "--precision", "bf16",
-                   "--accumulation-steps", "2", "--max-grad-norm", "1.0", "--data", str(data),
-                   "--layers", "2", "--width", "64", "--heads", "2", "--seq", "16",
-                   "--lr", "1e-2", "--warmup-steps", "2", "--eval-every", "4", "--seed", "1")
+    _, out = small_gpt
     assert "(2 layers, width 64, 2 heads, 16 tokens)" in out and "4,050 bytes of text.txt" in out
     norms = [float(m) for m in re.findall(r"grad norm (\d+\.\d+)", out)]
     assert len(losses(out)) == len(norms) == 8
@@ -76,20 +90,23 @@ def test_train_gpt_with_bf16_accumulation_and_clipping_on_a_file_of_its_size(tmp
     assert "traffic per step" in out and "memory on rank 0" in out
 
 
-def test_train_gpt_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
+def test_train_gpt_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path, small_gpt):
     """The checkpoint holds the learning-rate schedule too: the resumed run continues it (its
-    own different --lr and --warmup-steps are reported and ignored)."""
+    own different --lr and --warmup-steps are reported and ignored). The run is the one
+    above (bf16, 2 micro-batches a step, clipping), stopped after 4 of its 8 steps: resumed,
+    its last 4 losses are those of the 8 steps taken without stopping."""
+    options, whole = small_gpt
     folder = str(tmp_path / "ckpt")
-    first = torchrun("train_gpt.py", "--steps", "4", "--decay-steps", "6",
+    first = torchrun("train_gpt.py", "--steps", "4", "--decay-steps", "8", *options,
+                     "--lr", "1e-2", "--warmup-steps", "2",
                      "--checkpoint-every", "2", "--checkpoint-dir", folder)
     assert "saved" in first and os.path.isdir(os.path.join(folder, "latest"))
-    resumed = torchrun("train_gpt.py", "--steps", "6", "--checkpoint-dir", folder,
+    resumed = torchrun("train_gpt.py", "--steps", "8", *options, "--checkpoint-dir", folder,
                        "--lr", "0.5", "--warmup-steps", "1")
     assert "resumed from" in resumed and "after step 4" in resumed
     assert "the learning-rate schedule continues as saved" in resumed
-    assert sorted(losses(resumed)) == [5, 6]
-    whole = torchrun("train_gpt.py", "--steps", "6")
-    assert [losses(resumed)[s] for s in (5, 6)] == [losses(whole)[s] for s in (5, 6)]
+    assert sorted(losses(resumed)) == [5, 6, 7, 8]
+    assert [losses(resumed)[s] for s in (5, 6, 7, 8)] == [losses(whole)[s] for s in (5, 6, 7, 8)]
     assert [losses(first)[s] for s in (1, 2, 3, 4)] == [losses(whole)[s] for s in (1, 2, 3, 4)]
 
 
