@@ -200,13 +200,11 @@ def test_expert_parallel_needs_stage_3_seq_a_dividing_degree_and_experts():
 
 def test_the_command_line_options():
     from zero_fx.plan.__main__ import make_parser
-    from zero_fx.plan.cli import add_expert_parallel_arguments
 
     assert parse_degrees("1,2,4,8") == (1, 2, 4, 8)
     with pytest.raises(argparse.ArgumentTypeError):
         parse_degrees("1,two")
-    parser = make_parser()
-    add_expert_parallel_arguments(parser)
+    parser = make_parser()  # python -m zero_fx.plan's own
     args = parser.parse_args(["--model", "mixtral-8x7b", "--world", "8", "--seq", "64",
                               "--expert-parallel", "1,2", "--hardware", "8xh100-nvlink"])
     assert expert_parallel_options(parser, args) == {"expert_parallel": (1, 2),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli import add_dtype_argument
+from .cli import add_dtype_argument, add_expert_parallel_arguments, expert_parallel_options
 from .models import MODEL_NAMES_HELP, model_source
 from .planner import OPTIMIZER_BYTES, format_report, plan_model
 
@@ -53,6 +53,7 @@ def make_parser() -> argparse.ArgumentParser:
                         help="ranks are on this many nodes: set flat and hybrid sharding (one "
                              "replica per node) side by side, bytes sent within and across nodes")
     parser.add_argument("--buckets", action="store_true", help="list every bucket")
+    add_expert_parallel_arguments(parser)
     return parser
 
 
@@ -71,7 +72,8 @@ def main(argv=None) -> None:
                         dtype=args.dtype, optimizer=args.optimizer,
                         batch=args.batch, seq=args.seq,
                         recompute=None if args.recompute == "none" else args.recompute,
-                        activation_memory_budget=args.activation_budget, nodes=args.nodes)
+                        activation_memory_budget=args.activation_budget, nodes=args.nodes,
+                        **expert_parallel_options(parser, args))
     print(format_report(report, device_memory_gb=args.device_memory, all_buckets=args.buckets))
 
 
