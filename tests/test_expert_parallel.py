@@ -17,6 +17,7 @@ from zero_fx.plan.expert_parallel import ExpertParallel, expert_slices
 from zero_fx.plan.layout import make_plan
 from zero_fx.runtime.expert_groups import split_experts
 from zero_fx.runtime.process_group import World
+from ranks import run_ranks
 
 pytest.importorskip("transformers")
 
@@ -97,3 +98,42 @@ def test_a_step_on_a_fake_world_of_four(fake_world_of_four, tmp_path):
     assert "this rank runs experts 0-1 of each block" in str(step.explain())
     with pytest.raises(NotImplementedError, match="full_state_dict"):
         step.save_checkpoint(str(tmp_path / "checkpoint"))
+
+
+# -- the exchange itself, on 2 gloo ranks ------------------------------------------------------
+
+ROUTES = ([0, 0, 0, 0], [0, 0, 1, 3])
+"""Each rank's 4 tokens' experts (top-1, sorted), of 4 experts: 2 on rank 0, 2 on rank 1."""
+
+
+def exchange_rank(rank: int, world_size: int, capacity_factor) -> tuple:
+    from zero_fx.capture.expert_exchange import dispatch_and_combine
+
+    experts = torch.tensor(ROUTES[rank])
+    rows = (torch.arange(4.0) + 10 * rank + 1).unsqueeze(1).requires_grad_()
+    counts = torch.bincount(experts, minlength=4)
+    first = 2 * rank
+
+    def run_local_experts(received, offs, group_of_row):  # expert e multiplies by e + 1
+        return received * (first + group_of_row + 1).unsqueeze(1).to(received.dtype)
+
+    out = dispatch_and_combine(rows, counts, experts, run_local_experts, degree=2, top_k=1,
+                               group_name=dist.group.WORLD.group_name,
+                               capacity_factor=capacity_factor)
+    out.sum().backward()
+    return out.detach().squeeze(1).tolist(), rows.grad.squeeze(1).tolist()
+
+
+def test_rows_travel_to_their_experts_and_back():
+    results = run_ranks(2, exchange_rank, None)
+    assert results[0] == ([1, 2, 3, 4], [1, 1, 1, 1])        # all expert 0 (x1)
+    assert results[1] == ([11, 12, 26, 56], [1, 1, 2, 4])    # experts 0, 0, 1 (x2), 3 (x4)
+
+
+def test_an_expert_takes_rows_up_to_its_capacity():
+    """Capacity factor 1: each expert takes ceil(1 * 4 tokens * top-1 / 2 local experts) = 2
+    rows, peer by peer ([Note: expert capacity]): expert 0 takes rank 0's first two rows and
+    none of rank 1's; the rows not taken come back zero, with zero gradients."""
+    results = run_ranks(2, exchange_rank, 1.0)
+    assert results[0] == ([1, 2, 0, 0], [1, 1, 0, 0])
+    assert results[1] == ([0, 0, 26, 56], [0, 0, 2, 4])

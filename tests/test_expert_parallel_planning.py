@@ -184,6 +184,25 @@ def test_working_sets_by_degree(planned):
     assert "| 2 | 4 | 4T |" in text and "| 8 | 1 | 8T |" in text
 
 
+def test_a_capacity_factor_sizes_the_buffers_for_its_capacity(planned):
+    """expert_capacity_factor 1: each of a rank's E/P experts takes ceil(T·k·P/E) rows,
+    so the buffer is T·k = 2T rows whatever P ([Note: expert capacity]); the working sets
+    at P > 1 fall below the worst case's, bytes and times do not change."""
+    capped = plan_model(tiny_source(), world_size=WORLD, dtype=torch.bfloat16, seq=SEQ,
+                        expert_parallel=(1, 2, 4, 8), hardware="4x8xh100-ib",
+                        expert_capacity_factor=1.0)
+    worst = {row.degree: row for row in planned.expert_parallel}
+    for row in capped.expert_parallel:
+        assert row.wire_bytes == worst[row.degree].wire_bytes
+        assert row.step_seconds == worst[row.degree].step_seconds
+        if row.degree == 1:
+            assert row.working_set == worst[1].working_set
+        else:
+            assert row.working_set < worst[row.degree].working_set
+    text = format_report(capped)
+    assert "| 4 | 2 | 2T |" in text and "expert_capacity_factor 1" in text
+
+
 def test_expert_parallel_needs_stage_3_seq_a_dividing_degree_and_experts():
     with pytest.raises(ValueError, match="needs stage 3"):
         plan_model(tiny_source(), world_size=WORLD, stage=2, seq=SEQ, expert_parallel=(2,))
@@ -208,7 +227,8 @@ def test_the_command_line_options():
     args = parser.parse_args(["--model", "mixtral-8x7b", "--world", "8", "--seq", "64",
                               "--expert-parallel", "1,2", "--hardware", "8xh100-nvlink"])
     assert expert_parallel_options(parser, args) == {"expert_parallel": (1, 2),
-                                                     "hardware": "8xh100-nvlink"}
+                                                     "hardware": "8xh100-nvlink",
+                                                     "expert_capacity_factor": None}
     for bad in (["--stage", "2"], ["--world", "6"]):
         args = parser.parse_args(["--model", "mixtral-8x7b", "--world", "8", "--seq", "64",
                                   "--expert-parallel", "4", *bad])

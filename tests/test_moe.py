@@ -80,8 +80,12 @@ train_step = models.language_model_step
 
 # -- the distributed runs ---------------------------------------------------------------------
 
-EP_CASES = [(name, 3, "ep2") for name in MOE_MODELS]  # at world size 4
-"""Expert parallelism 2 ([Note: expert parallelism] in zero_fx/plan/expert_parallel.py)."""
+EP_CASES = [("mixtral", 3, "ep2"), ("qwen3_moe", 3, "ep2-capacity")]  # at world size 4
+"""Expert parallelism 2 ([Note: expert parallelism] in zero_fx/plan/expert_parallel.py);
+Qwen3-MoE's with ``expert_capacity_factor`` E / k = 4, the least that never drops a row
+([Note: expert capacity] in zero_fx/capture/expert_exchange.py): the capacity's code path,
+which must then give the same numbers."""
+NO_DROP_CAPACITY = 8 / 2
 
 
 def cases(world_size: int) -> list:
@@ -108,21 +112,23 @@ class CaseFailed:
 
 def moe_case(rank: int, world_size: int, name: str, stage: int, variant: str,
              steps: int) -> dict:
-    """``variant``: "fp32", "bf16" (mixed precision) or "ep2" (expert parallelism 2; its
-    last step counted by ``counting_collectives``)."""
+    """``variant``: "fp32", "bf16" (mixed precision), "ep2" (expert parallelism 2) or
+    "ep2-capacity" (with a capacity factor that drops nothing); the last step counted by
+    ``counting_collectives``."""
     started = time.perf_counter()
     model = build_moe(name, layers=LAYERS)
     opt = models.make_optimizer(model, "sgd")
     step = zero_compile(train_step, stage=stage, backend="aot_eager",
                         mixed_precision=BF16 if variant == "bf16" else None,
-                        expert_parallel=2 if variant == "ep2" else 1)
+                        expert_parallel=2 if variant.startswith("ep2") else 1,
+                        expert_capacity_factor=NO_DROP_CAPACITY if variant == "ep2-capacity" else None)
     losses = [step(model, opt, tokens(i).chunk(world_size)[rank]).item() for i in range(steps - 1)]
     with step.counting_collectives() as counted:
         losses.append(step(model, opt, tokens(steps - 1).chunk(world_size)[rank]).item())
     return {
         "counted": dict(counted.numel),
         "traffic": step.traffic(),
-        "explain": str(step.explain()) if variant == "ep2" else "",
+        "explain": str(step.explain()) if variant.startswith("ep2") else "",
         "held": {n: s.numel() for n, s in step.state.shards.items()},
         "losses": losses,
         "state": step.full_state_dict(cpu_offload=False),
@@ -187,12 +193,13 @@ def test_moe_trains_as_single_process(name, stage, world_size):
     assert_trains_like_eager(name, moe_run(world_size, (name, stage, "fp32")), world_size)
 
 
-@pytest.mark.parametrize("name", MOE_MODELS)
-def test_expert_parallel_trains_as_single_process(name):
+@pytest.mark.parametrize("case", EP_CASES, ids=lambda case: f"{case[0]}-{case[2]}")
+def test_expert_parallel_trains_as_single_process(case):
     """Stage 3, world 4, experts split over 2 ranks: parity with eager, each rank holding
     shards of its half of the experts only, and the all-to-alls in the traffic report,
     counted as they ran."""
-    results = moe_run(4, (name, 3, "ep2"))
+    name, _, variant = case
+    results = moe_run(4, case)
     assert_trains_like_eager(name, results, 4)
     experts = {b.experts: b.num_experts for b in results[0]["moe_blocks"]}
     for rank, r in enumerate(results):
@@ -205,12 +212,15 @@ def test_expert_parallel_trains_as_single_process(name):
         report = r["traffic"]
         assert r["counted"] == report.numel_by_kind(), rank
         exchanges = [c for c in report.collectives if c.kind == "all_to_all"]
-        # per block: the counts and two row exchanges forward, two row exchanges backward
-        assert len(exchanges) == 5 * LAYERS
+        # per block: the counts (and, with a capacity, what was taken) and two row exchanges
+        # forward, two row exchanges backward
+        assert len(exchanges) == (6 if variant == "ep2-capacity" else 5) * LAYERS
         rows = 8 // 4 * models.SEQ * 2  # this rank's tokens, top-2
         hidden = r["state"]["model.embed_tokens.weight"].shape[1]
         assert sorted({c.numel for c in exchanges}) == [8, rows * hidden]
     assert "expert parallelism 2: this rank runs experts 0-3 of each block" in results[0]["explain"]
+    assert ("takes at most 4x an even spread's rows" in results[0]["explain"]) == (
+        variant == "ep2-capacity")
     assert "this rank runs experts 4-7" in results[1]["explain"]
 
 

@@ -137,6 +137,11 @@ def zero_compile(
             the experts per block); tokens travel to their experts' ranks by all-to-all
             and back, and each expert is sharded over the ranks holding it. 1 (default):
             every rank runs every expert.
+        expert_capacity_factor: with ``expert_parallel``: each expert takes at most this
+            many times an even spread's rows, dropping the rest (zero output, GShard's
+            capacity factor), which bounds the received rows' buffer to about this many
+            times the rows a rank sends. None (default): no row dropped, the buffer sized
+            for the worst case, ``expert_parallel`` times larger.
         debug: ``zero_fx.DebugOptions(dump_dir=..., disable_passes=..., check_ranks=...,
             pin_schedule=...)``: graph dumps (default: the ``ZERO_FX_DUMP`` environment
             variable), passes to skip, the ranks' agreement check before each call's

@@ -214,6 +214,12 @@ class ZeroConfig:
     """Stage 3, mixture-of-experts models: split each block's routed experts over this many
     ranks, tokens travelling to their experts' ranks and back ([Note: expert parallelism]
     in zero_fx/plan/expert_parallel.py). 1: every rank runs every expert."""
+    expert_capacity_factor: Optional[float] = None
+    """With ``expert_parallel``: each expert takes at most this many times its share of an
+    even spread of the rows, the rest dropped (zero output, as GShard's capacity factor), so
+    that a rank's buffer of received rows is about this many times the rows it sends
+    ([Note: expert capacity] in zero_fx/capture/expert_exchange.py). None: every row, in a
+    buffer sized for the worst case."""
     debug: DebugOptions = field(default_factory=DebugOptions)
     """Dumps, disabled passes, the ranks' agreement check and Inductor schedule pinning
     (``DebugOptions``)."""
@@ -263,7 +269,8 @@ class ZeroConfig:
                              f"fn(node) -> 'save' | 'recompute'; got {self.recompute!r}")
         self._check_activation_budget()
         check_mesh(self.mesh, self.stage)
-        check_expert_parallel(self.expert_parallel, self.stage, self.mesh)
+        check_expert_parallel(self.expert_parallel, self.stage, self.mesh,
+                              self.expert_capacity_factor)
         if self.init_fn is not None and not callable(self.init_fn):
             raise TypeError(f"init_fn must be a callable init_fn(module), got {type(self.init_fn).__name__}")
 
@@ -459,11 +466,21 @@ def _init_accepting_old_names(self, *args, **kwargs):
 ZeroConfig.__init__ = _init_accepting_old_names
 
 
-def check_expert_parallel(degree, stage: int, mesh) -> None:
+def check_expert_parallel(degree, stage: int, mesh, capacity_factor=None) -> None:
     """An expert-parallel degree zero_fx can run, or an error saying what to choose instead."""
     if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
         raise ValueError(f"expert_parallel must be an int >= 1 (ranks each block's experts are "
                          f"split over; 1: none), got {degree!r}")
+    if capacity_factor is not None:
+        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
+                or not capacity_factor > 0:
+            raise ValueError(f"expert_capacity_factor must be a number > 0 (each expert's rows "
+                             f"as a multiple of an even spread's) or None, got {capacity_factor!r}")
+        if degree == 1:
+            raise ValueError("expert_capacity_factor bounds the rows expert parallelism sends "
+                             "each rank; without it (expert_parallel=1) every rank runs its own "
+                             "rows in fixed shapes and drops none: set expert_parallel too, or "
+                             "leave the factor out")
     if degree == 1:
         return
     if stage != 3:

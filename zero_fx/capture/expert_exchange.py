@@ -14,6 +14,23 @@ op whose shapes are fixed and whose split sizes are values:
   per local expert, ``P * T * min(k, E / P)`` rows: the received buffer has that many,
   the valid rows first, zeros after. Nothing is dropped, whatever the routing.
 
+[Note: expert capacity]
+The received buffer's worst case, ``P * T * min(k, E / P)`` rows, is ``P`` times what an
+even spread of the tokens sends a rank, and the experts' intermediate activations are
+sized like it: at thousands of tokens per rank it costs more memory than splitting the
+experts saves (the planner's expert-parallel table shows it). ``zero_compile(
+expert_capacity_factor=c)`` bounds it as GShard and Switch Transformer do: each expert
+takes at most ``ceil(c * T * k / (E / P))`` rows, ``c`` times its share of an even
+spread over the group's ``P * T * k`` (token, expert) pairs, so a rank's buffer is ``E /
+P`` times that, about ``c * T * k`` rows. After the counts' exchange each rank knows how
+many rows every peer sends each of its experts; it takes them peer by peer (rank 0's
+first) until the expert is full, and a second exchange of counts tells each peer how
+many of its rows were taken: the first ones of each expert, in its token order. A row
+not taken is not sent and its expert output is zero (the token keeps its other experts'
+output and its residual), and so is its gradient. Nothing is dropped when no expert
+receives more than its capacity; an expert receives at most the group's ``P * T`` tokens,
+so ``c >= E / k`` never drops.
+
 Both are custom ops: to the compiler a node with a static output shape that issues its
 collective and waits for it (the schedule does not move it: the rows it sends come from
 the router just before). ``exchange_rows``' gradient is the same exchange the other way
@@ -23,6 +40,9 @@ count for it, so that both are the same on every rank and at every step.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -94,27 +114,63 @@ def _backward(ctx, grad):
 exchange_rows.register_autograd(_backward, setup_context=_setup_context)
 
 
-def dispatch_and_combine(rows: Tensor, counts: Tensor, run_local_experts, *, degree: int,
-                         top_k: int, group_name: str) -> Tensor:
-    """``rows`` (T * k, hidden), sorted by expert, ``counts`` (E,) rows per expert: send each
-    row to the rank holding its expert, run ``run_local_experts(rows, offs, group_of_row)``
-    there on the received rows sorted by local expert, and bring the results back in
-    ``rows``' order ([Note: exchanging rows in fixed shapes])."""
+def expert_capacity(tokens: int, degree: int, experts: int, top_k: int,
+                    capacity_factor: float) -> int:
+    """Rows one expert takes ([Note: expert capacity]): ``capacity_factor`` times its share of
+    an even spread, at most every token of the expert-parallel group."""
+    return min(math.ceil(capacity_factor * tokens * top_k * degree / experts), degree * tokens)
+
+
+def received_rows(tokens: int, degree: int, experts: int, top_k: int,
+                  capacity_factor: Optional[float] = None) -> int:
+    """Rows of a rank's buffer of received rows, for ``tokens`` tokens a rank: the worst
+    case ([Note: exchanging rows in fixed shapes]), or its experts' capacities if smaller
+    ([Note: expert capacity])."""
+    local = experts // degree
+    worst = degree * tokens * min(top_k, local)
+    if capacity_factor is None:
+        return worst
+    return min(worst, local * expert_capacity(tokens, degree, experts, top_k, capacity_factor))
+
+
+def dispatch_and_combine(rows: Tensor, counts: Tensor, expert_of_row: Tensor, run_local_experts,
+                         *, degree: int, top_k: int, group_name: str,
+                         capacity_factor: Optional[float] = None) -> Tensor:
+    """``rows`` (T * k, hidden), sorted by expert (``expert_of_row``), ``counts`` (E,) rows
+    per expert: send each row to the rank holding its expert, run ``run_local_experts(rows,
+    offs, group_of_row)`` there on the received rows sorted by local expert, and bring the
+    results back in ``rows``' order ([Note: exchanging rows in fixed shapes]). With
+    ``capacity_factor``, each expert takes at most its share of the rows ([Note: expert
+    capacity]); a row it does not take comes back zero."""
     local = counts.shape[0] // degree
     tokens = rows.shape[0] // top_k
-    capacity = degree * tokens * min(top_k, local)
-    send = counts.view(degree, local).sum(1)
     received_counts = exchange_counts(counts, group_name)          # (P * El,), peer-major
+    capacity = received_rows(tokens, degree, counts.shape[0], top_k, capacity_factor)
+    if capacity_factor is None:
+        sent_counts, compacted = counts, None
+    else:  # [Note: expert capacity]
+        per_expert = expert_capacity(tokens, degree, counts.shape[0], top_k, capacity_factor)
+        grid = received_counts.view(degree, local)
+        earlier = grid.cumsum(0) - grid                            # earlier peers' rows
+        received_counts = (per_expert - earlier).clamp(min=0).minimum(grid).reshape(-1)
+        sent_counts = exchange_counts(received_counts, group_name)  # (E,): what is taken
+        place = torch.arange(rows.shape[0], device=rows.device) - (counts.cumsum(0) - counts)[expert_of_row]
+        compacted = torch.argsort((place >= sent_counts[expert_of_row]).to(torch.int8), stable=True)
+        rows = rows[compacted]                                     # taken rows first
+    send = sent_counts.view(degree, local).sum(1)
     receive = received_counts.view(degree, local).sum(1)
     received = exchange_rows(rows, send, receive, capacity, group_name)
     # the received rows are peer-major, each peer's sorted by expert: sort them by local
     # expert (stable: a peer's rows keep their order); the zero rows after the valid ones last
     ends = received_counts.cumsum(0)
     segment = torch.searchsorted(ends, torch.arange(capacity, device=rows.device), right=True)
-    expert_of_row = torch.where(segment < ends.shape[0], segment % local, local)
-    order = torch.argsort(expert_of_row, stable=True)
+    local_expert = torch.where(segment < ends.shape[0], segment % local, local)
+    order = torch.argsort(local_expert, stable=True)
     offs = received_counts.view(degree, local).sum(0).cumsum(0).to(torch.int32)
-    group_of_row = expert_of_row[order].clamp(max=local - 1)
+    group_of_row = local_expert[order].clamp(max=local - 1)
     out = run_local_experts(received[order], offs, group_of_row)
     back = torch.empty_like(out).index_copy(0, order, out)          # peer-major again
-    return exchange_rows(back, receive, send, rows.shape[0], group_name)
+    returned = exchange_rows(back, receive, send, rows.shape[0], group_name)
+    if compacted is None:
+        return returned
+    return torch.empty_like(returned).index_copy(0, compacted, returned)  # dropped rows: zero

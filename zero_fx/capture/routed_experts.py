@@ -160,10 +160,13 @@ class LocalExperts:
     degree: int
     first: int
     group_name: str
+    capacity_factor: Optional[float] = None
+    """Rows each expert takes, as a multiple of an even spread's ([Note: expert capacity]
+    in expert_exchange.py); None: every row."""
 
 
 def hold_local_experts(model: nn.Module, blocks: list[RoutedExperts], degree: int, rank: int,
-                       group_name: str) -> None:
+                       group_name: str, capacity_factor: Optional[float] = None) -> None:
     """Expert parallelism: every rewritten block of ``model`` runs only the experts of slice
     ``rank`` of ``degree`` and sends the other rows to their ranks ([Note: expert
     parallelism] in zero_fx/plan/expert_parallel.py); ``degree`` 1 undoes it. ``degree``
@@ -171,7 +174,8 @@ def hold_local_experts(model: nn.Module, blocks: list[RoutedExperts], degree: in
     for info in blocks:
         routed = model.get_submodule(info.experts.rpartition(".")[0]).forward
         routed.parallel = (None if degree == 1 else
-                           LocalExperts(degree, rank * info.num_experts // degree, group_name))
+                           LocalExperts(degree, rank * info.num_experts // degree, group_name,
+                                        capacity_factor))
 
 
 def unrecognised_experts_error(rewrite: ExpertsRewrite, error: CaptureError) -> CaptureError:
@@ -366,9 +370,10 @@ def _mix_experts(block, routed: _RoutedForward, hidden: torch.Tensor, chosen: to
         held = routed.parallel
         local = experts[held.first:held.first + len(experts) // held.degree]
         rows = dispatch_and_combine(
-            hidden[token_of_row], counts,
+            hidden[token_of_row], counts, expert_of_row,
             lambda received, offs, group_of_row: routed.grouped(received, offs, group_of_row, local),
-            degree=held.degree, top_k=k, group_name=held.group_name)
+            degree=held.degree, top_k=k, group_name=held.group_name,
+            capacity_factor=held.capacity_factor)
     rows = rows * weights.reshape(-1)[order].unsqueeze(-1)
     out = torch.zeros(tokens, hidden.shape[-1], dtype=out_dtype, device=hidden.device)
     return out.index_add(0, token_of_row, rows.to(out_dtype))

@@ -156,7 +156,10 @@ def _moe_lines(plan, moe_blocks: Sequence[RoutedExperts]) -> list[str]:
             f"experts and back (all_to_all over its {parallel.degree} ranks, group "
             f"{parallel.group_name!r}); its experts' weights are sharded over the "
             f"{parallel.data_size} rank(s) that hold the same experts (group "
-            f"{parallel.data_group_name!r}); every other parameter over all {plan.world_size}")
+            f"{parallel.data_group_name!r}); every other parameter over all {plan.world_size}"
+            + ("" if parallel.capacity_factor is None else
+               f"; each expert takes at most {parallel.capacity_factor:g}x an even spread's "
+               f"rows (expert_capacity_factor), the rest dropped"))
     return lines
 
 

@@ -57,6 +57,10 @@ def add_expert_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stage 3, mixture-of-experts models, with --seq: compare these "
                              "degrees of expert parallelism (each divides --world and a block's "
                              "experts): peak per rank, bytes per rank and step time")
+    parser.add_argument("--expert-capacity-factor", type=float, default=None, metavar="C",
+                        help="with --expert-parallel: size the buffers of received rows for "
+                             "zero_compile(expert_capacity_factor=C) (rows past an expert's "
+                             "capacity dropped) instead of the worst case")
     parser.add_argument("--hardware", default=None, choices=sorted(PRESETS),
                         help="cost-model preset for --expert-parallel's step times (default "
                              "8xh100-nvlink up to 8 ranks, else 4x8xh100-ib: nodes of 8)")
@@ -76,4 +80,9 @@ def expert_parallel_options(parser: argparse.ArgumentParser, args) -> dict:
         uneven = [p for p in degrees if args.world % p]
         if uneven:
             parser.error(f"--expert-parallel {uneven[0]} does not divide --world {args.world}")
-    return {"expert_parallel": degrees, "hardware": args.hardware}
+    factor = args.expert_capacity_factor
+    if factor is not None and (not degrees or factor <= 0):
+        parser.error(f"--expert-capacity-factor {factor} goes with --expert-parallel and must "
+                     "be > 0")
+    return {"expert_parallel": degrees, "hardware": args.hardware,
+            "expert_capacity_factor": factor}

@@ -28,7 +28,7 @@ Only stage 3 splits experts: stages 0-2 keep every parameter whole on every rank
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Optional
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,9 @@ class ExpertParallel:
     """This rank's place in its expert-data-parallel group."""
     data_group_name: str
     """The expert-data-parallel group: expert weights are sharded and reduced over it."""
+    capacity_factor: Optional[float] = None
+    """Rows each expert takes, as a multiple of an even spread's ([Note: expert capacity] in
+    zero_fx/capture/expert_exchange.py); None: every row."""
     slices: Mapping[str, int] = field(default_factory=dict)
     """Each routed expert's parameter name -> the slice (expert-parallel place) that holds it."""
 

@@ -249,6 +249,11 @@ class PlanReport:
     """With ``expert_parallel`` degrees: each one's peak, bytes and step time."""
     hardware: str = ""
     """The cost model's hardware the step times are for (with ``expert_parallel``)."""
+    tokens_per_rank: int = 0
+    """Batch times sequence length of the traced working set (0 without ``seq``)."""
+    expert_capacity_factor: Optional[float] = None
+    """With ``expert_parallel``: the experts' capacity factor the buffers are sized for
+    ([Note: expert capacity] in zero_fx/capture/expert_exchange.py); None: the worst case."""
 
     @property
     def peak_bytes(self) -> Optional[float]:
@@ -269,14 +274,16 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
                batch: Optional[int] = None, seq: Optional[int] = None,
                recompute: Optional[str] = None,
                activation_memory_budget: Optional[float] = None, nodes: int = 1,
-               expert_parallel: Sequence[int] = (), hardware: Optional[str] = None
-               ) -> PlanReport:
+               expert_parallel: Sequence[int] = (), hardware: Optional[str] = None,
+               expert_capacity_factor: Optional[float] = None) -> PlanReport:
     """Plan ``source``'s model on ``world_size`` ranks; trace the working set when ``seq`` is
     given, with ``recompute`` (and its budget) as ``zero_compile`` takes them. ``nodes`` > 1:
     also set flat and hybrid sharding side by side ([Note: what the planner counts]).
     ``expert_parallel``: degrees of expert parallelism to compare (stage 3, with ``seq``),
     their step times on ``hardware`` (a cost-model preset; default 8xH100 over NVLink up
-    to 8 ranks, nodes of 8 over InfiniBand above; [Note: planning expert parallelism])."""
+    to 8 ranks, nodes of 8 over InfiniBand above; [Note: planning expert parallelism]),
+    their buffers of received rows sized by ``expert_capacity_factor`` (None: the worst
+    case; [Note: expert capacity] in zero_fx/capture/expert_exchange.py)."""
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     if nodes < 1 or world_size % nodes:
@@ -312,12 +319,14 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
     if degrees:
         _check_degrees(degrees, world_size, report.experts)
         report.hardware = hardware or ("8xh100-nvlink" if world_size <= 8 else "4x8xh100-ib")
+        report.expert_capacity_factor = expert_capacity_factor
     if seq is not None:
+        report.tokens_per_rank = (batch or 1) * seq
         traced, report.working_set_how = _working_set(
             source, world_size=world_size, stage=stage, dtype=dtype, batch=batch or 1, seq=seq,
             recompute={"recompute": recompute, **_budget_option(activation_memory_budget)},
             experts=report.experts if degrees else None, degrees=degrees,
-            hardware=report.hardware)
+            hardware=report.hardware, capacity_factor=expert_capacity_factor)
         report.working_set = traced[1]
         if degrees:
             report.expert_parallel = [
@@ -388,8 +397,20 @@ _TOKEN_MOVES = ("index", "scatter", "gather", "sort")
 stops at them ([Note: planning expert parallelism])."""
 
 
+def _buffer_rows(tokens: int, degree: int, experts: int, top_k: int,
+                 capacity_factor: Optional[float]) -> int:
+    """A rank's rows of the expert computation: its T*k without expert parallelism, else
+    the buffer of received rows ([Note: expert capacity])."""
+    from ..capture.expert_exchange import received_rows
+
+    if degree == 1:
+        return tokens * top_k
+    return received_rows(tokens, degree, experts, top_k, capacity_factor)
+
+
 def _peaks_by_degree(gm: GraphModule, plan: ShardPlan, experts: ExpertBlocks, tokens: int,
-                     degrees: Sequence[int]) -> dict[int, float]:
+                     degrees: Sequence[int], capacity_factor: Optional[float] = None
+                     ) -> dict[int, float]:
     """The working set of ``gm`` (traced without expert parallelism) priced again for each
     degree ([Note: planning expert parallelism])."""
     from ..passes.predicates import carried_params
@@ -420,7 +441,7 @@ def _peaks_by_degree(gm: GraphModule, plan: ShardPlan, experts: ExpertBlocks, to
             scale = 1 - share + share / p
             if rows is not None:
                 e, k = rows
-                scale *= p * min(k, e // p) / k  # C / (T * k)
+                scale *= _buffer_rows(tokens, p, e, k, capacity_factor) / (tokens * k)
             change[first] += nbytes * scale
             change[last + 1] -= nbytes * scale
         alive, peak = 0.0, 0.0
@@ -520,7 +541,8 @@ def _buckets(plan: ShardPlan, item: int) -> dict[str, list[Bucket]]:
 
 def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: torch.dtype,
                  batch: int, seq: int, recompute: dict, experts: Optional[ExpertBlocks] = None,
-                 degrees: Sequence[int] = (), hardware: str = "") -> tuple[dict, str]:
+                 degrees: Sequence[int] = (), hardware: str = "",
+                 capacity_factor: Optional[float] = None) -> tuple[dict, str]:
     """The working set extrapolated to the model's depth, ``{1: bytes}``; with ``experts``,
     also each degree of ``degrees`` and the cost model's ``"compute"`` seconds on
     ``hardware`` ([Note: planning expert parallelism])."""
@@ -536,7 +558,8 @@ def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: tor
             return {1: float(max(memory_timeline(gm).transient))}
         from ..analysis.cost_model import replay
 
-        out: dict = _peaks_by_degree(gm, plan, experts, batch * seq, sorted({1, *degrees}))
+        out: dict = _peaks_by_degree(gm, plan, experts, batch * seq, sorted({1, *degrees}),
+                                     capacity_factor)
         out["compute"] = replay(gm, plan, hardware).estimate.compute_seconds
         return out
 
@@ -685,9 +708,10 @@ def _format_expert_parallel(report: PlanReport, device_memory_gb: Optional[float
              "| step (compute, collectives, exchanges) |",
              "|---|---|---|---|---|---|---|---|---|"]
     _, n, k, _ = e.routed[-1]
+    t = report.tokens_per_rank
     for row in report.expert_parallel:
         p = row.degree
-        rows = f"{p * min(k, n // p)}T" if p > 1 else f"{k}T"
+        rows = f"{_buffer_rows(t, p, n, k, report.expert_capacity_factor) / t:g}T"
         fits = ("" if device_memory_gb is None else
                 " (fits)" if row.peak_bytes <= device_memory_gb * GB else " (does NOT fit)")
         lines.append(
@@ -697,8 +721,12 @@ def _format_expert_parallel(report: PlanReport, device_memory_gb: Optional[float
             f"{row.traffic['all_to_all'] / GB:.2f} GB | {row.wire_bytes / GB:.2f} GB | "
             f"{1e3 * row.step_seconds:.0f} ms ({1e3 * row.compute_seconds:.0f}, "
             f"{1e3 * row.collective_seconds:.0f}, {1e3 * row.exchange_seconds:.1f}) |")
+    buffer = ("the worst case, P·T·min(k, E/P) rows" if report.expert_capacity_factor is None
+              else f"the experts' capacity at expert_capacity_factor "
+                   f"{report.expert_capacity_factor:g}, about {report.expert_capacity_factor:g}"
+                   f"·T·k rows (rows past it dropped)")
     lines.append(f"T = {tokens} tokens per rank. Model states are the same for every P. The "
-                 "buffer of received rows is the worst case, P·T·min(k, E/P) rows; all-to-all "
+                 f"buffer of received rows is {buffer}; all-to-all "
                  "counts the token side, 4 exchanges of T·k rows per block, of which a rank "
                  "sends (P-1)/P. The step is max(compute, collectives) + exchanges.")
     return lines

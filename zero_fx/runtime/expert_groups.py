@@ -14,10 +14,11 @@ from .process_group import World, world_timeout
 
 
 def split_experts(model: torch.nn.Module, blocks: Sequence[RoutedExperts], world: World,
-                  degree: int) -> Optional[ExpertParallel]:
+                  degree: int, capacity_factor: Optional[float] = None) -> Optional[ExpertParallel]:
     """Expert parallelism of ``degree`` over ``world``: make its groups (on every rank, in
-    the same order), point each block's forward at this rank's experts, and say which rank
-    holds which expert. None for ``degree`` 1."""
+    the same order), point each block's forward at this rank's experts (each taking at most
+    ``capacity_factor`` times an even spread's rows: [Note: expert capacity]), and say which
+    rank holds which expert. None for ``degree`` 1."""
     if degree == 1:
         return None
     if not blocks:
@@ -49,7 +50,9 @@ def split_experts(model: torch.nn.Module, blocks: Sequence[RoutedExperts], world
     parallel = ExpertParallel(
         degree=degree, rank=world.rank % degree, group_name=mine_parallel.group_name,
         data_size=size, data_rank=world.rank // degree, data_group_name=mine_data.group_name,
+        capacity_factor=capacity_factor,
         slices=expert_slices({b.experts: b.num_experts for b in blocks},
                              [n for n, _ in model.named_parameters()], degree))
-    hold_local_experts(model, list(blocks), degree, parallel.rank, parallel.group_name)
+    hold_local_experts(model, list(blocks), degree, parallel.rank, parallel.group_name,
+                       capacity_factor)
     return parallel

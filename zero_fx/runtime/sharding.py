@@ -62,7 +62,8 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     rebound to shards. ``moe_blocks``: the model's rewritten mixture-of-experts blocks,
     whose experts ``config.expert_parallel`` splits over ranks."""
     world = world_of(config.mesh, config.stage)
-    experts = split_experts(model, moe_blocks, world, config.expert_parallel)
+    experts = split_experts(model, moe_blocks, world, config.expert_parallel,
+                            config.expert_capacity_factor)
     check_devices_match_backend(model.parameters())
     device = training_device(model.parameters())
     check_current_cuda_device(device)
