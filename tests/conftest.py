@@ -10,14 +10,24 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture
-def fake_world_of_two():
-    """A fake process group of two ranks in this process (shapes real, values not)."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+def _fake_world(size: int):
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def fake_world_of_two():
+    """A fake process group of two ranks in this process (shapes real, values not)."""
+    yield from _fake_world(2)
+
+
+@pytest.fixture
+def fake_world_of_four():
+    """A fake process group of four ranks in this process (shapes real, values not)."""
+    yield from _fake_world(4)
 
 
 CUDA_SKIP_REASON = ("the cuda tier needs a CUDA GPU and torch sees none; on a GPU machine "

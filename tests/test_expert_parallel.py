@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import models
 from zero_fx import ZeroConfig
@@ -70,15 +69,6 @@ def test_the_plan_shards_experts_over_the_ranks_that_hold_them():
     assert plan.shard_numel == 15 + 15 + 8  # what this rank holds
     assert plan.shard_rank(names[3]) == 0 and plan.shard_rank(names[4]) == 1
     assert plan.buckets(names) == [names[:4], names[4:]]  # experts apart from the rest
-
-
-@pytest.fixture
-def fake_world_of_four():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_step_on_a_fake_world_of_four(fake_world_of_four, tmp_path):
