@@ -76,7 +76,7 @@ def test_a_step_on_a_fake_world_of_four(fake_world_of_four, tmp_path):
     counts stand for every peer's). Rank 0 holds experts 0-1 of 4, gathers them over its
     2-rank expert-data-parallel group, and exchanges T*k rows per block 4 times a step;
     sharded checkpoints are refused, saying what to do instead."""
-    step, _ = models.mixtral_after_one_step(layers=1, experts=4, expert_parallel=2)
+    step, model = models.mixtral_after_one_step(layers=1, experts=4, expert_parallel=2)
     held = {n: s.numel() for n, s in step.state.shards.items() if ".experts." in n}
     assert {n.split(".experts.")[1].split(".")[0] for n, numel in held.items() if numel} == {"0", "1"}
     report = step.traffic()
@@ -88,6 +88,13 @@ def test_a_step_on_a_fake_world_of_four(fake_world_of_four, tmp_path):
     assert "this rank runs experts 0-1 of each block" in str(step.explain())
     with pytest.raises(NotImplementedError, match="full_state_dict"):
         step.save_checkpoint(str(tmp_path / "checkpoint"))
+    # whole values of every expert, this rank's and the others' (shapes: the group is fake)
+    expected = {n: p.shape for n, p in model.named_parameters()}
+    for offload in (True, False):
+        whole = step.full_state_dict(cpu_offload=offload)
+        assert {n: whole[n].shape for n in expected} == expected
+    with step.gathered_parameters():
+        assert all(p.untyped_storage().nbytes() for p in model.parameters())
 
 
 # -- the exchange itself, on 2 gloo ranks ------------------------------------------------------
