@@ -59,7 +59,7 @@ take about a third less than with two (blocks sharing compiled bodies are
 tests/test_regions.py's). The other tests build two."""
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32)
 BF16_TOLERANCES = (5e-5, 9e-3)  # loss, worst master: tests/test_mixed_precision.py's
-BF16_CASE = ("mixtral", 3, "bf16")  # at world size 2
+BF16_CASES = [("mixtral", 3, "bf16"), ("mixtral", 3, "bf16-ep2")]  # at world size 2
 
 
 def build_moe(name: str, seed: int = 0, layers: int = 2) -> nn.Module:
@@ -90,7 +90,7 @@ NO_DROP_CAPACITY = 8 / 2
 
 def cases(world_size: int) -> list:
     fp32 = [(name, stage, "fp32") for name in MOE_MODELS for stage in STAGES]
-    return fp32 + ([BF16_CASE] if world_size == 2 else EP_CASES)
+    return fp32 + (BF16_CASES if world_size == 2 else EP_CASES)
 
 
 def moe_rank(rank: int, world_size: int, case_list: list, steps: int) -> dict:
@@ -112,15 +112,15 @@ class CaseFailed:
 
 def moe_case(rank: int, world_size: int, name: str, stage: int, variant: str,
              steps: int) -> dict:
-    """``variant``: "fp32", "bf16" (mixed precision), "ep2" (expert parallelism 2) or
-    "ep2-capacity" (with a capacity factor that drops nothing); the last step counted by
-    ``counting_collectives``."""
+    """``variant``: "fp32", "bf16" (mixed precision), "ep2" (expert parallelism 2),
+    "ep2-capacity" (with a capacity factor that drops nothing) or "bf16-ep2"; the last step
+    counted by ``counting_collectives``."""
     started = time.perf_counter()
     model = build_moe(name, layers=LAYERS)
     opt = models.make_optimizer(model, "sgd")
     step = zero_compile(train_step, stage=stage, backend="aot_eager",
-                        mixed_precision=BF16 if variant == "bf16" else None,
-                        expert_parallel=2 if variant.startswith("ep2") else 1,
+                        mixed_precision=BF16 if variant.startswith("bf16") else None,
+                        expert_parallel=2 if "ep2" in variant else 1,
                         expert_capacity_factor=NO_DROP_CAPACITY if variant == "ep2-capacity" else None)
     losses = [step(model, opt, tokens(i).chunk(world_size)[rank]).item() for i in range(steps - 1)]
     with step.counting_collectives() as counted:
@@ -260,10 +260,12 @@ def test_router_aux_loss_is_in_the_objective(name):
         assert without_aux[gate] > 100 * PARITY >= 100 * with_aux[gate], gate
 
 
-def test_moe_bf16_trains_like_fp32():
+@pytest.mark.parametrize("case", BF16_CASES, ids=lambda case: case[2])
+def test_moe_bf16_trains_like_fp32(case):
     """bf16 compute (torch._grouped_mm) with fp32 masters, against the fp32 reference,
-    within the dense bf16 tests' bounds."""
-    results = moe_run(2, BF16_CASE)
+    within the dense bf16 tests' bounds; also with expert parallelism (the rows exchanged
+    in bf16)."""
+    results = moe_run(2, case)
     errors = errors_against(results, reference_run("mixtral", 2))
     loss_tolerance, param_tolerance = BF16_TOLERANCES
     assert errors.pop("loss") < loss_tolerance
