@@ -62,14 +62,15 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
     kept = set()
     for placeholder in params:
         layout = plan.layout(param_name(placeholder))
+        ranks, group = plan.collective_group(layout.name)
         full_val = placeholder.meta["val"]
         placeholder.meta["val"] = full_val.new_empty(layout.shard_numel, dtype=layout.dtype)
         gather = functools.partial(
             gather_bucket,
             numels=[layout.numel],
             shapes=[layout.shape],
-            world_size=plan.collective_group(layout.name)[0],
-            group_name=plan.collective_group(layout.name)[1],
+            world_size=ranks,
+            group_name=group,
             dtype=plan.compute_dtype,
         )
         users_by_phase = _users_by_phase(placeholder)

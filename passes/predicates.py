@@ -69,11 +69,13 @@ def is_token_exchange(node: Node) -> bool:
     """An all-to-all of expert parallelism ([Note: exchanging rows in fixed shapes] in
     zero_fx/capture/expert_exchange.py): it issues and waits for its collective itself, so
     the passes that move collectives leave it where it is."""
-    return node.op == "call_function" and getattr(node.target, "namespace", None) == "zero_fx" \
-        and getattr(node.target, "_opname", "") in TOKEN_EXCHANGE_OPS
+    return node.op == "call_function" and is_token_exchange_op(node.target)
 
 
-TOKEN_EXCHANGE_OPS = ("exchange_counts", "exchange_rows")
+def is_token_exchange_op(op) -> bool:
+    """``op`` (an OpOverload, or any callable) is one of expert parallelism's all-to-alls."""
+    return getattr(op, "namespace", None) == "zero_fx" and \
+        getattr(op, "_opname", "") in ("exchange_counts", "exchange_rows")
 
 
 def token_exchange_numel(rows_in, rows_out) -> int:

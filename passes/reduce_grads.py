@@ -59,15 +59,14 @@ def reduction(plan, names) -> functools.partial:
         return functools.partial(all_reduce_bucket, world_size=plan.world_size,
                                  group_name=plan.group_name, dtype=plan.reduce_dtype,
                                  averages=plan.collectives_average)
-    if plan.is_expert(names[0]):  # [Note: expert parallelism] in zero_fx/plan/expert_parallel.py
-        size, group = plan.collective_group(names[0])
-        return functools.partial(reduce_scatter_bucket,
-                                 paddings=[plan.layout(n).padding for n in names],
-                                 world_size=size, group_name=group, dtype=plan.reduce_dtype,
-                                 mean_over=plan.ranks_averaged)
+    # a routed expert's bucket runs on its expert-data-parallel group, but its mean is over
+    # every rank, which the collective's own average would not give ([Note: expert
+    # parallelism] in zero_fx/plan/expert_parallel.py)
+    size, group = plan.collective_group(names[0])
     return functools.partial(reduce_scatter_bucket,
                              paddings=[plan.layout(n).padding for n in names],
-                             world_size=plan.world_size, group_name=plan.group_name,
+                             world_size=size, group_name=group,
                              dtype=plan.reduce_dtype, replicas=plan.replicas,
                              replicate_group_name=plan.replicate_group_name,
-                             averages=plan.collectives_average)
+                             averages=plan.collectives_average and not plan.is_expert(names[0]),
+                             mean_over=plan.ranks_averaged)

@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..passes.predicates import TOKEN_EXCHANGE_OPS, token_exchange_numel
+from ..passes.predicates import is_token_exchange_op, token_exchange_numel
 from .traffic import ALL_TO_ALL, KINDS
 
 _c10d = torch.ops._c10d_functional
@@ -31,7 +31,7 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.namespace == "zero_fx" and func._opname in TOKEN_EXCHANGE_OPS:
+        if is_token_exchange_op(func):
             numel = token_exchange_numel(args[0], out)
             self.numel[ALL_TO_ALL] += numel
             self.bytes[ALL_TO_ALL] += numel * args[0].element_size()

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..plan import ShardPlan
-from ..plan.layout import cut_shard
+from ..plan.layout import plan_shard
 from . import hf
 from .events import construction_events
 from .model_tensors import ModelTensor, model_tensors, own_slots
@@ -131,8 +131,7 @@ class _Sink:
         """``full``: the tensor's whole value, on any device (this call may free it); what
         this rank keeps of it goes to ``self.device``."""
         if self.sharded(mt):
-            shard = (cut_shard(full, self.plan.layout(mt.name), self.plan.shard_rank(mt.name))
-                     if self.plan.holds(mt.name) else full.new_empty(0))
+            shard = plan_shard(self.plan, mt.name, full)
             self.masters[mt.name] = shard.to(self.device)
             _free(full)
             if mt.is_meta:  # the parameter keeps its shape, not its values

@@ -388,6 +388,15 @@ def plan_for_module(
     )
 
 
+def plan_shard(plan: ShardPlan, name: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a tensor shaped like parameter ``name``: its slice among the
+    parameter's ranks, or empty for a routed expert another rank holds ([Note: expert
+    parallelism] in expert_parallel.py)."""
+    if not plan.holds(name):
+        return full.detach().new_empty(0)
+    return cut_shard(full, plan.layout(name), plan.shard_rank(name))
+
+
 def cut_shard(full: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
     """This rank's flat, padded slice of a parameter-shaped tensor (a fresh copy); ``rank``:
     its place among the parameter's ranks (``ShardPlan.shard_rank``)."""

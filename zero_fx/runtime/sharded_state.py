@@ -12,7 +12,7 @@ from ..formatting import format_bytes
 from ..passes.collective_code import gather_bucket
 from ..passes.reduce_grads import reduction
 from ..plan import ShardPlan
-from ..plan.layout import cut_shard
+from ..plan.layout import plan_shard
 from .optimizer import check_elementwise, rebind_to_shards
 from .process_group import World
 
@@ -78,13 +78,13 @@ class ShardedState:
         for name, param in self.params.items():
             master = masters.get(name)
             if master is None:
-                master = (param.detach().clone() if plan.replicated else self._cut(name, param))
+                master = (param.detach().clone() if plan.replicated else plan_shard(plan, name, param))
             self.shards[name] = torch.nn.Parameter(master, requires_grad=param.requires_grad)
         rebind_to_shards(
             optimizer,
             {param: self.shards[name] for name, param in self.params.items()},
             lambda param, tensor: (tensor.detach().clone() if plan.replicated else
-                                   self._cut(self._name_of[id(param)], tensor)),
+                                   plan_shard(plan, self._name_of[id(param)], tensor)),
         )
         with torch.no_grad():
             for param in self.params.values():
@@ -101,13 +101,6 @@ class ShardedState:
         for module in model.modules():
             if any(True for _ in module.parameters()):
                 module._apply = RefuseConversion(module)
-
-    def _cut(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a tensor shaped like parameter ``name``: empty for a routed
-        expert another rank holds ([Note: expert parallelism] in zero_fx/plan/expert_parallel.py)."""
-        if not self.plan.holds(name):
-            return full.detach().new_empty(0)
-        return cut_shard(full, self.plan.layout(name), self.plan.shard_rank(name))
 
     @property
     def shards_are_params(self) -> bool:
