@@ -23,6 +23,11 @@ LOSS_SCALE_META = "zero_loss_scale"
 """Placeholder meta key: this input is the loss scale (``scale_loss``), not a step argument."""
 GRAD_SLOTS_META = "zero_grad_slots"
 """GraphModule meta key: ``{output index: parameter name}`` for the gradient outputs."""
+TP_COLLECTIVE_META = "zero_tp_collective"
+"""Node meta key: a collective (or its wait) that tensor parallelism (DTensor) put in the
+step, on the "tp" group the value names ([Note: capturing a tensor-parallel step] in
+zero_fx/capture/tensor_parallel.py). ZeRO's predicates below do not match it: it is data,
+moved by no pass, like compute."""
 KEPT_THROUGH_LOSS_META = "zero_kept_through_loss"
 """GraphModule meta key: the stage-3 parameters whose forward gather also serves the
 backward (``gather_params``, [Note: a weight kept through the loss])."""
@@ -46,7 +51,12 @@ def phase_of(node: Node) -> Phase:
 
 
 def _target_is(node: Node, *ops) -> bool:
-    return node.op == "call_function" and node.target in ops
+    return node.op == "call_function" and node.target in ops and TP_COLLECTIVE_META not in node.meta
+
+
+def is_tensor_parallel_collective(node: Node) -> bool:
+    """A collective (not its wait) that tensor parallelism put in the step."""
+    return TP_COLLECTIVE_META in node.meta and node.target != _c10d.wait_tensor.default
 
 
 def is_all_gather(node: Node) -> bool:

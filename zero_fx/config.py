@@ -504,14 +504,24 @@ def check_mesh(mesh, stage: int) -> None:
                         f"got {type(mesh).__name__}")
     if mesh.ndim == 1:
         return
-    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != ("replicate", "shard"):
-        raise ValueError(f"mesh must be 1-D (flat sharding) or 2-D with mesh_dim_names=('replicate', "
-                         f"'shard') (hybrid sharding); got a {mesh.ndim}-D mesh named "
+    names = tuple(mesh.mesh_dim_names or ())
+    if names not in MESH_DIM_NAMES:
+        raise ValueError(f"mesh must be 1-D (flat sharding) or named {' or '.join(map(str, MESH_DIM_NAMES))} "
+                         f"(hybrid sharding, tensor parallelism); got a {mesh.ndim}-D mesh named "
                          f"{mesh.mesh_dim_names}: init_device_mesh(device, (replicas, shards), "
-                         f"mesh_dim_names=('replicate', 'shard'))")
-    if mesh.size(1) == 1 and stage != 0:
+                         f"mesh_dim_names=('replicate', 'shard')), or (shards, tp) named "
+                         f"('shard', 'tp') with the model parallelized over mesh['tp']")
+    if "tp" in names and stage == 0:
+        raise ValueError("stage 0 with a tensor-parallel mesh is not supported: use stage 1, 2 or "
+                         "3 (ZeRO over the 'shard' dimension), or a mesh without 'tp'")
+    if mesh.size(names.index("shard")) == 1 and stage != 0 and "tp" not in names:
         raise ValueError(f"the mesh's shard dimension has one rank, so stage {stage} would shard "
                          f"nothing: use stage=0 (every rank a replica), or more ranks per shard group")
+
+
+MESH_DIM_NAMES = (("replicate", "shard"), ("shard", "tp"), ("replicate", "shard", "tp"))
+"""The multi-dimensional meshes zero_fx runs on: hybrid sharding ([Note: hybrid sharding] in
+zero_fx/runtime/process_group.py), ZeRO over tensor parallelism, and both."""
 
 
 def describe_backend(backend: Any) -> str:

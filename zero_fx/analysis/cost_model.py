@@ -28,6 +28,7 @@ Each node of the rewritten graph gets a duration from its shapes alone:
   (P-1)/P of them: ``link_latency + (P-1)/P·B / link_bandwidth``, at the network's speed
   when the group spans nodes (P above ``ranks_per_node``). It issues and waits for its
   collective itself, so nothing hides it: compute stands blocked for all of it.
+- tensor parallelism ([Note: pricing tensor parallelism] below).
 
 The graph is then replayed in its order on two streams: compute runs nodes one
 after another; communication runs collectives one after another (as one NCCL
@@ -45,6 +46,23 @@ Peak memory: the bytes of every tensor the graph creates, alive from its node
 to its last reader (a collective's input until its wait; a view is its base),
 on top of what lives through the step: the graph's inputs (shards or
 parameters, the batch) and the optimizer state.
+
+[Note: pricing tensor parallelism]
+Megatron-LM's tensor parallelism over T ranks (``python -m zero_fx.plan --tp T``; [Note:
+planning tensor parallelism] in zero_fx/plan/planner.py) splits each block's attention and
+MLP products by columns then rows, so a block's forward ends each of its two halves with
+an all-reduce of the block's activations, b·s·h elements, and its backward does the same
+for their gradients: 4 per block (``TP_COLLECTIVES_PER_BLOCK``), 2 more where recompute
+runs the forward again, and 2 for the vocabulary-parallel embedding (its output) and head
+(its input's gradient). With sequence parallelism each all-reduce becomes an all-gather
+before the column-parallel product and a reduce-scatter after the row-parallel one: the
+same bytes on the wire, so the same time. A rank sends 2(T-1)/T of each collective's
+bytes: ``tensor_parallel_seconds`` is an all-reduce's ring over the tensor-parallel group,
+T consecutive ranks (within a node while T <= ``ranks_per_node``). Nothing hides them:
+the next product needs the sum, so compute stands blocked for all of them (exposed).
+ZeRO's gathers and reduce-scatters then carry each rank's 1/T piece over the data-parallel
+group, the W/T ranks at stride T (``data_parallel_ranks``), which spans nodes as soon as
+W/T ranks do not fit on one.
 
 It is a model: no fusion (Inductor fuses elementwise ops, so memory-bound time
 is an upper bound), no contention between the streams beyond the share that
@@ -332,6 +350,25 @@ def ring_seconds(nbytes: int, ranks: range, hw: Hardware) -> float:
         return 0.0
     bandwidth, latency = hw.link(ranks)
     return (n - 1) * (latency + nbytes / n / bandwidth)
+
+
+TP_COLLECTIVES_PER_BLOCK = 4
+"""Megatron's all-reduces of b·s·h elements per transformer block and step: 2 forward, 2
+backward ([Note: pricing tensor parallelism])."""
+
+
+def tensor_parallel_seconds(nbytes: int, degree: int, hw: Hardware) -> float:
+    """One of tensor parallelism's block collectives, ``nbytes`` = b·s·h activations, over
+    the ``degree`` consecutive ranks of a tensor-parallel group: an all-reduce (a
+    reduce-scatter and an all-gather), or with sequence parallelism an all-gather and a
+    reduce-scatter, which take the same time ([Note: pricing tensor parallelism])."""
+    return 2 * ring_seconds(nbytes, range(degree), hw)
+
+
+def data_parallel_ranks(world_size: int, tensor_parallel: int) -> range:
+    """The first data-parallel group of a (dp, tp) mesh whose tensor-parallel groups are
+    consecutive ranks: the ranks at stride ``tensor_parallel``."""
+    return range(0, world_size, tensor_parallel)
 
 
 def all_to_all_seconds(nbytes: int, ranks: range, hw: Hardware) -> float:

@@ -25,6 +25,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..passes.predicates import GRAD_SLOTS_META, PARAM_META
 from ..passes.splice import outside_dynamo_tracing, trace_to_aten
 from .inline_checkpoints import inline_checkpoints
+from ..plan.tensor_parallel import local_tensor
+from .tensor_parallel import has_dtensors, mark_tensor_parallel, over_local_tensors
 
 aten = torch.ops.aten
 
@@ -48,6 +50,7 @@ def capture_step_graph(
     checkpointed = inline_checkpoints(dynamo_gm)
     gm = _trace(dynamo_gm, example_inputs)
     gm.meta[CHECKPOINTED_META] = checkpointed
+    mark_tensor_parallel(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     sources = [n.name for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
     for node, name, source in zip(placeholders, param_names, sources):
@@ -68,7 +71,17 @@ def capture_step_graph(
 
 
 def _trace(dynamo_gm: GraphModule, example_inputs: Sequence) -> GraphModule:
-    """``make_fx`` of dynamo's graph on fakes: forward and backward as aten ops."""
+    """``make_fx`` of dynamo's graph on fakes: forward and backward as aten ops (over the
+    local tensors of a tensor-parallel model's DTensors: [Note: capturing a tensor-parallel
+    step] in tensor_parallel.py)."""
+    step = dynamo_gm
+    if has_dtensors(example_inputs):
+        if has_dynamic_shapes(dynamo_gm):
+            raise CaptureError("a tensor-parallel model (DTensor parameters) with dynamic shapes "
+                               "is not supported yet: feed batches of one shape (no "
+                               "torch._dynamo.mark_dynamic)")
+        step = over_local_tensors(dynamo_gm, example_inputs)
+        example_inputs = [local_tensor(v) for v in example_inputs]
     if has_dynamic_shapes(dynamo_gm):
         # [Note: dynamic shapes]
         # Traced on fakes of dynamo's own fake mode, whose symbolic sizes have
@@ -76,14 +89,14 @@ def _trace(dynamo_gm: GraphModule, example_inputs: Sequence) -> GraphModule:
         # size becomes one of dynamo's guards, checked on every call.
         fakes = fakes_like_dynamo(example_inputs)
         with torch._guards.TracingContext.get().fake_mode:
-            return trace_to_aten(dynamo_gm)(*fakes)
+            return trace_to_aten(step)(*fakes)
     # A fresh fake mode with static shapes, outside dynamo's tracing context:
     # anything our passes compute on shapes must not become a dynamo guard.
     with outside_dynamo_tracing():
         fake_mode = FakeTensorMode()
         fakes = static_fakes(example_inputs, fake_mode)
         with fake_mode:
-            return trace_to_aten(dynamo_gm)(*fakes)
+            return trace_to_aten(step)(*fakes)
 
 
 def static_fakes(values: Sequence, fake_mode: FakeTensorMode) -> list:

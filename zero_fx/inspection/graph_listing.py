@@ -86,6 +86,9 @@ def _group_roles(plan) -> dict:
         if parallel is not None:
             roles[parallel.group_name] = "<expert-parallel group>"
             roles[parallel.data_group_name] = "<expert-data-parallel group>"
+        tensor_parallel = getattr(plan, "tensor_parallel", None)
+        if tensor_parallel is not None:
+            roles[tensor_parallel.group_name] = "<tp group>"
     return roles
 
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 import torch
 
 from .expert_parallel import ExpertParallel
+from .tensor_parallel import TensorParallel, local_tensor
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,9 @@ class ShardPlan:
     ``"blocks"``, a policy ``fn(node) -> "save" | "recompute"`` or an ``ActivationBudget``."""
     expert_parallel: Optional[ExpertParallel] = None
     """Stage 3: routed experts split over ranks ([Note: expert parallelism])."""
+    tensor_parallel: Optional[TensorParallel] = None
+    """The model's DTensor parameters over the mesh's "tp" dimension: shapes here are their
+    local pieces ([Note: ZeRO over tensor parallelism] in tensor_parallel.py)."""
 
     def holds(self, name: str) -> bool:
         """Whether this rank holds a shard of parameter ``name`` (all but the routed experts
@@ -284,6 +288,7 @@ def make_plan(
     replicate_group_name: str = "",
     collectives_average: bool = False,
     expert_parallel: Optional[ExpertParallel] = None,
+    tensor_parallel: Optional[TensorParallel] = None,
 ) -> ShardPlan:
     """Lay out parameters ``(name, shape, dtype, requires_grad)`` over ``world_size`` ranks.
 
@@ -353,6 +358,7 @@ def make_plan(
         replicate_group_name=replicate_group_name,
         collectives_average=collectives_average,
         expert_parallel=expert_parallel,
+        tensor_parallel=tensor_parallel,
     )
 
 
@@ -374,11 +380,11 @@ def plan_for_module(
     ``schedule``: the rest of ``make_plan``'s options (buckets, prefetch, budget,
     precision, accumulation).
     """
-    named = list(module.named_parameters())
-    resident = [n for n, p in named
-                if p.numel() <= persistence_threshold or (keep_resident and keep_resident(n, p))]
+    named = [(n, local_tensor(p), p) for n, p in module.named_parameters()]  # TP: local pieces
+    resident = [n for n, local, p in named
+                if local.numel() <= persistence_threshold or (keep_resident and keep_resident(n, p))]
     return make_plan(
-        ((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in named),
+        ((n, tuple(local.shape), local.dtype, p.requires_grad) for n, local, p in named),
         world_size=world_size,
         rank=rank,
         stage=stage,

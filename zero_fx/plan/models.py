@@ -55,6 +55,15 @@ NAMED: dict[str, ModelConfig] = {
                              n_kv_head=8),
     "llama3-70b": LlamaConfig(**_LLAMA3, dim=8192, ffn_dim=28672, n_layer=80, n_head=64,
                               n_kv_head=8),
+    # Llama 3.1 405B: 405.9B parameters (its 131072-token rope scaling left out: shapes only)
+    "llama3-405b": LlamaConfig(**_LLAMA3, dim=16384, ffn_dim=53248, n_layer=126, n_head=128,
+                               n_kv_head=8),
+    # The seeds' "64K hidden dimension layer" (ZeRO-Infinity): GPT-2-shaped blocks of width
+    # 65536 (512 heads of 128, a 4x MLP, no biases), 4 of them: 209.6B parameters, 51.5B a
+    # block, whose fp16 parameters and gradients alone are 206 GB; its MLP's first matrix is
+    # a 34 GB fp16 buffer. Tensor parallelism is what fits it (docs/planner.md).
+    "gpt-64k": GPTConfig(vocab_size=50304, block_size=2048, n_layer=4, n_head=512,
+                         n_embd=65536, bias=False),
     # Mixtral 8x7B: 46.7B parameters, 12.9B active (8 SwiGLU experts per block, top-2)
     "mixtral-8x7b": LlamaConfig(vocab_size=32000, max_positions=32768, rope_theta=1e6, dim=4096,
                                 ffn_dim=14336, n_layer=32, n_head=32, n_kv_head=8,

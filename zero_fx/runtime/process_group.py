@@ -32,8 +32,15 @@ class World:
     """Which copy this rank holds (its index on the "replicate" dimension)."""
     replicate_group_name: str = ""
     """The group of this rank's copies, one per replica ("" without replicas)."""
+    tp: int = 1
+    """Tensor parallelism: ranks of the mesh's "tp" dimension, each holding a different piece
+    of the model's DTensor parameters ([Note: ZeRO over tensor parallelism])."""
+    tp_rank: int = 0
+    """This rank's place on the "tp" dimension."""
+    tp_group_name: str = ""
+    """The "tp" group's name ("" without tensor parallelism)."""
     mesh: Any = field(default=None, compare=False)
-    """The user's 2-D ``DeviceMesh`` (None: flat), for checkpoints' DTensors."""
+    """The user's multi-dimensional ``DeviceMesh`` (None: flat), for checkpoints' DTensors."""
 
     def backend_for(self, device_type: str) -> str:
         """The backend that moves ``device_type`` tensors ("" if none does)."""
@@ -41,13 +48,14 @@ class World:
 
     @property
     def ranks(self) -> int:
-        """Every rank of the step: shard group size times replicas."""
-        return self.size * self.replicas
+        """Every rank of the step: shard group size times replicas times tensor-parallel ranks."""
+        return self.size * self.replicas * self.tp
 
     @property
     def global_rank(self) -> int:
-        """This rank in the default group (mesh ranks are laid out replica-major)."""
-        return self.replica * self.size + self.rank
+        """This rank in the default group (mesh ranks are laid out replica-major, "tp" the
+        fastest dimension, as ``init_device_mesh`` lays them out)."""
+        return (self.replica * self.size + self.rank) * self.tp + self.tp_rank
 
 
 def backend_serving(device_type: str, group: Optional[dist.ProcessGroup] = None) -> str:
@@ -132,15 +140,24 @@ def world_of(mesh, stage: int) -> World:
         group = mesh.get_group()
         return replace(world, size=group.size(), rank=mesh.get_local_rank(),
                        group_name=group.group_name)
-    shard_group, replicate_group = mesh.get_group("shard"), mesh.get_group("replicate")
-    replica, shard = mesh.get_local_rank("replicate"), mesh.get_local_rank("shard")
-    if world.rank != replica * shard_group.size() + shard:
-        raise ValueError("the mesh's ranks must be laid out replica-major, as init_device_mesh lays "
-                         "them out (rank = replica * shards + shard); build it with init_device_mesh")
-    return replace(world, size=shard_group.size(), rank=shard,
-                   group_name=shard_group.group_name, replicas=replicate_group.size(),
-                   replica=replica,
-                   replicate_group_name=replicate_group.group_name, mesh=mesh)
+    names = tuple(mesh.mesh_dim_names)
+    shard_group = mesh.get_group("shard")
+    sharded = replace(world, size=shard_group.size(), rank=mesh.get_local_rank("shard"),
+                      group_name=shard_group.group_name, mesh=mesh)
+    if "replicate" in names:
+        replicate_group = mesh.get_group("replicate")
+        sharded = replace(sharded, replicas=replicate_group.size(),
+                          replica=mesh.get_local_rank("replicate"),
+                          replicate_group_name=replicate_group.group_name)
+    if "tp" in names:
+        tp_group = mesh.get_group("tp")
+        sharded = replace(sharded, tp=tp_group.size(), tp_rank=mesh.get_local_rank("tp"),
+                          tp_group_name=tp_group.group_name)
+    if world.rank != sharded.global_rank:
+        raise ValueError("the mesh's ranks must be laid out as init_device_mesh lays them out "
+                         f"(rank = (replica * shards + shard) * tp + tp for dimensions {names}); "
+                         "build it with init_device_mesh")
+    return sharded
 
 
 def world_timeout() -> Optional[timedelta]:

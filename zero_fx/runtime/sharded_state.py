@@ -13,6 +13,7 @@ from ..passes.collective_code import gather_bucket
 from ..passes.reduce_grads import reduction
 from ..plan import ShardPlan
 from ..plan.layout import plan_shard
+from ..plan.tensor_parallel import local_tensor
 from .optimizer import check_elementwise, rebind_to_shards
 from .process_group import World
 
@@ -78,13 +79,15 @@ class ShardedState:
         for name, param in self.params.items():
             master = masters.get(name)
             if master is None:
-                master = (param.detach().clone() if plan.replicated else plan_shard(plan, name, param))
+                master = (param.detach().clone() if plan.replicated
+                          else plan_shard(plan, name, local_tensor(param)))
             self.shards[name] = torch.nn.Parameter(master, requires_grad=param.requires_grad)
         rebind_to_shards(
             optimizer,
             {param: self.shards[name] for name, param in self.params.items()},
             lambda param, tensor: (tensor.detach().clone() if plan.replicated else
-                                   plan_shard(plan, self._name_of[id(param)], tensor)),
+                                   plan_shard(plan, self._name_of[id(param)],
+                                              local_tensor(tensor))),
         )
         with torch.no_grad():
             for param in self.params.values():
@@ -92,7 +95,7 @@ class ShardedState:
                 if plan.params_sharded:
                     if compute is not None:  # the values live in the shard: no copy
                         param.data = torch.empty_like(param, dtype=compute)
-                    param.untyped_storage().resize_(0)
+                    local_tensor(param).untyped_storage().resize_(0)
                 elif compute is not None:
                     param.data = param.data.to(compute)
         if plan.params_sharded:
@@ -165,6 +168,11 @@ class ShardedState:
         """``{id(shard): parameter name}`` for the tensors the optimizer holds."""
         return {id(shard): name for name, shard in self.shards.items()}
 
+    def local(self, name: str) -> torch.Tensor:
+        """The model's parameter ``name`` as zero_fx shards it: its local piece for a
+        tensor-parallel DTensor ([Note: ZeRO over tensor parallelism]), else itself."""
+        return local_tensor(self.params[name])
+
     def param_name(self, tensor: torch.Tensor) -> Optional[str]:
         """The plan name of a model parameter, or None for any other tensor."""
         return self._name_of.get(id(tensor))
@@ -174,7 +182,7 @@ class ShardedState:
         in stage 3, the whole parameter otherwise."""
         if self.plan.params_sharded:
             return self.shards[name].detach()
-        return self.params[name].detach()
+        return self.local(name).detach()
 
     def graph_inputs(self, param_names, args) -> list:
         """The compiled graph's inputs: shards where ``param_names`` names a parameter, else ``args``."""
@@ -253,9 +261,16 @@ class ShardedState:
         if self.plan.replicated:
             return {name: shard.detach().clone() for name, shard in self.shards.items()}
         if not self.plan.params_sharded and self.plan.compute_dtype is None:
-            return {name: param.detach().clone() for name, param in self.params.items()}
-        return {name: self._gather([name], [shard.detach()])[0].clone()
+            return {name: self._whole(name, self.local(name).detach().clone())
+                    for name in self.params}
+        return {name: self._whole(name, self._gather([name], [shard.detach()])[0].clone())
                 for name, shard in self.shards.items()}
+
+    def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """Parameter ``name``'s whole value from its whole local piece: under tensor
+        parallelism a collective over "tp" for a split one, else ``local`` itself."""
+        parallel = self.plan.tensor_parallel
+        return parallel.whole(name, local) if parallel is not None else local
 
     @torch.no_grad()
     def stream_full_parameters(self, keep: bool, dtype: Optional[torch.dtype] = None,
@@ -290,11 +305,22 @@ class ShardedState:
         synchronous (pageable memory): a pinned, double-buffered copy would overlap
         the next gather with it, at the price of a second bucket.
         """
+        if self.plan.tensor_parallel is not None:
+            # every rank takes part in making each split parameter whole over "tp"
+            for name, local in self._stream_local(True, dtype, None):
+                yield name, _copied(self._whole(name, local), None, to) if keep else None
+            return
+        yield from self._stream_local(keep, dtype, to)
+
+    def _stream_local(self, keep: bool, dtype: Optional[torch.dtype],
+                      to: Optional[torch.device]) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
+        """``stream_full_parameters`` of the local pieces ([Note: ZeRO over tensor
+        parallelism]): whole over the shard group."""
         if not self.masters_sharded:
-            source = self.shards if self.plan.replicated else self.params
             for layout in self.plan.params:
-                yield layout.name, (_copied(source[layout.name].detach(), dtype, to)
-                                    if keep else None)
+                source = (self.shards[layout.name] if self.plan.replicated
+                          else self.local(layout.name))
+                yield layout.name, (_copied(source.detach(), dtype, to) if keep else None)
             return
         size = self.world.size
         buckets = [[self.plan.layout(name) for name in bucket]
@@ -356,8 +382,8 @@ class ShardedState:
             yield
         finally:
             self.gathered = False
-            for param in self.params.values():
-                param.untyped_storage().resize_(0)
+            for name in self.params:
+                self.local(name).untyped_storage().resize_(0)
 
     def _refuse_sharded_forward(self, module, args) -> None:
         """Stage 3: the model's parameters have no storage outside the compiled step."""
@@ -386,7 +412,7 @@ class ShardedState:
             fulls = self._gather(bucket, [self.shards[name].detach() for name in bucket],
                                  dtype=self.plan.compute_dtype)
             for name, full in zip(bucket, fulls):
-                param = self.params[name]
+                param = self.local(name)
                 if param.untyped_storage().nbytes() == 0:
                     param.untyped_storage().resize_(param.numel() * param.element_size())
                 param.copy_(full)
@@ -425,7 +451,7 @@ class ShardedState:
                 yield tensor
 
     def _all_held(self) -> Iterator[torch.Tensor]:
-        yield from self.params.values()
+        yield from (self.local(name) for name in self.params)
         for shard in self.shards.values():
             yield shard
             if shard.grad is not None:

@@ -17,6 +17,7 @@ from ..config import ZeroConfig
 from ..formatting import ranks_phrase
 from ..materialize import PretrainedWeights, materialize
 from ..plan import ShardPlan, plan_for_module
+from ..plan.tensor_parallel import tensor_parallel_of
 from .expert_groups import split_experts
 from .gloo_all_gather import use_gloo_single_tensor_all_gather
 from .precision import LossScaler, cast_at_model_edge
@@ -77,6 +78,7 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
                            replicate_group_name=world.replicate_group_name,
                            collectives_average=collectives_average(world, device),
                            expert_parallel=experts,
+                           tensor_parallel=tensor_parallel_of(model, world),
                            **config.plan_options(hardware_for(model)))
     try:  # a meta model, or pretrained weights: this rank's values (the model is unchanged on error)
         masters = materialize(model, plan, init_fn=config.init_fn, pretrained=pretrained,

@@ -184,12 +184,22 @@ class OptimizerUpdate:
         """The 2-norm of the whole gradient from this rank's part of it ([Note: clipping and
         overflow]); float32, a scalar, the same on every rank."""
         plan = self.state.plan
+        parallel = plan.tensor_parallel
+        if parallel is not None and parallel.rank != 0:
+            # a parameter every "tp" rank holds whole has the same gradient on each: counted
+            # on the first ([Note: ZeRO over tensor parallelism] in plan/tensor_parallel.py)
+            grads = [shard.grad for name, shard in self.state.shards.items()
+                     if shard.grad is not None and name not in parallel.replicated]
         if grads:
             norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
         else:
             norms = [torch.zeros((), device=next(iter(self.state.shards.values())).device)]
         norm = torch.linalg.vector_norm(torch.stack(norms))  # clip_grad_norm_'s, of this part
-        if plan.replicated or plan.world_size == 1:
+        groups = [] if plan.replicated or plan.world_size == 1 else [plan.group_name]
+        groups += [parallel.group_name] if parallel is not None else []
+        if not groups:
             return norm
-        squares = _c10d.wait_tensor(_c10d.all_reduce(norm.square(), "sum", plan.group_name))
+        squares = norm.square()
+        for group in groups:
+            squares = _c10d.wait_tensor(_c10d.all_reduce(squares, "sum", group))
         return squares.sqrt()

@@ -1,0 +1,147 @@
+"""A GPT whose layers split over a "tp" mesh dimension with PyTorch's own tensor-parallel
+API, and its training on a ("shard", "tp") mesh: the runs of the tensor-parallel tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import models
+from training import STEPS
+
+HEADS, WIDTH, LAYERS = 4, 32, 2
+
+
+class Attention(nn.Module):
+    """Separate q, k, v (a fused qkv does not split by columns into heads) and ``-1`` heads
+    in the views, so the same code runs on a rank's local heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.head_dim = WIDTH // HEADS
+        self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.attn = Attention()
+        self.up, self.down = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(models.VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, models.VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def build(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT()
+
+
+def parallelize(model: GPT, tp_mesh, sequence_parallel: bool = False) -> GPT:
+    """Megatron's split: q, k, v and up by columns, o and down by rows; with
+    ``sequence_parallel`` the norms run on a rank's slice of the sequence too (the
+    embedding's output and the blocks' outputs split along it)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    if not sequence_parallel:
+        per_block = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+                     "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(),
+                     "up": ColwiseParallel(), "down": RowwiseParallel()}
+        top = {}
+    else:
+        seq = Shard(1)
+        per_block = {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
+                     "attn.q": ColwiseParallel(input_layouts=seq),
+                     "attn.k": ColwiseParallel(input_layouts=seq),
+                     "attn.v": ColwiseParallel(input_layouts=seq),
+                     "attn.o": RowwiseParallel(output_layouts=seq),
+                     "up": ColwiseParallel(input_layouts=seq),
+                     "down": RowwiseParallel(output_layouts=seq)}
+        top = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+               "ln_f": SequenceParallel(),
+               "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, per_block)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    return model
+
+
+def loss_fn(model, x, y):
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def training_step(model, opt, x, y):
+    loss = loss_fn(model, x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def reference_run() -> dict:
+    """Plain single-process PyTorch on the whole global batch."""
+    model = build()
+    opt = models.make_optimizer(model)
+    losses = []
+    for step in range(STEPS):
+        x, y = models.global_batch("gpt", step)
+        losses.append(training_step(model, opt, x, y).item())
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def tensor_parallel_rank(rank: int, world_size: int, shape: tuple, stage: int = 3,
+                         sequence_parallel: bool = False, options: tuple = ()) -> dict:
+    """STEPS steps of the GPT parallelized over a ("shard", "tp") mesh of ``shape``, each
+    shard group's ranks on their slice of the global batch; whole parameters at the end."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zero_fx import zero_compile
+
+    names = ("replicate", "shard", "tp")[-len(shape):]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = build()
+    if shape[-1] > 1:
+        parallelize(model, mesh["tp"], sequence_parallel)
+    opt = models.make_optimizer(model)
+    step = zero_compile(training_step, stage=stage, backend="aot_eager", mesh=mesh,
+                        **dict(options))
+    data_ranks = world_size // shape[-1]
+    data_rank = rank // shape[-1]
+    losses = []
+    for i in range(STEPS):
+        x, y = models.global_batch("gpt", i)
+        per_rank = x.shape[0] // data_ranks
+        local = slice(data_rank * per_rank, (data_rank + 1) * per_rank)
+        with step.counting_collectives() as counted:
+            losses.append(step(model, opt, x[local], y[local]).item())
+    return {"losses": losses, "params": step.full_parameters(), "traffic": step.traffic(),
+            "counted": {"numel": dict(counted.numel), "launches": dict(counted.launches)},
+            "explain": str(step.explain())}
