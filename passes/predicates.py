@@ -96,7 +96,10 @@ def token_exchange_numel(rows_in, rows_out) -> int:
     return min(rows_in.numel(), rows_out.numel())
 
 
-def is_wait(node: Node) -> bool:
+def is_wait(node: Node, tensor_parallel: bool = False) -> bool:
+    """A wait of one of ZeRO's collectives; ``tensor_parallel``: of tensor parallelism's."""
+    if tensor_parallel:
+        return node.target == _c10d.wait_tensor.default and TP_COLLECTIVE_META in node.meta
     return _target_is(node, _c10d.wait_tensor.default)
 
 

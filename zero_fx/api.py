@@ -377,7 +377,12 @@ class CompiledStep:
 
         Counts under every backend, Inductor included (it calls collectives as
         fallback kernels, through the dispatcher)."""
-        return self.observing(CollectiveCounter())
+        return self.observing(CollectiveCounter(self._tensor_parallel_group))
+
+    def _tensor_parallel_group(self) -> str:
+        """The "tp" group's name ("" before the first call, or without tensor parallelism)."""
+        parallel = self.plan.tensor_parallel if self._sharded is not None else None
+        return parallel.group_name if parallel is not None else ""
 
     def traffic(self) -> TrafficReport:
         """The collectives one call of the step issues (the latest compilation); print it for a table."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..passes.predicates import is_token_exchange_op, token_exchange_numel
-from .traffic import ALL_TO_ALL, KINDS
+from .traffic import ALL_TO_ALL, KINDS, TP_PREFIX
 
 _c10d = torch.ops._c10d_functional
 
@@ -23,8 +24,12 @@ class CollectiveCounter(TorchDispatchMode):
     around eager code, ``with CollectiveCounter() as counted:``.
     """
 
-    def __init__(self):
+    def __init__(self, tensor_parallel_group: Callable[[], str] = lambda: ""):
+        """``tensor_parallel_group()``: the "tp" group's name ("" for none; asked as each
+        collective runs, since a step's first call makes its groups); what runs on it
+        counts as the ``tp_`` kinds, apart from ZeRO's ([Note: counting traffic])."""
         super().__init__()  # all_to_all (expert parallelism) appears once one runs
+        self.tensor_parallel_group = tensor_parallel_group
         self.numel: Counter = Counter({kind: 0 for kind in KINDS})
         self.bytes: Counter = Counter({kind: 0 for kind in KINDS})
         self.launches: Counter = Counter({kind: 0 for kind in KINDS})
@@ -38,13 +43,25 @@ class CollectiveCounter(TorchDispatchMode):
             self.launches[ALL_TO_ALL] += 1
             return out
         kind = _KIND_OF.get(func.overloadpacket)
+        if kind is None and func.overloadpacket != _c10d.all_to_all_single:
+            return out
+        tensor_parallel = self.tensor_parallel_group()
+        if tensor_parallel and _group_of(args, kwargs) == tensor_parallel:
+            kind = TP_PREFIX + (kind or ALL_TO_ALL)
         if kind is not None:
             # the whole buffer: what is gathered, what is reduced
-            buffers = tree_leaves(out if kind == "all_gather" else args[0])
+            gathers = kind.removeprefix(TP_PREFIX) == "all_gather"
+            buffers = tree_leaves(out if gathers else args[0])
             self.numel[kind] += sum(b.numel() for b in buffers)
             self.bytes[kind] += sum(b.numel() * b.element_size() for b in buffers)
             self.launches[kind] += 1
         return out
+
+
+def _group_of(args, kwargs) -> str:
+    """A functional collective's group name: its last string argument."""
+    names = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, str)]
+    return names[-1] if names else ""
 
 
 # Functional variants, in-place and out= ones (what Inductor calls) and coalesced ones.

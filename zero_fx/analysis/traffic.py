@@ -15,6 +15,12 @@ With hybrid sharding ([Note: hybrid sharding] in runtime/process_group.py) N is 
 size of the group a collective runs on: the shard group for gathers and
 reduce-scatters (within a node), the replicate group for the all-reduce of each
 gradient shard (across nodes); ``wire_bytes_by_group`` says how much crosses each.
+
+Under tensor parallelism ([Note: ZeRO over tensor parallelism] in
+zero_fx/plan/tensor_parallel.py) Ψ is this rank's tensor-parallel piece of the model, the
+elements ZeRO's collectives move, and the collectives DTensor put in the step (on the
+"tp" group, moving activations and their gradients) are rows of their own kinds,
+``tp_all_reduce`` and the like, apart from ZeRO's totals.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from ..passes.predicates import (
     is_all_reduce,
     is_collective,
     is_reduce_scatter,
+    is_tensor_parallel_collective,
     is_token_exchange,
     is_wait,
     phase_of,
@@ -46,6 +53,24 @@ ALL_TO_ALL = "all_to_all"
 """Expert parallelism's exchanges of tokens (a kind of the totals only where there are any)."""
 SHARD_GROUP, REPLICATE_GROUP = "shard group", "replicate group"
 EXPERT_GROUP, EXPERT_DATA_GROUP = "expert-parallel group", "expert-data-parallel group"
+TP_GROUP = "tp group"
+TP_PREFIX = "tp_"
+"""A tensor-parallel collective's kind: this before its operation's ("tp_all_reduce")."""
+_RING = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, ALL_TO_ALL: 1}
+"""Bytes a rank sends over a ring, as a multiple of (n-1)/n of the buffer, per kind."""
+
+
+def tensor_parallel_kind(op) -> Optional[str]:
+    """The kind of a functional collective (an OpOverload or its packet) that tensor
+    parallelism issued: ``tp_all_reduce``, ``tp_all_gather``, ``tp_reduce_scatter``,
+    ``tp_all_to_all``; None for anything else."""
+    name = getattr(op, "__name__", "").split(".")[0]
+    for kind, prefix in (("all_gather", "all_gather_into_tensor"), ("reduce_scatter",
+                         "reduce_scatter_tensor"), ("all_reduce", "all_reduce"),
+                         (ALL_TO_ALL, "all_to_all_single")):
+        if name.startswith(prefix):
+            return TP_PREFIX + kind
+    return None
 
 
 @dataclass(frozen=True)
@@ -98,6 +123,8 @@ class TrafficReport:
     """Ranks each block's experts are split over ([Note: expert parallelism] in
     zero_fx/plan/expert_parallel.py); the expert-data-parallel group has ``world_size /
     expert_parallel``."""
+    tp: int = 1
+    """Ranks of the tensor-parallel group: Ψ is then this rank's piece of the model."""
 
     def numel_by_kind(self) -> dict[str, int]:
         return self._total_by_kind(lambda c: c.numel)
@@ -124,22 +151,24 @@ class TrafficReport:
         return sum(self.wire_bytes_by_group().values())
 
     def wire_bytes_by_group(self) -> dict[str, int]:
-        """Bytes each rank sends per step over a ring, within its shard group and across
-        replicas ([Note: counting traffic])."""
-        ring = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, ALL_TO_ALL: 1}
+        """Bytes each rank sends per step over a ring, within its shard group, across
+        replicas and within its tensor-parallel group ([Note: counting traffic])."""
         sizes = {SHARD_GROUP: self.world_size, REPLICATE_GROUP: self.replicas,
                  EXPERT_GROUP: self.expert_parallel,
-                 EXPERT_DATA_GROUP: self.world_size // self.expert_parallel}
+                 EXPERT_DATA_GROUP: self.world_size // self.expert_parallel, TP_GROUP: self.tp}
         totals = {SHARD_GROUP: 0, REPLICATE_GROUP: 0} if self.replicas > 1 else {SHARD_GROUP: 0}
         for c in self.collectives:
             n = sizes[c.group]  # an all-to-all sends (n-1)/n of its rows on average
-            totals[c.group] = totals.get(c.group, 0) + ring[c.kind] * c.bytes * (n - 1) // n
+            ring = _RING[c.kind.removeprefix(TP_PREFIX)]
+            totals[c.group] = totals.get(c.group, 0) + ring * c.bytes * (n - 1) // n
         return totals
 
     def __str__(self) -> str:
         lines = [f"zero_fx traffic per step: stage {self.stage}, "
                  f"{ranks_phrase(self.world_size, self.replicas)}, "
-                 f"Ψ = {self.psi:,} parameters"]
+                 f"Ψ = {self.psi:,} parameters"
+                 + (f" (this rank's piece of a model split over {self.tp} tensor-parallel "
+                    "ranks)" if self.tp > 1 else "")]
         if not self.collectives:
             lines.append("  no collectives (one rank)")
         else:
@@ -160,7 +189,9 @@ class TrafficReport:
     def summary(self) -> str:
         """The totals in one line: per kind, elements, multiple of Ψ and bytes; wire bytes."""
         psi, nbytes = self.psi_by_kind(), self.bytes_by_kind()
-        kinds = [f"{kind} {numel:,} elements = {psi[kind]:.3f} Ψ ({nbytes[kind]:,} B)"
+        kinds = [f"{kind} {numel:,} elements" + ("" if kind.startswith(TP_PREFIX) else
+                                                 f" = {psi[kind]:.3f} Ψ")
+                 + f" ({nbytes[kind]:,} B)"
                  for kind, numel in self.numel_by_kind().items() if numel]
         launches = sum(self.launches_by_kind().values())
         wire = f"on the wire (ring) per rank: {self.wire_bytes():,} B"
@@ -181,7 +212,8 @@ def traffic_report(gm: GraphModule, plan, expert_prefixes: tuple[str, ...] = ())
     mixture-of-experts model's routed experts, whose share the report gives apart."""
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     collectives = [_describe(node, position, plan) for node in gm.graph.nodes
-                   if is_collective(node) or is_token_exchange(node)]
+                   if is_collective(node) or is_token_exchange(node)
+                   or is_tensor_parallel_collective(node)]
     if plan.world_size > 1 and not plan.reduces_in_graph:
         kind = "all_reduce" if plan.replicated else "reduce_scatter"
         collectives += _outside_graph(plan, kind, "after accumulation", plan.reduce_dtype,
@@ -195,10 +227,12 @@ def traffic_report(gm: GraphModule, plan, expert_prefixes: tuple[str, ...] = ())
         collectives += _outside_graph(plan, "all_gather", "after step", plan.compute_dtype,
                                       trainable)
     parallel = getattr(plan, "expert_parallel", None)
+    tensor_parallel = getattr(plan, "tensor_parallel", None)
     return TrafficReport(stage=plan.stage, world_size=plan.world_size, psi=plan.total_numel,
                          collectives=tuple(collectives), replicas=plan.replicas,
                          expert_numel=_expert_numel(collectives, plan, expert_prefixes),
-                         expert_parallel=parallel.degree if parallel else 1)
+                         expert_parallel=parallel.degree if parallel else 1,
+                         tp=tensor_parallel.degree if tensor_parallel else 1)
 
 
 def _expert_numel(collectives: list[Collective], plan, prefixes: tuple[str, ...]):
@@ -250,6 +284,14 @@ def _describe(node: Node, position: dict[Node, int], plan) -> Collective:
                           numel=token_exchange_numel(rows, node.meta["val"]), bucket=(),
                           phase=phase_of(node).value, issued_at=position[node],
                           waited_at=position[node], node=node.name, group=EXPERT_GROUP)
+    if is_tensor_parallel_collective(node):  # [Note: capturing a tensor-parallel step]
+        kind = tensor_parallel_kind(node.target)
+        buffer = node.meta["val"] if kind == TP_PREFIX + "all_gather" else node.args[0].meta["val"]
+        waits = [u for u in node.users if is_wait(u, tensor_parallel=True)]
+        return Collective(kind=kind, dtype=buffer.dtype, numel=buffer.numel(), bucket=(),
+                          phase=phase_of(node).value, issued_at=position[node],
+                          waited_at=position[waits[0]] if waits else -1, node=node.name,
+                          group=TP_GROUP)
     if is_all_gather(node):
         kind, buffer = "all_gather", node.meta["val"]
     elif is_reduce_scatter(node):

@@ -4,6 +4,7 @@
     python -m zero_fx.plan --model zero-paper-7.5b --world 64 --dtype fp16
     python -m zero_fx.plan --model path/to/config.json --world 8 --seq 4096 --device-memory 80
     python -m zero_fx.plan --model llama3-70b --nodes 8 --world 64 --dtype bf16   # flat or hybrid
+    python -m zero_fx.plan --model gpt-64k --world 64 --dtype fp16 --seq 2048 --tp 8 --device-memory 80
 
 Nothing is allocated: the model is built on the meta device (see [Note: what the
 planner counts] in zero_fx/plan/planner.py).
@@ -21,7 +22,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli import add_dtype_argument, add_expert_parallel_arguments, expert_parallel_options
+from .cli import (add_dtype_argument, add_expert_parallel_arguments,
+                  add_tensor_parallel_arguments, expert_parallel_options,
+                  tensor_parallel_options)
 from .models import MODEL_NAMES_HELP, model_source
 from .planner import OPTIMIZER_BYTES, format_report, plan_model
 
@@ -54,6 +57,7 @@ def make_parser() -> argparse.ArgumentParser:
                              "replica per node) side by side, bytes sent within and across nodes")
     parser.add_argument("--buckets", action="store_true", help="list every bucket")
     add_expert_parallel_arguments(parser)
+    add_tensor_parallel_arguments(parser)
     return parser
 
 
@@ -66,14 +70,18 @@ def main(argv=None) -> None:
         parser.error(f"--world {args.world} must split evenly over --nodes {args.nodes}")
     if args.batch < 1 or (args.seq is not None and args.seq < 1):
         parser.error("--batch and --seq must be >= 1")
+    options = {**expert_parallel_options(parser, args), **tensor_parallel_options(parser, args)}
     source = model_source(args.model)
     print(f"building {source.description} on the meta device ...", file=sys.stderr, flush=True)
-    report = plan_model(source, world_size=args.world, stage=args.stage,
-                        dtype=args.dtype, optimizer=args.optimizer,
-                        batch=args.batch, seq=args.seq,
-                        recompute=None if args.recompute == "none" else args.recompute,
-                        activation_memory_budget=args.activation_budget, nodes=args.nodes,
-                        **expert_parallel_options(parser, args))
+    try:
+        report = plan_model(source, world_size=args.world, stage=args.stage,
+                            dtype=args.dtype, optimizer=args.optimizer,
+                            batch=args.batch, seq=args.seq,
+                            recompute=None if args.recompute == "none" else args.recompute,
+                            activation_memory_budget=args.activation_budget, nodes=args.nodes,
+                            **options)
+    except ValueError as err:  # what the model's own sizes rule out (--tp, --expert-parallel)
+        parser.error(str(err))
     print(format_report(report, device_memory_gb=args.device_memory, all_buckets=args.buckets))
 
 

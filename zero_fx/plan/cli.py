@@ -1,5 +1,5 @@
 """What the command lines of zero_fx share: one spelling of dtypes, both accepted; the
-planner's expert-parallelism options.
+planner's expert- and tensor-parallelism options.
 
 ``--dtype`` takes ``fp32`` or ``float32``, ``bf16`` or ``bfloat16``, ``fp16`` or
 ``float16`` (the short names and torch's), in every command line that takes one
@@ -9,6 +9,11 @@ planner's expert-parallelism options.
 parallelism in ``python -m zero_fx.plan`` ([Note: planning expert parallelism] in
 zero_fx/plan/planner.py): ``add_expert_parallel_arguments(parser)`` adds them,
 ``expert_parallel_options(parser, args)`` checks them and gives ``plan_model``'s keywords.
+
+``--tp T`` (and ``--sequence-parallel``) plans Megatron's tensor parallelism over T ranks
+with ZeRO over the rest, beside data parallelism alone ([Note: planning tensor
+parallelism] in zero_fx/plan/planner.py): ``add_tensor_parallel_arguments(parser)``,
+``tensor_parallel_options(parser, args)``.
 """
 
 from __future__ import annotations
@@ -62,8 +67,9 @@ def add_expert_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                              "zero_compile(expert_capacity_factor=C) (rows past an expert's "
                              "capacity dropped) instead of the worst case")
     parser.add_argument("--hardware", default=None, choices=sorted(PRESETS),
-                        help="cost-model preset for --expert-parallel's step times (default "
-                             "8xh100-nvlink up to 8 ranks, else 4x8xh100-ib: nodes of 8)")
+                        help="cost-model preset for --expert-parallel's and --tp's step times "
+                             "(default 8xh100-nvlink up to 8 ranks, else 4x8xh100-ib: nodes "
+                             "of 8)")
 
 
 def expert_parallel_options(parser: argparse.ArgumentParser, args) -> dict:
@@ -86,3 +92,33 @@ def expert_parallel_options(parser: argparse.ArgumentParser, args) -> dict:
                      "be > 0")
     return {"expert_parallel": degrees, "hardware": args.hardware,
             "expert_capacity_factor": factor}
+
+
+def add_tensor_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """The planner's ``--tp`` and ``--sequence-parallel``."""
+    parser.add_argument("--tp", type=int, default=1, metavar="T",
+                        help="tensor parallelism: split each block's attention and MLP "
+                             "matrices (and the vocabulary-parallel embedding and head) over T "
+                             "ranks, ZeRO over --world/T; per-rank figures are then a rank's "
+                             "piece, set beside data parallelism alone (T divides --world, the "
+                             "heads, key/value heads, width and feed-forward width)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="with --tp: split the norms' and residuals' activations over the "
+                             "sequence too (Megatron's sequence parallelism)")
+
+
+def tensor_parallel_options(parser: argparse.ArgumentParser, args) -> dict:
+    """``plan_model``'s ``tensor_parallel`` and ``sequence_parallel`` from ``args``; a usage
+    error where they cannot apply (the model's own sizes are checked by ``plan_model``)."""
+    if args.tp < 1 or args.world % args.tp:
+        divisors = ", ".join(str(d) for d in range(1, args.world + 1) if args.world % d == 0)
+        parser.error(f"--tp {args.tp} must divide --world {args.world}: use one of {divisors}")
+    if args.sequence_parallel and args.tp == 1:
+        parser.error("--sequence-parallel splits what tensor parallelism leaves whole: give "
+                     "--tp > 1 too")
+    if args.tp > 1 and args.expert_parallel:
+        parser.error("plan --tp and --expert-parallel one at a time")
+    if args.tp > 1 and args.nodes > 1:
+        parser.error("--tp with --nodes is not planned: leave out --nodes (--hardware "
+                     "4x8xh100-ib prices ZeRO's data-parallel group across nodes)")
+    return {"tensor_parallel": args.tp, "sequence_parallel": args.sequence_parallel}

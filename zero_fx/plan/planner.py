@@ -80,6 +80,47 @@ beside which the gathers and reduce-scatters run (a ring each kind on its group,
 with compute as the cost model's prefetch does: max of the two), plus the exchanges, which
 nothing hides: 4 per MoE block of ``link_latency + (P-1)/P*bytes / link_bandwidth`` on the
 expert-parallel group's link (within a node while P <= the preset's ranks per node).
+
+[Note: planning tensor parallelism]
+``--tp T`` plans Megatron-LM's tensor parallelism over T consecutive ranks with ZeRO over
+the other dimension of a (dp, tp) mesh, D = W/T ranks at stride T ([Note: ZeRO over
+tensor parallelism] in zero_fx/plan/tensor_parallel.py), and sets it beside data
+parallelism alone (T = 1) on the same W ranks. Which parameters are split
+(``tensor_parallel_split``): every matrix of a repeated block (attention's q, k, v by
+heads and its output by rows, the MLP's first matrices by columns and its last by rows)
+and, as Megatron does, the vocabulary-parallel embedding and head (a matrix with a
+vocabulary-sized side); norms, biases and a learned position table stay whole on every
+tensor-parallel rank. Each split parameter counts ceil(numel/T) elements a rank (Megatron
+pads a vocabulary T does not divide; a column-parallel bias, split in Megatron, is
+counted whole: a few MB). A rank's piece, Ψ_T, is then ZeRO-sharded over D ranks like any
+model of Ψ_T parameters: the model-state and traffic tables are ``model_state_breakdown``
+and ``TRAFFIC_IN_PSI`` of Ψ_T over D. Stage 3 keeps 16Ψ/W whatever T (Ψ/T over W/T
+ranks); stages 0-2, which keep whole parameters, hold 1/T of them.
+
+The working set is not traced under tensor parallelism: the step traced at T = 1 (its
+memory timeline, as above) is priced again, as for expert parallelism. A tensor holding
+parameters (a gathered or reduced bucket) counts 1 - s + s/T of its bytes, s the split
+parameters' share of its elements. An activation counts 1/T where Megatron splits it:
+walking the graph in order, a product (mm, addmm, bmm) of a parameter with a whole
+activation is column-parallel and its output split; of a parameter with a split
+activation, row-parallel and its output whole again (after the all-reduce); every other
+op's output is split where one of its inputs is (attention, SwiGLU, GELU, the logits of the
+vocabulary-parallel head and their softmax; in the backward the same rule follows the
+gradients, and a weight's gradient from a split activation is split). The residual stream,
+the norms and their outputs stay whole, on every rank: with ``--sequence-parallel`` they
+are split over the sequence too, so every activation counts 1/T. What is approximated:
+the transient all-gathered input of a column-parallel product under sequence parallelism
+(one b·s·h buffer at a time) and the vocabulary-parallel cross-entropy's own buffers are
+left out; the peak is taken again on the T = 1 order of nodes.
+
+The seeds' question is whether one layer fits: the largest block's gathered parameters,
+its gradients before they are reduced (both in the compute dtype, 1/T of its matrices)
+and the activations it keeps for the backward (what each further block adds to the traced
+working set, priced again for T), beside the estimated peak of the whole step. The step
+time is the cost model's compute divided by T (the norms' share is not split without
+sequence parallelism: an approximation), beside which ZeRO's collectives run on the
+data-parallel group, plus tensor parallelism's own, which nothing hides ([Note: pricing
+tensor parallelism] in zero_fx/analysis/cost_model.py).
 """
 
 from __future__ import annotations
@@ -96,7 +137,7 @@ from torch.fx import GraphModule
 
 from ..analysis.memory_timeline import memory_timeline
 from ..config import DEFAULT_BUCKET_BYTES, DEFAULT_PERSISTENCE_THRESHOLD
-from .layout import BLOCKS, ShardPlan, plan_for_module
+from .layout import BLOCKS, ShardPlan, block_of, plan_for_module
 from .models import ModelSource, on_meta
 from .table import TRAFFIC_IN_PSI, model_state_breakdown, zero_paper_bytes
 
@@ -220,6 +261,59 @@ class ExpertParallelRow:
         return max(self.compute_seconds, self.collective_seconds) + self.exchange_seconds
 
 
+@dataclass(frozen=True)
+class TensorParallelShape:
+    """The sizes Megatron splits over T ranks, read from the model's configuration
+    (``tensor_parallel_shape``); T must divide each."""
+
+    heads: int
+    kv_heads: int
+    hidden: int
+    ffn: int
+    vocab: int
+
+
+@dataclass
+class TensorParallelRow:
+    """Data parallelism alone (degree 1) or tensor parallelism of ``degree`` beside ZeRO on
+    the other ranks, per rank per step ([Note: planning tensor parallelism])."""
+
+    degree: int
+    params_per_rank: int
+    """Ψ_T: elements of a rank's tensor-parallel piece of the model."""
+    state_bytes: float
+    """Model states per rank in the chosen stage."""
+    block_params: float
+    """Bytes of the largest block's parameters, gathered in the compute dtype (its piece)."""
+    block_activations: Optional[float]
+    """Bytes the block keeps for its backward (None without ``seq``)."""
+    largest_matrix: float
+    """Bytes of the largest matrix of a block in the compute dtype (its piece)."""
+    working_set: Optional[float] = None
+    peak_bytes: Optional[float] = None
+    tp_bytes: float = 0.0
+    """Bytes tensor parallelism's collectives work on per step (b·s·h each)."""
+    tp_seconds: float = 0.0
+    """Those collectives' time, all of it exposed."""
+    zero_bytes: float = 0.0
+    """Bytes ZeRO's collectives work on per step (the chosen stage's traffic)."""
+    zero_seconds: float = 0.0
+    """ZeRO's collectives one after another on the data-parallel group."""
+    compute_seconds: Optional[float] = None
+
+    @property
+    def block_bytes(self) -> Optional[float]:
+        """The largest block's working set: its parameters, their gradients before they are
+        reduced (as many bytes: the compute dtype), its activations."""
+        return 2 * self.block_params + (self.block_activations or 0.0)
+
+    @property
+    def step_seconds(self) -> Optional[float]:
+        if self.compute_seconds is None:
+            return None
+        return max(self.compute_seconds, self.zero_seconds) + self.tp_seconds
+
+
 @dataclass
 class PlanReport:
     model: str
@@ -254,6 +348,17 @@ class PlanReport:
     expert_capacity_factor: Optional[float] = None
     """With ``expert_parallel``: the experts' capacity factor the buffers are sized for
     ([Note: expert capacity] in zero_fx/capture/expert_exchange.py); None: the worst case."""
+    tensor_parallel: int = 1
+    """Ranks each block's matrices are split over ([Note: planning tensor parallelism]); the
+    stage tables, buckets and working set are then a rank's piece over ``world_size /
+    tensor_parallel`` data-parallel ranks."""
+    sequence_parallel: bool = False
+    psi_per_rank: int = 0
+    """Ψ_T: elements of a rank's tensor-parallel piece (Ψ at ``tensor_parallel`` 1)."""
+    largest_block: str = ""
+    """The block of the most parameters (``block_of``)."""
+    tensor_parallel_rows: Optional[list[TensorParallelRow]] = None
+    """With ``tensor_parallel`` > 1: degree 1 and the chosen degree, side by side."""
 
     @property
     def peak_bytes(self) -> Optional[float]:
@@ -275,7 +380,8 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
                recompute: Optional[str] = None,
                activation_memory_budget: Optional[float] = None, nodes: int = 1,
                expert_parallel: Sequence[int] = (), hardware: Optional[str] = None,
-               expert_capacity_factor: Optional[float] = None) -> PlanReport:
+               expert_capacity_factor: Optional[float] = None, tensor_parallel: int = 1,
+               sequence_parallel: bool = False) -> PlanReport:
     """Plan ``source``'s model on ``world_size`` ranks; trace the working set when ``seq`` is
     given, with ``recompute`` (and its budget) as ``zero_compile`` takes them. ``nodes`` > 1:
     also set flat and hybrid sharding side by side ([Note: what the planner counts]).
@@ -283,9 +389,27 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
     their step times on ``hardware`` (a cost-model preset; default 8xH100 over NVLink up
     to 8 ranks, nodes of 8 over InfiniBand above; [Note: planning expert parallelism]),
     their buffers of received rows sized by ``expert_capacity_factor`` (None: the worst
-    case; [Note: expert capacity] in zero_fx/capture/expert_exchange.py)."""
+    case; [Note: expert capacity] in zero_fx/capture/expert_exchange.py).
+    ``tensor_parallel`` T > 1: each rank holds its Megatron piece of the model, ZeRO-sharded
+    over ``world_size / T`` ranks, and the report sets it beside data parallelism alone
+    (``sequence_parallel``: the norms' activations split too; [Note: planning tensor
+    parallelism])."""
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
+    tp = tensor_parallel
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"tensor parallelism of {tp} ranks must divide the {world_size} ranks "
+                         f"(--tp must divide --world): use one of {_divisors(world_size)}")
+    if tp > 1 and expert_parallel:
+        raise ValueError("plan tensor parallelism (--tp) and expert parallelism "
+                         "(--expert-parallel) one at a time")
+    if tp > 1 and nodes > 1:
+        raise ValueError("--tp with --nodes is not planned: leave out --nodes (the "
+                         "tensor-parallel group is T ranks of a node; --hardware 4x8xh100-ib "
+                         "prices ZeRO's data-parallel group across nodes)")
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence parallelism splits what tensor parallelism leaves whole: "
+                         "give --tp > 1 too")
     if nodes < 1 or world_size % nodes:
         raise ValueError(f"{world_size} ranks do not split evenly over {nodes} nodes")
     degrees = tuple(dict.fromkeys(expert_parallel))
@@ -308,30 +432,48 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
                                compute_dtype=dtype if mixed else None,
                                reduce_dtype=dtype if mixed else None)
 
-    plan = plan_over(world_size)
-    psi = plan.total_numel
+    experts = expert_blocks(model)
+    shape, split = None, frozenset()
+    if tp > 1:
+        shape = tensor_parallel_shape(model)
+        check_tensor_parallel(tp, world_size, shape, experts)
+        split = tensor_parallel_split(model, shape.vocab)
+    plan = plan_over(world_size // tp)
+    stages = [_stage_plan(s, plan, item, mixed, optimizer, tp, split) for s in range(4)]
     report = PlanReport(
         model=source.description, world_size=world_size, stage=stage, dtype=dtype,
-        optimizer=optimizer, psi=psi, tensors=len(plan.params), padding=plan.padding_numel,
-        stages=[_stage_plan(s, plan, item, mixed, optimizer) for s in range(4)],
-        buckets=_buckets(plan, item), bucket_cap=plan.bucket_bytes, resident=len(plan.resident),
-        experts=expert_blocks(model))
+        optimizer=optimizer, psi=plan.total_numel, tensors=len(plan.params),
+        padding=plan.padding_numel, stages=stages,
+        buckets=_buckets(plan, item, tp, split), bucket_cap=plan.bucket_bytes,
+        resident=len(plan.resident), experts=experts, tensor_parallel=tp,
+        sequence_parallel=sequence_parallel, psi_per_rank=_psi_per_rank(plan, tp, split))
+    if degrees or tp > 1:
+        report.hardware = hardware or ("8xh100-nvlink" if world_size <= 8 else "4x8xh100-ib")
     if degrees:
         _check_degrees(degrees, world_size, report.experts)
-        report.hardware = hardware or ("8xh100-nvlink" if world_size <= 8 else "4x8xh100-ib")
         report.expert_capacity_factor = expert_capacity_factor
+    traced = per_block = None
     if seq is not None:
         report.tokens_per_rank = (batch or 1) * seq
-        traced, report.working_set_how = _working_set(
+        traced, report.working_set_how, per_block = _working_set(
             source, world_size=world_size, stage=stage, dtype=dtype, batch=batch or 1, seq=seq,
             recompute={"recompute": recompute, **_budget_option(activation_memory_budget)},
             experts=report.experts if degrees else None, degrees=degrees,
-            hardware=report.hardware, capacity_factor=expert_capacity_factor)
-        report.working_set = traced[1]
+            hardware=report.hardware, capacity_factor=expert_capacity_factor,
+            tensor_parallel=(tp, split, sequence_parallel) if tp > 1 else None)
+        report.working_set = traced["tp" if tp > 1 else 1]
         if degrees:
             report.expert_parallel = [
                 _expert_parallel_row(report, plan, p, traced, (batch or 1) * seq)
                 for p in degrees]
+    if tp > 1:
+        flat = plan_over(world_size)
+        count = _tensor_parallel_collectives(flat, recompute)
+        report.tensor_parallel_rows = [
+            _tensor_parallel_row(report, on, degree, chosen, shape, count, traced, per_block,
+                                 mixed)
+            for on, degree, chosen in ((flat, 1, frozenset()), (plan, tp, split))]
+        report.largest_block = _largest_block(plan, tp, split)[0]
     if nodes > 1:
         report.nodes = nodes
         report.levels = _levels(report, plan_over, nodes, item, mixed)
@@ -349,6 +491,198 @@ def _check_degrees(degrees: Sequence[int], world_size: int,
         if p < 1 or world_size % p or any(e % p for e in counts):
             raise ValueError(f"expert parallelism of degree {p} must divide the {world_size} "
                              f"ranks and the {'/'.join(map(str, counts))} experts of a block")
+
+
+# -- tensor parallelism ([Note: planning tensor parallelism]) -------------------------------
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def tensor_parallel_shape(model: torch.nn.Module) -> Optional[TensorParallelShape]:
+    """Heads, key/value heads, width, feed-forward width and vocabulary of a HuggingFace
+    model (its ``config``) or of zero_fx's torch GPT or Llama (its ``cfg``); None for any
+    other model."""
+    hf = getattr(model, "config", None)
+    if hf is not None and hasattr(hf, "num_attention_heads"):
+        heads, hidden = hf.num_attention_heads, hf.hidden_size
+        ffn = getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None) or 4 * hidden
+        return TensorParallelShape(heads, getattr(hf, "num_key_value_heads", None) or heads,
+                                   hidden, ffn, hf.vocab_size)
+    cfg = getattr(model, "cfg", None)
+    if hasattr(cfg, "n_embd"):  # GPTConfig
+        return TensorParallelShape(cfg.n_head, cfg.n_head, cfg.n_embd, 4 * cfg.n_embd,
+                                   cfg.vocab_size)
+    if hasattr(cfg, "ffn_dim"):  # LlamaConfig
+        return TensorParallelShape(cfg.n_head, cfg.n_kv_head, cfg.dim, cfg.ffn_dim,
+                                   cfg.vocab_size)
+    return None
+
+
+def check_tensor_parallel(degree: int, world_size: int, shape: Optional[TensorParallelShape],
+                          experts: Optional[ExpertBlocks]) -> None:
+    """A ValueError that says what to change where ``degree`` cannot split the model."""
+    if experts is not None:
+        raise ValueError("tensor parallelism is planned for dense models: split a mixture of "
+                         "experts with --expert-parallel instead of --tp")
+    if shape is None:
+        raise ValueError("tensor parallelism reads the heads, width and feed-forward width "
+                         "from a named model or a HuggingFace config.json; this model has "
+                         "neither (give --model a name or a config)")
+    sizes = (("attention heads", shape.heads), ("key/value heads", shape.kv_heads),
+             ("width", shape.hidden), ("feed-forward width", shape.ffn))
+    for what, size in sizes:
+        if size % degree:
+            common = math.gcd(world_size, *(n for _, n in sizes))
+            raise ValueError(f"--tp {degree} does not divide the model's {size} {what} "
+                             f"(Megatron splits heads, width and feed-forward width evenly): "
+                             f"use --tp {_divisors(common)}")
+
+
+def tensor_parallel_split(model: torch.nn.Module, vocab: int) -> frozenset:
+    """Names of the parameters tensor parallelism splits: every matrix of a repeated block,
+    and a matrix with a side of ``vocab`` (the vocabulary-parallel embedding and head);
+    norms, biases, position tables stay whole ([Note: planning tensor parallelism])."""
+    return frozenset(name for name, p in model.named_parameters()
+                     if p.ndim == 2 and (_in_block(name) or vocab in p.shape))
+
+
+def _in_block(name: str) -> bool:
+    return any(part.isdigit() for part in block_of(name).split("."))
+
+
+def _piece(numel: int, degree: int) -> int:
+    """Elements of one rank's piece of a split parameter."""
+    return -(-numel // degree)
+
+
+def _pieces(plan: ShardPlan, tp: int, split: frozenset) -> dict[str, int]:
+    """Each parameter's elements on a rank: its piece if ``split``, else all of it."""
+    return {layout.name: _piece(layout.numel, tp) if layout.name in split else layout.numel
+            for layout in plan.params}
+
+
+def _psi_per_rank(plan: ShardPlan, tp: int, split: frozenset) -> int:
+    return sum(_pieces(plan, tp, split).values())
+
+
+def _largest_block(plan: ShardPlan, tp: int, split: frozenset) -> tuple[str, int]:
+    """The repeated block of the most elements a rank holds, and their count."""
+    blocks: dict[str, int] = {}
+    for name, numel in _pieces(plan, tp, split).items():
+        if _in_block(name):
+            blocks[block_of(name)] = blocks.get(block_of(name), 0) + numel
+    if not blocks:
+        return "", 0
+    name = max(blocks, key=blocks.get)
+    return name, blocks[name]
+
+
+def _tensor_parallel_collectives(plan: ShardPlan, recompute: Optional[str]) -> int:
+    """Tensor parallelism's collectives of b·s·h per step ([Note: pricing tensor
+    parallelism]): 4 a block, 6 with the recompute of blocks (the forward again), and 2 for
+    the vocabulary-parallel embedding and head."""
+    from ..analysis.cost_model import TP_COLLECTIVES_PER_BLOCK
+
+    blocks = len({block_of(layout.name) for layout in plan.params if _in_block(layout.name)})
+    return (TP_COLLECTIVES_PER_BLOCK + (2 if recompute == "blocks" else 0)) * blocks + 2
+
+
+def _tensor_parallel_row(report: PlanReport, plan: ShardPlan, degree: int, split: frozenset,
+                         shape: TensorParallelShape, collectives: int, traced: Optional[dict],
+                         per_block: Optional[dict], mixed: bool) -> TensorParallelRow:
+    """Degree ``degree``'s states, largest block, working set, bytes and time per rank
+    ([Note: planning tensor parallelism]); ``plan`` shards over the data-parallel ranks."""
+    from ..analysis.cost_model import (data_parallel_ranks, hardware, ring_seconds,
+                                       tensor_parallel_seconds)
+
+    hw, item, key = hardware(report.hardware), report.dtype.itemsize, "tp" if degree > 1 else 1
+    stage = _stage_plan(report.stage, plan, item, mixed, report.optimizer, degree, split)
+    pieces = _pieces(plan, degree, split)
+    matrix = max((pieces[layout.name] for layout in plan.params
+                  if len(layout.shape) == 2 and _in_block(layout.name)), default=0)
+    working = None if traced is None else traced[key]
+    ranks = data_parallel_ranks(report.world_size, degree)
+    activation = report.tokens_per_rank * shape.hidden * item  # b·s·h
+    return TensorParallelRow(
+        degree=degree, params_per_rank=sum(pieces.values()), state_bytes=stage.state_bytes,
+        block_params=_largest_block(plan, degree, split)[1] * item,
+        block_activations=None if per_block is None else per_block[key],
+        largest_matrix=matrix * item, working_set=working,
+        peak_bytes=None if working is None else peak_of(stage.states, working),
+        tp_bytes=collectives * activation if degree > 1 else 0.0,
+        tp_seconds=collectives * tensor_parallel_seconds(activation, degree, hw),
+        zero_bytes=sum(stage.traffic.values()),
+        zero_seconds=sum(ring_seconds(size, ranks, hw) * (2 if kind == "all_reduce" else 1)
+                         for kind, size in stage.traffic.items()),
+        compute_seconds=None if traced is None else traced["compute"] / degree)
+
+
+_PRODUCTS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+             torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default)
+
+
+def _tensor_parallel_shares(gm: GraphModule, plan: ShardPlan, split: frozenset,
+                            sequence_parallel: bool) -> dict[str, float]:
+    """Node name -> the share of its bytes that tensor parallelism splits ([Note: planning
+    tensor parallelism]): a parameter tensor's split elements; an activation's 1 where
+    Megatron splits it (or everywhere, with ``sequence_parallel``), else 0."""
+    from ..passes.predicates import carried_params, is_param_input, is_view, param_name
+
+    def of_bucket(names) -> float:
+        sizes = [(plan.layout(n).padded_numel, n in split) for n in names]
+        return sum(s for s, is_split in sizes if is_split) / max(1, sum(s for s, _ in sizes))
+
+    params: dict = {}  # node -> split share, for nodes that are parameters (or views of them)
+    cut: dict = {}  # node -> whether Megatron splits the activation
+    for node in gm.graph.nodes:
+        inputs = node.all_input_nodes
+        if carried_params(node):
+            params[node] = of_bucket(carried_params(node))
+        elif is_param_input(node):
+            params[node] = float(param_name(node) in split)
+        elif inputs and inputs[0] in params and (
+                is_view(node) or node.target is torch.ops.aten._to_copy.default):
+            params[node] = params[inputs[0]]
+        else:
+            acts = [n for n in inputs if n not in params]
+            if node.target in _PRODUCTS and acts and len(acts) < len(inputs):
+                # parameter x whole activation: column-parallel, its output split;
+                # parameter x split activation: row-parallel, its output whole (all-reduced)
+                cut[node] = not cut.get(acts[0], False)
+            elif node.target is torch.ops.aten.embedding_dense_backward.default:
+                cut[node] = True  # the vocabulary-parallel embedding's gradient
+            else:
+                cut[node] = any(cut.get(n, False) for n in acts)
+    shares = {node.name: float(sequence_parallel or is_cut) for node, is_cut in cut.items()}
+    shares.update({node.name: share for node, share in params.items()})
+    return shares
+
+
+def _tensor_parallel_peak(gm: GraphModule, plan: ShardPlan, split: frozenset, degree: int,
+                          sequence_parallel: bool) -> float:
+    """The working set of ``gm`` (traced without tensor parallelism) priced again for
+    ``degree`` ([Note: planning tensor parallelism])."""
+    timeline = memory_timeline(gm)
+    shares = _tensor_parallel_shares(gm, plan, split, sequence_parallel)
+    return _peak(len(timeline.transient), (
+        (t.index, t.last_use, t.bytes * (1 - shares.get(t.node, 0.0) * (1 - 1 / degree)))
+        for t in timeline.tensors))
+
+
+def _peak(length: int, tensors) -> float:
+    """The most bytes alive at once of ``tensors``, (first node, last node, bytes) each, over
+    a timeline of ``length`` nodes."""
+    change = [0.0] * (length + 1)
+    for first, last, nbytes in tensors:
+        change[first] += nbytes
+        change[last + 1] -= nbytes
+    alive, peak = 0.0, 0.0
+    for delta in change[:-1]:
+        alive += delta
+        peak = max(peak, alive)
+    return peak
 
 
 def _expert_parallel_row(report: PlanReport, plan: ShardPlan, degree: int, traced: dict,
@@ -434,22 +768,15 @@ def _peaks_by_degree(gm: GraphModule, plan: ShardPlan, experts: ExpertBlocks, to
                           and int(val.shape[0]) in counts)
         rows = shape_of_rows.get(int(val.shape[0])) if node.name in routed else None
         priced.append((t.index, t.last_use, t.bytes, share, rows))
-    peaks = {}
-    for p in degrees:
-        change = [0.0] * (len(timeline.transient) + 1)
-        for first, last, nbytes, share, rows in priced:
-            scale = 1 - share + share / p
-            if rows is not None:
-                e, k = rows
-                scale *= _buffer_rows(tokens, p, e, k, capacity_factor) / (tokens * k)
-            change[first] += nbytes * scale
-            change[last + 1] -= nbytes * scale
-        alive, peak = 0.0, 0.0
-        for delta in change[:-1]:
-            alive += delta
-            peak = max(peak, alive)
-        peaks[p] = peak
-    return peaks
+    def scale(p: int, share: float, rows) -> float:
+        if rows is None:
+            return 1 - share + share / p
+        e, k = rows
+        return (1 - share + share / p) * _buffer_rows(tokens, p, e, k, capacity_factor) / (tokens * k)
+
+    return {p: _peak(len(timeline.transient), ((first, last, nbytes * scale(p, share, rows))
+                                               for first, last, nbytes, share, rows in priced))
+            for p in degrees}
 
 
 def _routed_rows(gm: GraphModule, rows: set[int]) -> set[str]:
@@ -505,12 +832,17 @@ def _levels(report: PlanReport, plan_over, nodes: int, item: int, mixed: bool) -
     return rows
 
 
-def _stage_plan(stage: int, plan: ShardPlan, item: int, mixed: bool, optimizer: str) -> StagePlan:
-    psi, n = plan.total_numel, plan.world_size
+def _stage_plan(stage: int, plan: ShardPlan, item: int, mixed: bool, optimizer: str,
+                tp: int = 1, split: frozenset = frozenset()) -> StagePlan:
+    """The stage's states and traffic per rank; with ``tp`` > 1, of a rank's tensor-parallel
+    piece (``split`` parameters 1/tp each) over ``plan``'s ranks ([Note: planning tensor
+    parallelism])."""
+    psi, n = _psi_per_rank(plan, tp, split), plan.world_size
     states = model_state_breakdown(stage, psi, n, optimizer_bytes=OPTIMIZER_BYTES[optimizer],
                                    param_bytes=item, reduce_bytes=item)
-    padded = sum(layout.padded_numel for layout in plan.params)
-    resident = sum(plan.layout(name).padded_numel for name in plan.resident) if stage == 3 else 0
+    padded_of = _padded_pieces(plan, tp, split)
+    padded = sum(padded_of.values())
+    resident = sum(padded_of[name] for name in plan.resident) if stage == 3 else 0
     elements = {"all_reduce": psi * TRAFFIC_IN_PSI[stage].get("all_reduce", 0),
                 "reduce_scatter": padded * TRAFFIC_IN_PSI[stage].get("reduce_scatter", 0),
                 # stage 3's second gather (backward) leaves resident parameters out
@@ -523,15 +855,24 @@ def _stage_plan(stage: int, plan: ShardPlan, item: int, mixed: bool, optimizer: 
                      wire_bytes=wire)
 
 
-def _buckets(plan: ShardPlan, item: int) -> dict[str, list[Bucket]]:
+def _padded_pieces(plan: ShardPlan, tp: int, split: frozenset) -> dict[str, int]:
+    """Each parameter's elements on a rank, padded to a multiple of ``plan``'s ranks."""
+    n = plan.world_size
+    return {layout.name: -(-_piece(layout.numel, tp) // n) * n if layout.name in split
+            else layout.padded_numel for layout in plan.params}
+
+
+def _buckets(plan: ShardPlan, item: int, tp: int = 1,
+             split: frozenset = frozenset()) -> dict[str, list[Bucket]]:
     """The chosen stage's fused collectives, cut from parameters in their order (the passes
-    cut them in order of use, which for a transformer is the same blocks)."""
+    cut them in order of use, which for a transformer is the same blocks); with ``tp`` > 1,
+    of a rank's tensor-parallel pieces."""
     names = [layout.name for layout in plan.params]
     trainable = [layout.name for layout in plan.params if layout.requires_grad]
+    padded = _padded_pieces(plan, tp, split)
 
     def cut(chosen):
-        return [Bucket(b, sum(plan.layout(x).padded_numel for x in b) * item)
-                for b in plan.buckets(chosen)]
+        return [Bucket(b, sum(padded[x] for x in b) * item) for b in plan.buckets(chosen)]
 
     if plan.replicated:
         return {"all_reduce": cut(trainable)}
@@ -542,10 +883,15 @@ def _buckets(plan: ShardPlan, item: int) -> dict[str, list[Bucket]]:
 def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: torch.dtype,
                  batch: int, seq: int, recompute: dict, experts: Optional[ExpertBlocks] = None,
                  degrees: Sequence[int] = (), hardware: str = "",
-                 capacity_factor: Optional[float] = None) -> tuple[dict, str]:
+                 capacity_factor: Optional[float] = None,
+                 tensor_parallel: Optional[tuple[int, frozenset, bool]] = None
+                 ) -> tuple[dict, str, Optional[dict]]:
     """The working set extrapolated to the model's depth, ``{1: bytes}``; with ``experts``,
     also each degree of ``degrees`` and the cost model's ``"compute"`` seconds on
-    ``hardware`` ([Note: planning expert parallelism])."""
+    ``hardware`` ([Note: planning expert parallelism]); with ``tensor_parallel`` (degree,
+    split parameters, sequence parallelism), ``"tp"``: the working set priced again for it,
+    and ``"compute"`` ([Note: planning tensor parallelism]). Then how it was had, and what
+    one more block adds to each (None where the model was traced whole)."""
     from ..plan.offline import rewritten_step_on_fake  # traces through the passes: import on use
 
     def traced_peak(layers: Optional[int], dense_layers: Optional[int] = None) -> dict:
@@ -554,12 +900,17 @@ def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: tor
         gm, plan = rewritten_step_on_fake(
             build, batch=batch, seq=seq, vocab_size=source.vocab_size,
             world_size=world_size, stage=stage, dtype=dtype, loss_fn=_causal_lm_loss, **recompute)
-        if experts is None:
+        if experts is None and tensor_parallel is None:
             return {1: float(max(memory_timeline(gm).transient))}
         from ..analysis.cost_model import replay
 
-        out: dict = _peaks_by_degree(gm, plan, experts, batch * seq, sorted({1, *degrees}),
-                                     capacity_factor)
+        if experts is not None:
+            out: dict = _peaks_by_degree(gm, plan, experts, batch * seq,
+                                         sorted({1, *degrees}), capacity_factor)
+        else:
+            degree, split, sequence_parallel = tensor_parallel
+            out = {1: float(max(memory_timeline(gm).transient)),
+                   "tp": _tensor_parallel_peak(gm, plan, split, degree, sequence_parallel)}
         out["compute"] = replay(gm, plan, hardware).estimate.compute_seconds
         return out
 
@@ -571,9 +922,11 @@ def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: tor
     if source.max_positions is not None and seq > source.max_positions:
         raise SystemExit(f"--seq {seq} is longer than the model's {source.max_positions} positions")
     chosen = recompute["recompute"] or ("auto" if len(recompute) > 1 else None)
-    if source.layers is None or source.layers <= STEADY_FROM + 1:
+    # tensor parallelism asks what one block adds: a model of STEADY_FROM + 1 blocks is
+    # traced with STEADY_FROM and with all of them, which is tracing it whole
+    if source.layers is None or source.layers <= STEADY_FROM + (tensor_parallel is None):
         return traced_peak(None), (f"batch {batch} x {seq} tokens per rank, recompute "
-                                   f"{chosen or 'none'}; traced whole")
+                                   f"{chosen or 'none'}; traced whole"), None
     dense = source.dense_layers
     first = STEADY_FROM  # [Note: what the planner counts]
     if 0 < dense < source.layers and source.layers - dense > STEADY_FROM:
@@ -588,13 +941,13 @@ def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: tor
                f"with 1 dense and {first} expert blocks, then one more of each, of {dense} dense "
                f"and {moe} expert blocks on fake tensors: {base[1] / GB:.2f} GB + {moe - first} x "
                f"{per_moe / GB:.3f} GB + {dense - 1} x {per_dense / GB:.3f} GB")
-        return total, how
+        return total, how, None
     base, grown = traced_peak(first), traced_peak(first + 1)
     total = grow(base, (source.layers - first, grown))
     how = (f"batch {batch} x {seq} tokens per rank, recompute {chosen or 'none'}; "
            f"traced with {first} and {first + 1} of {source.layers} blocks on fake tensors: "
            f"{base[1] / GB:.2f} GB + {source.layers - first} x {(grown[1] - base[1]) / GB:.3f} GB")
-    return total, how
+    return total, how, {key: grown[key] - base[key] for key in base}
 
 
 def _causal_lm_loss(model, tokens, targets):
@@ -611,12 +964,18 @@ def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = Non
     n = report.world_size
     dtype = str(report.dtype).removeprefix("torch.")
     precision = (f"{dtype} compute, fp32 masters" if report.dtype.itemsize < 4 else f"{dtype}")
+    tp, dp = report.tensor_parallel, n // report.tensor_parallel
     lines = [
         f"zero_fx plan: {report.model} on {n} ranks, {precision}, {report.optimizer}",
-        f"{report.psi / 1e9:.3f}B parameters (Ψ) in {report.tensors} tensors; padding to {n} "
+        f"{report.psi / 1e9:.3f}B parameters (Ψ) in {report.tensors} tensors; padding to {dp} "
         f"ranks adds {report.padding:,} elements. Planned in {report.seconds:.1f} s. "
         "GB = 10^9 bytes.",
         *_format_experts(report),
+        *([] if tp == 1 else [
+            f"Tensor parallelism {tp} x ZeRO over {dp} ranks: a rank holds 1/{tp} of every "
+            f"block's matrices and of the vocabulary-parallel embedding and head, the norms "
+            f"whole: Ψ_T = {report.psi_per_rank / 1e9:.3f}B elements, sharded over the {dp} "
+            "data-parallel ranks. The tables below are per rank, of that piece."]),
         "",
         "Model states per rank at the peak of a step (parameters, gradients, masters, optimizer):",
         "",
@@ -635,12 +994,13 @@ def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = Non
                   "and 3."]
     lines += ["", f"Traffic per step per rank ({dtype} collectives; stage 3's all-gather counts "
               "the backward's re-gather, an upper bound):", "",
-              "| stage | all-reduce | reduce-scatter | all-gather | sent over a ring | in Ψ |",
+              "| stage | all-reduce | reduce-scatter | all-gather | sent over a ring | in Ψ"
+              + ("_T |" if tp > 1 else " |"),
               "|---|---|---|---|---|---|"]
     for s in report.stages:
         cells = [f"{s.traffic[k] / GB:.2f}" if k in s.traffic else "—"
                  for k in ("all_reduce", "reduce_scatter", "all_gather")]
-        in_psi = sum(s.traffic.values()) / (report.psi * report.dtype.itemsize)
+        in_psi = sum(s.traffic.values()) / (report.psi_per_rank * report.dtype.itemsize)
         lines.append(f"| {s.stage} | " + " | ".join(cells) + f" | {s.wire_bytes / GB:.2f} | "
                      f"{in_psi:.2f} |")
     cut = ("one per repeated block" if report.bucket_cap == BLOCKS
@@ -670,7 +1030,9 @@ def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = Non
     else:
         peak = report.peak_bytes
         lines += [f"Step working set (activations, gathered parameters, gradients before they are "
-                  f"reduced), stage {report.stage}: {report.working_set / GB:.2f} GB",
+                  f"reduced), stage {report.stage}"
+                  + (f", tensor parallelism {tp} (the traced step priced again)" if tp > 1 else "")
+                  + f": {report.working_set / GB:.2f} GB",
                   f"    ({report.working_set_how})",
                   f"Estimated peak per rank, stage {report.stage}: {peak / GB:.2f} GB"]
         if device_memory_gb is not None:
@@ -678,6 +1040,8 @@ def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = Non
             lines.append(f"    {verdict} in {device_memory_gb:g} GB per device")
     if report.expert_parallel:
         lines += ["", *_format_expert_parallel(report, device_memory_gb)]
+    if report.tensor_parallel_rows:
+        lines += ["", *_format_tensor_parallel(report, device_memory_gb)]
     if device_memory_gb is not None and report.working_set is None:
         fitting = [s.stage for s in report.stages if s.state_bytes <= device_memory_gb * GB]
         lines.append(f"Model states fit in {device_memory_gb:g} GB in stages: "
@@ -729,6 +1093,56 @@ def _format_expert_parallel(report: PlanReport, device_memory_gb: Optional[float
                  f"buffer of received rows is {buffer}; all-to-all "
                  "counts the token side, 4 exchanges of T·k rows per block, of which a rank "
                  "sends (P-1)/P. The step is max(compute, collectives) + exchanges.")
+    return lines
+
+
+def _format_tensor_parallel(report: PlanReport, device_memory_gb: Optional[float]) -> list[str]:
+    """The seeds' question: does the largest block fit one device, with data parallelism
+    alone and with tensor parallelism ([Note: planning tensor parallelism])."""
+    tp, n = report.tensor_parallel, report.world_size
+    sp = "on" if report.sequence_parallel else "off (--sequence-parallel)"
+
+    def gb(x: Optional[float]) -> str:
+        return "—" if x is None else f"{x / GB:.2f} GB"
+
+    def fits(x: Optional[float]) -> str:
+        if x is None or device_memory_gb is None:
+            return ""
+        return " (fits)" if x <= device_memory_gb * GB else " (does NOT fit)"
+
+    lines = [f"Tensor parallelism against data parallelism alone, stage {report.stage}, {n} "
+             f"ranks (tp {tp}: Megatron's column and row split of each block over {tp} "
+             f"consecutive ranks, ZeRO over the {n // tp} at stride {tp}; sequence parallelism "
+             f"{sp}; per rank; times on {report.hardware}; [Note: planning tensor "
+             "parallelism] in zero_fx/plan/planner.py):", "",
+             "| tp | parameters per rank | model states | largest block: parameters + "
+             "gradients + activations | largest matrix | working set | estimated peak | "
+             "TP collectives | ZeRO collectives | step (compute, ZeRO, TP) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in report.tensor_parallel_rows:
+        name = f"{row.degree}" + (" (data parallel only)" if row.degree == 1 else "")
+        block = (f"{row.block_params / GB:.2f} + {row.block_params / GB:.2f} + "
+                 f"{'—' if row.block_activations is None else f'{row.block_activations / GB:.2f}'}"
+                 f" = {row.block_bytes / GB:.2f} GB{fits(row.block_bytes)}")
+        tp_cell = ("—" if not report.tokens_per_rank else
+                   f"{row.tp_bytes / GB:.2f} GB, {1e3 * row.tp_seconds:.0f} ms")
+        step = ("—" if row.step_seconds is None else
+                f"{1e3 * row.step_seconds:.0f} ms ({1e3 * row.compute_seconds:.0f}, "
+                f"{1e3 * row.zero_seconds:.0f}, {1e3 * row.tp_seconds:.0f})")
+        lines.append(
+            f"| {name} | {row.params_per_rank / 1e9:.2f}B | {row.state_bytes / GB:.2f} GB | "
+            f"{block} | {row.largest_matrix / GB:.2f} GB | {gb(row.working_set)} | "
+            f"{gb(row.peak_bytes)}{fits(row.peak_bytes)} | {tp_cell} | "
+            f"{row.zero_bytes / GB:.2f} GB, {1e3 * row.zero_seconds:.0f} ms | {step} |")
+    tokens = report.working_set_how.split(" tokens")[0].removeprefix("batch ")
+    lines.append(
+        f"The largest block is {report.largest_block}: its parameters gathered and its "
+        "gradients before they are reduced (the compute dtype), and the activations it keeps "
+        "for the backward"
+        + (f" at {tokens} tokens per rank" if report.tokens_per_rank else " (give --seq)")
+        + ". TP collectives: 4 all-reduces of b·s·h a block (2 forward, 2 backward), 2 for "
+        "the embedding and head, none hidden; ZeRO's carry a rank's piece over the "
+        "data-parallel ranks. The step is max(compute/T, ZeRO) + TP.")
     return lines
 
 

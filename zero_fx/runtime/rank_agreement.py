@@ -19,6 +19,7 @@ call; ``zero_compile(check_ranks=False)`` skips it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ class CallSignature:
 
 
 def graph_signature(gm: GraphModule, plan) -> GraphSignature:
-    rows = graph_rows(gm, plan, rank_neutral=True)
+    rows = _tensor_parallel_neutral(graph_rows(gm, plan, rank_neutral=True), plan)
     neutral = _expert_neutral(plan)
     return GraphSignature(
         fingerprint=hashlib.sha256(neutral(format_rows(rows)).encode()).digest(),
@@ -67,6 +68,28 @@ def graph_signature(gm: GraphModule, plan) -> GraphSignature:
         collectives=tuple(neutral(f"{r.kind} {r.value}: {r.note}") for r in rows
                           if r.kind in COLLECTIVE_KINDS),
     )
+
+
+def _tensor_parallel_neutral(rows: list, plan) -> list:
+    """Under tensor parallelism a rank's local ops may hold numbers of its own: a
+    vocabulary-parallel embedding subtracts its rank's first row (rank 0 of "tp" 0, rank 1
+    32, ...). What the ranks compare then reads each number in an op's arguments as
+    ``<n>``; ops, shapes, dtypes and the collectives are compared as they are."""
+    if getattr(plan, "tensor_parallel", None) is None:
+        return rows
+    numbered = {row.name: f"%{row.index}" for row in rows}  # names may differ too (getitem_51)
+
+    def neutral(args: str) -> str:
+        return _NUMBER.sub("<n>", _WORD.sub(lambda m: numbered.get(m.group(0), m.group(0)), args))
+
+    return [dataclasses.replace(row, name=numbered[row.name],
+                                inputs=tuple(numbered.get(n, n) for n in row.inputs),
+                                args=row.args if row.kind in COLLECTIVE_KINDS else neutral(row.args))
+            for row in rows]
+
+
+_NUMBER = re.compile(r"(?<![\w.%])-?\d+(\.\d+)?(e-?\d+)?")
+_WORD = re.compile(r"[A-Za-z_]\w*")
 
 
 def _expert_neutral(plan):
