@@ -31,11 +31,14 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
+    """No biases, as the parity tests' GPT (examples/gpt.py's GPTConfig.bias says why)."""
+
     def __init__(self):
         super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH, bias=False), nn.LayerNorm(WIDTH, bias=False)
         self.attn = Attention()
-        self.up, self.down = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+        self.up = nn.Linear(WIDTH, 4 * WIDTH, bias=False)
+        self.down = nn.Linear(4 * WIDTH, WIDTH, bias=False)
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -47,7 +50,7 @@ class GPT(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(models.VOCAB, WIDTH)
         self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.ln_f = nn.LayerNorm(WIDTH)
+        self.ln_f = nn.LayerNorm(WIDTH, bias=False)
         self.head = nn.Linear(WIDTH, models.VOCAB, bias=False)
 
     def forward(self, idx):
@@ -94,50 +97,74 @@ def parallelize(model: GPT, tp_mesh, sequence_parallel: bool = False) -> GPT:
     return model
 
 
-def loss_fn(model, x, y):
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+def parallelize_hf_llama(model, tp_mesh):
+    """HuggingFace Llama's layers split as Megatron splits them: q, k, v, gate and up by
+    columns, o and down by rows (its attention reshapes to ``-1`` heads)."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    plan = {**{f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+            "self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, plan)
+    return model
 
 
-def training_step(model, opt, x, y):
-    loss = loss_fn(model, x, y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.detach()
+def build_model(name: str):
+    """``"gpt"``: this file's GPT; ``"hf_llama"``: tests/models.py's tiny HuggingFace Llama."""
+    return build() if name == "gpt" else models.build(name)
 
 
-def reference_run() -> dict:
+def step_of(name: str):
+    def training_step(model, opt, x, y):
+        loss = models.loss_fn(name, model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return training_step
+
+
+def reference_run(name: str = "gpt") -> dict:
     """Plain single-process PyTorch on the whole global batch."""
-    model = build()
+    model = build_model(name)
     opt = models.make_optimizer(model)
+    step = step_of(name)
     losses = []
-    for step in range(STEPS):
-        x, y = models.global_batch("gpt", step)
-        losses.append(training_step(model, opt, x, y).item())
+    for i in range(STEPS):
+        x, y = models.global_batch(name, i)
+        losses.append(step(model, opt, x, y).item())
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def tensor_parallel_rank(rank: int, world_size: int, shape: tuple, stage: int = 3,
-                         sequence_parallel: bool = False, options: tuple = ()) -> dict:
-    """STEPS steps of the GPT parallelized over a ("shard", "tp") mesh of ``shape``, each
-    shard group's ranks on their slice of the global batch; whole parameters at the end."""
+                         sequence_parallel: bool = False, options: tuple = (),
+                         name: str = "gpt") -> dict:
+    """STEPS steps of model ``name`` parallelized over a ("shard", "tp") mesh of ``shape``
+    (("replicate", "shard", "tp") for three sizes), each shard group's ranks on their slice
+    of the global batch; whole parameters at the end."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from zero_fx import zero_compile
 
     names = ("replicate", "shard", "tp")[-len(shape):]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    model = build()
+    model = build_model(name)
     if shape[-1] > 1:
-        parallelize(model, mesh["tp"], sequence_parallel)
+        if name == "gpt":
+            parallelize(model, mesh["tp"], sequence_parallel)
+        else:
+            parallelize_hf_llama(model, mesh["tp"])
     opt = models.make_optimizer(model)
-    step = zero_compile(training_step, stage=stage, backend="aot_eager", mesh=mesh,
+    step = zero_compile(step_of(name), stage=stage, backend="aot_eager", mesh=mesh,
                         **dict(options))
     data_ranks = world_size // shape[-1]
     data_rank = rank // shape[-1]
     losses = []
     for i in range(STEPS):
-        x, y = models.global_batch("gpt", i)
+        x, y = models.global_batch(name, i)
         per_rank = x.shape[0] // data_ranks
         local = slice(data_rank * per_rank, (data_rank + 1) * per_rank)
         with step.counting_collectives() as counted:

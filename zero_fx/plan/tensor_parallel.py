@@ -43,6 +43,14 @@ def local_tensor(value):
     return value._local_tensor if is_dtensor(value) else value
 
 
+def set_values(param: torch.nn.Parameter, values: torch.Tensor) -> None:
+    """``param.data = values``, for a DTensor too: ``.data`` swaps the outer tensor's dtype
+    and shape but leaves the DTensor's own local tensor and spec, which its ops read."""
+    param.data = values
+    if is_dtensor(param):
+        param._local_tensor, param._spec = values._local_tensor, values._spec
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """The model's DTensor parameters over the mesh's "tp" dimension."""

@@ -13,7 +13,7 @@ from ..passes.collective_code import gather_bucket
 from ..passes.reduce_grads import reduction
 from ..plan import ShardPlan
 from ..plan.layout import plan_shard
-from ..plan.tensor_parallel import local_tensor
+from ..plan.tensor_parallel import local_tensor, set_values
 from .optimizer import check_elementwise, rebind_to_shards
 from .process_group import World
 
@@ -94,10 +94,10 @@ class ShardedState:
                 param.grad = None
                 if plan.params_sharded:
                     if compute is not None:  # the values live in the shard: no copy
-                        param.data = torch.empty_like(param, dtype=compute)
+                        set_values(param, torch.empty_like(param, dtype=compute))
                     local_tensor(param).untyped_storage().resize_(0)
                 elif compute is not None:
-                    param.data = param.data.to(compute)
+                    set_values(param, param.data.to(compute))
         if plan.params_sharded:
             model.register_forward_pre_hook(self._refuse_sharded_forward)
             model.register_state_dict_pre_hook(self._refuse_sharded_state_dict)
