@@ -99,28 +99,34 @@ ranks); stages 0-2, which keep whole parameters, hold 1/T of them.
 
 The working set is not traced under tensor parallelism: the step traced at T = 1 (its
 memory timeline, as above) is priced again, as for expert parallelism. A tensor holding
-parameters (a gathered or reduced bucket) counts 1 - s + s/T of its bytes, s the split
-parameters' share of its elements. An activation counts 1/T where Megatron splits it:
-walking the graph in order, a product (mm, addmm, bmm) of a parameter with a whole
-activation is column-parallel and its output split; of a parameter with a split
-activation, row-parallel and its output whole again (after the all-reduce); every other
-op's output is split where one of its inputs is (attention, SwiGLU, GELU, the logits of the
-vocabulary-parallel head and their softmax; in the backward the same rule follows the
-gradients, and a weight's gradient from a split activation is split). The residual stream,
-the norms and their outputs stay whole, on every rank: with ``--sequence-parallel`` they
-are split over the sequence too, so every activation counts 1/T. What is approximated:
-the transient all-gathered input of a column-parallel product under sequence parallelism
-(one b·s·h buffer at a time) and the vocabulary-parallel cross-entropy's own buffers are
-left out; the peak is taken again on the T = 1 order of nodes.
+a bucket's whole parameters or gradients (gathered, or about to be reduced) counts 1 - s +
+s/T of its bytes, s the split parameters' share of its elements; a shard (a reduced
+gradient, Ψ/W) is the same size either way, a piece's Ψ/T over W/T ranks. An activation
+counts 1/T where Megatron splits it. Walking the graph in order, a product (mm, addmm,
+bmm) of a parameter with a whole activation is column-parallel and its output split; of
+a parameter with a split activation, row-parallel and its output whole again (after the
+all-reduce); every other op's output is split where one of its inputs is (attention,
+SwiGLU, GELU, the logits of the vocabulary-parallel head and their softmax; in the
+backward the same rule follows the gradients, and a weight's gradient from a split
+activation is split). The residual stream, the norms and their outputs stay whole, on
+every rank; with ``--sequence-parallel`` they are split over the sequence too, so every
+activation counts 1/T. What is approximated: the transient all-gathered input of a
+column-parallel product under sequence parallelism (one b·s·h buffer at a time) and the
+vocabulary-parallel cross-entropy's own buffers are left out, and the peak is taken again
+on the T = 1 order of nodes.
 
 The seeds' question is whether one layer fits: the largest block's gathered parameters,
 its gradients before they are reduced (both in the compute dtype, 1/T of its matrices)
-and the activations it keeps for the backward (what each further block adds to the traced
-working set, priced again for T), beside the estimated peak of the whole step. The step
-time is the cost model's compute divided by T (the norms' share is not split without
-sequence parallelism: an approximation), beside which ZeRO's collectives run on the
-data-parallel group, plus tensor parallelism's own, which nothing hides ([Note: pricing
-tensor parallelism] in zero_fx/analysis/cost_model.py).
+and the activations it keeps for the backward (what one more block adds to the tensors
+the traced forward leaves to the backward, priced again for T), beside the estimated peak
+of the whole step. Checked against Megatron's count (Korthikanti et al. 2022: a GPT
+block keeps 34·sbh bytes in 16-bit with flash attention, 2·sbh of them dropout masks, and
+10·sbh of them stay whole under tensor parallelism): gpt-64k (no dropout) at 2048 tokens
+in fp16 keeps 32.0·sbh a block at T = 1, 11.0·sbh at T = 8 (8 + 24/8) and 4.0·sbh with
+sequence parallelism (32/8). The step time is the cost model's compute divided by T (the
+norms' share is not split without sequence parallelism: an approximation), beside which
+ZeRO's collectives run on the data-parallel group, plus tensor parallelism's own, which
+nothing hides ([Note: pricing tensor parallelism] in zero_fx/analysis/cost_model.py).
 """
 
 from __future__ import annotations
@@ -286,7 +292,8 @@ class TensorParallelRow:
     block_params: float
     """Bytes of the largest block's parameters, gathered in the compute dtype (its piece)."""
     block_activations: Optional[float]
-    """Bytes the block keeps for its backward (None without ``seq``)."""
+    """Bytes the block keeps for its backward: what one more block adds to the activations
+    the traced forward leaves to the backward (None without ``seq``)."""
     largest_matrix: float
     """Bytes of the largest matrix of a block in the compute dtype (its piece)."""
     working_set: Optional[float] = None
@@ -608,7 +615,7 @@ def _tensor_parallel_row(report: PlanReport, plan: ShardPlan, degree: int, split
     return TensorParallelRow(
         degree=degree, params_per_rank=sum(pieces.values()), state_bytes=stage.state_bytes,
         block_params=_largest_block(plan, degree, split)[1] * item,
-        block_activations=None if per_block is None else per_block[key],
+        block_activations=None if per_block is None else per_block[("kept", key)],
         largest_matrix=matrix * item, working_set=working,
         peak_bytes=None if working is None else peak_of(stage.states, working),
         tp_bytes=collectives * activation if degree > 1 else 0.0,
@@ -624,22 +631,27 @@ _PRODUCTS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
 
 
 def _tensor_parallel_shares(gm: GraphModule, plan: ShardPlan, split: frozenset,
-                            sequence_parallel: bool) -> dict[str, float]:
+                            sequence_parallel: bool) -> tuple[dict[str, float], set[str]]:
     """Node name -> the share of its bytes that tensor parallelism splits ([Note: planning
     tensor parallelism]): a parameter tensor's split elements; an activation's 1 where
-    Megatron splits it (or everywhere, with ``sequence_parallel``), else 0."""
+    Megatron splits it (or everywhere, with ``sequence_parallel``), else 0. Then the names
+    of the nodes that hold parameters or their gradients' buckets."""
     from ..passes.predicates import carried_params, is_param_input, is_view, param_name
 
-    def of_bucket(names) -> float:
+    def of_bucket(node, names) -> float:
         sizes = [(plan.layout(n).padded_numel, n in split) for n in names]
-        return sum(s for s, is_split in sizes if is_split) / max(1, sum(s for s, _ in sizes))
+        whole = sum(s for s, _ in sizes)
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.numel() < whole:
+            return 0.0  # a shard: Ψ/W of the bucket, a piece's Ψ/T over W/T ranks alike
+        return sum(s for s, is_split in sizes if is_split) / max(1, whole)
 
     params: dict = {}  # node -> split share, for nodes that are parameters (or views of them)
     cut: dict = {}  # node -> whether Megatron splits the activation
     for node in gm.graph.nodes:
         inputs = node.all_input_nodes
         if carried_params(node):
-            params[node] = of_bucket(carried_params(node))
+            params[node] = of_bucket(node, carried_params(node))
         elif is_param_input(node):
             params[node] = float(param_name(node) in split)
         elif inputs and inputs[0] in params and (
@@ -657,18 +669,27 @@ def _tensor_parallel_shares(gm: GraphModule, plan: ShardPlan, split: frozenset,
                 cut[node] = any(cut.get(n, False) for n in acts)
     shares = {node.name: float(sequence_parallel or is_cut) for node, is_cut in cut.items()}
     shares.update({node.name: share for node, share in params.items()})
-    return shares
+    return shares, {node.name for node in params}
 
 
-def _tensor_parallel_peak(gm: GraphModule, plan: ShardPlan, split: frozenset, degree: int,
-                          sequence_parallel: bool) -> float:
+def _tensor_parallel_prices(gm: GraphModule, plan: ShardPlan, split: frozenset, degree: int,
+                            sequence_parallel: bool) -> dict:
     """The working set of ``gm`` (traced without tensor parallelism) priced again for
-    ``degree`` ([Note: planning tensor parallelism])."""
+    ``degree``, ``"tp"``, and the activations the forward keeps for the backward at 1 and
+    at ``degree``, ``("kept", 1)`` and ``("kept", "tp")`` ([Note: planning tensor
+    parallelism])."""
     timeline = memory_timeline(gm)
-    shares = _tensor_parallel_shares(gm, plan, split, sequence_parallel)
-    return _peak(len(timeline.transient), (
-        (t.index, t.last_use, t.bytes * (1 - shares.get(t.node, 0.0) * (1 - 1 / degree)))
-        for t in timeline.tensors))
+    shares, params = _tensor_parallel_shares(gm, plan, split, sequence_parallel)
+
+    def priced(t) -> float:
+        return t.bytes * (1 - shares.get(t.node, 0.0) * (1 - 1 / degree))
+
+    kept = [t for t in timeline.tensors if t.node not in params and t.phase == "forward"
+            and t.last_use < len(timeline.phases) and timeline.phases[t.last_use] == "backward"]
+    return {"tp": _peak(len(timeline.transient),
+                        ((t.index, t.last_use, priced(t)) for t in timeline.tensors)),
+            ("kept", 1): float(sum(t.bytes for t in kept)),
+            ("kept", "tp"): sum(priced(t) for t in kept)}
 
 
 def _peak(length: int, tensors) -> float:
@@ -910,7 +931,7 @@ def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: tor
         else:
             degree, split, sequence_parallel = tensor_parallel
             out = {1: float(max(memory_timeline(gm).transient)),
-                   "tp": _tensor_parallel_peak(gm, plan, split, degree, sequence_parallel)}
+                   **_tensor_parallel_prices(gm, plan, split, degree, sequence_parallel)}
         out["compute"] = replay(gm, plan, hardware).estimate.compute_seconds
         return out
 
@@ -1121,9 +1142,9 @@ def _format_tensor_parallel(report: PlanReport, device_memory_gb: Optional[float
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in report.tensor_parallel_rows:
         name = f"{row.degree}" + (" (data parallel only)" if row.degree == 1 else "")
-        block = (f"{row.block_params / GB:.2f} + {row.block_params / GB:.2f} + "
-                 f"{'—' if row.block_activations is None else f'{row.block_activations / GB:.2f}'}"
-                 f" = {row.block_bytes / GB:.2f} GB{fits(row.block_bytes)}")
+        kept = "—" if row.block_activations is None else f"{row.block_activations / GB:.2f}"
+        block = (f"{row.block_params / GB:.2f} + {row.block_params / GB:.2f} + {kept} = "
+                 f"{row.block_bytes / GB:.2f} GB{fits(row.block_bytes)}")
         tp_cell = ("—" if not report.tokens_per_rank else
                    f"{row.tp_bytes / GB:.2f} GB, {1e3 * row.tp_seconds:.0f} ms")
         step = ("—" if row.step_seconds is None else
