@@ -619,7 +619,8 @@ def _tensor_parallel_row(report: PlanReport, plan: ShardPlan, degree: int, split
         largest_matrix=matrix * item, working_set=working,
         peak_bytes=None if working is None else peak_of(stage.states, working),
         tp_bytes=collectives * activation if degree > 1 else 0.0,
-        tp_seconds=collectives * tensor_parallel_seconds(activation, degree, hw),
+        tp_seconds=collectives * tensor_parallel_seconds(activation, degree, hw) if activation
+        else 0.0,
         zero_bytes=sum(stage.traffic.values()),
         zero_seconds=sum(ring_seconds(size, ranks, hw) * (2 if kind == "all_reduce" else 1)
                          for kind, size in stage.traffic.items()),
