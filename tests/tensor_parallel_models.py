@@ -127,24 +127,39 @@ def step_of(name: str):
     return training_step
 
 
-def reference_run(name: str = "gpt") -> dict:
-    """Plain single-process PyTorch on the whole global batch."""
+OPTIMIZER = "sgd"
+"""SGD with momentum: it moves each element by its gradient, so a gradient of the wrong scale
+(a tp-replicated one summed over "tp") fails parity; AdamW's m / sqrt(v) hides the scale and
+turns the rounding of a near-zero gradient element into a whole step (measured: AdamW 1.7e-5
+at (2, 2) against 3.7e-6 flat; SGD 5e-8 both)."""
+
+
+def reference_run(name: str = "gpt", max_grad_norm=None) -> dict:
+    """Plain single-process PyTorch on the whole global batch; ``max_grad_norm``: clipped
+    with ``clip_grad_norm_`` (its norms before clipping are the run's ``grad_norms``)."""
     model = build_model(name)
-    opt = models.make_optimizer(model)
-    step = step_of(name)
-    losses = []
+    opt = models.make_optimizer(model, OPTIMIZER)
+    losses, norms = [], []
     for i in range(STEPS):
         x, y = models.global_batch(name, i)
-        losses.append(step(model, opt, x, y).item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        loss = models.loss_fn(name, model, x, y)
+        loss.backward()
+        if max_grad_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grad_norms": norms,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def tensor_parallel_rank(rank: int, world_size: int, shape: tuple, stage: int = 3,
                          sequence_parallel: bool = False, options: tuple = (),
-                         name: str = "gpt") -> dict:
+                         name: str = "gpt", checkpoint: str = "") -> dict:
     """STEPS steps of model ``name`` parallelized over a ("shard", "tp") mesh of ``shape``
     (("replicate", "shard", "tp") for three sizes), each shard group's ranks on their slice
-    of the global batch; whole parameters at the end."""
+    of the global batch, in ``accumulation_steps`` calls per step when the options say so;
+    whole parameters at the end. ``checkpoint``: saved there after the last step."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from zero_fx import zero_compile
@@ -157,18 +172,26 @@ def tensor_parallel_rank(rank: int, world_size: int, shape: tuple, stage: int = 
             parallelize(model, mesh["tp"], sequence_parallel)
         else:
             parallelize_hf_llama(model, mesh["tp"])
-    opt = models.make_optimizer(model)
-    step = zero_compile(step_of(name), stage=stage, backend="aot_eager", mesh=mesh,
-                        **dict(options))
+    opt = models.make_optimizer(model, OPTIMIZER)
+    step = zero_compile(step_of(name), stage=stage, mesh=mesh,
+                        **{"backend": "aot_eager", **dict(options)})
+    calls = dict(options).get("accumulation_steps", 1)
     data_ranks = world_size // shape[-1]
     data_rank = rank // shape[-1]
-    losses = []
+    losses, norms = [], []
     for i in range(STEPS):
         x, y = models.global_batch(name, i)
-        per_rank = x.shape[0] // data_ranks
-        local = slice(data_rank * per_rank, (data_rank + 1) * per_rank)
-        with step.counting_collectives() as counted:
-            losses.append(step(model, opt, x[local], y[local]).item())
-    return {"losses": losses, "params": step.full_parameters(), "traffic": step.traffic(),
-            "counted": {"numel": dict(counted.numel), "launches": dict(counted.launches)},
-            "explain": str(step.explain())}
+        per_call = x.shape[0] // data_ranks // calls
+        call_losses = []
+        for call in range(calls):
+            start = (data_rank * calls + call) * per_call
+            with step.counting_collectives() as counted:
+                call_losses.append(step(model, opt, x[start:start + per_call],
+                                        y[start:start + per_call]).item())
+        losses.append(sum(call_losses) / calls)
+        norms.append(step.last_grad_norm.item() if step.last_grad_norm is not None else None)
+    if checkpoint:
+        step.save_checkpoint(checkpoint)
+    return {"losses": losses, "grad_norms": norms, "params": step.full_parameters(),
+            "traffic": step.traffic(), "explain": str(step.explain()),
+            "counted": {"numel": dict(counted.numel), "launches": dict(counted.launches)}}

@@ -514,7 +514,7 @@ def check_mesh(mesh, stage: int) -> None:
     if "tp" in names and stage == 0:
         raise ValueError("stage 0 with a tensor-parallel mesh is not supported: use stage 1, 2 or "
                          "3 (ZeRO over the 'shard' dimension), or a mesh without 'tp'")
-    if mesh.size(names.index("shard")) == 1 and stage != 0 and "tp" not in names:
+    if mesh.size(names.index("shard")) == 1 and stage != 0 and "replicate" in names:
         raise ValueError(f"the mesh's shard dimension has one rank, so stage {stage} would shard "
                          f"nothing: use stage=0 (every rank a replica), or more ranks per shard group")
 

@@ -163,6 +163,18 @@ def _moe_lines(plan, moe_blocks: Sequence[RoutedExperts]) -> list[str]:
     return lines
 
 
+def _tensor_parallel_lines(plan) -> list[str]:
+    """What tensor parallelism changed ([Note: ZeRO over tensor parallelism])."""
+    parallel = plan.tensor_parallel
+    if parallel is None:
+        return []
+    split = len(parallel.specs) - len(parallel.replicated & parallel.specs.keys())
+    return [f"  tensor parallel: the model's layers split over {parallel.degree} ranks (group "
+            f"{parallel.group_name!r}, this rank {parallel.rank}); shapes above are this rank's "
+            f"pieces: {split} parameters split, {len(parallel.replicated)} whole on every tp "
+            f"rank; DTensor's tp collectives stay in the step where its placements put them"]
+
+
 def _plan_section(plan, moe_blocks: Sequence[RoutedExperts] = ()) -> str:
     lines = ["Plan"]
     dtypes = sorted({short_dtype(l.dtype) for l in plan.params})
@@ -178,6 +190,7 @@ def _plan_section(plan, moe_blocks: Sequence[RoutedExperts] = ()) -> str:
             lines.append(f"  hybrid sharding: {plan.replicas} replicas of these {plan.world_size} "
                          f"ranks (group {plan.replicate_group_name!r}); each reduced gradient shard "
                          f"is all-reduced across them, the only traffic between replicas")
+    lines += _tensor_parallel_lines(plan)
     lines.append("  buckets: one per repeated block (bucket_bytes='blocks')" if plan.bucket_bytes == BLOCKS
                  else f"  buckets of at most {format_bytes(plan.bucket_bytes)}"
                  if plan.bucket_bytes else "  one collective per parameter (bucket_bytes=0)")
