@@ -796,11 +796,13 @@ def _peaks_by_degree(gm: GraphModule, plan: ShardPlan, experts: ExpertBlocks, to
                           and int(val.shape[0]) in counts)
         rows = shape_of_rows.get(int(val.shape[0])) if node.name in routed else None
         priced.append((t.index, t.last_use, t.bytes, share, rows))
+
     def scale(p: int, share: float, rows) -> float:
         if rows is None:
             return 1 - share + share / p
         e, k = rows
-        return (1 - share + share / p) * _buffer_rows(tokens, p, e, k, capacity_factor) / (tokens * k)
+        rows_scale = _buffer_rows(tokens, p, e, k, capacity_factor) / (tokens * k)
+        return (1 - share + share / p) * rows_scale
 
     return {p: _peak(len(timeline.transient), ((first, last, nbytes * scale(p, share, rows))
                                                for first, last, nbytes, share, rows in priced))
