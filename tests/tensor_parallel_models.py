@@ -195,3 +195,24 @@ def tensor_parallel_rank(rank: int, world_size: int, shape: tuple, stage: int = 
     return {"losses": losses, "grad_norms": norms, "params": step.full_parameters(),
             "traffic": step.traffic(), "explain": str(step.explain()),
             "counted": {"numel": dict(counted.numel), "launches": dict(counted.launches)}}
+
+
+def loaded_rank(rank: int, world_size: int, shape: tuple, path: str, resave: str,
+                stage: int = 3) -> dict:
+    """The GPT on a mesh of ``shape`` (None: no mesh, world size 1), the checkpoint at ``path``
+    loaded before the first call, saved again at ``resave``: its whole parameters."""
+    from zero_fx import zero_compile
+
+    mesh = None
+    model = build()
+    if shape is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard", "tp")[-len(shape):])
+        if shape[-1] > 1:
+            parallelize(model, mesh["tp"])
+    opt = models.make_optimizer(model, OPTIMIZER)
+    step = zero_compile(step_of("gpt"), stage=stage, backend="aot_eager", mesh=mesh)
+    step.load_checkpoint(path, model, opt)
+    step.save_checkpoint(resave)
+    return {"params": step.full_parameters()}

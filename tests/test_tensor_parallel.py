@@ -150,6 +150,28 @@ def test_traffic_shows_zero_on_the_pieces_and_tensor_parallelism_apart():
     assert "tensor parallel" in result["explain"]
 
 
+def test_a_checkpoint_saved_at_two_by_two_loads_at_one_by_four_flat_four_and_one_rank(tmp_path):
+    """Saved at (2, 2), loaded at (1, 4) (the layers split over four ranks), (4, 1) (ZeRO
+    alone) and at one rank (no mesh), each saving again: every tensor of each checkpoint
+    (parameters and optimizer state, put back together whole) and the loaded runs' whole
+    parameters equal the saved run's, bit for bit."""
+    from zero_fx.checkpoint.save_load import load_full
+
+    saved = str(tmp_path / "saved")
+    trained = run_ranks(4, tp_models.tensor_parallel_rank, (2, 2), 3, False, SPREAD, "gpt", saved)
+    expected = load_full(saved)
+    assert any(key.startswith("optim.") for key in expected)
+    for shape in [(1, 4), (4, 1), None]:
+        resaved = str(tmp_path / f"resaved-{shape}")
+        loaded = run_ranks(4 if shape else 1, tp_models.loaded_rank, shape, saved, resaved)
+        for name, value in trained[0]["params"].items():
+            assert torch.equal(loaded[-1]["params"][name], value), (shape, name)
+        again = load_full(resaved)
+        for key, value in expected.items():
+            if isinstance(value, torch.Tensor) and not key.startswith("rng."):
+                assert torch.equal(again[key], value), (shape, key)
+
+
 def bad_meshes_rank(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 

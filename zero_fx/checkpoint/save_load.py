@@ -15,6 +15,20 @@ replicated), with the hyper-parameters of each parameter group; then the
 persistent buffers (rank 0's), each rank's RNG state, zero_fx's counters (loss
 scale, optimizer steps) and the caller's ``extra`` object. Files:
 [Note: atomic checkpoints] in checkpoint/files.py.
+
+[Note: checkpoints of a tensor-parallel model]
+Under tensor parallelism ([Note: ZeRO over tensor parallelism] in
+zero_fx/plan/tensor_parallel.py) each rank shards its *piece* of a split parameter, and a
+ZeRO shard of a piece split by columns is no rectangle of the whole parameter, which is
+all DCP can describe. So a split parameter is saved as one logical tensor of shape
+``[tp, piece numel]``: row t is "tp" rank t's piece, flat, and its columns are split over
+the shard group as any flat parameter (``Shard(0)`` on "tp", ``Shard(1)`` on "shard").
+The manifest records the whole shape and the split (``tensor_parallel``: degree and
+dimension). A run that splits the parameter the same way loads it as DCP reshards
+anything (any shard group); a run that splits it otherwise (another "tp" degree, or
+none: a flat world, one rank) reads the whole ``[tp, piece numel]`` entry on every rank,
+puts the pieces back together along the split dimension and cuts its own piece and
+shard: one whole parameter (and state tensor) at a time in host memory on each rank.
 """
 
 from __future__ import annotations
@@ -33,6 +47,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..formatting import format_bytes
+from ..plan.layout import cut_shard
 from ..runtime.cpu_group import cpu_group
 from ..runtime.sharded_state import ShardedState
 from .files import (CheckpointError, check_files, clear_staging, prepare_save, publish,
@@ -80,6 +95,7 @@ def load(state: ShardedState, path: str) -> tuple[dict, Any]:
     saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     entries = _tensors(state, _mesh(state))
     _check_same_optimizer(entries, saved_keys, manifest, state)
+    resplit = _split_otherwise(state, manifest, entries)
     entries.update({k: None for k in ("zero_fx.runtime", "zero_fx.extra", "optim.param_groups")})
     rng = _rng_states(state.world.global_rank, _device(state))
     if rng.keys() <= saved_keys:
@@ -91,6 +107,7 @@ def load(state: ShardedState, path: str) -> tuple[dict, Any]:
     with _single_process_quietly():
         dcp.load(entries, checkpoint_id=path, no_dist=state.world.ranks == 1,
                  process_group=cpu_group())
+    _load_split_otherwise(state, path, manifest, resplit)
     _restore_param_groups(state.optimizer, pickle.loads(entries["optim.param_groups"]), state)
     if rng.keys() <= entries.keys():
         _set_rng_states(state.world.global_rank, entries, _device(state))
@@ -120,16 +137,43 @@ def _tensors(state: ShardedState, mesh) -> dict[str, Any]:
 
 def _logical(tensor: torch.Tensor, layout, state: ShardedState, mesh):
     """The flat, unpadded logical parameter that ``tensor`` (a shard, or a whole tensor in
-    stage 0) holds this rank's part of, as a view of it ([Note: checkpoint layout])."""
+    stage 0) holds this rank's part of, as a view of it ([Note: checkpoint layout]); a
+    parameter split by tensor parallelism: ``[tp, piece numel]`` ([Note: checkpoints of a
+    tensor-parallel model])."""
     flat = tensor.detach().view(-1)
     if state.plan.replicated or mesh is None:
         return flat[:layout.numel]
     start, stop = layout.owned_range(state.world.rank)
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
-    return DTensor.from_local(flat[:stop - start], mesh, placements, run_check=False,
-                              shape=torch.Size([layout.numel]), stride=(1,))
+    split = tensor_parallel_split(state.plan, layout.name) is not None
+    names = mesh.mesh_dim_names or ("shard",)
+    placements = [Replicate() if dim == "replicate" else Shard(1 if split else 0)
+                  if dim == "shard" else Shard(0) if split else Replicate() for dim in names]
+    if not split:
+        return DTensor.from_local(flat[:stop - start], mesh, placements, run_check=False,
+                                  shape=torch.Size([layout.numel]), stride=(1,))
+    degree = state.plan.tensor_parallel.degree
+    return DTensor.from_local(flat[:stop - start].view(1, -1), mesh, placements, run_check=False,
+                              shape=torch.Size([degree, layout.numel]), stride=(layout.numel, 1))
+
+
+def tensor_parallel_split(plan, name: str) -> Optional[dict]:
+    """How tensor parallelism splits parameter ``name``: ``{"degree", "dim", "shape"}`` (the
+    whole shape), or None for a parameter every rank holds whole or a run without it."""
+    parallel = plan.tensor_parallel
+    if parallel is None or name in parallel.replicated or name not in parallel.specs:
+        return None
+    _, placements, shape, _ = parallel.specs[name]
+    dims = [p.dim for p in placements if p.is_shard()]
+    if len(dims) != 1:
+        raise NotImplementedError(f"parameter {name!r} has placements {placements}: checkpoints "
+                                  "hold a parameter split over 'tp' along one dimension")
+    if shape[dims[0]] % parallel.degree:
+        raise NotImplementedError(
+            f"parameter {name!r} of shape {list(shape)} splits unevenly over {parallel.degree} "
+            f"'tp' ranks along dimension {dims[0]}: checkpoints hold even pieces only")
+    return {"degree": parallel.degree, "dim": dims[0], "shape": list(shape)}
 
 
 def _rng_states(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -172,18 +216,28 @@ def _objects(state: ShardedState, counters: dict, extra: Any) -> dict[str, Any]:
 
 def _manifest(state: ShardedState) -> dict:
     plan = state.plan
+    tensor_parallel = plan.tensor_parallel.degree if plan.tensor_parallel is not None else 1
     return {
-        "world_size": plan.world_size * plan.replicas,
-        "mesh": [plan.replicas, plan.world_size],
+        "world_size": plan.world_size * plan.replicas * tensor_parallel,
+        "mesh": [plan.replicas, plan.world_size] + ([tensor_parallel] if tensor_parallel > 1 else []),
         "stage": plan.stage,
-        "params": {l.name: {"shape": list(l.shape), "dtype": str(l.dtype).removeprefix("torch."),
+        "params": {l.name: {"shape": whole_shape(plan, l.name),
+                            "dtype": str(l.dtype).removeprefix("torch."),
                             "requires_grad": l.requires_grad} for l in plan.params},
+        "tensor_parallel": {l.name: split for l in plan.params
+                            if (split := tensor_parallel_split(plan, l.name)) is not None},
         "aliases": tied_aliases(state.model),
         "buffers": {name: list(b.shape) for name, b in persistent_buffers(state.model).items()},
         "optimizer": type(state.optimizer).__name__,
         "optimizer_state": {state.shard_names()[id(shard)]: sorted(values)
                             for shard, values in state.optimizer.state.items()},
     }
+
+
+def whole_shape(plan, name: str) -> list[int]:
+    """Parameter ``name``'s whole shape (a tensor-parallel piece's whole parameter's)."""
+    split = tensor_parallel_split(plan, name)
+    return split["shape"] if split is not None else list(plan.layout(name).shape)
 
 
 def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -210,6 +264,48 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
 
 # -- checks before loading ---------------------------------------------------------------
 
+def _split_otherwise(state: ShardedState, manifest: dict, entries: dict) -> dict:
+    """Take out of ``entries`` those of the parameters the checkpoint's run split over
+    "tp" otherwise than this run does ([Note: checkpoints of a tensor-parallel model]);
+    return ``{key: (parameter name, the tensor this rank's shard goes into)}``."""
+    saved = manifest.get("tensor_parallel", {})
+    names = {l.name for l in state.plan.params
+             if saved.get(l.name) != tensor_parallel_split(state.plan, l.name)}
+    resplit = {}
+    for layout in state.plan.params:
+        if layout.name not in names:
+            continue
+        shard = state.shards[layout.name]
+        targets = {f"model.{layout.name}": shard}
+        targets.update({f"optim.{layout.name}.{key}": value
+                        for key, value in state.optimizer.state.get(shard, {}).items()
+                        if f"optim.{layout.name}.{key}" in entries and isinstance(value, torch.Tensor)
+                        and value.ndim > 0 and value.numel() == shard.numel()})
+        for key, target in targets.items():
+            del entries[key]
+            resplit[key] = (layout.name, target)
+    return resplit
+
+
+@torch.no_grad()
+def _load_split_otherwise(state: ShardedState, path: str, manifest: dict, resplit: dict) -> None:
+    """Each entry of ``resplit`` read whole, made the whole parameter-shaped tensor, and cut
+    into this rank's piece and shard, one at a time."""
+    if resplit:
+        log.info("zero_fx: %d tensor(s) of the checkpoint were split over 'tp' otherwise than "
+                 "in this run: each is read whole on every rank and cut anew", len(resplit))
+    plan = state.plan
+    for key, (name, target) in resplit.items():
+        whole = _read_whole(path, manifest, [key], shape_of=name)[key]
+        split = tensor_parallel_split(plan, name)
+        piece = (whole.chunk(split["degree"], dim=split["dim"])[plan.tensor_parallel.rank]
+                 if split is not None else whole)
+        layout = plan.layout(name)
+        mine = (piece.reshape(-1) if plan.replicated
+                else cut_shard(piece, layout, plan.shard_rank(name)))
+        target.view(-1).copy_(mine.to(target.dtype))
+
+
 def _check_files_on_all_ranks(state: ShardedState, path: str, manifest: dict) -> None:
     world = state.world
     problems = check_files(path, manifest, lambda index: index % world.ranks == world.global_rank)
@@ -225,8 +321,8 @@ def _check_same_model(state: ShardedState, manifest: dict) -> None:
     ours = {l.name: l for l in state.plan.params}
     missing = [n for n in ours if n not in saved]
     unexpected = [n for n in saved if n not in ours]
-    misshaped = [f"{n}: checkpoint {saved[n]['shape']}, model {list(ours[n].shape)}"
-                 for n in ours if n in saved and saved[n]["shape"] != list(ours[n].shape)]
+    misshaped = [f"{n}: checkpoint {saved[n]['shape']}, model {whole_shape(state.plan, n)}"
+                 for n in ours if n in saved and saved[n]["shape"] != whole_shape(state.plan, n)]
     problems = ([f"parameter {n} is not in the checkpoint" for n in missing[:5]]
                 + [f"the checkpoint has parameter {n}, which the model lacks" for n in unexpected[:5]]
                 + [f"parameter {m}" for m in misshaped[:5]])
@@ -435,8 +531,11 @@ def _tensor_keys(path: str) -> dict[str, Any]:
     return {key: meta for key, meta in metadata.items() if hasattr(meta, "size")}
 
 
-def _read_whole(path: str, manifest: dict, keys: list[str]) -> dict[str, torch.Tensor]:
-    """Tensor entries ``keys``, whole, on the CPU; parameters in their shapes."""
+def _read_whole(path: str, manifest: dict, keys: list[str],
+                shape_of: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """Tensor entries ``keys``, whole, on the CPU; parameters in their shapes (a tensor
+    split over "tp" put back together: [Note: checkpoints of a tensor-parallel model]);
+    ``shape_of``: give every key parameter ``shape_of``'s shape (its optimizer state)."""
     if not keys:
         return {}
     metadata = _tensor_keys(path)
@@ -445,10 +544,31 @@ def _read_whole(path: str, manifest: dict, keys: list[str]) -> dict[str, torch.T
                                for key in keys}
     with _single_process_quietly():
         dcp.load(entries, checkpoint_id=path, no_dist=True)
+    splits = manifest.get("tensor_parallel", {})
     for name, info in manifest["params"].items():
-        if f"model.{name}" in entries:
-            entries[f"model.{name}"] = entries[f"model.{name}"].view(info["shape"])
+        for key in (keys if name == shape_of else _keys_of(name, entries, math.prod(info["shape"]))
+                    if shape_of is None else []):
+            entries[key] = _whole_parameter(entries[key], info["shape"], splits.get(name))
     return entries
+
+
+def _keys_of(name: str, entries: dict, numel: int) -> list[str]:
+    """The entries shaped like parameter ``name``: ``model.<name>`` and its optimizer state
+    of one value per element (``optim.<name>.exp_avg``)."""
+    prefix = f"optim.{name}."
+    return [key for key, value in entries.items() if key == f"model.{name}" or (
+        key.startswith(prefix) and "." not in key[len(prefix):] and value.numel() == numel
+        and value.ndim > 0)]
+
+
+def _whole_parameter(saved: torch.Tensor, shape: list, split: Optional[dict]) -> torch.Tensor:
+    """A parameter-shaped tensor from its entry: flat, or ``[tp, piece numel]`` with row t
+    "tp" rank t's piece, put back together along the split dimension."""
+    if split is None:
+        return saved.view(shape)
+    piece_shape = list(shape)
+    piece_shape[split["dim"]] //= split["degree"]
+    return torch.cat([row.view(piece_shape) for row in saved], dim=split["dim"])
 
 
 def full_state_dict(state: ShardedState, dtype: Optional[torch.dtype] = None, *,
@@ -491,7 +611,10 @@ def full_state_dict(state: ShardedState, dtype: Optional[torch.dtype] = None, *,
         _add_aliases_and_buffers(state, result, None)
         return result
     keep = state.world.global_rank == 0
-    needed = keep or (state.masters_sharded and state.world.replica == 0)
+    # every rank of rank 0's shard group gathers with it; under tensor parallelism every
+    # "tp" rank of those makes its split parameters whole with it
+    needed = keep or (state.world.replica == 0 and (
+        state.masters_sharded or state.plan.tensor_parallel is not None))
     result: dict[str, torch.Tensor] = {}
     if needed:
         host = torch.device("cpu")
