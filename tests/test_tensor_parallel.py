@@ -186,6 +186,26 @@ def bad_meshes_rank(rank, world_size):
     return messages
 
 
+def tensor_parallel_model_without_tp_mesh_rank(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
+    model = tp_models.parallelize(tp_models.build(), mesh["tp"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = zero_compile(tp_models.step_of("gpt"), backend="aot_eager")
+    x, y = tp_models.models.global_batch("gpt", 0)
+    try:
+        step(model, opt, x, y)
+    except ValueError as err:
+        return str(err)
+
+
+def test_a_tensor_parallel_model_without_a_tp_mesh_is_refused():
+    """Sharded over every rank, ZeRO would average the "tp" ranks' different pieces."""
+    message = run_ranks(4, tensor_parallel_model_without_tp_mesh_rank)[0]
+    assert "DTensors" in message and "mesh_dim_names=('shard', 'tp')" in message
+
+
 def test_a_tensor_parallel_mesh_zero_fx_cannot_use_says_what_to_build():
     stage_0, order, one_shard = run_ranks(4, bad_meshes_rank)[0]
     assert "stage 1, 2 or 3" in stage_0

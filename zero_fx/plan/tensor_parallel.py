@@ -82,20 +82,27 @@ class TensorParallel:
 def tensor_parallel_of(module: torch.nn.Module, world) -> "TensorParallel | None":
     """``module``'s ``TensorParallel`` on ``world`` (its "tp" size, rank and group); None
     without a "tp" dimension."""
-    if world.tp == 1 and not world.tp_group_name:
+    dtensors = [(name, p) for name, p in module.named_parameters() if is_dtensor(p)]
+    if not world.tp_group_name:
+        if dtensors:
+            raise ValueError(
+                f"the model's parameters are DTensors ({dtensors[0][0]!r}: parallelize_module?) "
+                "but zero_compile's mesh has no 'tp' dimension, so ZeRO would average different "
+                "ranks' pieces: build the mesh with one, init_device_mesh(device, (shards, tp), "
+                "mesh_dim_names=('shard', 'tp')), parallelize over mesh['tp'] and pass "
+                "zero_compile(mesh=mesh)")
         return None
     specs, replicated = {}, set()
     for name, param in module.named_parameters():
         if not is_dtensor(param):
             replicated.add(name)
             continue
-        tp_dim = param.device_mesh.mesh_dim_names.index("tp") if "tp" in (
-            param.device_mesh.mesh_dim_names or ()) else None
-        if tp_dim is None or param.device_mesh.ndim != 1:
+        mesh = param.device_mesh
+        if mesh.ndim != 1 or mesh.get_group().group_name != world.tp_group_name:
             raise ValueError(f"parameter {name!r} is a DTensor on a mesh of dimensions "
-                             f"{param.device_mesh.mesh_dim_names}; zero_fx shards DTensors "
-                             "parallelized over the mesh's 'tp' dimension: "
-                             "parallelize_module(model, mesh['tp'], plan)")
+                             f"{mesh.mesh_dim_names} that is not the 'tp' dimension of "
+                             "zero_compile's mesh; zero_fx shards DTensors parallelized over "
+                             "it: parallelize_module(model, mesh['tp'], plan)")
         if all(p.is_replicate() for p in param.placements):
             replicated.add(name)
         specs[name] = (param.device_mesh, param.placements, param.shape, param.stride())
