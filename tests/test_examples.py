@@ -10,18 +10,18 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def torchrun_command(script, args, launcher=()):
-    """torchrun of 2 ranks (``launcher``: more torchrun options) running an example on CPUs
-    (--device cpu: on a one-GPU machine, ``auto`` would too, but the test means gloo), traced
-    with aot_eager."""
-    return [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc_per_node", "2",
-            os.path.join(ROOT, "examples", script), "--device", "cpu", "--backend", "aot_eager",
-            *args]
+def torchrun_command(script, args, launcher=(), ranks=2):
+    """torchrun of ``ranks`` ranks (``launcher``: more torchrun options) running an example on
+    CPUs (--device cpu: on a one-GPU machine, ``auto`` would too, but the test means gloo),
+    traced with aot_eager."""
+    return [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc_per_node",
+            str(ranks), os.path.join(ROOT, "examples", script), "--device", "cpu", "--backend",
+            "aot_eager", *args]
 
 
-def torchrun(script, *args):
-    run = subprocess.run(torchrun_command(script, args), capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
+def torchrun(script, *args, ranks=2):
+    run = subprocess.run(torchrun_command(script, args, ranks=ranks), capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
 
@@ -222,3 +222,11 @@ def test_train_mixtral_routes_its_experts_with_fixed_shapes_and_learns():
     assert ("mixture of experts: zero_fx routed 2 block(s) with fixed shapes, 4 experts each, "
             "top-2") in out
     assert "model.layers.1.block_sparse_moe: 4 experts, top-2" in out
+
+
+def test_train_tensor_parallel_splits_the_layers_over_two_of_four_ranks_and_learns():
+    """(shard 2, tp 2): ZeRO over each rank's piece, DTensor's all-reduces on the tp group."""
+    out = torchrun("train_tensor_parallel.py", "--tp", "2", "--steps", "6", ranks=4)
+    assert len(losses(out)) == 6 and losses(out)[6] < losses(out)[1]
+    assert "stage 3 over 2 data-parallel rank(s) x tp 2" in out
+    assert re.search(r"tp_all_reduce [\d,]+ elements", out) and "within the tp group" in out

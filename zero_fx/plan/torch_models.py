@@ -172,9 +172,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        # -1 heads: a rank's own heads when the projections are split by tensor parallelism
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            enable_gqa=self.n_kv_head != self.n_head)
