@@ -59,6 +59,12 @@ def is_tensor_parallel_collective(node: Node) -> bool:
     return TP_COLLECTIVE_META in node.meta and node.target != _c10d.wait_tensor.default
 
 
+def tensor_parallel_groups(gm: torch.fx.GraphModule) -> frozenset:
+    """The groups tensor parallelism's collectives in ``gm`` run on."""
+    return frozenset(node.meta[TP_COLLECTIVE_META] for node in gm.graph.nodes
+                     if TP_COLLECTIVE_META in node.meta)
+
+
 def is_all_gather(node: Node) -> bool:
     return _target_is(node, _c10d.all_gather_into_tensor.default)
 

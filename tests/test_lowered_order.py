@@ -67,6 +67,19 @@ def call(self, args):
         Event(ISSUE, 2, "reduce_scatter"), Event(WAIT, 1), Event(WAIT, 2))
 
 
+def test_tensor_parallel_collectives_are_no_events_of_zeros_schedule():
+    """A tp group's all-reduce in the program (DTensor's, data like a matmul's output) is
+    neither an issue nor a wait of the schedule ZeRO's passes planned."""
+    schedule = lowered_schedule("""
+def call(self, args):
+    buf0 = torch.ops._c10d_functional.all_gather_into_tensor.default(arg0_1, 2, '0')
+    buf1 = torch.ops._c10d_functional.all_reduce.default(arg1_1, 'sum', '7')
+    torch.ops._c10d_functional.wait_tensor.default(buf1)
+    torch.ops._c10d_functional.wait_tensor.default(buf0)
+""", skip_groups={"7"})
+    assert schedule.events == (Event(ISSUE, 0, "all_gather"), Event(WAIT, 0))
+
+
 def test_reads_the_buffers_of_generated_code():
     """Allocations, collective results, reuse, aliases and an op's tuple of outputs, replayed
     to the byte (fp32 unless stated)."""

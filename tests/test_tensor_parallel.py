@@ -172,6 +172,20 @@ def test_a_checkpoint_saved_at_two_by_two_loads_at_one_by_four_flat_four_and_one
                 assert torch.equal(again[key], value), (shape, key)
 
 
+def test_zero_gathers_overlap_the_tensor_parallel_collectives_which_keep_their_place():
+    """Prefetching moves each block's all-gather ahead of the previous block's compute and its
+    tp all-reduces (ZeRO's collectives overlap tensor-parallel compute); every tp collective
+    is waited for before anything reads its result, right where DTensor put it."""
+    traffic = run()[0]["traffic"]
+    rows = traffic.collectives
+    gathers = [c for c in rows if c.kind == "all_gather" and c.phase == "forward"]
+    second = next(c for c in gathers if any(n.startswith("blocks.1.") for n in c.bucket))
+    first_block_tp = [c for c in rows if c.kind == "tp_all_reduce" and c.phase == "forward"][:2]
+    assert len(first_block_tp) == 2
+    assert all(second.issued_at < c.issued_at for c in first_block_tp)
+    assert all(c.waited_at == c.issued_at + 1 for c in rows if c.kind.startswith("tp_"))
+
+
 def bad_meshes_rank(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -12,6 +12,7 @@ from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..capture.step_graph import static_fakes
+from ..passes.predicates import tensor_parallel_groups
 from ..passes.splice import outside_dynamo_tracing
 from .lowered_memory import LoweredMemory, lowered_memory
 from .lowered_schedule import (OrderCheck, inductor_keeps_as_kernel, lowered_schedule, order_as_graph,
@@ -116,7 +117,7 @@ def _inductor(gm: GraphModule, fakes, pin_schedule: bool, resident: Collection[s
     with config.patch(patches), torch._functorch.config.patch(enable_autograd_cache=False):
         run = compile_fx(gm, fakes, inner_compile=keeping_source)
     program = sources[0] if len(sources) == 1 else ""  # both readers return None for ""
-    lowered = lowered_schedule(program)
+    lowered = lowered_schedule(program, tensor_parallel_groups(gm))
     note = "" if lowered is not None else (
         f"Inductor produced {len(sources)} programs, not one: the order is not checked"
         if len(sources) != 1 else "Inductor's C++ wrapper is not read: the order is not checked")

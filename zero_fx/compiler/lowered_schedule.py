@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Collection, NamedTuple, Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -149,9 +149,10 @@ _ISSUE_KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": 
                "all_reduce": "all_reduce"}
 
 
-def lowered_schedule(source: str) -> Optional[Schedule]:
+def lowered_schedule(source: str, skip_groups: Collection[str] = ()) -> Optional[Schedule]:
     """The schedule of Inductor's generated Python wrapper ``source``; None if it has none
-    (a C++ wrapper)."""
+    (a C++ wrapper). Collectives on ``skip_groups`` (tensor parallelism's: data, not ZeRO's
+    schedule; [Note: capturing a tensor-parallel step]) are not events."""
     if "def call(" not in source:
         return None
     events, number = [], {}  # buffer name -> issue number (aliases included)
@@ -161,6 +162,8 @@ def lowered_schedule(source: str) -> Optional[Schedule]:
         if statement.startswith(("#", "assert")):
             continue
         issue = _ISSUE_RE.search(statement)
+        if issue and any(f"'{group}'" in issue.group("args") for group in skip_groups):
+            continue
         if issue:
             buffer = _issued_buffer(statement, issue)
             number[buffer], issued = issued, issued + 1  # an in-place collective renumbers its buffer
