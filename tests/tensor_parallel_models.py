@@ -215,4 +215,4 @@ def loaded_rank(rank: int, world_size: int, shape: tuple, path: str, resave: str
     step = zero_compile(step_of("gpt"), stage=stage, backend="aot_eager", mesh=mesh)
     step.load_checkpoint(path, model, opt)
     step.save_checkpoint(resave)
-    return {"params": step.full_parameters()}
+    return {"params": step.full_parameters(), "state_dict": step.full_state_dict(cpu_offload=True)}

@@ -154,8 +154,9 @@ def test_traffic_shows_zero_on_the_pieces_and_tensor_parallelism_apart():
 def test_a_checkpoint_saved_at_two_by_two_loads_at_one_by_four_flat_four_and_one_rank(tmp_path):
     """Saved at (2, 2), loaded at (1, 4) (the layers split over four ranks), (4, 1) (ZeRO
     alone) and at one rank (no mesh), each saving again: every tensor of each checkpoint
-    (parameters and optimizer state, put back together whole) and the loaded runs' whole
-    parameters equal the saved run's, bit for bit."""
+    (parameters and optimizer state, put back together whole), the loaded runs' whole
+    parameters and rank 0's full_state_dict(cpu_offload=True) equal the saved run's, bit
+    for bit."""
     from zero_fx.checkpoint.save_load import load_full
 
     saved = str(tmp_path / "saved")
@@ -167,6 +168,8 @@ def test_a_checkpoint_saved_at_two_by_two_loads_at_one_by_four_flat_four_and_one
         loaded = run_ranks(4 if shape else 1, tp_models.loaded_rank, shape, saved, resaved)
         for name, value in trained[0]["params"].items():
             assert torch.equal(loaded[-1]["params"][name], value), (shape, name)
+            # rank 0's whole state dict, streamed one bucket at a time, each piece made whole
+            assert torch.equal(loaded[0]["state_dict"][name], value), (shape, name)
         again = load_full(resaved)
         for key, value in expected.items():
             if isinstance(value, torch.Tensor) and not key.startswith("rng."):

@@ -308,7 +308,8 @@ class ShardedState:
         if self.plan.tensor_parallel is not None:
             # every rank takes part in making each split parameter whole over "tp"
             for name, local in self._stream_local(True, dtype, None):
-                yield name, _copied(self._whole(name, local), None, to) if keep else None
+                whole = self._whole(name, local)  # on every rank, kept or not
+                yield name, _copied(whole, None, to) if keep else None
             return
         yield from self._stream_local(keep, dtype, to)
 
