@@ -17,7 +17,7 @@ from ..config import ZeroConfig
 from ..formatting import ranks_phrase
 from ..materialize import PretrainedWeights, materialize
 from ..plan import ShardPlan, plan_for_module
-from ..plan.tensor_parallel import tensor_parallel_of
+from ..plan.tensor_parallel import local_tensor, tensor_parallel_of
 from .expert_groups import split_experts
 from .gloo_all_gather import use_gloo_single_tensor_all_gather
 from .precision import LossScaler, cast_at_model_edge
@@ -80,6 +80,14 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
                            expert_parallel=experts,
                            tensor_parallel=tensor_parallel_of(model, world),
                            **config.plan_options(hardware_for(model)))
+    if plan.tensor_parallel is not None and (pretrained is not None or any(
+            local_tensor(p).is_meta for p in model.parameters())):
+        claim(model, optimizer, None)
+        raise NotImplementedError(
+            "a tensor-parallel model built on the meta device, or loaded with load_pretrained, "
+            "is not supported yet: zero_fx would cut shards of whole parameters, not of this "
+            "rank's pieces. Build the model with its values (to_empty and your init, or "
+            "load_state_dict) before parallelize_module")
     try:  # a meta model, or pretrained weights: this rank's values (the model is unchanged on error)
         masters = materialize(model, plan, init_fn=config.init_fn, pretrained=pretrained,
                               device=device)
