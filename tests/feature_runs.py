@@ -103,6 +103,7 @@ def zero_fx_rank(rank: int, world_size: int, model_name: str, stage: int, optimi
         "counted": dict(counted.numel),
         "model_dtypes": {name: p.dtype for name, p in model.named_parameters()},
         "shard_dtypes": {name: s.dtype for name, s in train_step.state.shards.items()},
+        "device_shard_dtypes": {name: s.dtype for name, s in train_step.state.device_shards.items()},
         "optimizer_state_dtypes": {v.dtype for st in opt.state.values() for v in st.values()
                                    if isinstance(v, torch.Tensor) and v.ndim > 0},
         "storage_bytes": {name: p.untyped_storage().nbytes() for name, p in model.named_parameters()},

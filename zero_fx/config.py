@@ -220,6 +220,11 @@ class ZeroConfig:
     that a rank's buffer of received rows is about this many times the rows it sends
     ([Note: expert capacity] in zero_fx/capture/expert_exchange.py). None: every row, in a
     buffer sized for the worst case."""
+    offload: Optional[str] = None
+    """Stages 1-3: ``"optimizer"`` keeps the fp32 masters and the optimizer's state in host
+    memory (pinned on CUDA), steps the optimizer there, and gives the device the
+    parameters' shards in the compute dtype ([Note: optimizer offload] in
+    zero_fx/runtime/offload.py). None: everything on the training device."""
     debug: DebugOptions = field(default_factory=DebugOptions)
     """Dumps, disabled passes, the ranks' agreement check and Inductor schedule pinning
     (``DebugOptions``)."""
@@ -271,6 +276,7 @@ class ZeroConfig:
         check_mesh(self.mesh, self.stage)
         check_expert_parallel(self.expert_parallel, self.stage, self.mesh,
                               self.expert_capacity_factor)
+        check_offload(self.offload, self.stage)
         if self.init_fn is not None and not callable(self.init_fn):
             raise TypeError(f"init_fn must be a callable init_fn(module), got {type(self.init_fn).__name__}")
 
@@ -308,6 +314,7 @@ class ZeroConfig:
             "reduce_overlap_buckets": self.reduce_overlap_buckets,
             "memory_budget_bytes": self.max_gathered_bytes,
             "accumulation_steps": self.accumulation_steps,
+            "offload": self.offload,
             **(self.mixed_precision.plan_options() if self.mixed_precision else {}),
         }
 
@@ -491,6 +498,23 @@ def check_expert_parallel(degree, stage: int, mesh, capacity_factor=None) -> Non
         raise ValueError(f"expert_parallel={degree} with a hybrid mesh is not supported yet: "
                          "use a flat world (mesh=None) with expert parallelism, or the mesh "
                          "without it")
+
+
+OFFLOAD_MODES = (None, "optimizer")
+NOT_YET_OFFLOADED = ("parameters", "auto")
+"""Offload modes the design has (issue 39) but zero_fx does not run yet."""
+
+
+def check_offload(offload, stage: int) -> None:
+    """An offload mode zero_fx runs, or an error saying what to choose instead."""
+    if offload in NOT_YET_OFFLOADED:
+        raise NotImplementedError(f"offload={offload!r} is not built yet: offload='optimizer' "
+                                  "keeps the masters and the optimizer's state in host memory")
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(f"offload must be None or 'optimizer', got {offload!r}")
+    if offload is not None and stage == 0:
+        raise ValueError("offload='optimizer' needs stage 1, 2 or 3: stage 0 steps the optimizer "
+                         "on the model's own parameters, on the training device")
 
 
 def check_mesh(mesh, stage: int) -> None:

@@ -382,8 +382,8 @@ def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list, state: 
 
 
 def _device(state: ShardedState) -> torch.device:
-    """Where this rank trains: its shards' device."""
-    return next(iter(state.shards.values())).device
+    """Where this rank trains (offloaded masters are on the host: [Note: optimizer offload])."""
+    return state.device
 
 
 def _mesh(state: ShardedState):

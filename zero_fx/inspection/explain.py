@@ -200,6 +200,13 @@ def _plan_section(plan, moe_blocks: Sequence[RoutedExperts] = ()) -> str:
         lines.append(f"  mixed precision: compute and gather {short_dtype(plan.compute_dtype)}, reduce "
                      f"{short_dtype(plan.reduce_dtype or plan.compute_dtype)}, masters and optimizer "
                      f"state {'/'.join(dtypes)}" + (", loss scaled" if plan.loss_scaled else ""))
+    if getattr(plan, "offload", None) == "optimizer":
+        lines.append("  offload: the fp32 masters and the optimizer's state in host memory, where "
+                     "the optimizer steps; each gradient shard is copied to the host after the "
+                     "step's graph, each updated parameter back"
+                     + (" into its device shard in the compute dtype, the graph's input"
+                        if plan.params_sharded else ", gathered into the whole parameters")
+                     + " ([Note: optimizer offload])")
     if plan.accumulation_steps > 1:
         where = ("summed whole and reduced once per optimizer step, outside the graph"
                  if not plan.reduces_in_graph else "reduced every call, shards summed")

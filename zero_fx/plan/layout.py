@@ -154,6 +154,9 @@ class ShardPlan:
     tensor_parallel: Optional[TensorParallel] = None
     """The model's DTensor parameters over the mesh's "tp" dimension: shapes here are their
     local pieces ([Note: ZeRO over tensor parallelism] in tensor_parallel.py)."""
+    offload: Optional[str] = None
+    """``"optimizer"``: masters and optimizer state in host memory ([Note: optimizer
+    offload] in zero_fx/runtime/offload.py); None: on the training device."""
 
     def holds(self, name: str) -> bool:
         """Whether this rank holds a shard of parameter ``name`` (all but the routed experts
@@ -289,6 +292,7 @@ def make_plan(
     collectives_average: bool = False,
     expert_parallel: Optional[ExpertParallel] = None,
     tensor_parallel: Optional[TensorParallel] = None,
+    offload: Optional[str] = None,
 ) -> ShardPlan:
     """Lay out parameters ``(name, shape, dtype, requires_grad)`` over ``world_size`` ranks.
 
@@ -359,6 +363,7 @@ def make_plan(
         collectives_average=collectives_average,
         expert_parallel=expert_parallel,
         tensor_parallel=tensor_parallel,
+        offload=offload,
     )
 
 

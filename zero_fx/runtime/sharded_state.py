@@ -14,6 +14,7 @@ from ..passes.reduce_grads import reduction
 from ..plan import ShardPlan
 from ..plan.layout import plan_shard
 from ..plan.tensor_parallel import local_tensor, set_values
+from .offload import to_host
 from .optimizer import check_elementwise, rebind_to_shards
 from .process_group import World
 
@@ -52,7 +53,8 @@ class ShardedState:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  plan: ShardPlan, world: World, *, elementwise_optimizer: Optional[bool] = None,
-                 masters: Optional[dict[str, torch.Tensor]] = None):
+                 masters: Optional[dict[str, torch.Tensor]] = None,
+                 device: Optional[torch.device] = None, offload: bool = False):
         if not plan.replicated:
             check_elementwise(optimizer, elementwise_optimizer)
         self.model = model
@@ -71,6 +73,14 @@ class ShardedState:
         since the last optimizer step, reduced by ``reduce_accumulated``."""
         self.gathered = False
         """Inside ``gathered_parameters()`` (stage 3): the model's parameters hold values."""
+        self.device = device or next(local_tensor(p) for p in self.params.values()).device
+        """Where this rank trains: the parameters', and every collective's, device."""
+        self.offloaded = offload
+        """The masters and the optimizer's state live in host memory ([Note: optimizer
+        offload] in offload.py)."""
+        self.device_shards: dict[str, torch.Tensor] = {}
+        """Offloaded stage 3: each parameter's shard on the device, in the compute dtype,
+        the graph's input; refreshed from the master after each optimizer step."""
         compute = plan.compute_dtype
         if self.shards_are_params:
             self.shards.update(self.params)
@@ -81,6 +91,11 @@ class ShardedState:
             if master is None:
                 master = (param.detach().clone() if plan.replicated
                           else plan_shard(plan, name, local_tensor(param)))
+            if offload:
+                if plan.params_sharded:
+                    self.device_shards[name] = master.detach().to(
+                        self.device, dtype=compute or master.dtype, copy=True)
+                master = to_host(master.detach(), self.device)
             self.shards[name] = torch.nn.Parameter(master, requires_grad=param.requires_grad)
         rebind_to_shards(
             optimizer,
@@ -181,7 +196,7 @@ class ShardedState:
         """What the compiled graph reads for parameter ``name``, outside autograd: its shard
         in stage 3, the whole parameter otherwise."""
         if self.plan.params_sharded:
-            return self.shards[name].detach()
+            return self.device_shards[name] if self.offloaded else self.shards[name].detach()
         return self.local(name).detach()
 
     def graph_inputs(self, param_names, args) -> list:
@@ -203,7 +218,9 @@ class ShardedState:
         into = self._unreduced if not self.plan.reduces_in_graph else None
         for name, grad in self._received.items():
             shard = self.shards[name]
-            grad = grad.to(shard.dtype)
+            # whole gradients awaiting their reduction stay on the device; shards go to the
+            # masters (the host, offloaded: [Note: optimizer offload])
+            grad = grad.to(dtype=shard.dtype, device=shard.device if into is None else None)
             if into is not None:
                 into[name] = grad if name not in into else into[name] + grad
             else:
@@ -221,7 +238,8 @@ class ShardedState:
         for bucket in self.plan.buckets(names):
             reduced = reduction(self.plan, bucket)(*(self._unreduced[name] for name in bucket))
             for name, grad in zip(bucket, reduced):
-                self.shards[name].grad = grad.to(self.shards[name].dtype)
+                shard = self.shards[name]
+                shard.grad = grad.to(dtype=shard.dtype, device=shard.device)
         self._unreduced.clear()
 
     def grads(self) -> list[torch.Tensor]:
@@ -240,6 +258,11 @@ class ShardedState:
         without mixed precision (the optimizer stepped on the parameters) and in
         stage 3 (the next step gathers where it uses them).
         """
+        if self.plan.params_sharded and self.offloaded:  # [Note: optimizer offload]
+            for name, device_shard in self.device_shards.items():
+                if frozen or self.shards[name].requires_grad:
+                    device_shard.copy_(self.shards[name].detach(), non_blocking=True)
+            return
         if self.plan.params_sharded or self.shards_are_params:
             return
         if self.plan.replicated:
@@ -329,9 +352,8 @@ class ShardedState:
         dtypes = [_cast_dtype(layouts[0].dtype, dtype) for layouts in buckets]
         most = max(sum(l.shard_numel for l in layouts) * d.itemsize
                    for layouts, d in zip(buckets, dtypes))
-        device = next(iter(self.shards.values())).device
-        send_bytes = torch.empty(most, dtype=torch.uint8, device=device)
-        gathered_bytes = torch.empty(most * size, dtype=torch.uint8, device=device)
+        send_bytes = torch.empty(most, dtype=torch.uint8, device=self.device)
+        gathered_bytes = torch.empty(most * size, dtype=torch.uint8, device=self.device)
         for layouts, gathered_dtype in zip(buckets, dtypes):
             if self.plan.is_expert(layouts[0].name):  # [Note: expert parallelism]
                 for layout in layouts:
@@ -375,7 +397,7 @@ class ShardedState:
                  format_bytes(self.gathered_bytes()),
                  ", ".join(sorted({str(self.plan.gather_dtype(layout)).removeprefix("torch.")
                                    for layout in self.plan.params})),
-                 next(iter(self.shards.values())).device)
+                 self.device)
         with torch.no_grad():
             self._gather_into_parameters([layout.name for layout in self.plan.params])
         self.gathered = True
@@ -423,6 +445,7 @@ class ShardedState:
         if self.plan.is_expert(names[0]):  # a bucket holds experts only, or none
             return [self._gather_expert(name, shard, dtype) for name, shard in zip(names, shards)]
         layouts = [self.plan.layout(name) for name in names]
+        shards = [shard.to(self.device) for shard in shards]  # offloaded masters: a device copy
         return gather_bucket(*shards, numels=[l.numel for l in layouts],
                              shapes=[l.shape for l in layouts], world_size=self.world.size,
                              group_name=self.world.group_name, dtype=dtype)
@@ -435,7 +458,8 @@ class ShardedState:
         all ranks, and the holders' rows make the value. For whole values (checkpoints,
         ``full_parameters``), not the step: it moves the expert ``P`` times over."""
         layout, parallel = self.plan.layout(name), self.plan.expert_parallel
-        mine = shard if self.plan.holds(name) else shard.new_zeros(layout.shard_numel)
+        mine = (shard.to(self.device) if self.plan.holds(name)
+                else shard.new_zeros(layout.shard_numel, device=self.device))
         mine = mine.to(dtype) if dtype is not None and mine.dtype.is_floating_point else mine
         gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(
             mine.contiguous(), self.plan.world_size, self.plan.group_name))
@@ -453,6 +477,7 @@ class ShardedState:
 
     def _all_held(self) -> Iterator[torch.Tensor]:
         yield from (self.local(name) for name in self.params)
+        yield from self.device_shards.values()
         for shard in self.shards.values():
             yield shard
             if shard.grad is not None:

@@ -77,7 +77,7 @@ class OptimizerUpdate:
         when clipping or loss scaling, else None)."""
         self._found_inf: Optional[torch.Tensor] = None
         """For an optimizer that skips on the device: this window's overflow flag."""
-        self.completion = completion_check(state.world, next(iter(state.shards.values())).device)
+        self.completion = completion_check(state.world, state.device)
         """NCCL: the fences that confirm each call's collectives finished ([Note: failures on
         NCCL] in failures.py); None on gloo, whose collectives raise where they fail."""
 
@@ -114,7 +114,8 @@ class OptimizerUpdate:
                 return False
         if self.max_grad_norm is not None:
             coefficient = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(grads, coefficient)
+            if grads:
+                torch._foreach_mul_(grads, coefficient.to(grads[0].device))
         return True
 
     def _unscale(self, grads: list[torch.Tensor]) -> None:
@@ -122,13 +123,14 @@ class OptimizerUpdate:
         if not grads:
             return
         if self.scaler is not None:
-            torch._foreach_div_(grads, self.scaler.scale * self.accumulation_steps)
+            torch._foreach_div_(grads, (self.scaler.scale * self.accumulation_steps).to(
+                grads[0].device))
         elif self.accumulation_steps != 1:
             torch._foreach_div_(grads, float(self.accumulation_steps))
 
     def _skips_on_device(self) -> bool:
         optimizer = self.state.optimizer
-        return type(optimizer) in SKIPS_ON_DEVICE and getattr(
+        return not self.state.offloaded and type(optimizer) in SKIPS_ON_DEVICE and getattr(
             optimizer, "_step_supports_amp_scaling", False)
 
     def discard(self) -> None:
@@ -193,8 +195,9 @@ class OptimizerUpdate:
         if grads:
             norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
         else:
-            norms = [torch.zeros((), device=next(iter(self.state.shards.values())).device)]
-        norm = torch.linalg.vector_norm(torch.stack(norms))  # clip_grad_norm_'s, of this part
+            norms = [torch.zeros((), device=self.state.device)]
+        # clip_grad_norm_'s, of this part; reduced on the device (offloaded grads: the host's)
+        norm = torch.linalg.vector_norm(torch.stack(norms)).to(self.state.device)
         groups = [] if plan.replicated or plan.world_size == 1 else [plan.group_name]
         groups += [parallel.group_name] if parallel is not None else []
         if not groups:
