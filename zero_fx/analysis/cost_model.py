@@ -64,6 +64,26 @@ ZeRO's gathers and reduce-scatters then carry each rank's 1/T piece over the dat
 group, the W/T ranks at stride T (``data_parallel_ranks``), which spans nodes as soon as
 W/T ranks do not fit on one.
 
+[Note: pricing offload]
+With ``zero_compile(offload=...)`` ([Note: planning offload] in zero_fx/plan/planner.py)
+the fp32 masters and optimizer state live in host memory, and the optimizer steps there.
+A step then adds, per rank:
+
+- copies over the host link (PCIe or Grace-Hopper's C2C, ``host_device_bandwidth`` each
+  way, the two directions at once): the reduced gradients to the host (in the reduction's
+  dtype, 16-bit under mixed precision, widened to fp32 on the host), bucket by bucket as
+  the backward reduces them, and the updated parameters back (in the compute dtype):
+  ``host_device_seconds``. With ``"parameters"`` the compute-dtype shards stay on the host
+  too and each gather starts with a copy of its shard to the device, prefetched like the
+  gather; nothing is copied back after the step.
+- the optimizer step on the host's CPUs, memory-bound as on the device: Adam reads an
+  element's fp32 gradient, master and two moments and writes the master, the moments and
+  the compute-dtype copy, 30 bytes in bf16 (``host_optimizer_bytes``), at
+  ``host_optimizer_bandwidth``: ``host_optimizer_seconds``. The device waits for it.
+
+The presets' host fields are assumptions written beside ``PRESETS``, not measurements;
+the planner states which preset it priced.
+
 It is a model: no fusion (Inductor fuses elementwise ops, so memory-bound time
 is an upper bound), no contention between the streams beyond the share that
 cannot overlap, two link speeds at most (within a node, between nodes).
@@ -123,6 +143,16 @@ class Hardware:
     whose ranks are on more than one node."""
     inter_node_latency: float = 0.0
     """Seconds per ring step between nodes."""
+    device_memory: float = 0.0
+    """Bytes of one rank's device memory (0: not stated)."""
+    host_memory: float = 0.0
+    """Bytes of host memory one rank may fill: the node's, divided by its ranks ([Note:
+    pricing offload]; 0: not stated)."""
+    host_device_bandwidth: float = 0.0
+    """Bytes/s one rank copies between host and device, each direction (PCIe or C2C)."""
+    host_optimizer_bandwidth: float = 0.0
+    """Bytes/s of host memory one rank's share of the CPUs moves through when it runs the
+    optimizer step on the host (CPU Adam is memory-bound: ``host_optimizer_seconds``)."""
 
     def link(self, ranks: range) -> tuple[float, float]:
         """(bandwidth, latency) of a ring over ``ranks``: the network's if they are on more
@@ -143,18 +173,34 @@ def _measured_preset(name: str) -> Hardware:
     return Hardware(**{k: v for k, v in fields.items() if k in Hardware.__dataclass_fields__})
 
 
+_DGX_H100_HOST = dict(device_memory=80e9, host_memory=2e12 / 8, host_device_bandwidth=50e9,
+                      host_optimizer_bandwidth=35e9)
+"""One rank's share of a DGX H100's host ([Note: pricing offload])."""
+
 PRESETS = {
     "cpu-gloo": _measured_preset("cpu-gloo"),
     "8xh100-nvlink": Hardware(
         name="8xH100 SXM, NVLink 4 / NVSwitch, NCCL, bf16",
         flops=0.6 * 989e12, memory_bandwidth=0.8 * 3.35e12, link_bandwidth=360e9,
-        link_latency=3e-6, op_overhead=5e-6),
+        link_latency=3e-6, op_overhead=5e-6, **_DGX_H100_HOST),
     "4x8xh100-ib": Hardware(
         name="nodes of 8xH100 SXM, NVLink 4 within a node, 400 Gb/s InfiniBand per GPU "
              "between nodes, NCCL, bf16",
         flops=0.6 * 989e12, memory_bandwidth=0.8 * 3.35e12, link_bandwidth=360e9,
         link_latency=3e-6, op_overhead=5e-6, ranks_per_node=8,
-        inter_node_bandwidth=0.8 * 50e9, inter_node_latency=10e-6),
+        inter_node_bandwidth=0.8 * 50e9, inter_node_latency=10e-6, **_DGX_H100_HOST),
+    "1xv100-32gb-pcie3": Hardware(
+        name="one V100 SXM2 32 GB of a DGX-2 with the node's host to itself (ZeRO-Offload's "
+             "single-GPU runs), PCIe gen3 x16, fp16",
+        flops=40e12, memory_bandwidth=0.8 * 900e9, link_bandwidth=120e9, link_latency=5e-6,
+        op_overhead=5e-6, device_memory=32e9, host_memory=1.5e12,
+        host_device_bandwidth=12e9, host_optimizer_bandwidth=100e9),
+    "1xgh200-c2c": Hardware(
+        name="one GH200: H100 96 GB HBM3 and a 72-core Grace with 480 GB LPDDR5X, NVLink-C2C, "
+             "bf16",
+        flops=0.6 * 989e12, memory_bandwidth=0.8 * 4e12, link_bandwidth=360e9,
+        link_latency=3e-6, op_overhead=5e-6, device_memory=96e9, host_memory=480e9,
+        host_device_bandwidth=0.8 * 450e9, host_optimizer_bandwidth=0.4 * 500e9),
 }
 """cpu-gloo: this project's 2-core CI machine as ``python -m bench.calibrate`` measured it
 (one core's fp32 matmul, a copy's bandwidth, gloo all-gathers over loopback between two
@@ -163,7 +209,21 @@ dense bf16 peak, 80% of 3.35 TB/s HBM3, 360 GB/s NCCL bus bandwidth (of NVLink 4
 450 GB/s per direction), 3 µs per ring step. 4x8xH100-IB: such nodes (4 of them for the
 name; the plan's ranks say how many), 8 GPUs each,
 joined by one 400 Gb/s (50 GB/s) NIC per GPU, of which NCCL sustains about 80 %, and
-10 µs per ring step between nodes."""
+10 µs per ring step between nodes.
+
+Host fields ([Note: pricing offload]; assumptions, not measurements). 8xH100 and
+4x8xH100-IB: a DGX H100's 2 TB of host memory and two 56-core Xeons (8 DDR5-4800 channels
+each, 614 GB/s) shared by 8 GPUs, 250 GB and 35 GB/s of the optimizer's memory traffic a
+rank (under half the peak); PCIe gen5 x16, 64 GB/s a direction, about 50 effective.
+1xV100-32GB-PCIe3: ZeRO-Offload's single-GPU setup (Ren et al. 2021): one V100 SXM2 32 GB
+of a DGX-2, its 1.5 TB of host memory and two 24-core Xeon 8168 (256 GB/s of DDR4) to
+itself; 40 TFLOP/s, what the paper reports ZeRO-Offload sustaining for a 10B model (32 %
+of the 125 TFLOP/s fp16 tensor peak); PCIe gen3 x16, 15.75 GB/s a direction, about 12
+effective; 100 GB/s for CPU Adam, about the 4B parameters a second (at 30 bytes each) the
+paper's CPU-Adam table reports for 10B parameters (our reading of it, not checked against
+a run). 1xGH200-C2C: NVLink-C2C's 450 GB/s a direction, 80 % of it, and 40 % of Grace's
+500 GB/s LPDDR5X for the optimizer. cpu-gloo states none (0): on a CPU the host is the
+device, and there is nothing to offload to."""
 
 
 def hardware(preset_or_hardware) -> Hardware:
@@ -363,6 +423,32 @@ def tensor_parallel_seconds(nbytes: int, degree: int, hw: Hardware) -> float:
     reduce-scatter and an all-gather), or with sequence parallelism an all-gather and a
     reduce-scatter, which take the same time ([Note: pricing tensor parallelism])."""
     return 2 * ring_seconds(nbytes, range(degree), hw)
+
+
+def host_device_seconds(nbytes: float, hw: Hardware) -> float:
+    """Copying ``nbytes`` one way between a rank's host memory and its device ([Note:
+    pricing offload])."""
+    if not hw.host_device_bandwidth:
+        raise ValueError(f"the preset {hw.name!r} states no host-device bandwidth; pick one "
+                         "that does (8xh100-nvlink, 1xv100-32gb-pcie3, 1xgh200-c2c)")
+    return nbytes / hw.host_device_bandwidth
+
+
+def host_optimizer_bytes(*, optimizer_bytes: int, param_bytes: int) -> int:
+    """Host-memory bytes the optimizer step moves per element: the fp32 gradient, master and
+    optimizer state read, the master and state written, and the ``param_bytes`` copy the
+    device gets back ([Note: pricing offload]): 30 for Adam under bf16."""
+    return (4 + 4 + optimizer_bytes) + (4 + optimizer_bytes) + param_bytes
+
+
+def host_optimizer_seconds(elements: float, hw: Hardware, *, optimizer_bytes: int,
+                           param_bytes: int) -> float:
+    """The optimizer step over ``elements`` on the host's CPUs ([Note: pricing offload])."""
+    if not hw.host_optimizer_bandwidth:
+        raise ValueError(f"the preset {hw.name!r} states no host optimizer throughput; pick "
+                         "one that does (8xh100-nvlink, 1xv100-32gb-pcie3, 1xgh200-c2c)")
+    return elements * host_optimizer_bytes(optimizer_bytes=optimizer_bytes,
+                                           param_bytes=param_bytes) / hw.host_optimizer_bandwidth
 
 
 def data_parallel_ranks(world_size: int, tensor_parallel: int) -> range:

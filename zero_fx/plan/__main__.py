@@ -5,6 +5,8 @@
     python -m zero_fx.plan --model path/to/config.json --world 8 --seq 4096 --device-memory 80
     python -m zero_fx.plan --model llama3-70b --nodes 8 --world 64 --dtype bf16   # flat or hybrid
     python -m zero_fx.plan --model gpt-64k --world 64 --dtype fp16 --seq 2048 --tp 8 --device-memory 80
+    python -m zero_fx.plan --model zero-offload-13b --world 1 --dtype fp16 --offload optimizer \
+        --hardware 1xv100-32gb-pcie3 --device-memory 32 --seq 1024 --recompute blocks
 
 Nothing is allocated: the model is built on the meta device (see [Note: what the
 planner counts] in zero_fx/plan/planner.py).
@@ -22,8 +24,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli import (add_dtype_argument, add_expert_parallel_arguments,
-                  add_tensor_parallel_arguments, expert_parallel_options,
+from .cli import (add_dtype_argument, add_expert_parallel_arguments, add_offload_arguments,
+                  add_tensor_parallel_arguments, expert_parallel_options, offload_options,
                   tensor_parallel_options)
 from .models import MODEL_NAMES_HELP, model_source
 from .planner import OPTIMIZER_BYTES, format_report, plan_model
@@ -58,6 +60,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--buckets", action="store_true", help="list every bucket")
     add_expert_parallel_arguments(parser)
     add_tensor_parallel_arguments(parser)
+    add_offload_arguments(parser)
     return parser
 
 
@@ -70,7 +73,8 @@ def main(argv=None) -> None:
         parser.error(f"--world {args.world} must split evenly over --nodes {args.nodes}")
     if args.batch < 1 or (args.seq is not None and args.seq < 1):
         parser.error("--batch and --seq must be >= 1")
-    options = {**expert_parallel_options(parser, args), **tensor_parallel_options(parser, args)}
+    options = {**expert_parallel_options(parser, args), **tensor_parallel_options(parser, args),
+               **offload_options(parser, args)}
     source = model_source(args.model)
     print(f"building {source.description} on the meta device ...", file=sys.stderr, flush=True)
     try:
@@ -80,7 +84,8 @@ def main(argv=None) -> None:
                             recompute=None if args.recompute == "none" else args.recompute,
                             activation_memory_budget=args.activation_budget, nodes=args.nodes,
                             **options)
-    except ValueError as err:  # what the model's own sizes rule out (--tp, --expert-parallel)
+    except ValueError as err:  # what the model's own sizes rule out (--tp, --expert-parallel,
+        # a preset without host memory for --offload)
         parser.error(str(err))
     print(format_report(report, device_memory_gb=args.device_memory, all_buckets=args.buckets))
 

@@ -14,6 +14,11 @@ zero_fx/plan/planner.py): ``add_expert_parallel_arguments(parser)`` adds them,
 with ZeRO over the rest, beside data parallelism alone ([Note: planning tensor
 parallelism] in zero_fx/plan/planner.py): ``add_tensor_parallel_arguments(parser)``,
 ``tensor_parallel_options(parser, args)``.
+
+``--offload none|optimizer|parameters|auto`` (and ``--host-memory``) plans
+``zero_compile(offload=...)``: device and host bytes, copies and the host's optimizer step
+([Note: planning offload] in zero_fx/plan/planner.py): ``add_offload_arguments(parser)``,
+``offload_options(parser, args)``.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ def add_expert_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                              "zero_compile(expert_capacity_factor=C) (rows past an expert's "
                              "capacity dropped) instead of the worst case")
     parser.add_argument("--hardware", default=None, choices=sorted(PRESETS),
-                        help="cost-model preset for --expert-parallel's and --tp's step times "
+                        help="cost-model preset for --expert-parallel's, --tp's and --offload's step times "
                              "(default 8xh100-nvlink up to 8 ranks, else 4x8xh100-ib: nodes "
                              "of 8)")
 
@@ -122,3 +127,35 @@ def tensor_parallel_options(parser: argparse.ArgumentParser, args) -> dict:
         parser.error("--tp with --nodes is not planned: leave out --nodes (--hardware "
                      "4x8xh100-ib prices ZeRO's data-parallel group across nodes)")
     return {"tensor_parallel": args.tp, "sequence_parallel": args.sequence_parallel}
+
+
+def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The planner's ``--offload`` and ``--host-memory``."""
+    parser.add_argument("--offload", default="none",
+                        choices=("none", "optimizer", "parameters", "auto"),
+                        help="plan zero_compile(offload=...): 'optimizer' keeps fp32 masters "
+                             "and optimizer state on the host and steps there, 'parameters' "
+                             "(stage 3) the parameter shards too, 'auto' the least that fits "
+                             "--device-memory; sets every mode side by side (device and host "
+                             "bytes, copies, the host's step on --hardware)")
+    parser.add_argument("--host-memory", type=float, default=None, metavar="GB",
+                        help="with --offload: host memory a rank may fill (default: the "
+                             "--hardware preset's, 250 GB a rank of a DGX H100)")
+
+
+def offload_options(parser: argparse.ArgumentParser, args) -> dict:
+    """``plan_model``'s ``offload``, ``host_memory`` and ``device_memory`` (bytes) from
+    ``args``; a usage error where offload cannot apply."""
+    from .planner import check_offload
+
+    try:
+        check_offload(args.offload, stage=args.stage, device_memory=args.device_memory,
+                      others=args.tp > 1 or bool(args.expert_parallel))
+    except ValueError as err:
+        parser.error(str(err))
+    if args.host_memory is not None and (args.offload == "none" or args.host_memory <= 0):
+        parser.error(f"--host-memory {args.host_memory:g} goes with --offload and must be > 0")
+    gb = 1e9
+    return {"offload": args.offload,
+            "host_memory": None if args.host_memory is None else args.host_memory * gb,
+            "device_memory": None if args.device_memory is None else args.device_memory * gb}

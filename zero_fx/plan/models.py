@@ -49,6 +49,13 @@ NAMED: dict[str, ModelConfig] = {
     # has 7.49B parameters (36 layers of width 4096, 8192 positions).
     "zero-paper-7.5b": GPTConfig(vocab_size=50257, block_size=8192, n_layer=36, n_embd=4096,
                                  n_head=32),
+    # ZeRO-Offload's 13B (Ren et al. 2021 train a 13B GPT-2 on one V100 32 GB): GPT-3
+    # 13B's 40 blocks of width 5120 (40 heads of 128; Brown et al. 2020 print 5140), GPT-2's
+    # vocabulary padded to 50304, 1024 positions, no biases (zero_fx's torch GPT, whose
+    # attention is fused as Megatron's was; transformers has no GPT-2 without biases):
+    # 12.85B parameters
+    "zero-offload-13b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=40, n_embd=5120,
+                                  n_head=40, bias=False),
     "llama2-7b": LlamaConfig(**_LLAMA2, dim=4096, ffn_dim=11008, n_layer=32, n_head=32,
                              n_kv_head=32),
     "llama3-8b": LlamaConfig(**_LLAMA3, dim=4096, ffn_dim=14336, n_layer=32, n_head=32,

@@ -133,6 +133,49 @@ sequence parallelism (32/8). The step time is the cost model's compute divided b
 norms' share is not split without sequence parallelism: an approximation), beside which
 ZeRO's collectives run on the data-parallel group, plus tensor parallelism's own, which
 nothing hides ([Note: pricing tensor parallelism] in zero_fx/analysis/cost_model.py).
+
+[Note: planning offload]
+``--offload`` plans ``zero_compile(offload=...)`` and sets every mode the stage allows side
+by side, per rank (Ψ parameters, N ranks, p bytes of the compute dtype, o of optimizer
+state, K = 4 + o + 4; ``offload_states``):
+
+- ``none``: ``model_state_breakdown`` as above; stage 3 under mixed precision 16Ψ/N.
+- ``optimizer`` (stages 1-3): the fp32 masters, the optimizer state and the fp32 gradient
+  the optimizer reads live in host memory, KΨ/N (12Ψ/N + 4Ψ/N for Adam). The device keeps
+  the compute-dtype parameters, its pΨ/N shard in stage 3 (whole, pΨ, in stages 1-2) and,
+  as its gradients, two buckets' reduced shards on their way to the host (stage 1: the
+  whole gradients it holds to the end of the backward). Stage 3 in bf16 goes from 16Ψ/N
+  to 2Ψ/N plus those buckets.
+- ``parameters`` (stage 3): the compute-dtype shards live on the host too ((p + K)Ψ/N,
+  or KΨ/N in fp32 where the master is the parameter), and the device keeps two buckets'
+  shards on their way to their gathers beside the gradients' two: its model states are
+  buffers, and its peak the gathered working set.
+- ``auto``: the first of these whose device peak (its model states without ``--seq``)
+  fits ``--device-memory`` and whose host states fit the host memory.
+
+Stage 0 is not offloaded (it shards nothing). The working set is not traced again: the
+step traced without offload is priced again, as for tensor and expert parallelism. Its
+outputs, the reduced gradients, live to the end of the step in the trace; offloaded, each
+goes to the host as soon as it is reduced, so each counts until the next is made (one on
+its way while the next is reduced). On one rank that is the difference between 27 GB and
+1 GB of zero-offload-13b's working set with recompute of blocks: its 25.7 GB of fp16
+gradients no longer pile up. The peak is then ``peak_of`` of the device states and that
+working set. The gathers' buffers are the same with ``parameters``: a shard copied from
+the host is gathered as one on the device would be.
+
+Copies over the host link ([Note: pricing offload] in zero_fx/analysis/cost_model.py):
+the reduced gradients go to the host in the compute dtype, pΨ/N (the host widens them to
+fp32), during the backward; with ``optimizer`` the updated parameters come back after the
+host's step, pΨ/N, which the next forward waits for; with ``parameters`` nothing comes
+back, but each gather's shard comes over ahead of it (stage 3 gathers twice: about 2pΨ/N),
+prefetched beside the compute. The step is max(compute without the device's optimizer
+step, ZeRO's collectives, the copies that overlap) + the host's optimizer step + (with
+``optimizer``) the copy back. What is approximated: the copies are not scheduled against
+the traced order (a backward shorter than its gradients' copy is exposed only through the
+max), the host step is not overlapped with the backward or delayed a step as
+ZeRO-Offload's delayed parameter update does, and host memory counts model states only
+(no pinned staging buffers, no allocator). ``largest_model`` inverts ``offload_states``:
+the most parameters whose model states fit the device and the host, before activations.
 """
 
 from __future__ import annotations
@@ -327,6 +370,61 @@ class TensorParallelRow:
         return max(self.compute_seconds, self.zero_seconds) + self.tp_seconds
 
 
+OFFLOAD_MODES = ("none", "optimizer", "parameters")
+"""``zero_compile(offload=...)``'s modes, least offload first; ``"auto"`` picks the first
+that fits ([Note: planning offload])."""
+
+
+@dataclass
+class OffloadRow:
+    """One offload mode's bytes and time per rank per step ([Note: planning offload])."""
+
+    mode: str
+    device: dict[str, float]
+    """Model-state bytes on the device by kind (``offload_states``)."""
+    host: dict[str, float]
+    """Model-state bytes in host memory by kind."""
+    working_set: Optional[float]
+    """The traced working set, priced again for the mode (None without ``seq``)."""
+    peak_bytes: Optional[float]
+    """Estimated device peak (None without ``seq``)."""
+    to_host: float
+    """Bytes copied device -> host per step (reduced gradients)."""
+    to_device: float
+    """Bytes copied host -> device per step (updated parameters, or the gathered shards)."""
+    copy_seconds: tuple[float, float]
+    """(to host, to device), each at the host link's bandwidth one way."""
+    host_step_seconds: float
+    """The optimizer step on the host's CPUs (0 without offload)."""
+    compute_seconds: Optional[float] = None
+    """The traced step's compute on the device, its device optimizer step left out when the
+    host steps instead (None without ``seq``)."""
+    collective_seconds: float = 0.0
+    """ZeRO's collectives one after another on the shard group."""
+
+    @property
+    def device_bytes(self) -> float:
+        return sum(self.device.values())
+
+    @property
+    def host_bytes(self) -> float:
+        return sum(self.host.values())
+
+    @property
+    def step_seconds(self) -> Optional[float]:
+        """Compute beside the collectives and the copies the plan overlaps (gradients to the
+        host during the backward; with ``"parameters"``, the shards to the device ahead of
+        their gathers), then the host's step and, with ``"optimizer"``, the copy back: the
+        device waits for both ([Note: planning offload])."""
+        if self.compute_seconds is None:
+            return None
+        to_host, to_device = self.copy_seconds
+        overlapped = max(self.compute_seconds, self.collective_seconds, to_host,
+                         to_device if self.mode == "parameters" else 0.0)
+        return overlapped + self.host_step_seconds + (
+            to_device if self.mode == "optimizer" else 0.0)
+
+
 @dataclass
 class PlanReport:
     model: str
@@ -372,6 +470,16 @@ class PlanReport:
     """The block of the most parameters (``block_of``)."""
     tensor_parallel_rows: Optional[list[TensorParallelRow]] = None
     """With ``tensor_parallel`` > 1: degree 1 and the chosen degree, side by side."""
+    offload: str = "none"
+    """The offload mode planned (``"auto"`` resolved to the one it picked)."""
+    offload_rows: Optional[list[OffloadRow]] = None
+    """With ``offload``: every mode the stage allows, side by side."""
+    host_memory: float = 0.0
+    """Bytes of host memory a rank may fill (with ``offload``)."""
+    device_memory: Optional[float] = None
+    """Bytes of a device (with ``offload``: the budget ``"auto"`` and the verdicts use)."""
+    offload_auto: bool = False
+    """Whether ``offload`` was picked by ``"auto"``."""
 
     @property
     def peak_bytes(self) -> Optional[float]:
@@ -394,7 +502,9 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
                activation_memory_budget: Optional[float] = None, nodes: int = 1,
                expert_parallel: Sequence[int] = (), hardware: Optional[str] = None,
                expert_capacity_factor: Optional[float] = None, tensor_parallel: int = 1,
-               sequence_parallel: bool = False) -> PlanReport:
+               sequence_parallel: bool = False, offload: str = "none",
+               host_memory: Optional[float] = None,
+               device_memory: Optional[float] = None) -> PlanReport:
     """Plan ``source``'s model on ``world_size`` ranks; trace the working set when ``seq`` is
     given, with ``recompute`` (and its budget) as ``zero_compile`` takes them. ``nodes`` > 1:
     also set flat and hybrid sharding side by side ([Note: what the planner counts]).
@@ -406,7 +516,13 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
     ``tensor_parallel`` T > 1: each rank holds its Megatron piece of the model, ZeRO-sharded
     over ``world_size / T`` ranks, and the report sets it beside data parallelism alone
     (``sequence_parallel``: the norms' activations split too; [Note: planning tensor
-    parallelism])."""
+    parallelism]).
+    ``offload``: ``"optimizer"``, ``"parameters"`` or ``"auto"`` sets every mode the stage
+    allows side by side, device and host bytes, copies and the host's optimizer step, with
+    ``host_memory`` bytes a rank (default: the preset's) and ``device_memory`` bytes a device
+    (``"auto"`` picks the least offload that fits it; [Note: planning offload])."""
+    check_offload(offload, stage=stage, device_memory=device_memory,
+                  others=tensor_parallel > 1 or bool(expert_parallel))
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     tp = tensor_parallel
@@ -460,7 +576,8 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
         buckets=_buckets(plan, item, tp, split), bucket_cap=plan.bucket_bytes,
         resident=len(plan.resident), experts=experts, tensor_parallel=tp,
         sequence_parallel=sequence_parallel, psi_per_rank=_psi_per_rank(plan, tp, split))
-    if degrees or tp > 1:
+    offloading = offload != "none"
+    if degrees or tp > 1 or offloading:
         report.hardware = hardware or ("8xh100-nvlink" if world_size <= 8 else "4x8xh100-ib")
     if degrees:
         _check_degrees(degrees, world_size, report.experts)
@@ -473,7 +590,8 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
             recompute={"recompute": recompute, **_budget_option(activation_memory_budget)},
             experts=report.experts if degrees else None, degrees=degrees,
             hardware=report.hardware, capacity_factor=expert_capacity_factor,
-            tensor_parallel=(tp, split, sequence_parallel) if tp > 1 else None)
+            tensor_parallel=(tp, split, sequence_parallel) if tp > 1 else None,
+            offload=offloading)
         report.working_set = traced["tp" if tp > 1 else 1]
         if degrees:
             report.expert_parallel = [
@@ -487,6 +605,8 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
                                  mixed)
             for on, degree, chosen in ((flat, 1, frozenset()), (plan, tp, split))]
         report.largest_block = _largest_block(plan, tp, split)[0]
+    if offloading:
+        _plan_offload(report, offload, traced, host_memory, device_memory)
     if nodes > 1:
         report.nodes = nodes
         report.levels = _levels(report, plan_over, nodes, item, mixed)
@@ -504,6 +624,159 @@ def _check_degrees(degrees: Sequence[int], world_size: int,
         if p < 1 or world_size % p or any(e % p for e in counts):
             raise ValueError(f"expert parallelism of degree {p} must divide the {world_size} "
                              f"ranks and the {'/'.join(map(str, counts))} experts of a block")
+
+
+# -- offload ([Note: planning offload]) ------------------------------------------------------
+
+
+def check_offload(offload: str, *, stage: int, device_memory: Optional[float] = None,
+                  others: bool = False) -> None:
+    """A ValueError that says what to do instead where ``offload`` cannot apply."""
+    if offload not in (*OFFLOAD_MODES, "auto"):
+        raise ValueError(f"offload must be one of {', '.join(OFFLOAD_MODES)} or auto, got "
+                         f"{offload!r}")
+    if offload == "none":
+        return
+    if stage == 0:
+        raise ValueError("offload moves a rank's shard of the optimizer state to the host; "
+                         "stage 0 shards nothing: plan --stage 1, 2 or 3 (on one rank they "
+                         "hold the same states)")
+    if offload == "parameters" and stage != 3:
+        raise ValueError(f"offload 'parameters' keeps the parameter shards on the host, and "
+                         f"only stage 3 shards parameters (stage {stage} keeps them whole on "
+                         f"every device): use --stage 3, or --offload optimizer")
+    if offload == "auto" and device_memory is None:
+        raise ValueError("--offload auto picks the least offload that fits the device: give "
+                         "--device-memory GB")
+    if others:
+        raise ValueError("plan --offload with --tp or --expert-parallel one at a time")
+
+
+def offload_modes(stage: int) -> tuple[str, ...]:
+    """The modes ``stage`` allows, least offload first."""
+    return OFFLOAD_MODES if stage == 3 else OFFLOAD_MODES[:2]
+
+
+def offload_states(stage: int, psi: float, world_size: int, mode: str, *, optimizer_bytes: int,
+                   param_bytes: int, staging: tuple[float, float] = (0.0, 0.0)
+                   ) -> tuple[dict[str, float], dict[str, float]]:
+    """(device, host) model-state bytes per rank by kind under ``mode`` ([Note: planning
+    offload]). ``staging``: bytes of the device's buffers for gradients on their way to the
+    host and (``"parameters"``) for shards on their way to the device."""
+    p, o, n = param_bytes, optimizer_bytes, world_size
+    device = model_state_breakdown(stage, psi, n, optimizer_bytes=o, param_bytes=p,
+                                   reduce_bytes=p)
+    host = dict.fromkeys(device, 0.0)
+    if mode == "none":
+        return device, host
+    grads, shards = staging
+    whole = stage < 3  # stages 1 and 2 keep whole parameters on the device
+    device = {"parameters": (p * psi if whole else p * psi / n) if mode == "optimizer" else shards,
+              # stage 1 holds the whole gradients to the end of the backward
+              "gradients": p * psi if stage == 1 else grads,
+              "masters": 0.0, "optimizer": 0.0}
+    host = {"parameters": p * psi / n if mode == "parameters" and p < 4 else 0.0,
+            "gradients": 4 * psi / n, "masters": 4 * psi / n, "optimizer": o * psi / n}
+    return device, host
+
+
+def largest_model(stage: int, world_size: int, mode: str, *, optimizer_bytes: int,
+                  param_bytes: int, device_memory: float, host_memory: float
+                  ) -> tuple[float, str]:
+    """The most parameters whose model states fit ``device_memory`` and ``host_memory`` bytes
+    a rank under ``mode``, before activations and the working set, and which memory bounds
+    them ("device" or "host"; [Note: planning offload])."""
+    device, host = offload_states(stage, 1.0, world_size, mode, optimizer_bytes=optimizer_bytes,
+                                  param_bytes=param_bytes)
+    per_device, per_host = sum(device.values()), sum(host.values())
+    on_device = device_memory / per_device if per_device else math.inf
+    on_host = host_memory / per_host if per_host else math.inf
+    return (on_device, "device") if on_device <= on_host else (on_host, "host")
+
+
+def _streamed_peak(gm: GraphModule) -> float:
+    """The working set of ``gm`` with its gradient outputs streamed to the host: each output
+    lives until the next one is made (one on its way while the next is reduced), not to the
+    end of the step ([Note: planning offload])."""
+    timeline = memory_timeline(gm)
+    end = len(timeline.transient) - 1
+    outputs = sorted(t.index for t in timeline.tensors if t.last_use == end)
+    following = dict(zip(outputs, outputs[1:] + [end]))
+    return _peak(len(timeline.transient),
+                 ((t.index, following[t.index] if t.last_use == end else t.last_use, t.bytes)
+                  for t in timeline.tensors))
+
+
+def _device_optimizer_seconds(plan: ShardPlan, preset: str) -> float:
+    """The device's optimizer step as the cost model's replay prices it ([Note: the cost
+    model]): what offload takes off the device."""
+    from ..analysis.cost_model import hardware
+
+    hw = hardware(preset)
+    shard = sum(l.shard_numel * l.dtype.itemsize for l in plan.params if plan.holds(l.name))
+    return 7 * shard * (plan.world_size if plan.replicated else 1) / hw.memory_bandwidth \
+        + hw.op_overhead * len(plan.params)
+
+
+def _plan_offload(report: PlanReport, offload: str, traced: Optional[dict],
+                  host_memory: Optional[float], device_memory: Optional[float]) -> None:
+    """Every mode the stage allows, side by side in ``report.offload_rows``, and the mode
+    planned in ``report.offload`` (``"auto"``: the least offload that fits)."""
+    from ..analysis.cost_model import (hardware, host_device_seconds, host_optimizer_seconds,
+                                       ring_seconds)
+
+    hw = hardware(report.hardware)
+    host_budget = hw.host_memory if host_memory is None else host_memory
+    if not host_budget:
+        raise ValueError(f"the preset {report.hardware} states no host memory: give "
+                         "--host-memory GB")
+    n, psi, p = report.world_size, report.psi, report.dtype.itemsize
+    o, stage = OPTIMIZER_BYTES[report.optimizer], report.stages[report.stage]
+
+    def largest(kind: str) -> int:
+        return max((b.bytes for b in report.buckets.get(kind, [])), default=0)
+
+    # double-buffered: one bucket's shard on its way while the next is reduced (gathered)
+    staging = (2 * largest("reduce_scatter") / n, 2 * largest("all_gather") / n)
+    collectives = sum(ring_seconds(size, range(n), hw) * (2 if kind == "all_reduce" else 1)
+                      for kind, size in stage.traffic.items())
+    rows = []
+    for mode in offload_modes(report.stage):
+        device, host = offload_states(report.stage, psi, n, mode, optimizer_bytes=o,
+                                      param_bytes=p, staging=staging)
+        working = None if traced is None else traced[1 if mode == "none" else "streamed"]
+        shard = psi / n  # a rank's elements of masters, optimizer state, reduced gradients
+        to_host = 0.0 if mode == "none" else p * shard
+        to_device = {"none": 0.0, "optimizer": p * shard,
+                     "parameters": stage.traffic.get("all_gather", 0) / n}[mode]
+        compute = None
+        if traced is not None:
+            compute = traced["compute"] - (0.0 if mode == "none" else traced["device_optimizer"])
+        rows.append(OffloadRow(
+            mode=mode, device=device, host=host, working_set=working,
+            peak_bytes=None if working is None else peak_of(device, working),
+            to_host=to_host, to_device=to_device,
+            copy_seconds=(0.0, 0.0) if mode == "none" else
+            (host_device_seconds(to_host, hw), host_device_seconds(to_device, hw)),
+            host_step_seconds=0.0 if mode == "none" else host_optimizer_seconds(
+                shard, hw, optimizer_bytes=o, param_bytes=p),
+            compute_seconds=compute, collective_seconds=collectives))
+    report.offload_rows, report.host_memory = rows, host_budget
+    report.device_memory = device_memory if device_memory is not None else (
+        hw.device_memory or None)
+    report.offload_auto = offload == "auto"
+    if offload == "auto":
+        report.offload = next((r.mode for r in rows if offload_fits(report, r)), rows[-1].mode)
+    else:
+        report.offload = offload
+
+
+def offload_fits(report: PlanReport, row: OffloadRow) -> bool:
+    """Whether ``row``'s device peak (its model states without ``seq``) fits the report's
+    device memory and its host states the host memory."""
+    device = row.device_bytes if row.peak_bytes is None else row.peak_bytes
+    return ((report.device_memory is None or device <= report.device_memory)
+            and row.host_bytes <= report.host_memory)
 
 
 # -- tensor parallelism ([Note: planning tensor parallelism]) -------------------------------
@@ -914,14 +1187,17 @@ def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: tor
                  batch: int, seq: int, recompute: dict, experts: Optional[ExpertBlocks] = None,
                  degrees: Sequence[int] = (), hardware: str = "",
                  capacity_factor: Optional[float] = None,
-                 tensor_parallel: Optional[tuple[int, frozenset, bool]] = None
-                 ) -> tuple[dict, str, Optional[dict]]:
+                 tensor_parallel: Optional[tuple[int, frozenset, bool]] = None,
+                 offload: bool = False) -> tuple[dict, str, Optional[dict]]:
     """The working set extrapolated to the model's depth, ``{1: bytes}``; with ``experts``,
     also each degree of ``degrees`` and the cost model's ``"compute"`` seconds on
     ``hardware`` ([Note: planning expert parallelism]); with ``tensor_parallel`` (degree,
     split parameters, sequence parallelism), ``"tp"``: the working set priced again for it,
-    and ``"compute"`` ([Note: planning tensor parallelism]). Then how it was had, and what
-    one more block adds to each (None where the model was traced whole)."""
+    and ``"compute"`` ([Note: planning tensor parallelism]); with ``offload``,
+    ``"streamed"``: the working set with the reduced gradients streamed to the host,
+    ``"compute"`` and ``"device_optimizer"``, the part of it the device's optimizer step
+    takes ([Note: planning offload]). Then how it was had, and what one more block adds to
+    each (None where the model was traced whole)."""
     from ..plan.offline import rewritten_step_on_fake  # traces through the passes: import on use
 
     def traced_peak(layers: Optional[int], dense_layers: Optional[int] = None) -> dict:
@@ -930,11 +1206,14 @@ def _working_set(source: ModelSource, *, world_size: int, stage: int, dtype: tor
         gm, plan = rewritten_step_on_fake(
             build, batch=batch, seq=seq, vocab_size=source.vocab_size,
             world_size=world_size, stage=stage, dtype=dtype, loss_fn=_causal_lm_loss, **recompute)
-        if experts is None and tensor_parallel is None:
+        if experts is None and tensor_parallel is None and not offload:
             return {1: float(max(memory_timeline(gm).transient))}
         from ..analysis.cost_model import replay
 
-        if experts is not None:
+        if offload:
+            out = {1: float(max(memory_timeline(gm).transient)), "streamed": _streamed_peak(gm),
+                   "device_optimizer": _device_optimizer_seconds(plan, hardware)}
+        elif experts is not None:
             out: dict = _peaks_by_degree(gm, plan, experts, batch * seq,
                                          sorted({1, *degrees}), capacity_factor)
         else:
@@ -1064,7 +1343,9 @@ def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = Non
                   + (f", tensor parallelism {tp} (the traced step priced again)" if tp > 1 else "")
                   + f": {report.working_set / GB:.2f} GB",
                   f"    ({report.working_set_how})",
-                  f"Estimated peak per rank, stage {report.stage}: {peak / GB:.2f} GB"]
+                  f"Estimated peak per rank, stage {report.stage}"
+                  + (", without offload" if report.offload_rows else "")
+                  + f": {peak / GB:.2f} GB"]
         if device_memory_gb is not None:
             verdict = "fits" if peak <= device_memory_gb * GB else "does NOT fit"
             lines.append(f"    {verdict} in {device_memory_gb:g} GB per device")
@@ -1072,6 +1353,8 @@ def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = Non
         lines += ["", *_format_expert_parallel(report, device_memory_gb)]
     if report.tensor_parallel_rows:
         lines += ["", *_format_tensor_parallel(report, device_memory_gb)]
+    if report.offload_rows:
+        lines += ["", *_format_offload(report)]
     if device_memory_gb is not None and report.working_set is None:
         fitting = [s.stage for s in report.stages if s.state_bytes <= device_memory_gb * GB]
         lines.append(f"Model states fit in {device_memory_gb:g} GB in stages: "
@@ -1173,6 +1456,72 @@ def _format_tensor_parallel(report: PlanReport, device_memory_gb: Optional[float
         + ". TP collectives: 4 all-reduces of b·s·h a block (2 forward, 2 backward), 2 for "
         "the embedding and head, none hidden; ZeRO's carry a rank's piece over the "
         "data-parallel ranks. The step is max(compute/T, ZeRO) + TP.")
+    return lines
+
+
+def _format_offload(report: PlanReport) -> list[str]:
+    """Every offload mode the stage allows, device and host side by side, and the largest
+    model each fits ([Note: planning offload])."""
+    n, stage, device = report.world_size, report.stage, report.device_memory
+    dtype = str(report.dtype).removeprefix("torch.")
+    ranks = f"{n} rank" + ("s" if n > 1 else "")
+    budget = (f"device {device / GB:g} GB" if device is not None else "device memory not given")
+    lines = [f"Offload, stage {stage}, {ranks} (per rank per step; {budget}, host "
+             f"{report.host_memory / GB:g} GB; copies and the host's optimizer step on "
+             f"{report.hardware}; [Note: planning offload] in zero_fx/plan/planner.py):", "",
+             "| offload | device: model states | working set | device: estimated peak | "
+             "host: model states | to host + to device | copies | host optimizer step | "
+             "step |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def verdict(fits: bool) -> str:
+        return " (fits)" if fits else " (does NOT fit)"
+
+    for row in report.offload_rows:
+        mark = " ←" if row.mode == report.offload else ""
+        on_device = row.device_bytes if row.peak_bytes is None else row.peak_bytes
+        device_fits = "" if device is None else verdict(on_device <= device)
+        states = f"{row.device_bytes / GB:.2f} GB" + (device_fits if row.peak_bytes is None
+                                                       else "")
+        working = "—" if row.working_set is None else f"{row.working_set / GB:.2f} GB"
+        peak = "—" if row.peak_bytes is None else f"{row.peak_bytes / GB:.2f} GB{device_fits}"
+        host = f"{row.host_bytes / GB:.2f} GB{verdict(row.host_bytes <= report.host_memory)}"
+        to_host, to_device = row.copy_seconds
+        off = row.mode == "none"
+        step = ("—" if row.step_seconds is None else
+                f"{1e3 * row.step_seconds:.0f} ms" + (
+                    "" if off else f" (compute {1e3 * row.compute_seconds:.0f}, host step "
+                                   f"{1e3 * row.host_step_seconds:.0f})"))
+        lines.append(
+            f"| {row.mode}{mark} | {states} | {working} | {peak} | {host} | "
+            + ("— | — | —" if off else
+               f"{row.to_host / GB:.2f} + {row.to_device / GB:.2f} GB | {1e3 * to_host:.0f} + "
+               f"{1e3 * to_device:.0f} ms | {1e3 * row.host_step_seconds:.0f} ms")
+            + f" | {step} |")
+    lines.append(
+        f"Offloaded, the device keeps the {dtype} parameters ("
+        + ("its shard" if stage == 3 else "whole") + ", none with 'parameters') and two "
+        "buckets of reduced gradients on their way to the host; the host keeps the fp32 "
+        "masters, the optimizer state and the fp32 gradients the reduced buckets are added "
+        "into. Gradients go to the host in the compute dtype during the backward; updated "
+        "parameters come back after the host's step ('parameters': each gather's shard comes "
+        "over ahead of it instead). The step is max(compute, collectives, copies that "
+        "overlap) + the host's step + the copy back.")
+    if report.offload_auto:
+        chosen = next(r for r in report.offload_rows if r.mode == report.offload)
+        lines.append(f"--offload auto: '{report.offload}', the least offload that fits."
+                     if offload_fits(report, chosen) else
+                     f"--offload auto: no mode fits; '{report.offload}' is the most offload.")
+    if device is not None:
+        largest = []
+        for row in report.offload_rows:
+            psi, bound = largest_model(stage, n, row.mode,
+                                       optimizer_bytes=OPTIMIZER_BYTES[report.optimizer],
+                                       param_bytes=report.dtype.itemsize,
+                                       device_memory=device, host_memory=report.host_memory)
+            largest.append(f"{row.mode} {psi / 1e9:.2f}B ({bound})")
+        lines.append(f"Largest model these budgets hold at {ranks}, stage {stage}, {dtype}, "
+                     f"{report.optimizer}, model states only (before activations and the "
+                     f"gathered working set): " + ", ".join(largest) + ".")
     return lines
 
 
