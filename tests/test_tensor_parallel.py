@@ -5,9 +5,11 @@ single-process PyTorch does on the same global batch, at every stage and with th
 that touch every parameter (mixed precision, clipping, accumulation, recompute).
 
 Tolerances: fp32 parity at most 1e-5 relative (measured 3e-8 to 1.1e-6 with SGD, which
-moves each element by its gradient so that a gradient of the wrong scale fails). bf16: the
-dense bounds of test_mixed_precision (5e-5 loss, 9e-3 worst master); measured at (2, 2)
-4.1e-5 / 3.7e-4, flat (4, 1) 3.6e-5 / 3.8e-4."""
+moves each element by its gradient so that a gradient of the wrong scale fails). bf16: this
+model's dense bounds, about 3x what ZeRO alone measures on it at (4, 1) (loss 3.6e-5,
+worst master 3.8e-4): 1.1e-4 / 1.2e-3; measured at (2, 2) 6.6e-5 / 3.8e-4 (4.1e-5 before
+the q, k and v all-reduces became one: the loss of five bf16 steps moves that much with
+the order of a sum)."""
 
 import functools
 
@@ -21,7 +23,7 @@ from zero_fx import MixedPrecision, zero_compile
 from zero_fx.analysis.traffic import SHARD_GROUP, TP_GROUP
 
 TOLERANCE = 1e-5
-BF16_TOLERANCES = (5e-5, 9e-3)
+BF16_TOLERANCES = (1.1e-4, 1.2e-3)  # loss, worst master (module docstring)
 SPREAD = (("resident_max_numel", 0),)
 """Nothing resident: every parameter gathered per block, in the forward and the backward."""
 
@@ -127,8 +129,10 @@ def test_traffic_shows_zero_on_the_pieces_and_tensor_parallelism_apart():
     """ZeRO's all-gathers and reduce-scatters move each rank's tensor-parallel piece, Ψ/tp
     for the split layers (whole the replicated ones); DTensor's all-reduces are rows of their
     own, on the tp group: per block one per row-parallel layer in the forward (o, down) and
-    one per column-parallel layer in the backward (q, k, v, up), each a block's
-    activations. The counter, as the step runs, says the same."""
+    in the backward one per input the column-parallel layers read (q, k and v's partial
+    sums added first: [Note: one all-reduce for sibling column-parallel layers]; up), each
+    a block's activations, Megatron-LM's four. The counter, as the step runs, says the
+    same."""
     result = run()[0]
     traffic, counted = result["traffic"], result["counted"]
     model = tp_models.build()
@@ -141,8 +145,8 @@ def test_traffic_shows_zero_on_the_pieces_and_tensor_parallelism_apart():
     assert numel["reduce_scatter"] - traffic.psi < 2 * len(list(model.parameters()))  # padding
     activations = 8 // 2 * tp_models.models.SEQ * tp_models.WIDTH
     layers = tp_models.LAYERS
-    assert traffic.launches_by_kind()["tp_all_reduce"] == 6 * layers
-    assert numel["tp_all_reduce"] == 6 * layers * activations
+    assert traffic.launches_by_kind()["tp_all_reduce"] == 4 * layers
+    assert numel["tp_all_reduce"] == 4 * layers * activations
     assert {c.group for c in traffic.collectives if c.kind.startswith("tp_")} == {TP_GROUP}
     assert {c.group for c in traffic.collectives if not c.kind.startswith("tp_")} == {SHARD_GROUP}
     assert counted["numel"] == traffic.numel_by_kind()

@@ -26,7 +26,8 @@ from ..passes.predicates import GRAD_SLOTS_META, PARAM_META
 from ..passes.splice import outside_dynamo_tracing, trace_to_aten
 from .inline_checkpoints import inline_checkpoints
 from ..plan.tensor_parallel import local_tensor
-from .tensor_parallel import has_dtensors, mark_tensor_parallel, over_local_tensors
+from .tensor_parallel import (has_dtensors, mark_tensor_parallel, over_local_tensors,
+                              sum_partials_before_reducing)
 
 aten = torch.ops.aten
 
@@ -50,7 +51,8 @@ def capture_step_graph(
     checkpointed = inline_checkpoints(dynamo_gm)
     gm = _trace(dynamo_gm, example_inputs)
     gm.meta[CHECKPOINTED_META] = checkpointed
-    mark_tensor_parallel(gm)
+    if mark_tensor_parallel(gm):
+        sum_partials_before_reducing(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     sources = [n.name for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
     for node, name, source in zip(placeholders, param_names, sources):

@@ -77,3 +77,98 @@ def _group_of(node: torch.fx.Node) -> str:
     names = [a for a in node.args if isinstance(a, str)]
     return names[-1] if names else ""
 
+
+
+def sum_partials_before_reducing(gm: GraphModule) -> int:
+    """Sum of all-reduced partial sums -> one all-reduce of their sum; return how many
+    all-reduces this removed.
+
+    [Note: one all-reduce for sibling column-parallel layers]
+    A block's input feeds several column-parallel layers (q, k and v; an MLP's gate and up).
+    In the backward each gives this rank a partial sum of the input's gradient, and DTensor
+    makes each whole on its own: ``all_reduce(p_q) + all_reduce(p_k) + all_reduce(p_v)``,
+    three all-reduces of a block's activations where Megatron-LM adds the partial sums and
+    all-reduces once. An all-reduce of sums is linear, so the rewrite
+    ``all_reduce(p_q + p_k + p_v)`` gives the same gradient (summed in another order) for a
+    third of the bytes and launches. In bf16 the partials are added in bf16, as Megatron
+    adds them (adding them in fp32 and reducing in fp32 measured no closer to fp32
+    training on the tests' GPT: 8.0e-5 on the loss against 6.6e-5, 4.1e-5 unfused, all
+    within bf16's run-to-run spread). It applies to a tree of ``add``s whose leaves are
+    the waits of sum all-reduces on one group, each read by nothing else.
+    """
+    removed = 0
+    for node in reversed(list(gm.graph.nodes)):  # the tree's root before its inner adds
+        if node.graph is not gm.graph or not _is_plain_add(node):
+            continue
+        if any(_is_plain_add(user) for user in node.users):
+            continue  # an inner add of a larger tree
+        leaves = _reduced_leaves(node)
+        if leaves is None or len(leaves) < 2:
+            continue
+        group = leaves[0].args[0].args[-1]
+        value = node.meta["val"]
+        with gm.graph.inserting_before(node):
+            partials = [wait.args[0].args[0] for wait in leaves]
+            total = partials[0]
+            for partial in partials[1:]:
+                total = _new(gm, torch.ops.aten.add.Tensor, (total, partial), value)
+            reduced = _new(gm, _c10d.all_reduce.default, (total, "sum", group), value)
+            result = _new(gm, _c10d.wait_tensor.default, (reduced,), value)
+            reduced.meta[TP_COLLECTIVE_META] = result.meta[TP_COLLECTIVE_META] = group
+        node.replace_all_uses_with(result)
+        _erase_tree(gm.graph, node)
+        removed += len(leaves) - 1
+    if removed:
+        gm.graph.lint()
+        gm.recompile()
+    return removed
+
+
+def _new(gm: GraphModule, op, args: tuple, value) -> torch.fx.Node:
+    node = gm.graph.call_function(op, args)
+    node.meta["val"] = value
+    return node
+
+
+def _is_plain_add(node) -> bool:
+    return (isinstance(node, torch.fx.Node) and node.op == "call_function"
+            and node.target == torch.ops.aten.add.Tensor and len(node.args) == 2
+            and not node.kwargs)
+
+
+def _reduced_leaves(node) -> "list | None":
+    """The waits of sum all-reduces on one group an ``add`` tree adds up, each read by this
+    tree alone; None if any leaf is something else."""
+    leaves = []
+    for arg in node.args:
+        if _is_plain_add(arg) and len(arg.users) == 1:
+            inner = _reduced_leaves(arg)
+            if inner is None:
+                return None
+            leaves += inner
+        elif (isinstance(arg, torch.fx.Node) and arg.target == _c10d.wait_tensor.default
+              and len(arg.users) == 1 and arg.args[0].target == _c10d.all_reduce.default
+              and arg.args[0].args[1] == "sum" and len(arg.args[0].users) == 1):
+            leaves.append(arg)
+        else:
+            return None
+    groups = {leaf.args[0].args[-1] for leaf in leaves}
+    shapes = {tuple(leaf.meta["val"].shape) for leaf in leaves if "val" in leaf.meta}
+    return leaves if len(groups) == 1 and len(shapes) <= 1 else None
+
+
+def _erase_tree(graph, root) -> None:
+    """Erase the add tree rooted at ``root`` (read by nothing now), then the waits and
+    all-reduces at its leaves: each node after its last reader."""
+    adds, waits, pending = [], [], [root]
+    while pending:
+        node = pending.pop(0)
+        adds.append(node)
+        for arg in node.args:
+            (pending if _is_plain_add(arg) else waits).append(arg)
+    for node in adds:
+        graph.erase_node(node)
+    for wait in waits:
+        collective = wait.args[0]
+        graph.erase_node(wait)
+        graph.erase_node(collective)
