@@ -59,6 +59,12 @@ def is_tensor_parallel_collective(node: Node) -> bool:
     return TP_COLLECTIVE_META in node.meta and node.target != _c10d.wait_tensor.default
 
 
+def collective_group(args) -> str:
+    """A functional collective's group name: the last string among its arguments."""
+    names = [a for a in args if isinstance(a, str)]
+    return names[-1] if names else ""
+
+
 def tensor_parallel_groups(gm: torch.fx.GraphModule) -> frozenset:
     """The groups tensor parallelism's collectives in ``gm`` run on."""
     return frozenset(node.meta[TP_COLLECTIVE_META] for node in gm.graph.nodes

@@ -9,8 +9,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..passes.predicates import is_token_exchange_op, token_exchange_numel
-from .traffic import ALL_TO_ALL, KINDS, TP_PREFIX
+from ..passes.predicates import collective_group, is_token_exchange_op, token_exchange_numel
+from .traffic import ALL_TO_ALL, KIND_OF_COLLECTIVE, KINDS, TP_PREFIX, tensor_parallel_kind
 
 _c10d = torch.ops._c10d_functional
 
@@ -42,12 +42,12 @@ class CollectiveCounter(TorchDispatchMode):
             self.bytes[ALL_TO_ALL] += numel * args[0].element_size()
             self.launches[ALL_TO_ALL] += 1
             return out
-        kind = _KIND_OF.get(func.overloadpacket)
+        kind = KIND_OF_COLLECTIVE.get(func.overloadpacket)
         if kind is None and func.overloadpacket != _c10d.all_to_all_single:
             return out
         tensor_parallel = self.tensor_parallel_group()
-        if tensor_parallel and _group_of(args, kwargs) == tensor_parallel:
-            kind = TP_PREFIX + (kind or ALL_TO_ALL)
+        if tensor_parallel and collective_group((*args, *(kwargs or {}).values())) == tensor_parallel:
+            kind = tensor_parallel_kind(func)
         if kind is not None:
             # the whole buffer: what is gathered, what is reduced
             gathers = kind.removeprefix(TP_PREFIX) == "all_gather"
@@ -58,21 +58,3 @@ class CollectiveCounter(TorchDispatchMode):
         return out
 
 
-def _group_of(args, kwargs) -> str:
-    """A functional collective's group name: its last string argument."""
-    names = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, str)]
-    return names[-1] if names else ""
-
-
-# Functional variants, in-place and out= ones (what Inductor calls) and coalesced ones.
-_KIND_OF = {
-    _c10d.all_gather_into_tensor: "all_gather",
-    _c10d.all_gather_into_tensor_out: "all_gather",
-    _c10d.all_gather_into_tensor_coalesced: "all_gather",
-    _c10d.reduce_scatter_tensor: "reduce_scatter",
-    _c10d.reduce_scatter_tensor_out: "reduce_scatter",
-    _c10d.reduce_scatter_tensor_coalesced: "reduce_scatter",
-    _c10d.all_reduce: "all_reduce",
-    _c10d.all_reduce_: "all_reduce",
-    _c10d.all_reduce_coalesced: "all_reduce",
-}

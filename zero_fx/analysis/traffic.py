@@ -60,17 +60,29 @@ _RING = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, ALL_TO_ALL: 1}
 """Bytes a rank sends over a ring, as a multiple of (n-1)/n of the buffer, per kind."""
 
 
+_c10d = torch.ops._c10d_functional
+KIND_OF_COLLECTIVE = {
+    _c10d.all_gather_into_tensor: "all_gather",
+    _c10d.all_gather_into_tensor_out: "all_gather",
+    _c10d.all_gather_into_tensor_coalesced: "all_gather",
+    _c10d.reduce_scatter_tensor: "reduce_scatter",
+    _c10d.reduce_scatter_tensor_out: "reduce_scatter",
+    _c10d.reduce_scatter_tensor_coalesced: "reduce_scatter",
+    _c10d.all_reduce: "all_reduce",
+    _c10d.all_reduce_: "all_reduce",
+    _c10d.all_reduce_coalesced: "all_reduce",
+}
+"""A functional collective's kind, by its packet: the plain variants, the in-place and out=
+ones (what Inductor calls) and the coalesced ones."""
+
+
 def tensor_parallel_kind(op) -> Optional[str]:
-    """The kind of a functional collective (an OpOverload or its packet) that tensor
-    parallelism issued: ``tp_all_reduce``, ``tp_all_gather``, ``tp_reduce_scatter``,
-    ``tp_all_to_all``; None for anything else."""
-    name = getattr(op, "__name__", "").split(".")[0]
-    for kind, prefix in (("all_gather", "all_gather_into_tensor"), ("reduce_scatter",
-                         "reduce_scatter_tensor"), ("all_reduce", "all_reduce"),
-                         (ALL_TO_ALL, "all_to_all_single")):
-        if name.startswith(prefix):
-            return TP_PREFIX + kind
-    return None
+    """The kind of a functional collective (an OpOverload) that tensor parallelism issued:
+    ``tp_all_reduce``, ``tp_all_gather``, ``tp_reduce_scatter``, ``tp_all_to_all``; None for
+    anything else."""
+    packet = op.overloadpacket
+    kind = KIND_OF_COLLECTIVE.get(packet, ALL_TO_ALL if packet == _c10d.all_to_all_single else None)
+    return TP_PREFIX + kind if kind is not None else None
 
 
 @dataclass(frozen=True)

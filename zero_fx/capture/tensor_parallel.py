@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
-from ..passes.predicates import TP_COLLECTIVE_META
+from ..passes.predicates import TP_COLLECTIVE_META, collective_group
 from ..plan.tensor_parallel import is_dtensor
 
 _c10d = torch.ops._c10d_functional
@@ -64,19 +64,12 @@ def mark_tensor_parallel(gm: GraphModule) -> int:
         if (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
                 and node.target.namespace == "_c10d_functional"
                 and node.target != _c10d.wait_tensor.default):
-            node.meta[TP_COLLECTIVE_META] = _group_of(node)
+            node.meta[TP_COLLECTIVE_META] = collective_group(node.args)
             count += 1
             for user in node.users:
                 if user.target == _c10d.wait_tensor.default:
                     user.meta[TP_COLLECTIVE_META] = node.meta[TP_COLLECTIVE_META]
     return count
-
-
-def _group_of(node: torch.fx.Node) -> str:
-    """The group name a functional collective runs on (its last string argument)."""
-    names = [a for a in node.args if isinstance(a, str)]
-    return names[-1] if names else ""
-
 
 
 def sum_partials_before_reducing(gm: GraphModule) -> int:
@@ -96,9 +89,9 @@ def sum_partials_before_reducing(gm: GraphModule) -> int:
     within bf16's run-to-run spread). It applies to a tree of ``add``s whose leaves are
     the waits of sum all-reduces on one group, each read by nothing else.
     """
-    removed = 0
+    removed, erased = 0, set()
     for node in reversed(list(gm.graph.nodes)):  # the tree's root before its inner adds
-        if node.graph is not gm.graph or not _is_plain_add(node):
+        if node in erased or not _is_plain_add(node):
             continue
         if any(_is_plain_add(user) for user in node.users):
             continue  # an inner add of a larger tree
@@ -116,7 +109,7 @@ def sum_partials_before_reducing(gm: GraphModule) -> int:
             result = _new(gm, _c10d.wait_tensor.default, (reduced,), value)
             reduced.meta[TP_COLLECTIVE_META] = result.meta[TP_COLLECTIVE_META] = group
         node.replace_all_uses_with(result)
-        _erase_tree(gm.graph, node)
+        erased |= _erase_tree(gm.graph, node)
         removed += len(leaves) - 1
     if removed:
         gm.graph.lint()
@@ -157,9 +150,9 @@ def _reduced_leaves(node) -> "list | None":
     return leaves if len(groups) == 1 and len(shapes) <= 1 else None
 
 
-def _erase_tree(graph, root) -> None:
+def _erase_tree(graph, root) -> set:
     """Erase the add tree rooted at ``root`` (read by nothing now), then the waits and
-    all-reduces at its leaves: each node after its last reader."""
+    all-reduces at its leaves: each node after its last reader. Returns the erased nodes."""
     adds, waits, pending = [], [], [root]
     while pending:
         node = pending.pop(0)
@@ -168,7 +161,7 @@ def _erase_tree(graph, root) -> None:
             (pending if _is_plain_add(arg) else waits).append(arg)
     for node in adds:
         graph.erase_node(node)
-    for wait in waits:
-        collective = wait.args[0]
-        graph.erase_node(wait)
-        graph.erase_node(collective)
+    collectives = [wait.args[0] for wait in waits]
+    for node in waits + collectives:
+        graph.erase_node(node)
+    return {*adds, *waits, *collectives}

@@ -54,7 +54,7 @@ class ShardedState:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  plan: ShardPlan, world: World, *, elementwise_optimizer: Optional[bool] = None,
                  masters: Optional[dict[str, torch.Tensor]] = None,
-                 device: Optional[torch.device] = None, offload: bool = False):
+                 device: Optional[torch.device] = None):
         if not plan.replicated:
             check_elementwise(optimizer, elementwise_optimizer)
         self.model = model
@@ -75,9 +75,6 @@ class ShardedState:
         """Inside ``gathered_parameters()`` (stage 3): the model's parameters hold values."""
         self.device = device or next(local_tensor(p) for p in self.params.values()).device
         """Where this rank trains: the parameters', and every collective's, device."""
-        self.offloaded = offload
-        """The masters and the optimizer's state live in host memory ([Note: optimizer
-        offload] in offload.py)."""
         self.device_shards: dict[str, torch.Tensor] = {}
         """Offloaded stage 3: each parameter's shard on the device, in the compute dtype,
         the graph's input; refreshed from the master after each optimizer step."""
@@ -91,7 +88,7 @@ class ShardedState:
             if master is None:
                 master = (param.detach().clone() if plan.replicated
                           else plan_shard(plan, name, local_tensor(param)))
-            if offload:
+            if self.offloaded:
                 if plan.params_sharded:
                     self.device_shards[name] = master.detach().to(
                         self.device, dtype=compute or master.dtype, copy=True)
@@ -119,6 +116,12 @@ class ShardedState:
         for module in model.modules():
             if any(True for _ in module.parameters()):
                 module._apply = RefuseConversion(module)
+
+    @property
+    def offloaded(self) -> bool:
+        """The masters and the optimizer's state live in host memory ([Note: optimizer
+        offload] in offload.py)."""
+        return self.plan.offload == "optimizer"
 
     @property
     def shards_are_params(self) -> bool:

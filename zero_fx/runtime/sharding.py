@@ -95,8 +95,7 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
         claim(model, optimizer, None)
         raise
     state = ShardedState(model, optimizer, plan, world, masters=masters,
-                         elementwise_optimizer=config.elementwise_optimizer, device=device,
-                         offload=plan.offload == "optimizer")
+                         elementwise_optimizer=config.elementwise_optimizer, device=device)
     precision = config.mixed_precision
     if precision is not None:
         cast_at_model_edge(model, precision)
