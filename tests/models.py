@@ -25,6 +25,65 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+TP_HEADS, TP_WIDTH, TP_LAYERS = 4, 32, 2
+"""The tensor-parallel tests' GPT (``build("tp_gpt")``)."""
+
+
+class TensorParallelAttention(nn.Module):
+    """Separate q, k, v (a fused qkv does not split by columns into heads) and ``-1`` heads
+    in the views, so the same code runs on a rank's local heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.head_dim = TP_WIDTH // TP_HEADS
+        self.q, self.k, self.v, self.o = (nn.Linear(TP_WIDTH, TP_WIDTH, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class TensorParallelBlock(nn.Module):
+    """No biases, as the parity tests' GPT (examples/gpt.py's GPTConfig.bias says why)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(TP_WIDTH, bias=False), nn.LayerNorm(TP_WIDTH, bias=False)
+        self.attn = TensorParallelAttention()
+        self.up = nn.Linear(TP_WIDTH, 4 * TP_WIDTH, bias=False)
+        self.down = nn.Linear(4 * TP_WIDTH, TP_WIDTH, bias=False)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class TensorParallelGPT(nn.Module):
+    """A GPT whose attention and MLP split over a "tp" mesh dimension with PyTorch's own
+    tensor-parallel API (tests/tensor_parallel_models.py parallelizes it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, TP_WIDTH)
+        self.blocks = nn.ModuleList(TensorParallelBlock() for _ in range(TP_LAYERS))
+        self.ln_f = nn.LayerNorm(TP_WIDTH, bias=False)
+        self.head = nn.Linear(TP_WIDTH, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def build(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT()
+
+
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if name == "mlp":
@@ -32,6 +91,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
     if name in ("gpt", "gpt_dropout"):
         return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32,
                              bias=False, dropout=0.1 if name == "gpt_dropout" else 0.0))
+    if name == "tp_gpt":
+        return TensorParallelGPT()
     if name in HF_MODELS:
         from examples import hf_models
         return {"hf_gpt2": hf_models.tiny_gpt2, "hf_llama": hf_models.tiny_llama}[name](VOCAB, SEQ)

@@ -137,3 +137,20 @@ def with_mesh(options: dict) -> dict:
         options["mesh"] = init_device_mesh("cpu", options["mesh"],
                                            mesh_dim_names=("replicate", "shard")[-len(options["mesh"]):])
     return options
+
+
+def mesh_errors(rank: int, world_size: int, cases: list) -> list[str]:
+    """The ValueError ``zero_compile(stage=..., mesh=...)`` raises for each ``(shape, dimension
+    names, stage)`` of ``cases`` (a CPU mesh over the ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zero_fx import zero_compile
+
+    messages = []
+    for shape, names, stage in cases:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        try:
+            zero_compile(lambda: None, stage=stage, mesh=mesh)
+        except ValueError as err:
+            messages.append(str(err))
+    return messages

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import feature_runs
-from ranks import run_ranks, with_mesh
+from ranks import mesh_errors, run_ranks, with_mesh
 from training import SMALL_BUCKETS, parity_errors, reference_run, relative_error, zero_fx_run
 from zero_fx import MixedPrecision, zero_compile
 from zero_fx.analysis.traffic import REPLICATE_GROUP, SHARD_GROUP
@@ -59,21 +59,9 @@ def test_two_by_two_mesh_moves_a_world_of_two_and_one_all_reduce_of_the_shards()
     assert "across replicas" in str(traffic)
 
 
-def bad_meshes_rank(rank, world_size):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    messages = []
-    for shape, names, stage in [((1, 2), ("node", "gpu"), 3), ((2, 1), ("replicate", "shard"), 3)]:
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        try:
-            zero_compile(lambda: None, stage=stage, mesh=mesh)
-        except ValueError as err:
-            messages.append(str(err))
-    return messages
-
-
 def test_a_mesh_zero_fx_cannot_use_says_what_to_build():
-    messages = run_ranks(2, bad_meshes_rank)[0]
+    messages = run_ranks(2, mesh_errors, [((1, 2), ("node", "gpu"), 3),
+                                          ((2, 1), ("replicate", "shard"), 3)])[0]
     assert "mesh_dim_names=('replicate', 'shard')" in messages[0] and "('node', 'gpu')" in messages[0]
     assert "shard dimension has one rank" in messages[1] and "stage=0" in messages[1]
     with pytest.raises(TypeError, match="DeviceMesh"):
