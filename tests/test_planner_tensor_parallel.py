@@ -221,8 +221,8 @@ def test_the_priced_working_set_is_the_compiled_tensor_parallel_steps(fake_world
     import tensor_parallel_models as tpm
     from zero_fx import zero_compile
 
-    for name, value in (("WIDTH", 128), ("HEADS", 4), ("LAYERS", 1)):
-        monkeypatch.setattr(tpm, name, value)
+    for name, value in (("TP_WIDTH", 128), ("TP_HEADS", 4), ("TP_LAYERS", 1)):
+        monkeypatch.setattr(models, name, value)
     tokens = torch.randint(0, models.VOCAB, (2, 128))
 
     def loss_fn(model, x, y):
@@ -237,15 +237,15 @@ def test_the_priced_working_set_is_the_compiled_tensor_parallel_steps(fake_world
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
     torch.manual_seed(0)
-    model = tpm.parallelize(tpm.GPT(), mesh["tp"])
+    model = tpm.parallelize(models.TensorParallelGPT(), mesh["tp"])
     compiled = zero_compile(step, stage=3, mesh=mesh, backend="aot_eager")
     compiled(model, torch.optim.SGD(model.parameters(), lr=0.01), tokens, tokens)
     measured = max(memory_timeline(compiled.graphs[-1]).transient)
 
-    gm, plan = rewritten_step_on_fake(tpm.GPT, batch=2, seq=128, vocab_size=models.VOCAB,
+    gm, plan = rewritten_step_on_fake(models.TensorParallelGPT, batch=2, seq=128, vocab_size=models.VOCAB,
                                       world_size=4, stage=3, loss_fn=loss_fn)
     # this GPT's plan without sequence parallelism leaves the embedding and the head whole
-    split = tensor_parallel_split(on_meta(tpm.GPT), models.VOCAB) - {"wte.weight", "head.weight"}
+    split = tensor_parallel_split(on_meta(models.TensorParallelGPT), models.VOCAB) - {"wte.weight", "head.weight"}
     priced = _tensor_parallel_prices(gm, plan, split, 2, sequence_parallel=False)["tp"]
     assert priced == pytest.approx(measured, rel=0.01)
     assert priced < 0.7 * max(memory_timeline(gm).transient)  # and well below T = 1
