@@ -56,44 +56,69 @@ def test_a_run_on_the_cpu_saves_no_cuda_generator_even_when_cuda_is_initialized(
     assert cuda.written == []
 
 
-def _object_traffic(rank, world_size, path, cpu_backend: bool):
-    """Train, save and load a checkpoint with every object collective, barrier and DCP call
-    recorded with the group it was given. ``cpu_backend=False`` makes zero_fx read the
-    default group as one with no CPU backend (pure NCCL; gloo here, since NCCL needs GPUs)."""
+CPU_BACKENDS = (True, False)
+
+
+def _object_traffic(rank, world_size, folder, cpu_backends):
+    """Per ``cpu_backend`` of ``cpu_backends``: train, save and load a checkpoint with every
+    object collective, barrier and DCP call recorded with the group it was given.
+    ``cpu_backend=False`` makes zero_fx read the default group as one with no CPU backend
+    (pure NCCL; gloo here, since NCCL needs GPUs). Each case has its own model, step and
+    checkpoint, and the patches are undone after it."""
+    return {cpu_backend: _object_traffic_case(rank, world_size, f"{folder}/{cpu_backend}",
+                                              cpu_backend)
+            for cpu_backend in cpu_backends}
+
+
+def _object_traffic_case(rank, world_size, path, cpu_backend: bool):
+    originals = [(cpu_group_module, "serves_cpu", cpu_group_module.serves_cpu)]
     if not cpu_backend:
         cpu_group_module.serves_cpu = lambda group=None: False
     calls = []
 
     def spy(module, name, group_arg):
         original = getattr(module, name)
+        originals.append((module, name, original))
 
         def recorded(*args, **kwargs):
             calls.append((name, kwargs.get(group_arg)))
             return original(*args, **kwargs)
         setattr(module, name, recorded)
 
-    for name in ("all_gather_object", "broadcast_object_list", "barrier", "all_reduce"):
-        spy(dist, name, "group")
-    for name in ("save", "load"):
-        spy(dcp, name, "process_group")
-    model = models.build("gpt", seed=1)
-    opt = models.make_optimizer(model)
-    step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager")
-    x, y = models.global_batch("gpt", 0)
-    step(model, opt, x[rank::world_size], y[rank::world_size])
-    step.save_checkpoint(path)
-    step.load_checkpoint(path)
-    group = cpu_group()
-    return {"calls": [(name, "none" if given is None else "cpu group" if given is group else
-                       "another group") for name, given in calls],
-            "is_world": group is dist.group.WORLD,
-            "backend": dist.get_backend(group), "same_group_again": cpu_group() is group,
-            "ranks": dist.get_process_group_ranks(group)}
+    try:
+        for name in ("all_gather_object", "broadcast_object_list", "barrier", "all_reduce"):
+            spy(dist, name, "group")
+        for name in ("save", "load"):
+            spy(dcp, name, "process_group")
+        model = models.build("gpt", seed=1)
+        opt = models.make_optimizer(model)
+        step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager")
+        x, y = models.global_batch("gpt", 0)
+        step(model, opt, x[rank::world_size], y[rank::world_size])
+        step.save_checkpoint(path)
+        step.load_checkpoint(path)
+        group = cpu_group()
+        return {"calls": [(name, "none" if given is None else "cpu group" if given is group
+                           else "another group") for name, given in calls],
+                "is_world": group is dist.group.WORLD,
+                "backend": dist.get_backend(group), "same_group_again": cpu_group() is group,
+                "ranks": dist.get_process_group_ranks(group)}
+    finally:
+        for module, name, original in reversed(originals):
+            setattr(module, name, original)
 
 
-@pytest.mark.parametrize("cpu_backend", [True, False])
-def test_object_collectives_and_dcp_go_over_the_cpu_group(tmp_path, cpu_backend):
-    for result in run_ranks(2, _object_traffic, str(tmp_path / "ckpt"), cpu_backend):
+@pytest.fixture(scope="module")
+def object_traffic(tmp_path_factory):
+    """Both cases' results on every rank, from one 2-rank launch: a launch and the first
+    compilation in it cost about half of each case's time on the 2-core box, so one launch
+    for both saves one of them."""
+    return run_ranks(2, _object_traffic, str(tmp_path_factory.mktemp("ckpt")), CPU_BACKENDS)
+
+
+@pytest.mark.parametrize("cpu_backend", CPU_BACKENDS)
+def test_object_collectives_and_dcp_go_over_the_cpu_group(object_traffic, cpu_backend):
+    for result in (r[cpu_backend] for r in object_traffic):
         assert result["is_world"] == cpu_backend  # a gloo group is made only where needed
         assert result["backend"] == "gloo" and result["same_group_again"]
         assert result["ranks"] == [0, 1]
