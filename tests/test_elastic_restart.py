@@ -18,6 +18,12 @@ from zero_fx.checkpoint.save_load import load_full
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_gpt.py")
 STEPS, EVERY = 16, 4
+LAYERS = 1
+"""The example's --layers (its default is 4): what is checked (a restart, a resume that
+ends bitwise like the uninterrupted run) does not depend on the depth, and each of the five
+torchrun starts compiles the model; one block took a job from 94 s to 57 s on the loaded
+2-core box. The width stays the default, so a step still takes ~100 ms there: the kill or
+stop after step EVERY's save lands long before the last step, as the tests need."""
 HANG_TIMEOUT_S = 10
 """The example's --timeout for the hang test: how long rank 0 waits for the stopped rank."""
 RUN_LIMIT_S = 300
@@ -29,9 +35,9 @@ class TorchrunJob:
 
     def __init__(self, folder: str, *example_args: str):
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--max-restarts", "2", EXAMPLE, "--device", "cpu", "--backend", "aot_eager", "--steps",
-                   str(STEPS), "--checkpoint-every", str(EVERY), "--checkpoint-dir", folder,
-                   *example_args]
+                   "--max-restarts", "2", EXAMPLE, "--device", "cpu", "--backend", "aot_eager",
+                   "--layers", str(LAYERS), "--steps", str(STEPS), "--checkpoint-every",
+                   str(EVERY), "--checkpoint-dir", folder, *example_args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, cwd=ROOT,
                                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
