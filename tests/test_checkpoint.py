@@ -1,6 +1,7 @@
 """Checkpoints: resume reproduces the run, reshard 4 -> 2 -> 1 across stages, export, bad input."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,17 +17,49 @@ from zero_fx.checkpoint.save_load import load_full
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("stage, precision, model_name", [
+RESUME_CASES = [
     (3, None, "gpt"), (0, None, "gpt"), (1, MixedPrecision(param_dtype=torch.float16), "gpt"),
     (3, None, "gpt_dropout"),  # the masks after the resume come from the restored RNG
-])
-def test_a_resumed_run_continues_bitwise_like_the_uninterrupted_one(tmp_path, stage, precision,
-                                                                      model_name):
-    path = str(tmp_path / "ckpt")
-    args = (precision, model_name)
-    whole = run_ranks(2, checkpointed_training_rank, stage, 6, None, None, None, *args)
-    run_ranks(2, checkpointed_training_rank, stage, 3, None, path, 3, *args)
-    resumed = run_ranks(2, checkpointed_training_rank, stage, 6, path, None, None, *args)
+]
+
+
+def uninterrupted_and_saving_rank(rank, world_size, folder):
+    """Per case of RESUME_CASES: the uninterrupted 6 steps, then a fresh run of 3 steps that
+    saves its checkpoint (``folder``/<case index>) after them."""
+    results = []
+    for index, (stage, precision, model_name) in enumerate(RESUME_CASES):
+        args = (precision, model_name)
+        results.append(checkpointed_training_rank(rank, world_size, stage, 6, None, None, None,
+                                                  *args))
+        checkpointed_training_rank(rank, world_size, stage, 3, None, f"{folder}/{index}", 3,
+                                   *args)
+    return results
+
+
+def resuming_rank(rank, world_size, folder):
+    """Per case of RESUME_CASES: a fresh run resumed from its checkpoint to step 6."""
+    return [checkpointed_training_rank(rank, world_size, stage, 6, f"{folder}/{index}", None, None,
+                                       precision, model_name)
+            for index, (stage, precision, model_name) in enumerate(RESUME_CASES)]
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(tmp_path_factory):
+    """(uninterrupted, resumed) per case, every rank's: two 2-rank launches for all the
+    cases (the first saves, the second, other processes, resumes) instead of three per case
+    (a launch and its first compilation cost about 10 s on the 2-core box)."""
+    folder = str(tmp_path_factory.mktemp("resume"))
+    whole = run_ranks(2, uninterrupted_and_saving_rank, folder)
+    resumed = run_ranks(2, resuming_rank, folder)
+    return [([r[index] for r in whole], [r[index] for r in resumed])
+            for index in range(len(RESUME_CASES))]
+
+
+@pytest.mark.parametrize("case", range(len(RESUME_CASES)),
+                         ids=[f"{stage}-{precision is not None}-{name}"
+                              for stage, precision, name in RESUME_CASES])
+def test_a_resumed_run_continues_bitwise_like_the_uninterrupted_one(resumed_runs, case):
+    whole, resumed = resumed_runs[case]
     for rank in range(2):
         assert resumed[rank]["losses"] == {i: whole[rank]["losses"][i] for i in (3, 4, 5)}
         for name, value in whole[rank]["params"].items():
@@ -63,12 +96,32 @@ def assert_same_states(paths):
             assert torch.equal(other[key], saved[0][key]), key
 
 
-def test_a_checkpoint_reshards_from_4_ranks_to_2_and_1_and_across_stages(tmp_path):
+def trained_by_four_rank(rank, world_size, flat_path, hybrid_path):
+    """resharding_rank's training and save by 4 ranks, flat (stage 3) then on a 2 x 2 mesh:
+    each test's first run, fresh model and step each."""
+    return (resharding_rank(rank, world_size, 3, None, flat_path),
+            resharding_rank(rank, world_size, 3, None, hybrid_path, (2, 2)))
+
+
+@pytest.fixture(scope="module")
+def trained_by_four(tmp_path_factory):
+    """(the flat run's results per rank, its checkpoint, the hybrid checkpoint): both tests'
+    first 4-rank runs in one launch instead of one each (a 4-rank launch and its first
+    compilations cost ~20 s on the 2-core box)."""
+    folder = tmp_path_factory.mktemp("trained_by_four")
+    flat, hybrid = str(folder / "at4"), str(folder / "hybrid")
+    results = run_ranks(4, trained_by_four_rank, flat, hybrid)
+    return [r[0] for r in results], flat, hybrid
+
+
+def test_a_checkpoint_reshards_from_4_ranks_to_2_and_1_and_across_stages(tmp_path,
+                                                                          trained_by_four):
     """Saved by 4 ranks in stage 3, loaded by 2 in stage 1 and saved again, loaded by 1 in
     stage 0: the same parameters and optimizer state each time, and the next step trains
     the same (the mean loss over ranks; parameters to reduction-order rounding)."""
-    paths = [str(tmp_path / name) for name in ("at4", "at2", "at1")]
-    runs = [run_ranks(4, resharding_rank, 3, None, paths[0]),
+    at4, at4_path, _ = trained_by_four
+    paths = [at4_path] + [str(tmp_path / name) for name in ("at2", "at1")]
+    runs = [at4,
             run_ranks(2, resharding_rank, 1, paths[0], paths[1]),
             run_ranks(1, resharding_rank, 0, paths[1], paths[2])]
     assert_same_states(paths)
@@ -78,11 +131,11 @@ def test_a_checkpoint_reshards_from_4_ranks_to_2_and_1_and_across_stages(tmp_pat
         assert torch.allclose(runs[2][0]["params"][name], value, rtol=1e-5, atol=1e-6), name
 
 
-def test_a_hybrid_checkpoint_loads_flat_and_at_one_rank_and_back(tmp_path):
+def test_a_hybrid_checkpoint_loads_flat_and_at_one_rank_and_back(tmp_path, trained_by_four):
     """Saved on a 2 x 2 mesh (each shard once: its replica is skipped), loaded by a flat 4
     and saved, by 1 rank and saved, by a 2 x 2 mesh again: bitwise the same states."""
-    paths = [str(tmp_path / name) for name in ("hybrid", "flat4", "one", "hybrid-again")]
-    run_ranks(4, resharding_rank, 3, None, paths[0], (2, 2))
+    paths = [trained_by_four[2]] + [str(tmp_path / name)
+                                    for name in ("flat4", "one", "hybrid-again")]
     run_ranks(4, resharding_rank, 3, paths[0], paths[1])
     run_ranks(1, resharding_rank, 3, paths[1], paths[2])
     run_ranks(4, resharding_rank, 3, paths[2], paths[3], (2, 2))
@@ -99,9 +152,19 @@ def _trained_at_world_1(path, stage=3, steps=2):
     return step, model, opt
 
 
-def test_export_writes_a_state_dict_plain_pytorch_loads(tmp_path):
-    path, output = str(tmp_path / "ckpt"), str(tmp_path / "model.pt")
+@pytest.fixture(scope="module")
+def trained_at_world_1(tmp_path_factory):
+    """(the step, its checkpoint) of _trained_at_world_1, compiled and trained once for the
+    tests that only read the checkpoint or copy it (a compilation and two steps cost ~25 s
+    on the loaded 2-core box). Do not train the step or write into the folder."""
+    path = str(tmp_path_factory.mktemp("trained_at_world_1") / "ckpt")
     step, _, _ = _trained_at_world_1(path)
+    return step, path
+
+
+def test_export_writes_a_state_dict_plain_pytorch_loads(tmp_path, trained_at_world_1):
+    output = str(tmp_path / "model.pt")
+    step, path = trained_at_world_1
     live = step.full_state_dict()
     run = subprocess.run([sys.executable, "-m", "zero_fx.export", path, output],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -124,9 +187,8 @@ def _fresh_step(model=None, optimizer="adamw"):
             models.make_optimizer(model, optimizer))
 
 
-def test_loading_into_a_different_model_names_the_parameter(tmp_path):
-    path = str(tmp_path / "ckpt")
-    _trained_at_world_1(path)
+def test_loading_into_a_different_model_names_the_parameter(trained_at_world_1):
+    path = trained_at_world_1[1]
     from examples.gpt import GPT, GPTConfig
 
     wider = GPT(GPTConfig(vocab_size=models.VOCAB, block_size=models.SEQ, n_layer=2, n_head=2,
@@ -150,9 +212,9 @@ def test_loading_into_a_different_model_names_the_parameter(tmp_path):
     ("flip", "is corrupted"),
     ("unfinished", "did not finish"),
 ])
-def test_a_damaged_checkpoint_is_detected(tmp_path, damage, message):
+def test_a_damaged_checkpoint_is_detected(tmp_path, trained_at_world_1, damage, message):
     path = str(tmp_path / "ckpt")
-    _trained_at_world_1(path)
+    shutil.copytree(trained_at_world_1[1], path)  # damaged here, the original kept whole
     data = [f for f in os.listdir(path) if f.endswith(".distcp")][0]
     file = os.path.join(path, data)
     if damage == "truncate":
