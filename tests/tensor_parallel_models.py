@@ -10,8 +10,36 @@ reference is feature_runs.reference_run(name, "sgd")."""
 
 from __future__ import annotations
 
+import functools
+
 import models
 from training import STEPS
+
+
+@functools.lru_cache(maxsize=None)
+def device_mesh(shape: tuple):
+    """The CPU mesh of ``shape`` (("replicate", "shard", "tp") for three sizes), made once per
+    process: the runs of one launch (``in_turn``) share it. A second mesh of the same shape
+    in one process gets new groups while its ``mesh["tp"]`` hands back the first one's, so
+    zero_compile would refuse the model parallelized over it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard", "tp")[-len(shape):])
+
+
+def in_turn(rank: int, world_size: int, calls: tuple) -> list:
+    """Each ``(fn, args)`` of ``calls`` as ``fn(rank, world_size, *args)`` on this rank, one
+    after another in one launch (a barrier between them, so what one call saved is whole
+    before the next reads it): what each returned. A launch pays a rank's first compile
+    (lazy imports, Dynamo's warm-up) once, however many runs it does: about half a
+    four-rank run's time on the 2-core CI box."""
+    import torch.distributed as dist
+
+    results = []
+    for fn, args in calls:
+        results.append(fn(rank, world_size, *args))
+        dist.barrier()
+    return results
 
 def parallelize(model, tp_mesh, sequence_parallel: bool = False):
     """Megatron's split: q, k, v and up by columns, o and down by rows; with
@@ -69,12 +97,9 @@ def tensor_parallel_rank(rank: int, world_size: int, shape: tuple, stage: int = 
     (("replicate", "shard", "tp") for three sizes), each shard group's ranks on their slice
     of the global batch, in ``accumulation_steps`` calls per step when the options say so;
     whole parameters at the end. ``checkpoint``: saved there after the last step."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from zero_fx import zero_compile
 
-    names = ("replicate", "shard", "tp")[-len(shape):]
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    mesh = device_mesh(shape)
     model = models.build(name)
     if shape[-1] > 1:
         if name == "tp_gpt":
@@ -115,9 +140,7 @@ def loaded_rank(rank: int, world_size: int, shape: tuple, path: str, resave: str
     mesh = None
     model = models.build("tp_gpt")
     if shape is not None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard", "tp")[-len(shape):])
+        mesh = device_mesh(shape)
         if shape[-1] > 1:
             parallelize(model, mesh["tp"])
     opt = models.make_optimizer(model, OPTIMIZER)

@@ -12,6 +12,8 @@ the q, k and v all-reduces became one: the loss of five bf16 steps moves that mu
 the order of a sum)."""
 
 import functools
+import os
+import tempfile
 
 import pytest
 import torch
@@ -28,15 +30,80 @@ TOLERANCE = 1e-5
 BF16_TOLERANCES = (1.1e-4, 1.2e-3)  # loss, worst master (module docstring)
 SPREAD = (("resident_max_numel", 0),)
 """Nothing resident: every parameter gathered per block, in the forward and the backward."""
+RECOMPUTE = SPREAD + (("recompute", "blocks"),)
+BF16 = SPREAD + (("mixed_precision", MixedPrecision(param_dtype=torch.bfloat16,
+                                                    output_dtype=torch.float32)),)
+CLIPPED = SPREAD + (("max_grad_norm", 0.5),)
+ACCUMULATED = SPREAD + (("accumulation_steps", 2),)
+
+SAVED = tempfile.TemporaryDirectory(prefix="zero_fx-tp-checkpoints-")
+"""Where the (2, 2) stage-3 run saves its checkpoint and the loaded runs save theirs again
+(removed when the test process exits)."""
+CHECKPOINT = os.path.join(SAVED.name, "saved")
+LOADED_SHAPES = ((1, 4), (4, 1))
+
+
+def arguments(shape=(2, 2), stage=3, sequence_parallel=False, options=SPREAD, name="tp_gpt"):
+    """tensor_parallel_rank's arguments after the rank's, for ``run``."""
+    return shape, stage, sequence_parallel, options, name
+
+
+FOUR_RANK_RUNS = (arguments(), arguments(sequence_parallel=True), arguments(options=RECOMPUTE),
+                  arguments(options=BF16), arguments(stage=1, options=CLIPPED),
+                  arguments(stage=2, options=ACCUMULATED), arguments(name="hf_llama"),
+                  arguments(shape=(4, 1)))
+"""The runs on four ranks the tests read, done in one launch (``four_ranks``)."""
+
+
+def resaved(shape) -> str:
+    return os.path.join(SAVED.name, f"resaved-{shape}")
+
+
+def meta_tensor_parallel_model_rank(rank, world_size):
+    """A model built on the meta device, split over the "tp" dimension of a (2, 2) mesh: what
+    zero_compile's first call raises."""
+    with torch.device("meta"):
+        model = models.build("tp_gpt")
+    mesh = tp_models.device_mesh((2, 2))
+    tp_models.parallelize(model, mesh["tp"])
+    step = zero_compile(models.training_step("tp_gpt"), backend="aot_eager", mesh=mesh)
+    x, y = models.global_batch("tp_gpt", 0)
+    try:
+        step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+    except NotImplementedError as err:
+        return str(err)
+
+
+BAD_MESHES = [((2, 2), ("shard", "tp"), 0), ((2, 2), ("tp", "shard"), 3),
+              ((2, 1, 2), ("replicate", "shard", "tp"), 3)]
+
+
+@functools.lru_cache(maxsize=None)
+def four_ranks() -> dict:
+    """Everything the tests run on four ranks, in one launch (tp_models.in_turn: a launch pays
+    each rank's first compile once): the runs of FOUR_RANK_RUNS (the first, (2, 2) at stage
+    3, saving its checkpoint at CHECKPOINT), that checkpoint loaded at each of LOADED_SHAPES
+    and saved again, the errors of BAD_MESHES and the meta-device model's. Each result by
+    its key: a run's arguments, ("loaded", shape), "bad meshes", "meta"."""
+    calls = [(tp_models.tensor_parallel_rank, FOUR_RANK_RUNS[0] + (CHECKPOINT,))]
+    calls += [(tp_models.tensor_parallel_rank, args) for args in FOUR_RANK_RUNS[1:]]
+    calls += [(tp_models.loaded_rank, (shape, CHECKPOINT, resaved(shape)))
+              for shape in LOADED_SHAPES]
+    calls += [(mesh_errors, (BAD_MESHES,)), (meta_tensor_parallel_model_rank, ())]
+    keys = [*FOUR_RANK_RUNS, *(("loaded", shape) for shape in LOADED_SHAPES), "bad meshes", "meta"]
+    per_rank = run_ranks(4, tp_models.in_turn, calls)
+    return {key: [results[i] for results in per_rank] for i, key in enumerate(keys)}
 
 
 @functools.lru_cache(maxsize=None)
 def run(shape=(2, 2), stage=3, sequence_parallel=False, options=SPREAD, name="tp_gpt"):
+    args = arguments(shape, stage, sequence_parallel, options, name)
+    if args in FOUR_RANK_RUNS:
+        return four_ranks()[args]
     ranks = 1
     for size in shape:
         ranks *= size
-    return run_ranks(ranks, tp_models.tensor_parallel_rank, shape, stage, sequence_parallel,
-                     options, name)
+    return run_ranks(ranks, tp_models.tensor_parallel_rank, *args)
 
 
 def reference(name="tp_gpt", max_grad_norm=None):
@@ -72,7 +139,7 @@ def test_recomputed_blocks_repeat_their_tensor_parallel_collectives():
     row-parallel all-reduce with it: one more tp all-reduce per block, of a block's
     activations. Were it dropped from the recomputed region, the recomputed value would be a
     rank's partial sum and parity would fail."""
-    plain, recomputed = run(), run(options=SPREAD + (("recompute", "blocks"),))
+    plain, recomputed = run(), run(options=RECOMPUTE)
     assert_parity(recomputed, reference())
     activations = 8 // 2 * models.SEQ * models.TP_WIDTH  # a shard rank's batch
     before, after = plain[0]["counted"], recomputed[0]["counted"]
@@ -81,8 +148,7 @@ def test_recomputed_blocks_repeat_their_tensor_parallel_collectives():
 
 
 def test_bf16_within_the_dense_bounds():
-    results = run(options=SPREAD + (("mixed_precision", MixedPrecision(
-        param_dtype=torch.bfloat16, output_dtype=torch.float32)),))
+    results = run(options=BF16)
     loss, master = BF16_TOLERANCES
     assert_parity(results, reference(), tolerance=master, loss_tolerance=loss)
 
@@ -90,7 +156,7 @@ def test_bf16_within_the_dense_bounds():
 def test_stage_1_clipping_counts_the_norm_over_both_dimensions_once():
     """The norm of the whole gradient: a piece split over "tp" summed over its ranks, a
     parameter every "tp" rank holds (norms, embedding, head) counted once."""
-    results = run(stage=1, options=SPREAD + (("max_grad_norm", 0.5),))
+    results = run(stage=1, options=CLIPPED)
     expected = reference(max_grad_norm=0.5)
     assert_parity(results, expected)
     assert min(expected["norms"]) > 0.5  # every step clips
@@ -99,7 +165,7 @@ def test_stage_1_clipping_counts_the_norm_over_both_dimensions_once():
 
 
 def test_stage_2_accumulation():
-    assert_parity(run(stage=2, options=SPREAD + (("accumulation_steps", 2),)), reference())
+    assert_parity(run(stage=2, options=ACCUMULATED), reference())
 
 
 def test_huggingface_llama_with_its_tensor_parallel_plan():
@@ -156,26 +222,25 @@ def test_traffic_shows_zero_on_the_pieces_and_tensor_parallelism_apart():
     assert "tensor parallel" in result["explain"]
 
 
-def test_a_checkpoint_saved_at_two_by_two_loads_at_one_by_four_flat_four_and_one_rank(tmp_path):
-    """Saved at (2, 2), loaded at (1, 4) (the layers split over four ranks), (4, 1) (ZeRO
-    alone) and at one rank (no mesh), each saving again: every tensor of each checkpoint
-    (parameters and optimizer state, put back together whole), the loaded runs' whole
-    parameters and rank 0's full_state_dict(cpu_offload=True) equal the saved run's, bit
-    for bit."""
+def test_a_checkpoint_saved_at_two_by_two_loads_at_one_by_four_flat_four_and_one_rank():
+    """Saved at (2, 2) (the run of test_two_by_two_trains_as_single_process, saved after its
+    last step), loaded at (1, 4) (the layers split over four ranks), (4, 1) (ZeRO alone) and
+    at one rank (no mesh), each saving again: every tensor of each checkpoint (parameters
+    and optimizer state, put back together whole), the loaded runs' whole parameters and
+    rank 0's full_state_dict(cpu_offload=True) equal the saved run's, bit for bit."""
     from zero_fx.checkpoint.save_load import load_full
 
-    saved = str(tmp_path / "saved")
-    trained = run_ranks(4, tp_models.tensor_parallel_rank, (2, 2), 3, False, SPREAD, "tp_gpt", saved)
-    expected = load_full(saved)
+    trained = run()
+    expected = load_full(CHECKPOINT)
     assert any(key.startswith("optim.") for key in expected)
-    for shape in [(1, 4), (4, 1), None]:
-        resaved = str(tmp_path / f"resaved-{shape}")
-        loaded = run_ranks(4 if shape else 1, tp_models.loaded_rank, shape, saved, resaved)
+    loaded_at = {shape: four_ranks()[("loaded", shape)] for shape in LOADED_SHAPES}
+    loaded_at[None] = run_ranks(1, tp_models.loaded_rank, None, CHECKPOINT, resaved(None))
+    for shape, loaded in loaded_at.items():
         for name, value in trained[0]["params"].items():
             assert torch.equal(loaded[-1]["params"][name], value), (shape, name)
             # rank 0's whole state dict, streamed one bucket at a time, each piece made whole
             assert torch.equal(loaded[0]["state_dict"][name], value), (shape, name)
-        again = load_full(resaved)
+        again = load_full(resaved(shape))
         for key, value in expected.items():
             if isinstance(value, torch.Tensor) and not key.startswith("rng."):
                 assert torch.equal(again[key], value), (shape, key)
@@ -196,30 +261,13 @@ def test_zero_gathers_overlap_the_tensor_parallel_collectives_which_keep_their_p
 
 
 def test_a_tensor_parallel_mesh_zero_fx_cannot_use_says_what_to_build():
-    stage_0, order, one_shard = run_ranks(4, mesh_errors, [
-        ((2, 2), ("shard", "tp"), 0), ((2, 2), ("tp", "shard"), 3),
-        ((2, 1, 2), ("replicate", "shard", "tp"), 3)])[0]
+    stage_0, order, one_shard = four_ranks()["bad meshes"][0]
     assert "stage 1, 2 or 3" in stage_0
     assert "('shard', 'tp')" in order and "('tp', 'shard')" in order
     assert "shard dimension has one rank" in one_shard
 
 
-def meta_tensor_parallel_model_rank(rank, world_size):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("shard", "tp"))
-    with torch.device("meta"):
-        model = models.build("tp_gpt")
-    tp_models.parallelize(model, mesh["tp"])
-    step = zero_compile(models.training_step("tp_gpt"), backend="aot_eager", mesh=mesh)
-    x, y = models.global_batch("tp_gpt", 0)
-    try:
-        step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
-    except NotImplementedError as err:
-        return str(err)
-
-
 def test_a_meta_tensor_parallel_model_is_refused_not_cut_wrong():
     """zero_fx's meta-device initialization cuts shards of whole parameters; a rank's
     tensor-parallel piece needs its own cut, not written yet."""
-    assert "meta device" in run_ranks(2, meta_tensor_parallel_model_rank)[0]
+    assert "meta device" in four_ranks()["meta"][0]
