@@ -2,37 +2,80 @@
 (two replicas of two-rank shard groups) trains as single-process PyTorch does, and a 1 x 4
 mesh is today's flat sharding over four ranks, bit for bit."""
 
+import functools
+
 import pytest
 import torch
 
 import feature_runs
+import training
 from ranks import mesh_errors, run_ranks, with_mesh
+from tensor_parallel_models import in_turn
 from training import SMALL_BUCKETS, parity_errors, reference_run, relative_error, zero_fx_run
 from zero_fx import MixedPrecision, zero_compile
 from zero_fx.analysis.traffic import REPLICATE_GROUP, SHARD_GROUP
 
 TOLERANCE = 1e-5
 HYBRID = (("mesh", (2, 2)),)
+ONE_BY_FOUR = (("mesh", (1, 4)),)
+CLIP = (("max_grad_norm", 0.05),)
+BF16 = (("mixed_precision", MixedPrecision(param_dtype=torch.bfloat16,
+                                           output_dtype=torch.float32)),)
+BAD_MESHES = [((1, 4), ("node", "gpu"), 3), ((4, 1), ("replicate", "shard"), 3)]
+
+TRAINING_RUNS = (*((stage, HYBRID) for stage in (0, 1, 2, 3)), (3, HYBRID + SMALL_BUCKETS),
+                 *((stage, ONE_BY_FOUR) for stage in (1, 2, 3)), (3, CLIP), (3, CLIP + HYBRID))
+"""(stage, options) of the training.zero_fx_rank runs on four ranks only this file reads
+(the flat ones without options are test_parity's, shared through training.zero_fx_run)."""
+FEATURE_RUNS = ((1, HYBRID, 2), (3, HYBRID, 2), (3, BF16 + HYBRID, 1))
+"""(stage, options, micro-batches) of the feature_runs.zero_fx_rank runs (SGD)."""
+
+
+@functools.lru_cache(maxsize=None)
+def four_ranks() -> dict:
+    """Every four-rank run of this file not shared with another, in one launch (in_turn: a
+    launch pays each rank's first compile once, instead of once per run): TRAINING_RUNS by
+    (stage, options), FEATURE_RUNS by ("features", stage, options, micro-batches), the
+    whole-model views flat and on a 2 x 2 mesh by ("views", mesh), and "bad meshes"."""
+    calls = [(training.zero_fx_rank, ("gpt", "aot_eager", "adamw", stage, "", options))
+             for stage, options in TRAINING_RUNS]
+    calls += [(feature_runs.zero_fx_rank, ("gpt", stage, "sgd", options, micro, False,
+                                           feature_runs.STEPS))
+              for stage, options, micro in FEATURE_RUNS]
+    calls += [(whole_model_views_rank, (mesh,)) for mesh in (None, (2, 2))]
+    calls += [(mesh_errors, (BAD_MESHES,))]
+    keys = [*TRAINING_RUNS, *(("features", *run) for run in FEATURE_RUNS),
+            ("views", None), ("views", (2, 2)), "bad meshes"]
+    per_rank = run_ranks(4, in_turn, calls)
+    return {key: [results[i] for results in per_rank] for i, key in enumerate(keys)}
+
+
+def hybrid_run(stage, options=()):
+    """What training.zero_fx_run(4, "gpt", "aot_eager", stage=stage, options=options) returns:
+    from the launch of ``four_ranks`` where it is one of its runs."""
+    if (stage, options) in TRAINING_RUNS:
+        return four_ranks()[(stage, options)]
+    return zero_fx_run(4, "gpt", "aot_eager", stage=stage, options=options)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_two_by_two_mesh_trains_as_single_process(stage):
-    results = zero_fx_run(4, "gpt", "aot_eager", stage=stage, options=HYBRID)
+    results = hybrid_run(stage, HYBRID)
     errors = parity_errors(results, reference_run("gpt"))
     worst = max(errors, key=errors.get)
     assert errors[worst] < TOLERANCE, f"{worst}: relative error {errors[worst]:.2e}"
 
 
 def test_two_by_two_mesh_with_several_buckets_and_prefetch():
-    results = zero_fx_run(4, "gpt", "aot_eager", stage=3, options=HYBRID + SMALL_BUCKETS)
+    results = hybrid_run(3, HYBRID + SMALL_BUCKETS)
     errors = parity_errors(results, reference_run("gpt"))
     assert max(errors.values()) < TOLERANCE, max(errors, key=errors.get)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_one_by_four_mesh_is_flat_sharding(stage):
-    flat = zero_fx_run(4, "gpt", "aot_eager", stage=stage)
-    mesh = zero_fx_run(4, "gpt", "aot_eager", stage=stage, options=(("mesh", (1, 4)),))
+    flat = hybrid_run(stage)
+    mesh = hybrid_run(stage, ONE_BY_FOUR)
     for a, b in zip(flat, mesh):
         assert a["losses"] == b["losses"]
         assert all(torch.equal(a["params"][n], p) for n, p in b["params"].items())
@@ -44,7 +87,7 @@ def test_two_by_two_mesh_moves_a_world_of_two_and_one_all_reduce_of_the_shards()
     flat world of two (within the shard group), and across replicas one all-reduce of the
     gradient shards, Ψ/2 elements (padded), which the traffic report shows apart."""
     flat = zero_fx_run(2, "gpt", "aot_eager", stage=3)[0]
-    hybrid = zero_fx_run(4, "gpt", "aot_eager", stage=3, options=HYBRID)[0]
+    hybrid = hybrid_run(3, HYBRID)[0]
     counted, shard_numel = hybrid["counted"]["numel"], hybrid["memory"]["shard_numel"]
     for kind in ("all_gather", "reduce_scatter"):
         assert counted[kind] == flat["counted"]["numel"][kind]
@@ -60,8 +103,7 @@ def test_two_by_two_mesh_moves_a_world_of_two_and_one_all_reduce_of_the_shards()
 
 
 def test_a_mesh_zero_fx_cannot_use_says_what_to_build():
-    messages = run_ranks(2, mesh_errors, [((1, 2), ("node", "gpu"), 3),
-                                          ((2, 1), ("replicate", "shard"), 3)])[0]
+    messages = four_ranks()["bad meshes"][0]
     assert "mesh_dim_names=('replicate', 'shard')" in messages[0] and "('node', 'gpu')" in messages[0]
     assert "shard dimension has one rank" in messages[1] and "stage=0" in messages[1]
     with pytest.raises(TypeError, match="DeviceMesh"):
@@ -69,7 +111,7 @@ def test_a_mesh_zero_fx_cannot_use_says_what_to_build():
 
 
 def test_stage_0_ignores_the_shard_dimension():
-    results = zero_fx_run(4, "gpt", "aot_eager", stage=0, options=HYBRID)
+    results = hybrid_run(0, HYBRID)
     errors = parity_errors(results, reference_run("gpt"))
     assert max(errors.values()) < TOLERANCE, max(errors, key=errors.get)
     assert results[0]["counted"]["numel"]["all_gather"] == 0
@@ -79,10 +121,9 @@ def test_stage_0_ignores_the_shard_dimension():
 def test_clipping_on_a_mesh_clips_by_the_global_norm(stage):
     """The norm is summed over one shard group (replicas hold the same shards): clipped
     training on a 2 x 2 mesh matches it on a flat 4 (a norm counted twice would not)."""
-    clip = (("max_grad_norm", 0.05),)
-    flat = zero_fx_run(4, "gpt", "aot_eager", stage=stage, options=clip)[0]
-    hybrid = zero_fx_run(4, "gpt", "aot_eager", stage=stage, options=clip + HYBRID)[0]
-    unclipped = zero_fx_run(4, "gpt", "aot_eager", stage=stage)[0]
+    flat = hybrid_run(stage, CLIP)[0]
+    hybrid = hybrid_run(stage, CLIP + HYBRID)[0]
+    unclipped = hybrid_run(stage)[0]
     error = max(relative_error(hybrid["params"][n], p) for n, p in flat["params"].items())
     assert error < TOLERANCE
     assert max(relative_error(unclipped["params"][n], p) for n, p in flat["params"].items()) > 100 * TOLERANCE
@@ -106,8 +147,7 @@ def whole_model_views_rank(rank, world_size, mesh):
 
 
 def test_whole_model_views_on_a_mesh_are_those_of_flat_sharding():
-    flat = run_ranks(4, whole_model_views_rank, None)
-    hybrid = run_ranks(4, whole_model_views_rank, (2, 2))
+    flat, hybrid = four_ranks()[("views", None)], four_ranks()[("views", (2, 2))]
     for rank in range(4):
         assert relative_error(hybrid[rank]["out"], flat[rank]["out"]) < TOLERANCE
         for name, value in flat[rank]["state"].items():
@@ -120,7 +160,7 @@ def test_whole_model_views_on_a_mesh_are_those_of_flat_sharding():
 def test_accumulation_on_a_mesh_equals_one_large_batch(stage):
     """Two micro-batches per optimizer step on a 2 x 2 mesh; stage 1 reduces the summed
     gradients outside the graph, with the same reduction (and its all-reduce across replicas)."""
-    results = feature_runs.zero_fx_run(4, "gpt", stage, options=HYBRID, micro_batches=2)
+    results = four_ranks()[("features", stage, HYBRID, 2)]
     errors = parity_errors(results, feature_runs.reference_run("gpt"))
     assert max(errors.values()) < TOLERANCE, max(errors, key=errors.get)
     assert results[0]["counted"]["all_reduce"] > 0
@@ -130,9 +170,7 @@ def test_bf16_on_a_mesh_trains_like_fp32_as_flat_bf16_does():
     """bf16 compute and reductions on a 2 x 2 mesh, fp32 masters: measured 1.9e-5 (loss) and
     3.0e-3 (worst master) from fp32 single-process training, flat bf16 at 4 ranks 1.2e-5 and
     3.0e-3; the bounds are test_mixed_precision's."""
-    bf16 = (("mixed_precision", MixedPrecision(param_dtype=torch.bfloat16,
-                                               output_dtype=torch.float32)),)
-    results = feature_runs.zero_fx_run(4, "gpt", 3, options=bf16 + HYBRID)
+    results = four_ranks()[("features", 3, BF16 + HYBRID, 1)]
     errors = parity_errors(results, feature_runs.reference_run("gpt"))
     assert errors.pop("loss") < 5e-5
     assert max(errors.values()) < 9e-3, max(errors, key=errors.get)
