@@ -9,11 +9,15 @@ fp16 4e-6 / 1e-3. SGD, not AdamW: AdamW's update of an element with a
 near-zero gradient is its sign, which 16-bit noise flips.
 """
 
+import functools
+
 import pytest
 import torch
 
-from feature_runs import reference_run, zero_fx_run
+import feature_runs
+from feature_runs import reference_run
 from ranks import run_ranks
+from tensor_parallel_models import in_turn
 from training import parity_errors
 from zero_fx import MixedPrecision
 from zero_fx.analysis.host_syncs import counting_host_syncs
@@ -23,6 +27,42 @@ FP16 = (("mixed_precision", MixedPrecision(param_dtype=torch.float16, output_dty
 UNSCHEDULED = (("bucket_bytes", 0), ("persistence_threshold", 0))
 BF16_TOLERANCES = (5e-5, 9e-3)  # loss, worst master (module docstring)
 FP16_TOLERANCES = (4e-6, 1e-3)
+FP32_REDUCE = (("mixed_precision", MixedPrecision(
+    param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)),)
+
+TWO_RANK_RUNS = ((0, BF16, 1), (1, FP16, 1), (3, FP16, 1), (1, UNSCHEDULED, 1),
+                 *((stage, UNSCHEDULED + precision, 1) for stage in (1, 3)
+                   for precision in (BF16, FP32_REDUCE)),
+                 (0, BF16, 2), (3, BF16, 2))
+"""(stage, options, micro-batches) of the feature_runs.zero_fx_rank runs on two ranks only
+this file reads, done in one launch (``two_ranks``); bf16 at stages 1-3 and UNSCHEDULED at
+stage 3 are shared with test_offload and test_model_kinds through feature_runs.zero_fx_run."""
+
+
+@functools.lru_cache(maxsize=None)
+def two_ranks() -> dict:
+    """Every two-rank run of this file not shared with another, in one launch (in_turn: a
+    launch pays each rank's first compile once, instead of once per run): TWO_RANK_RUNS by
+    (stage, options, micro-batches), the overflowing fp16 runs by ("overflow", optimizer),
+    the sub-ulp runs by ("sub-ulp", stage)."""
+    calls = [(feature_runs.zero_fx_rank, ("gpt", stage, "sgd", options, micro, False,
+                                          feature_runs.STEPS))
+             for stage, options, micro in TWO_RANK_RUNS]
+    calls += [(overflowing_fp16_rank, (optimizer,)) for optimizer in OPTIMIZERS]
+    calls += [(sub_ulp_rank, (stage,)) for stage in (0, 3)]
+    keys = [*TWO_RANK_RUNS, *(("overflow", optimizer) for optimizer in OPTIMIZERS),
+            *(("sub-ulp", stage) for stage in (0, 3))]
+    per_rank = run_ranks(2, in_turn, calls)
+    return {key: [results[i] for results in per_rank] for i, key in enumerate(keys)}
+
+
+def zero_fx_run(world_size, model_name, stage, options=(), micro_batches=1):
+    """What feature_runs.zero_fx_run returns: from the launch of ``two_ranks`` where it is one
+    of its runs."""
+    if (world_size, model_name) == (2, "gpt") and (stage, options, micro_batches) in TWO_RANK_RUNS:
+        return two_ranks()[(stage, options, micro_batches)]
+    return feature_runs.zero_fx_run(world_size, model_name, stage, options=options,
+                                    micro_batches=micro_batches)
 
 
 def assert_close_to_fp32(results, loss_tolerance, param_tolerance):
@@ -61,9 +101,7 @@ def test_bf16_halves_the_bytes_every_gather_moves(stage):
     Gradients are reduced in bf16 by default, in fp32 when reduce_dtype says so."""
     fp32 = zero_fx_run(2, "gpt", stage, options=UNSCHEDULED)[0]["traffic"]
     bf16 = zero_fx_run(2, "gpt", stage, options=UNSCHEDULED + BF16)[0]["traffic"]
-    fp32_reduce = UNSCHEDULED + (("mixed_precision", MixedPrecision(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)),)
-    bf16_fp32_reduce = zero_fx_run(2, "gpt", stage, options=fp32_reduce)[0]["traffic"]
+    bf16_fp32_reduce = zero_fx_run(2, "gpt", stage, options=UNSCHEDULED + FP32_REDUCE)[0]["traffic"]
     assert bf16.numel_by_kind() == fp32.numel_by_kind()
     assert bf16.bytes_by_kind()["all_gather"] * 2 == fp32.bytes_by_kind()["all_gather"] > 0
     assert bf16.bytes_by_kind()["reduce_scatter"] * 2 == fp32.bytes_by_kind()["reduce_scatter"]
@@ -114,7 +152,7 @@ def test_fp16_overflow_skips_the_step_and_the_scale_follows_gradscalers_rule(opt
     import models
 
     initial = {n: p.detach().clone() for n, p in models.build("gpt").named_parameters()}
-    result = run_ranks(2, overflowing_fp16_rank, optimizer)[0]
+    result = two_ranks()[("overflow", optimizer)][0]
     assert result["history"] == OVERFLOW_HISTORY
     for name, value in initial.items():  # skipped steps changed nothing
         assert torch.equal(result["params"][1][name], value), name
@@ -222,7 +260,7 @@ def test_updates_below_one_bf16_ulp_accumulate_in_the_fp32_masters(stage):
     expected = torch.ones(1, 4)
     for _ in range(SUB_ULP_STEPS):
         expected -= SUB_ULP_LR  # fp32, the order the optimizer does it in
-    result = run_ranks(2, sub_ulp_rank, stage)[0]
+    result = two_ranks()[("sub-ulp", stage)][0]
     assert result["master"].dtype == torch.float32
     assert torch.equal(result["master"], expected), result["master"]
     if result["model"] is not None:  # stage 3's model holds no storage between steps
