@@ -78,7 +78,8 @@ def _gather_code(plan):
         size, group = plan.collective_group(names[0])  # a bucket is one group's
         return functools.partial(gather_bucket, numels=[l.numel for l in layouts],
                                  shapes=[l.shape for l in layouts], world_size=size,
-                                 group_name=group, dtype=plan.compute_dtype)
+                                 group_name=group, dtype=plan.compute_dtype,
+                                 from_host=plan.device_type if plan.offloads_parameters else None)
     return code
 
 

@@ -6,7 +6,9 @@ from typing import Optional
 
 from torch.fx import GraphModule
 
-from .predicates import Phase, gathered_param, is_collective, is_wait, kept_through_loss, phase_of
+from .host_copies import is_device_copy, is_device_copy_wait, is_host_copy
+from .predicates import (CARRIES_META, Phase, gathered_param, is_collective, is_wait,
+                         kept_through_loss, phase_of)
 
 
 class InvariantError(AssertionError):
@@ -28,7 +30,11 @@ def check_invariants(gm: GraphModule, plan) -> GraphModule:
     depends only on a forward-gathered parameter is read by a backward node
     (the full parameter is released at the end of its forward region), except
     the resident parameters the plan names and those ``gather_params`` kept
-    through the loss.
+    through the loss; a gradient streamed to the host is copied after its
+    reduction's wait, never from the collective's unwaited result, and shards
+    brought from the host are read only through their copy's wait
+    ([Note: gradients streamed to the host], [Note: shards brought from the
+    host] in passes/host_copies.py).
     """
     for node in gm.graph.nodes:
         if is_collective(node):
@@ -37,9 +43,38 @@ def check_invariants(gm: GraphModule, plan) -> GraphModule:
                 raise InvariantError(
                     f"collective {node.name} must have exactly one user, a wait; has {list(node.users)}"
                 )
+        elif is_host_copy(node):
+            _check_copied_after_reduction(node, reduced=plan.world_size * plan.replicas > 1)
+        elif is_device_copy(node) and [is_device_copy_wait(u) for u in node.users] != [True]:
+            raise InvariantError(
+                f"{node.name} copies shards to the device; its one reader must be its wait "
+                f"(zero_fx.wait_device_copy), but {list(node.users)} read it: a parameter "
+                f"would be used before its copy from the host completes")
     if plan.stage == 3:
         _check_release(gm, plan.resident | kept_through_loss(gm))
     return gm
+
+
+def _check_copied_after_reduction(copy, reduced: bool) -> None:
+    """``copy`` reads a reduction's result through its wait (when there is a reduction,
+    ``reduced``), never the collective's unwaited result nor the unreduced gradient: walk
+    its inputs back through the reduction code (nodes carrying parameters) to the waits."""
+    seen, stack, waited = set(), list(copy.all_input_nodes), False
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        waited |= is_wait(node)
+        if is_collective(node) or (reduced and not is_wait(node) and CARRIES_META not in node.meta):
+            break
+        if not is_wait(node):
+            stack.extend(node.all_input_nodes)
+    else:
+        if waited or not reduced:
+            return
+    raise InvariantError(f"{copy.name} copies a gradient to the host before its reduction "
+                         f"completes: it does not read the reduction's waited result")
 
 
 def _check_release(gm: GraphModule, resident) -> None:

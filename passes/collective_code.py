@@ -64,25 +64,34 @@ from typing import Optional, Sequence
 
 import torch
 
+from .host_copies import copy_to_device, copy_to_host, wait_device_copy
+
 _c10d = torch.ops._c10d_functional
 
 
 def gather_bucket(*shards: torch.Tensor, numels: Sequence[int], shapes: Sequence,
                   world_size: int, group_name: str,
-                  dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
+                  dtype: Optional[torch.dtype] = None,
+                  from_host: Optional[str] = None) -> list[torch.Tensor]:
     """Full parameters from this rank's shards (see [Note: flat layout] in zero_fx/plan/layout.py).
 
     The gathered buffer is rank-major: ``[rank 0: shard 1, shard 2, ...][rank 1: ...]``;
     parameter ``i`` is column block ``i`` of its ``(world_size, bucket shard numel)`` view,
     copied out with the others in one op ([Note: one op per bucket]).
     ``dtype`` (mixed precision): cast the shards first, so the collective moves that dtype.
+    ``from_host``: the shards are in host memory, copied to the training device of that type
+    first, in one buffer ([Note: shards brought from the host] in passes/host_copies.py).
     """
+    if from_host is not None:  # 1-D: (1, bucket shard numel) for a bucket of several
+        flat = wait_device_copy(copy_to_device(list(shards), from_host))
+        flat = flat if len(shards) == 1 else flat.view(1, -1)
+    else:
+        flat = shards[0] if len(shards) == 1 else torch._chunk_cat(shards, 0, 1)
+    flat = _cast(flat, dtype)
     if len(shards) == 1:
-        flat = _cast(shards[0], dtype)
         if world_size > 1:
             flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world_size, group_name))
         return [_unpadded(flat, numels[0], shapes[0])]
-    flat = _cast(torch._chunk_cat(shards, 0, 1), dtype)  # (1, bucket shard numel)
     if world_size > 1:
         flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world_size, group_name))
     columns = torch.split_with_sizes_copy(flat, [s.numel() for s in shards], dim=1)
@@ -93,9 +102,11 @@ def gather_bucket(*shards: torch.Tensor, numels: Sequence[int], shapes: Sequence
 def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_size: int,
                           group_name: str, dtype: Optional[torch.dtype] = None, replicas: int = 1,
                           replicate_group_name: str = "", averages: bool = False,
-                          mean_over: Optional[int] = None) -> list[torch.Tensor]:
+                          mean_over: Optional[int] = None,
+                          to_host: bool = False) -> list[torch.Tensor]:
     """This rank's 1-D shard of each gradient's mean over ranks, in ``dtype`` (None: the
-    gradients' own).
+    gradients' own); ``to_host``: copied to the host once reduced ([Note: gradients
+    streamed to the host] in passes/host_copies.py).
 
     The bucket buffer puts rank r's slices of all the gradients (flattened and padded to
     their layouts) together, so one reduce-scatter leaves this rank exactly its shard of
@@ -113,7 +124,8 @@ def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_s
     if world_size == 1:
         flat = [torch.nn.functional.pad(g.reshape(-1), (0, p)) if p else g.reshape(-1)
                 for g, p in zip(grads, paddings)]
-        return flat if ranks == 1 else [_average(f, ranks) for f in flat]
+        flat = flat if ranks == 1 else [_average(f, ranks) for f in flat]
+        return [copy_to_host(f) for f in flat] if to_host else flat
     rows = [g if g.dim() == 1 or (g.dim() > 1 and g.shape[0] % world_size == 0) else g.reshape(-1)
             for g in grads]
     buffer = torch._chunk_cat(rows, 0, world_size)
@@ -127,6 +139,8 @@ def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_s
         shard = _c10d.wait_tensor(_c10d.all_reduce(shard, op, replicate_group_name))
     if not (averages or first):
         shard = _average(shard, ranks)
+    if to_host:
+        shard = copy_to_host(shard)
     if len(grads) == 1:
         return [shard]
     return list(shard.split([(g.numel() + p) // world_size for g, p in zip(grads, paddings)]))

@@ -64,7 +64,7 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
         layout = plan.layout(param_name(placeholder))
         ranks, group = plan.collective_group(layout.name)
         full_val = placeholder.meta["val"]
-        placeholder.meta["val"] = full_val.new_empty(layout.shard_numel, dtype=layout.dtype)
+        placeholder.meta["val"] = full_val.new_empty(layout.shard_numel, dtype=plan.input_dtype(layout))
         gather = functools.partial(
             gather_bucket,
             numels=[layout.numel],
@@ -72,6 +72,7 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
             world_size=ranks,
             group_name=group,
             dtype=plan.compute_dtype,
+            from_host=plan.device_type if plan.offloads_parameters else None,
         )
         users_by_phase = _users_by_phase(placeholder)
         if layout.name in plan.resident:

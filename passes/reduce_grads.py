@@ -69,4 +69,5 @@ def reduction(plan, names) -> functools.partial:
                              dtype=plan.reduce_dtype, replicas=plan.replicas,
                              replicate_group_name=plan.replicate_group_name,
                              averages=plan.collectives_average and not plan.is_expert(names[0]),
-                             mean_over=plan.ranks_averaged)
+                             mean_over=plan.ranks_averaged,
+                             to_host=plan.offloads_optimizer)

@@ -462,6 +462,7 @@ class CompiledStep:
         elif (model is not None and model is not self.state.model) or (
                 optimizer is not None and optimizer is not self.state.optimizer):
             raise ValueError("this compiled step already shards another model or optimizer")
+        self._sharded.update.settle()  # an update still running would overwrite what loads
         counters, extra = checkpoint.load(self.state, path)
         self._sharded.update.restore_counters(counters)
         return extra
@@ -515,8 +516,11 @@ class CompiledStep:
         self._deferred.confirm(self._sharded.update, self.plan.rank, everything=True)
 
     def _sharded_state(self) -> ShardedState:
+        """The state, with any update still running on the host finished ([Note: the delayed
+        update] in runtime/update.py)."""
         if self.state is None:
             raise RuntimeError("the step has not run yet, so nothing is sharded")
+        self._sharded.update.settle()
         return self.state
 
 

@@ -224,7 +224,14 @@ class ZeroConfig:
     """Stages 1-3: ``"optimizer"`` keeps the fp32 masters and the optimizer's state in host
     memory (pinned on CUDA), steps the optimizer there, and gives the device the
     parameters' shards in the compute dtype ([Note: optimizer offload] in
-    zero_fx/runtime/offload.py). None: everything on the training device."""
+    zero_fx/runtime/offload.py). Stage 3: ``"parameters"`` keeps those shards in host memory
+    too, each bucket copied to the device right before its all-gather. None: everything on
+    the training device."""
+    offload_step: str = "sync"
+    """With ``offload``: ``"overlap"`` runs each optimizer step on the host while the next
+    call's forward and backward run, which then read parameters one step stale
+    (ZeRO-Offload's delayed parameter update, [Note: the delayed update] in
+    zero_fx/runtime/update.py); ``"sync"``: every call reads the latest parameters."""
     debug: DebugOptions = field(default_factory=DebugOptions)
     """Dumps, disabled passes, the ranks' agreement check and Inductor schedule pinning
     (``DebugOptions``)."""
@@ -277,6 +284,11 @@ class ZeroConfig:
         check_expert_parallel(self.expert_parallel, self.stage, self.mesh,
                               self.expert_capacity_factor)
         check_offload(self.offload, self.stage)
+        if self.offload_step not in ("sync", "overlap"):
+            raise ValueError(f"offload_step must be 'sync' or 'overlap', got {self.offload_step!r}")
+        if self.offload_step == "overlap" and self.offload is None:
+            raise ValueError("offload_step='overlap' overlaps the host's optimizer step with the "
+                             "next call: it needs offload='optimizer' or 'parameters'")
         if self.init_fn is not None and not callable(self.init_fn):
             raise TypeError(f"init_fn must be a callable init_fn(module), got {type(self.init_fn).__name__}")
 
@@ -315,6 +327,7 @@ class ZeroConfig:
             "memory_budget_bytes": self.max_gathered_bytes,
             "accumulation_steps": self.accumulation_steps,
             "offload": self.offload,
+            "offload_step": self.offload_step,
             **(self.mixed_precision.plan_options() if self.mixed_precision else {}),
         }
 
@@ -500,8 +513,8 @@ def check_expert_parallel(degree, stage: int, mesh, capacity_factor=None) -> Non
                          "without it")
 
 
-OFFLOAD_MODES = (None, "optimizer")
-NOT_YET_OFFLOADED = ("parameters", "auto")
+OFFLOAD_MODES = (None, "optimizer", "parameters")
+NOT_YET_OFFLOADED = ("auto",)
 """Offload modes the design has (issue 39) but zero_fx does not run yet."""
 
 
@@ -509,12 +522,18 @@ def check_offload(offload, stage: int) -> None:
     """An offload mode zero_fx runs, or an error saying what to choose instead."""
     if offload in NOT_YET_OFFLOADED:
         raise NotImplementedError(f"offload={offload!r} is not built yet: offload='optimizer' "
-                                  "keeps the masters and the optimizer's state in host memory")
+                                  "keeps the masters and the optimizer's state in host memory, "
+                                  "'parameters' (stage 3) the parameters' shards too; "
+                                  "`python -m zero_fx.plan --offload auto` says which one fits")
     if offload not in OFFLOAD_MODES:
-        raise ValueError(f"offload must be None or 'optimizer', got {offload!r}")
+        raise ValueError(f"offload must be None, 'optimizer' or 'parameters', got {offload!r}")
     if offload is not None and stage == 0:
-        raise ValueError("offload='optimizer' needs stage 1, 2 or 3: stage 0 steps the optimizer "
-                         "on the model's own parameters, on the training device")
+        raise ValueError(f"offload={offload!r} needs stage 1, 2 or 3: stage 0 steps the "
+                         "optimizer on the model's own parameters, on the training device")
+    if offload == "parameters" and stage != 3:
+        raise ValueError(f"offload='parameters' needs stage 3 (got stage {stage}): stages 1-2 "
+                         "keep whole parameters on the device; offload='optimizer' moves the "
+                         "masters and the optimizer's state")
 
 
 def check_mesh(mesh, stage: int) -> None:

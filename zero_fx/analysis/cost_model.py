@@ -366,7 +366,9 @@ def replay(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_pa
             compute += seconds
             exposed += seconds
             busy_comm += seconds
-    timeline = memory_timeline(gm, persistent_bytes=shard_bytes * optimizer_state_bytes_per_param // 4)
+    # offloaded, the optimizer's state is in host memory ([Note: optimizer offload])
+    on_device = 0 if plan.offloads_optimizer else shard_bytes * optimizer_state_bytes_per_param // 4
+    timeline = memory_timeline(gm, persistent_bytes=on_device)
     timings.sort(key=lambda t: t.start)
     return Replay(
         estimate=Estimate(hardware=hw.name, step_seconds=compute, compute_seconds=busy_compute,

@@ -20,7 +20,9 @@ from ..analysis.memory_timeline import MemoryTimeline, tensor_bytes
 from ..analysis.traffic import REPLICATE_GROUP
 from ..capture.routed_experts import RoutedExperts
 from ..formatting import format_bytes, format_seconds, short_dtype
-from ..passes.predicates import gathered_param, kept_through_loss, readers_through_views
+from ..passes.host_copies import is_host_copy
+from ..passes.predicates import (carried_params, gathered_param, is_anchor_compute, is_wait,
+                                 kept_through_loss, readers_through_views)
 from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary
 from ..plan.layout import BLOCKS
 
@@ -52,6 +54,21 @@ class GatheredLifetime:
 
 
 @dataclass(frozen=True)
+class HostCopy:
+    """One bucket's gradient shard streamed to the host in the graph ([Note: gradients
+    streamed to the host] in passes/host_copies.py)."""
+
+    bucket: tuple[str, ...]
+    bytes: int
+    at: int
+    """The copy's node index."""
+    after_wait: Optional[int]
+    """The node index of the reduction's wait it follows (None: one rank, no collective)."""
+    compute_after: int
+    """Matmuls, attention and convolutions the graph runs after it: what hides the copy."""
+
+
+@dataclass(frozen=True)
 class Explanation:
     """The report ``explain`` returns: print it, or read its fields."""
 
@@ -67,10 +84,12 @@ class Explanation:
     """What ``recompute_activations`` recomputed and the memory it saves; None: nothing."""
     moe_blocks: tuple[RoutedExperts, ...] = ()
     """The mixture-of-experts blocks capture rewrote to fixed shapes (``step.moe_blocks``)."""
+    host_copies: tuple[HostCopy, ...] = ()
+    """The gradient shards the graph streams to the host (offload "optimizer", "parameters")."""
 
     def __str__(self) -> str:
         sections = [self.title, _plan_section(self.plan, self.moe_blocks),
-                    _collectives_section(self),
+                    _collectives_section(self), _host_copies_section(self.host_copies),
                     _lifetimes_section(self),
                     _memory_section(self.memory, self.compilations, self.recompute),
                     f"Estimate\n  {self.estimate}", _compilations_section(self.compilations)]
@@ -95,7 +114,37 @@ def explain_graph(gm: GraphModule, plan, *, hardware="cpu-gloo", title: str = ""
         compilations=tuple(compilations),
         recompute=gm.meta.get(RECOMPUTE_META),
         moe_blocks=tuple(moe_blocks),
+        host_copies=tuple(_host_copies(gm)),
     )
+
+
+def _host_copies(gm: GraphModule) -> list[HostCopy]:
+    nodes = list(gm.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    compute_after = [0] * (len(nodes) + 1)
+    for i in range(len(nodes) - 1, -1, -1):
+        compute_after[i] = compute_after[i + 1] + is_anchor_compute(nodes[i])
+    copies = []
+    for node in nodes:
+        if is_host_copy(node):
+            waits = [order[n] for n in _ancestors_to_wait(node) if is_wait(n)]
+            copies.append(HostCopy(bucket=carried_params(node), bytes=tensor_bytes(node.meta.get("val")),
+                                   at=order[node], after_wait=max(waits, default=None),
+                                   compute_after=compute_after[order[node]]))
+    return copies
+
+
+def _ancestors_to_wait(node) -> list:
+    """The reduction code ``node`` reads, back to (and with) the collective's wait."""
+    found, stack = [], list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in found:
+            continue
+        found.append(n)
+        if not is_wait(n) and carried_params(n):
+            stack.extend(n.all_input_nodes)
+    return found
 
 
 def _lifetimes(gm: GraphModule, plan, memory: MemoryTimeline) -> list[GatheredLifetime]:
@@ -200,13 +249,22 @@ def _plan_section(plan, moe_blocks: Sequence[RoutedExperts] = ()) -> str:
         lines.append(f"  mixed precision: compute and gather {short_dtype(plan.compute_dtype)}, reduce "
                      f"{short_dtype(plan.reduce_dtype or plan.compute_dtype)}, masters and optimizer "
                      f"state {'/'.join(dtypes)}" + (", loss scaled" if plan.loss_scaled else ""))
-    if getattr(plan, "offload", None) == "optimizer":
+    if getattr(plan, "offloads_optimizer", False):
         lines.append("  offload: the fp32 masters and the optimizer's state in host memory, where "
-                     "the optimizer steps; each gradient shard is copied to the host after the "
-                     "step's graph, each updated parameter back"
-                     + (" into its device shard in the compute dtype, the graph's input"
+                     "the optimizer steps; each gradient shard streams to the host in the graph "
+                     "as soon as it is reduced (below), each updated parameter comes back after the "
+                     "optimizer's step"
+                     + (" into its host shard in the compute dtype, the graph's input, copied "
+                        "to the device bucket by bucket right before each all-gather, where the "
+                        "prefetch issues it (offload='parameters', [Note: shards brought from "
+                        "the host])" if plan.offloads_parameters
+                        else " into its device shard in the compute dtype, the graph's input"
                         if plan.params_sharded else ", gathered into the whole parameters")
                      + " ([Note: optimizer offload])")
+        if plan.offload_step == "overlap":
+            lines.append("  delayed update (offload_step='overlap'): each optimizer step runs on "
+                         "the host while the next call's forward and backward run, on parameters "
+                         "one step stale ([Note: the delayed update])")
     if plan.accumulation_steps > 1:
         where = ("summed whole and reduced once per optimizer step, outside the graph"
                  if not plan.reduces_in_graph else "reduced every call, shards summed")
@@ -250,6 +308,21 @@ def _collectives_section(e: Explanation) -> str:
     order = e.compilations[-1].order if e.compilations else None
     if order is not None:
         lines.append(f"  as lowered: {order}")
+    return "\n".join(lines)
+
+
+def _host_copies_section(copies: Sequence[HostCopy]) -> str:
+    if not copies:
+        return ""
+    lines = [f"Copies to the host: {len(copies)} gradient shard(s), {format_bytes(sum(c.bytes for c in copies))} "
+             f"a step, each issued in the graph right after its reduction's wait, on a side stream "
+             f"([Note: gradients streamed to the host])",
+             f"  {'#':>3}  {'bytes':>10} {'waited':>6} {'copied':>6}  {'compute after':>13}  bucket"]
+    for i, c in enumerate(copies):
+        lines.append(f"  {i:>3}  {format_bytes(c.bytes):>10} {_at(c.after_wait):>6} {c.at:>6}  "
+                     f"{c.compute_after:>13}  {_bucket(c.bucket)}")
+    lines.append("  compute after: matmuls, attention and convolutions the graph runs after the "
+                 "copy is issued, which it overlaps; the host reads the shards after the graph")
     return "\n".join(lines)
 
 

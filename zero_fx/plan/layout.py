@@ -156,7 +156,31 @@ class ShardPlan:
     local pieces ([Note: ZeRO over tensor parallelism] in tensor_parallel.py)."""
     offload: Optional[str] = None
     """``"optimizer"``: masters and optimizer state in host memory ([Note: optimizer
-    offload] in zero_fx/runtime/offload.py); None: on the training device."""
+    offload] in zero_fx/runtime/offload.py); ``"parameters"``: the stage-3 shards the graph
+    reads too; None: on the training device."""
+    offload_step: str = "sync"
+    """``"overlap"``: the host's optimizer step overlaps the next call, whose parameters are
+    one step stale ([Note: the delayed update] in zero_fx/runtime/update.py)."""
+    device_type: str = "cpu"
+    """The training device's type ("cuda", "cpu"): where a shard kept on the host is copied
+    to (offload="parameters"). Not its index, which differs by rank."""
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        """Masters and optimizer state in host memory (offload "optimizer" or "parameters")."""
+        return self.offload in ("optimizer", "parameters")
+
+    @property
+    def offloads_parameters(self) -> bool:
+        """Stage 3's shards, the graph's inputs, in host memory too."""
+        return self.offload == "parameters"
+
+    def input_dtype(self, layout: "ParamLayout") -> torch.dtype:
+        """The dtype of the shard the stage-3 graph reads for a parameter: the master's, or
+        with the masters offloaded the compute dtype, in which the device (or the host, for
+        offload="parameters") keeps a copy ([Note: optimizer offload])."""
+        return (self.compute_dtype if self.offloads_optimizer and self.compute_dtype
+                else layout.dtype)
 
     def holds(self, name: str) -> bool:
         """Whether this rank holds a shard of parameter ``name`` (all but the routed experts
@@ -293,6 +317,7 @@ def make_plan(
     expert_parallel: Optional[ExpertParallel] = None,
     tensor_parallel: Optional[TensorParallel] = None,
     offload: Optional[str] = None,
+    offload_step: str = "sync",
 ) -> ShardPlan:
     """Lay out parameters ``(name, shape, dtype, requires_grad)`` over ``world_size`` ranks.
 
@@ -364,6 +389,7 @@ def make_plan(
         expert_parallel=expert_parallel,
         tensor_parallel=tensor_parallel,
         offload=offload,
+        offload_step=offload_step,
     )
 
 

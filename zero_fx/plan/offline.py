@@ -19,6 +19,7 @@ from ..passes import build_pipeline, run_pipeline
 from ..passes.predicates import mark_step_graph
 from ..passes.splice import trace_to_aten
 from .layout import ShardPlan, plan_for_module
+from .on_device import moved_to_device
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -31,14 +32,16 @@ def language_model_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: t
 def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch: int, seq: int,
                            vocab_size: int, world_size: int, stage: int = 3,
                            loss_fn: LossFn = language_model_loss, dtype=None, replicas: int = 1,
-                           **options) -> tuple[GraphModule, ShardPlan]:
+                           device: str = "cpu", **options) -> tuple[GraphModule, ShardPlan]:
     """The graph ``@zero_compile(stage=stage, **options)`` would run on each of
     ``world_size`` ranks for a language model, and its plan; no memory is allocated.
     ``replicas``: hybrid sharding, ``replicas`` copies of shard groups of ``world_size``
     ranks ([Note: hybrid sharding] in runtime/process_group.py; not in stage 0).
 
     ``batch`` is per rank. ``dtype`` is the default dtype while the model is
-    built (bf16 planning of a model written for fp32).
+    built (bf16 planning of a model written for fp32). ``device``: where the step's
+    tensors live in the result ("cuda": as on a GPU, [Note: a CUDA graph planned on a
+    CPU-only build] in zero_fx/plan/on_device.py; the step is traced on the CPU either way).
     """
     config = ZeroConfig(stage=stage, backend="eager", **options)
     with FakeTensorMode(), _default_dtype(dtype):
@@ -60,7 +63,10 @@ def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch:
 
         gm = trace_to_aten(step)(named, tokens, targets)
     mark_step_graph(gm, [*named, None, None], {i + 1: name for i, name in enumerate(named)})
-    return run_pipeline(gm, build_pipeline(plan, disable=config.debug.disable_passes, extra=config.passes)), plan
+    gm = run_pipeline(gm, build_pipeline(plan, disable=config.debug.disable_passes, extra=config.passes))
+    if device != "cpu":
+        moved_to_device(gm, device, shards_on_host=plan.offloads_parameters)
+    return gm, plan
 
 
 def _route_experts(model: torch.nn.Module) -> None:

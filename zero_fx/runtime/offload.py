@@ -1,4 +1,4 @@
-"""Optimizer offload: the masters and the optimizer's state in host memory.
+"""Offload: the masters and the optimizer's state (and stage 3's shards) in host memory.
 
 [Note: optimizer offload]
 With ``zero_compile(offload="optimizer")`` (stages 1-3) each rank's fp32 master shards,
@@ -11,17 +11,22 @@ as ZeRO-Offload does. The device keeps what the step reads:
   2 bytes per element in bf16), the graph's input, gathered as before;
 - stages 1-2: the whole parameters, as without offload.
 
-Around the step: each gradient shard the graph returns (reduced, in the reduce dtype) is
-copied to the host and cast to the master's dtype there; after the optimizer has stepped,
-each updated master is cast and copied back into its device shard (stage 3), or gathered
-into the whole parameters from a device copy (stages 1-2). What crosses the host link per
-step is the gradient shard one way and the parameter shard the other. The collectives
-only ever see device tensors; the gradient norm is reduced on the device and read back
-for clipping.
+Around the step: each gradient shard streams to the host inside the graph, issued right
+after its reduction's wait ([Note: gradients streamed to the host] in
+passes/host_copies.py), and is cast to the master's dtype there; after the optimizer has
+stepped, each updated master is cast and copied back into its device shard (stage 3), or
+gathered into the whole parameters from a device copy (stages 1-2). What crosses the host
+link per step is the gradient shard one way and the parameter shard the other. The
+collectives only ever see device tensors; the gradient norm is reduced on the device and
+read back for clipping.
 
-Not yet: streaming each gradient shard to the host inside the graph as its reduction
-completes (overlapped with the rest of the backward), stage 3's shards in host memory
-too (``offload="parameters"``), and choosing by a memory budget (``"auto"``).
+``offload="parameters"`` (stage 3) keeps the compute-dtype shards on the host too: the
+device holds no model state between steps, and each bucket's shards are copied to it right
+before their all-gather ([Note: shards brought from the host]).
+
+Not yet: choosing by a memory budget (``"auto"``), the update overlapped with the next step
+(ZeRO-Offload's delayed parameter update), and the update on the device with the state
+streamed in bucket by bucket.
 """
 
 from __future__ import annotations

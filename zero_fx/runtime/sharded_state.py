@@ -14,6 +14,7 @@ from ..passes.reduce_grads import reduction
 from ..plan import ShardPlan
 from ..plan.layout import plan_shard
 from ..plan.tensor_parallel import local_tensor, set_values
+from ..passes.host_copies import wait_for_host_copies
 from .offload import to_host
 from .optimizer import check_elementwise, rebind_to_shards
 from .process_group import World
@@ -76,8 +77,9 @@ class ShardedState:
         self.device = device or next(local_tensor(p) for p in self.params.values()).device
         """Where this rank trains: the parameters', and every collective's, device."""
         self.device_shards: dict[str, torch.Tensor] = {}
-        """Offloaded stage 3: each parameter's shard on the device, in the compute dtype,
-        the graph's input; refreshed from the master after each optimizer step."""
+        """Offloaded stage 3: each parameter's shard on the device (on the host with
+        offload="parameters"), in the compute dtype, the graph's input; refreshed from the
+        master after each optimizer step."""
         compute = plan.compute_dtype
         if self.shards_are_params:
             self.shards.update(self.params)
@@ -89,9 +91,10 @@ class ShardedState:
                 master = (param.detach().clone() if plan.replicated
                           else plan_shard(plan, name, local_tensor(param)))
             if self.offloaded:
-                if plan.params_sharded:
-                    self.device_shards[name] = master.detach().to(
-                        self.device, dtype=compute or master.dtype, copy=True)
+                if plan.params_sharded:  # the graph's input; on the host too when offloaded
+                    shard = master.detach().to(self.device, dtype=compute or master.dtype, copy=True)
+                    self.device_shards[name] = (to_host(shard, self.device)
+                                                if plan.offloads_parameters else shard)
                 master = to_host(master.detach(), self.device)
             self.shards[name] = torch.nn.Parameter(master, requires_grad=param.requires_grad)
         rebind_to_shards(
@@ -121,7 +124,7 @@ class ShardedState:
     def offloaded(self) -> bool:
         """The masters and the optimizer's state live in host memory ([Note: optimizer
         offload] in offload.py)."""
-        return self.plan.offload == "optimizer"
+        return self.plan.offloads_optimizer
 
     @property
     def shards_are_params(self) -> bool:
@@ -240,6 +243,7 @@ class ShardedState:
         names = [layout.name for layout in self.plan.params if layout.name in self._unreduced]
         for bucket in self.plan.buckets(names):
             reduced = reduction(self.plan, bucket)(*(self._unreduced[name] for name in bucket))
+            wait_for_host_copies()  # offloaded: the shards were streamed to the host
             for name, grad in zip(bucket, reduced):
                 shard = self.shards[name]
                 shard.grad = grad.to(dtype=shard.dtype, device=shard.device)

@@ -4,6 +4,8 @@ ranks' agreement check)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -80,6 +82,7 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
                            expert_parallel=experts,
                            tensor_parallel=tensor_parallel_of(model, world),
                            **config.plan_options(hardware_for(model)))
+    plan = dataclasses.replace(plan, device_type=device.type)
     if plan.tensor_parallel is not None and (pretrained is not None or any(
             local_tensor(p).is_meta for p in model.parameters())):
         claim(model, optimizer, None)
@@ -102,7 +105,8 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     scaler = (LossScaler(precision, next(model.parameters()).device)
               if precision is not None and precision.scales_loss else None)
     update = OptimizerUpdate(state, accumulation_steps=config.accumulation_steps,
-                             max_grad_norm=config.max_grad_norm, scaler=scaler)
+                             max_grad_norm=config.max_grad_norm, scaler=scaler,
+                             delayed=config.offload_step == "overlap")
     agreement = RankAgreement(world.ranks if config.debug.check_ranks and not world.simulated else 1)
     _log_plan(plan, world)
     return Sharded(plan, state, update, scaler, agreement)

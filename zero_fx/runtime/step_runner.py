@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import Optional
 
+from ..passes.host_copies import wait_for_host_copies
 from .rank_agreement import GraphSignature, RankAgreement, call_signature
 from .sharded_state import ShardedState
 
@@ -36,6 +37,8 @@ class StepRunner:
             self.agreement.check(call_signature(self.signature, others))
         with entered(self.observers):
             outs = list(self.compiled(*inputs))
+        if self.state.offloaded:  # the host reads them next ([Note: gradients streamed to the host])
+            wait_for_host_copies()
         for index, name in self.slots.items():
             if outs[index] is not None:
                 self.state.receive_grad(name, outs[index])

@@ -29,6 +29,18 @@ some gradient element is (or, as for ``clip_grad_norm_``, when the sum of
 squares itself overflows fp32), and equal on every rank, so every rank skips
 the same steps.
 
+[Note: the delayed update]
+With ``offload_step="overlap"`` (and an offloaded optimizer), ``apply()`` only starts the
+optimizer's step, on a host thread (PyTorch's CPU kernels release the GIL), and returns:
+the next call's graph runs meanwhile, on the parameters the step before had, as
+ZeRO-Offload's delayed parameter update does. That call waits for the update once its
+graph has returned, before its gradients are committed: the gradients are cleared, the
+updated masters copied into the shards the graph reads, and the new gradients taken in.
+So call k's gradient is computed with the parameters after update k - 2, and update k
+steps from those after k - 1 (``tests/test_offload.py`` applies this by hand). Anything
+that reads the masters (a checkpoint, ``full_parameters``) waits for the update first
+(``settle()``); the update's errors surface there or at the next call.
+
 Nothing of this reads a value on the host: the gradients are divided by the
 scale (a device tensor), the overflow flag and the new scale are computed on
 the device (``LossScaler``). Skipping the optimizer step is the one place
@@ -43,6 +55,7 @@ uninitialised (``torch.optim.sgd._fused_sgd`` allocates them with
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -63,8 +76,14 @@ class OptimizerUpdate:
     """Runs after each call's graph. ``accumulate()`` then, when it says so, ``apply()``."""
 
     def __init__(self, state: ShardedState, *, accumulation_steps: int = 1,
-                 max_grad_norm: Optional[float] = None, scaler: Optional[LossScaler] = None):
+                 max_grad_norm: Optional[float] = None, scaler: Optional[LossScaler] = None,
+                 delayed: bool = False):
         self.state = state
+        self.delayed = delayed
+        """The optimizer steps on a host thread while the next call runs ([Note: the delayed
+        update])."""
+        self._pending: Optional[Future] = None
+        self._host_thread = ThreadPoolExecutor(1, "zero_fx-update") if delayed else None
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
         self.scaler = scaler
@@ -90,6 +109,7 @@ class OptimizerUpdate:
         """Take this call's gradients; True if this call ends an accumulation window and the
         gradients are ready (reduced, averaged, unscaled, clipped) for ``apply()``. False also
         when an overflowed fp16 step was skipped."""
+        self.settle()  # the previous call's update, if it still runs: [Note: the delayed update]
         self.state.commit_grads()
         self.micro_step += 1
         if self.micro_step < self.accumulation_steps:
@@ -166,8 +186,21 @@ class OptimizerUpdate:
             finally:
                 del optimizer.found_inf
                 self._found_inf = None
+        elif self.delayed:
+            self._pending = self._host_thread.submit(optimizer.step)
+            return
         else:
             optimizer.step()
+        self.state.zero_grad()
+        self.state.refresh_parameters()
+
+    def settle(self) -> None:
+        """Wait for an update still running on the host thread (raising its error), then
+        clear the gradients and refresh the parameters from it; a no-op when none runs."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.result()
         self.state.zero_grad()
         self.state.refresh_parameters()
 
