@@ -17,8 +17,7 @@ import torch
 from torch.fx import GraphModule
 
 from ..passes.predicates import grad_slots, is_param_input, param_name
-
-HOST = torch.device("cpu")
+from ..runtime.offload import HOST
 
 
 @dataclass(frozen=True)

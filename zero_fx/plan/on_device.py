@@ -21,8 +21,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..passes.host_copies import is_device_copy
 from ..passes.predicates import is_param_input
-
-HOST = torch.device("cpu")
+from ..runtime.offload import HOST
 
 
 def moved_to_device(gm: GraphModule, device: str, shards_on_host: bool = False) -> GraphModule:
