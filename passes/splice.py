@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 import torch
@@ -90,15 +89,27 @@ def splice(
     return results
 
 
-_traces: "weakref.WeakKeyDictionary[Any, dict[Hashable, GraphModule]]" = weakref.WeakKeyDictionary()
-"""Per fake mode, the trace of each distinct splice ([Note: one trace per distinct splice])."""
+_TRACES = "_zero_fx_splice_traces"
+"""The attribute of a fake mode that keeps the trace of each distinct splice made in it
+([Note: one trace per distinct splice]). On the mode itself, not in a table keyed by it:
+a trace's values are the mode's fake tensors, which hold their mode, so even a weak table
+would keep every mode and its traces alive as long as the process (12k objects a compile,
+each later compile and garbage collection slower)."""
+
+
+def _kept_traces(fake_mode) -> dict[Hashable, GraphModule]:
+    kept = getattr(fake_mode, _TRACES, None)
+    if kept is None:
+        kept = {}
+        setattr(fake_mode, _TRACES, kept)
+    return kept
 
 
 def _trace(fn: Callable, vals: Sequence, fake_mode) -> tuple[GraphModule, bool]:
     """``fn`` traced on ``vals`` (a kept trace where there is one) and whether it was
     traced now."""
     key = _trace_key(fn, vals) if fake_mode is not None else None
-    kept = _traces.setdefault(fake_mode, {}) if key is not None else {}
+    kept = _kept_traces(fake_mode) if key is not None else {}
     if key in kept:
         return kept[key], False
     sub = trace_to_aten(fn, "real" if fake_mode is not None else "fake")(*vals)
