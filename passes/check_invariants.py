@@ -6,7 +6,8 @@ from typing import Optional
 
 from torch.fx import GraphModule
 
-from .host_copies import is_device_copy, is_device_copy_wait, is_host_copy
+from .host_copies import (is_device_copy, is_device_copy_wait, is_host_copy,
+                          reduction_read_by)
 from .predicates import (CARRIES_META, Phase, gathered_param, is_collective, is_wait,
                          kept_through_loss, phase_of)
 
@@ -57,24 +58,13 @@ def check_invariants(gm: GraphModule, plan) -> GraphModule:
 
 def _check_copied_after_reduction(copy, reduced: bool) -> None:
     """``copy`` reads a reduction's result through its wait (when there is a reduction,
-    ``reduced``), never the collective's unwaited result nor the unreduced gradient: walk
-    its inputs back through the reduction code (nodes carrying parameters) to the waits."""
-    seen, stack, waited = set(), list(copy.all_input_nodes), False
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        waited |= is_wait(node)
-        if is_collective(node) or (reduced and not is_wait(node) and CARRIES_META not in node.meta):
-            break
-        if not is_wait(node):
-            stack.extend(node.all_input_nodes)
-    else:
-        if waited or not reduced:
-            return
-    raise InvariantError(f"{copy.name} copies a gradient to the host before its reduction "
-                         f"completes: it does not read the reduction's waited result")
+    ``reduced``), never the collective's unwaited result nor the unreduced gradient."""
+    read = reduction_read_by(copy)
+    unwaited = [n for n in read if is_collective(n) or (
+        reduced and not is_wait(n) and CARRIES_META not in n.meta)]
+    if unwaited or (reduced and not any(is_wait(n) for n in read)):
+        raise InvariantError(f"{copy.name} copies a gradient to the host before its reduction "
+                             f"completes: it does not read the reduction's waited result")
 
 
 def _check_release(gm: GraphModule, resident) -> None:

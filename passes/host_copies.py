@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import torch
 
+from .predicates import carried_params, is_collective, is_wait
+
 _copy_streams: dict = {}
 _pending: set = set()
 _device_copies: dict = {}
@@ -124,3 +126,19 @@ def is_device_copy(node: torch.fx.Node) -> bool:
 
 def is_device_copy_wait(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target is torch.ops.zero_fx.wait_device_copy.default
+
+
+def reduction_read_by(copy: torch.fx.Node) -> list[torch.fx.Node]:
+    """The reduction code a copy to the host reads: its inputs, walked back through the
+    nodes that carry parameters (the bucket's division and views), each path ending with the
+    first wait, collective, or node outside that code it meets (which is in the list).
+    Where the copy reads a reduced gradient, a wait ends every path."""
+    found, stack = {}, list(copy.all_input_nodes)
+    while stack:
+        node = stack.pop()
+        if node in found:
+            continue
+        found[node] = None
+        if not (is_wait(node) or is_collective(node)) and carried_params(node):
+            stack.extend(node.all_input_nodes)
+    return list(found)

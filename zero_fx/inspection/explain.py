@@ -20,7 +20,7 @@ from ..analysis.memory_timeline import MemoryTimeline, tensor_bytes
 from ..analysis.traffic import REPLICATE_GROUP
 from ..capture.routed_experts import RoutedExperts
 from ..formatting import format_bytes, format_seconds, short_dtype
-from ..passes.host_copies import is_host_copy
+from ..passes.host_copies import is_host_copy, reduction_read_by
 from ..passes.predicates import (carried_params, gathered_param, is_anchor_compute, is_wait,
                                  kept_through_loss, readers_through_views)
 from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary
@@ -127,24 +127,11 @@ def _host_copies(gm: GraphModule) -> list[HostCopy]:
     copies = []
     for node in nodes:
         if is_host_copy(node):
-            waits = [order[n] for n in _ancestors_to_wait(node) if is_wait(n)]
+            waits = [order[n] for n in reduction_read_by(node) if is_wait(n)]
             copies.append(HostCopy(bucket=carried_params(node), bytes=tensor_bytes(node.meta.get("val")),
                                    at=order[node], after_wait=max(waits, default=None),
                                    compute_after=compute_after[order[node]]))
     return copies
-
-
-def _ancestors_to_wait(node) -> list:
-    """The reduction code ``node`` reads, back to (and with) the collective's wait."""
-    found, stack = [], list(node.all_input_nodes)
-    while stack:
-        n = stack.pop()
-        if n in found:
-            continue
-        found.append(n)
-        if not is_wait(n) and carried_params(n):
-            stack.extend(n.all_input_nodes)
-    return found
 
 
 def _lifetimes(gm: GraphModule, plan, memory: MemoryTimeline) -> list[GatheredLifetime]:
