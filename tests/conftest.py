@@ -34,6 +34,17 @@ CUDA_SKIP_REASON = ("the cuda tier needs a CUDA GPU and torch sees none; on a GP
                     "bench/gpu_check.sh runs it (pytest -m cuda) and writes its summary")
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Ends the ranks that stayed up between tests (ranks.StandingRanks) as a training script
+    ends; a rank that then fails to exit cleanly fails the session."""
+    import ranks
+
+    problems = ranks.close_standing_ranks()
+    if problems:
+        print("\nstanding ranks did not exit cleanly:\n  " + "\n  ".join(problems))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` are skipped, with the reason, where torch sees no GPU."""
     if torch.cuda.is_available():

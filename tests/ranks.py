@@ -1,10 +1,22 @@
-"""Run a function on N spawned CPU ranks over gloo and collect what each returns."""
+"""Run a function on N CPU ranks over gloo and collect what each returns.
+
+Most runs go to ranks that stay up for the whole session (``StandingRanks``, one group per
+world size): a fresh rank spends most of a small run on its first compile (Dynamo's and
+AOTAutograd's one-off set-up, lazy imports), which standing ranks pay once. Between runs
+each rank puts back what a run may change in the process (``_ProcessState``), so every run
+is captured and compiled from scratch as in a new process. Runs that need a process of
+their own (a rank that dies on purpose, another group timeout, ``MALLOC_*`` read at start)
+get freshly started ranks."""
 
 from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
+import io
 import os
+import queue
+import random
 import signal
 import tempfile
 import time
@@ -20,46 +32,257 @@ PRELOADED = ["torch", "torch.distributed", "zero_fx", "models", "training"]
 (about 4 s of each spawned rank's start on the 2-core CI box)."""
 
 JOIN_TIMEOUT_S = 900
-"""How long the ranks together may take before the test fails and they are killed: the
-slowest multi-rank test (Inductor compiling on each rank of a loaded 2-core box) takes
-about a minute, so a rank still running after this is stuck, not slow."""
+"""How long the ranks together may take over one run before the test fails and they are
+killed: the slowest multi-rank run (Inductor compiling on each rank of a loaded 2-core box)
+takes about a minute, so a rank still running after this is stuck, not slow."""
+
+GROUP_TIMEOUT_S = 120
+"""The process group's timeout unless a run asks for another: a collective waiting on a
+failed peer fails after it."""
 
 
-def run_ranks(world_size: int, fn, *args, timeout_s: int = 120, may_die: bool = False,
-              fresh_interpreter: bool = False):
+def run_ranks(world_size: int, fn, *args, timeout_s: int = GROUP_TIMEOUT_S,
+              may_die: bool = False, fresh_interpreter: bool = False):
     """``fn(rank, world_size, *args)`` on each rank (in-process, no group, for world size 1).
 
     ``timeout_s``: the process group's (a collective waiting on a dead peer fails after it).
     ``may_die``: a rank may exit on purpose (a failure test); its result is None. Otherwise
-    a rank that exits other than with 0, at any point (a crash at exit included), fails the
-    test, as it would fail a torchrun job. A rank still running after ``JOIN_TIMEOUT_S``
-    prints its threads' stacks, is killed, and fails the test.
+    a rank that fails or exits fails the test, as it would fail a torchrun job; a rank that
+    exits other than with 0 after its last run fails the session (``close_standing_ranks``).
+    A rank still running after ``JOIN_TIMEOUT_S`` prints its threads' stacks, is killed,
+    and fails the test.
 
-    Ranks are forked from a fork server that has imported ``PRELOADED``, and take the
-    caller's environment variables as they are now. ``fresh_interpreter``: spawn each rank
-    instead, for what is read only when a process starts (glibc's ``MALLOC_*``).
-    """
+    The ranks take the caller's environment variables as they are now. They are the
+    standing ranks of ``world_size`` unless the run needs its own processes: ``may_die``,
+    a ``timeout_s`` other than ``GROUP_TIMEOUT_S``, or ``fresh_interpreter`` (each rank
+    spawned, for what is read only when a process starts, as glibc's ``MALLOC_*``)."""
     if world_size == 1:
         return [fn(0, 1, *args)]
-    if fresh_interpreter:
-        start_method = "spawn"
-    else:
-        start_method = "forkserver"
-        mp.get_context("forkserver").set_forkserver_preload(PRELOADED)
+    if may_die or fresh_interpreter or timeout_s != GROUP_TIMEOUT_S:
+        return _launch(world_size, fn, args, timeout_s, may_die, fresh_interpreter)
+    group = _STANDING.get(world_size)
+    if group is None:
+        group = _STANDING[world_size] = StandingRanks(world_size)
+    try:
+        return group.run(fn, args)
+    except BaseException:
+        # a failed or interrupted run may leave the ranks mid-collective: the next starts anew
+        _STANDING.pop(world_size, None)
+        group.kill()
+        raise
+
+
+def _forkserver():
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)
+    return context
+
+
+class StandingRanks:
+    """``world_size`` ranks in one gloo group that serve one run after another:
+    ``run(fn, args)`` returns what each rank's ``fn(rank, world_size, *args)`` returned.
+    Measured on the loaded 2-core box (test_fuzz): a whole 2-rank example took 9-11 s on
+    fresh ranks and 3.4 s on standing ones; a fresh rank's first example 9.7 s at 2 ranks and
+    22.9 s at 4, the same example again 1.7 and 3.6 s."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.folder = tempfile.TemporaryDirectory()
+        context = _forkserver()
+        self.tasks = [context.SimpleQueue() for _ in range(world_size)]
+        self.results = context.Queue()
+        self.processes = [
+            context.Process(target=_serve, args=(rank, world_size, self.folder.name,
+                                                 self.tasks[rank], self.results))
+            for rank in range(world_size)]
+        for process in self.processes:
+            process.start()
+
+    def run(self, fn, args) -> list:
+        for tasks in self.tasks:
+            tasks.put((fn, args, dict(os.environ)))
+        results, deadline = [None] * self.world_size, time.monotonic() + JOIN_TIMEOUT_S
+        waiting = set(range(self.world_size))
+        while waiting:
+            try:
+                rank, saved = self.results.get(timeout=1)
+            except queue.Empty:
+                dead = [r for r in sorted(waiting) if not self.processes[r].is_alive()]
+                if dead:
+                    raise RuntimeError(
+                        f"rank(s) {dead} exited ({', '.join(_exit_status(self.processes[r].exitcode) for r in dead)}) "
+                        "without a result; if one crashed, its stack is in the output above")
+                if time.monotonic() > deadline:
+                    _kill_with_stacks([self.processes[r] for r in sorted(waiting)])
+                    raise RuntimeError(f"rank(s) {sorted(waiting)} still running after "
+                                       f"{JOIN_TIMEOUT_S} s: killed (their stacks are in the "
+                                       "output above)")
+                continue
+            result = torch.load(io.BytesIO(saved), weights_only=False)
+            if isinstance(result, _RankFailure):
+                raise RuntimeError(f"rank {rank} failed:\n{result.text}")
+            results[rank] = result
+            waiting.discard(rank)
+        return results
+
+    def close(self, timeout_s: float = 60) -> list[str]:
+        """Ends the ranks as a training script ends (a barrier, then the group torn down):
+        for each rank that did not then exit with 0, what happened."""
+        for tasks in self.tasks:
+            tasks.put(None)
+        problems = []
+        for rank, process in enumerate(self.processes):
+            process.join(timeout_s)
+            if process.is_alive():
+                process.kill()
+                problems.append(f"rank {rank} of {self.world_size} did not exit within {timeout_s} s")
+            elif process.exitcode != 0:
+                problems.append(f"rank {rank} of {self.world_size} exited "
+                                f"({_exit_status(process.exitcode)}) after its last run")
+        self.folder.cleanup()
+        return problems
+
+    def kill(self) -> None:
+        for process in self.processes:
+            process.kill()
+            process.join(30)  # SIGKILL ends it at once; never wait on it forever
+        self.folder.cleanup()
+
+
+_STANDING: dict[int, StandingRanks] = {}
+"""The standing ranks of each world size, started by the first run of that size."""
+
+
+def close_standing_ranks() -> list[str]:
+    """Ends every group of standing ranks (conftest, at the end of the session): what went
+    wrong as they exited, for the session to fail on."""
+    problems = []
+    while _STANDING:
+        problems += _STANDING.popitem()[1].close()
+    return problems
+
+
+class _ProcessState:
+    """What a run may change in a rank's process and the next run must not see: Dynamo's
+    caches and the compile configs, the random generators, the default dtype, grad mode,
+    the working directory, and the process groups it made (each gloo group keeps threads
+    that poll its sockets: a hundred left behind took most of a core on the 2-core box).
+    ``restore()`` puts back what ``__init__`` saw."""
+
+    def __init__(self):
+        import torch._dynamo.config
+        import torch._functorch.config
+        import torch._inductor.config
+
+        self.configs = [(c, c.get_config_copy()) for c in
+                        (torch._dynamo.config, torch._inductor.config, torch._functorch.config)]
+        self.torch_rng = torch.get_rng_state()
+        self.python_rng = random.getstate()
+        self.dtype = torch.get_default_dtype()
+        self.cwd = os.getcwd()
+        self.groups = set(dist.distributed_c10d._world.pg_map)
+
+    def restore(self) -> None:
+        dist.barrier()  # every rank is done with the run's groups before any is destroyed
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if group not in self.groups:
+                dist.destroy_process_group(group)
+        _forget_groups()
+        torch._dynamo.reset()
+        for config, saved in self.configs:  # only what changed: setting a deprecated key warns
+            now = config.get_config_copy()
+            config.load_config({k: v for k, v in saved.items() if now.get(k) is not v})
+        torch.set_rng_state(self.torch_rng)
+        random.setstate(self.python_rng)
+        torch.set_default_dtype(self.dtype)
+        torch.set_grad_enabled(True)
+        os.chdir(self.cwd)
+        gc.collect()
+
+
+def _forget_groups() -> None:
+    """Empties the per-process caches that hold a group (destroyed after each run)."""
+    import sys
+
+    import zero_fx.runtime.cpu_group
+
+    zero_fx.runtime.cpu_group._made = None
+    tensor_parallel_models = sys.modules.get("tensor_parallel_models")
+    if tensor_parallel_models is not None:
+        tensor_parallel_models.device_mesh.cache_clear()
+
+
+def _serve(rank, world_size, folder, tasks, results):
+    _start_rank(rank, world_size, folder, GROUP_TIMEOUT_S)
+    clean = _ProcessState()
+    while (task := tasks.get()) is not None:
+        fn, args, environment = task
+        _take_environment(environment)
+        result = _call(fn, rank, world_size, args)
+        saved = io.BytesIO()
+        torch.save(result, saved)
+        results.put((rank, saved.getvalue()))
+        clean.restore()
+    _end_rank(may_die=False)
+
+
+def _start_rank(rank, world_size, folder, timeout_s) -> None:
+    faulthandler.enable()  # a rank that crashes in C++ prints its Python stack
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # and a stuck one, when asked
+    # a rank that fails makes its peers' collectives time out instead of hanging the suite
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _take_environment(environment: dict) -> None:
+    os.environ.clear()  # a forked rank has the fork server's, from when it started
+    os.environ.update(environment)
+
+
+def _call(fn, rank, world_size, args):
+    """What ``fn`` returned, or the failure; either one that ``torch.save`` can write."""
+    try:
+        result = fn(rank, world_size, *args)
+    except Exception:
+        return _RankFailure(traceback.format_exc())
+    try:
+        torch.save(result, io.BytesIO())
+    except Exception:  # a result that cannot be saved fails the test with the reason
+        return _RankFailure("its result could not be saved:\n" + traceback.format_exc())
+    return result
+
+
+def _end_rank(may_die: bool) -> None:
+    # as a training script ends: no rank tears gloo down while a peer may still be in its
+    # last collective; where a peer died on purpose, the barrier fails, as it should
+    try:
+        dist.barrier()
+    except RuntimeError:
+        if not may_die:
+            raise
+    dist.destroy_process_group()
+
+
+def _launch(world_size, fn, args, timeout_s, may_die, fresh_interpreter):
+    """One run on ranks started for it, which end after it."""
+    context = mp.get_context("spawn") if fresh_interpreter else _forkserver()
     with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(
-            _rank_main, args=(world_size, tmp, fn, args, timeout_s, may_die, dict(os.environ)),
-            nprocs=world_size, join=False, start_method=start_method)
+        processes = [context.Process(target=_rank_main,
+                                     args=(rank, world_size, tmp, fn, args, timeout_s, may_die,
+                                           dict(os.environ)))
+                     for rank in range(world_size)]
+        for process in processes:
+            process.start()
         deadline = time.monotonic() + JOIN_TIMEOUT_S
-        for process in context.processes:  # a rank stuck on a dead peer fails after timeout_s
+        for process in processes:  # a rank stuck on a dead peer fails after timeout_s
             process.join(max(0.0, deadline - time.monotonic()))
-        stuck = [rank for rank, p in enumerate(context.processes) if p.is_alive()]
+        stuck = [rank for rank, p in enumerate(processes) if p.is_alive()]
         if stuck:
-            _kill_with_stacks([context.processes[r] for r in stuck])
+            _kill_with_stacks([processes[r] for r in stuck])
             raise RuntimeError(f"rank(s) {stuck} still running after {JOIN_TIMEOUT_S} s: killed "
                                "(their stacks are in the output above)")
         results = []
-        for rank, process in enumerate(context.processes):
+        for rank, process in enumerate(processes):
             path = os.path.join(tmp, f"rank{rank}.pt")
             if not os.path.exists(path):
                 if may_die:
@@ -78,6 +301,16 @@ def run_ranks(world_size: int, fn, *args, timeout_s: int = 120, may_die: bool = 
         return results
 
 
+def _rank_main(rank, world_size, tmp, fn, args, timeout_s, may_die, environment):
+    _take_environment(environment)
+    _start_rank(rank, world_size, tmp, timeout_s)
+    result = _call(fn, rank, world_size, args)
+    partial = os.path.join(tmp, f"rank{rank}.pt.partial")  # written aside and renamed, so a
+    torch.save(result, partial)                              # result file is always whole
+    os.replace(partial, os.path.join(tmp, f"rank{rank}.pt"))
+    _end_rank(may_die)
+
+
 def _kill_with_stacks(processes) -> None:
     for process in processes:
         os.kill(process.pid, signal.SIGUSR1)  # faulthandler prints every thread's stack
@@ -94,36 +327,17 @@ def _exit_status(code: int) -> str:
 class _RankFailure:
     def __init__(self, text):
         self.text = text
-
-
-def _rank_main(rank, world_size, tmp, fn, args, timeout_s, may_die, environment):
-    os.environ.clear()  # a forked rank has the fork server's, from when it started
-    os.environ.update(environment)
-    faulthandler.enable()  # a rank that crashes in C++ prints its Python stack
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # and a stuck one, when asked
-    # a rank that fails makes its peers' collectives time out instead of hanging the suite
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        result = fn(rank, world_size, *args)
-    except Exception:
-        result = _RankFailure(traceback.format_exc())
-    finally:  # written aside and renamed, so a result file is always whole
-        partial = os.path.join(tmp, f"rank{rank}.pt.partial")
-        try:
-            torch.save(result, partial)
-        except Exception:  # a result that cannot be saved fails the test with the reason
-            torch.save(_RankFailure("its result could not be saved:\n" + traceback.format_exc()),
-                       partial)
-        os.replace(partial, os.path.join(tmp, f"rank{rank}.pt"))
-    # as a training script ends: no rank tears gloo down while a peer may still be in its
-    # last collective; where a peer died on purpose, the barrier fails, as it should
-    try:
+def in_turn(rank: int, world_size: int, calls: tuple) -> list:
+    """Each ``(fn, args)`` of ``calls`` as ``fn(rank, world_size, *args)`` on this rank, one
+    after another in one run (a barrier between them, so what one call saved is whole
+    before the next reads it): what each returned. For runs that build on each other (a
+    checkpoint saved by one and loaded by the next) or share what a process makes once (a
+    device mesh)."""
+    results = []
+    for fn, args in calls:
+        results.append(fn(rank, world_size, *args))
         dist.barrier()
-    except RuntimeError:
-        if not may_die:
-            raise
-    dist.destroy_process_group()
+    return results
 
 
 def with_mesh(options: dict) -> dict:

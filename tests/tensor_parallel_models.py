@@ -27,20 +27,6 @@ def device_mesh(shape: tuple):
     return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard", "tp")[-len(shape):])
 
 
-def in_turn(rank: int, world_size: int, calls: tuple) -> list:
-    """Each ``(fn, args)`` of ``calls`` as ``fn(rank, world_size, *args)`` on this rank, one
-    after another in one launch (a barrier between them, so what one call saved is whole
-    before the next reads it): what each returned. A launch pays a rank's first compile
-    (lazy imports, Dynamo's warm-up) once, however many runs it does: about half a
-    four-rank run's time on the 2-core CI box."""
-    import torch.distributed as dist
-
-    results = []
-    for fn, args in calls:
-        results.append(fn(rank, world_size, *args))
-        dist.barrier()
-    return results
-
 def parallelize(model, tp_mesh, sequence_parallel: bool = False):
     """Megatron's split: q, k, v and up by columns, o and down by rows; with
     ``sequence_parallel`` the norms run on a rank's slice of the sequence too (the

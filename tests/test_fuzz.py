@@ -10,33 +10,23 @@ example, and the .hypothesis database replays it first next time). CI time is bo
 ``max_examples``, not by a fixed list; ``ZERO_FX_FUZZ_EXAMPLES=200`` explores longer.
 Examples found by exploring and fixed are pinned below as ``@example``.
 
-The ranks of each world size stay up from one example to the next (``RankGroup``, at the
-end): a fresh rank spends most of an example on its first compile, which they pay once."""
+The ranks of each world size stay up from one example to the next (ranks.StandingRanks): a
+fresh rank spends most of an example on its first compile, which they pay once."""
 
 from __future__ import annotations
 
-import datetime
-import faulthandler
-import io
 import os
-import queue
-import shutil
-import tempfile
-import time
-import traceback
 from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import models
-import ranks
+from ranks import run_ranks
 from zero_fx import zero_compile
 
 GLOBAL_BATCH = 12  # splits evenly over 1, 2, 3 and 4 ranks
@@ -277,118 +267,3 @@ def test_random_hf_models_with_padding_match_single_process_training(spec):
         for name, expected in expected_params.items():
             torch.testing.assert_close(params[name], expected, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, n=name: f"{spec}: {n}: {m}")
-
-
-# -- ranks that stay up between examples --------------------------------------------------
-
-class RankGroup:
-    """``world_size`` ranks in one gloo group that serve one example after another:
-    ``run(fn, *args)`` returns what ``ranks.run_ranks(world_size, fn, *args)`` would, without
-    starting processes. A fresh rank spends most of an example on its first compile
-    (torch._dynamo's and AOTAutograd's one-off set-up, transformers' import): on the loaded
-    2-core box a fresh rank's first example took 9.7 s at 2 ranks and 22.9 s at 4, the same
-    example again 1.7 and 3.6 s; a whole 2-rank example 9-11 s from fresh processes, 3.4 s
-    on ranks that stay up (HF: 18-45 s, 7-30 s). Each rank resets torch._dynamo after each
-    example, so the next one is captured and compiled from scratch as in a new process. A
-    rank that fails, dies or is still running after ``ranks.JOIN_TIMEOUT_S`` fails the
-    example; its group is then closed and the next example starts a new one."""
-
-    def __init__(self, world_size: int):
-        self.world_size = world_size
-        self.folder = tempfile.mkdtemp()
-        context = mp.get_context("forkserver")
-        context.set_forkserver_preload(ranks.PRELOADED)
-        self.tasks = [context.SimpleQueue() for _ in range(world_size)]
-        self.results = context.Queue()
-        self.processes = [
-            context.Process(target=_serve, daemon=True,
-                            args=(rank, world_size, self.folder, self.tasks[rank], self.results,
-                                  dict(os.environ)))
-            for rank in range(world_size)]
-        for process in self.processes:
-            process.start()
-
-    def run(self, fn, *args) -> list:
-        for tasks in self.tasks:
-            tasks.put((fn, args))
-        results, deadline = [None] * self.world_size, time.monotonic() + ranks.JOIN_TIMEOUT_S
-        waiting = set(range(self.world_size))
-        while waiting:
-            try:
-                rank, saved = self.results.get(timeout=1)
-            except queue.Empty:
-                dead = [r for r in waiting if not self.processes[r].is_alive()]
-                if dead or time.monotonic() > deadline:
-                    self.close()
-                    raise RuntimeError(f"rank(s) {dead} died without a result; their stacks are "
-                                       "in the output above" if dead else
-                                       f"ranks {sorted(waiting)} still running after "
-                                       f"{ranks.JOIN_TIMEOUT_S} s: killed")
-                continue
-            result = torch.load(io.BytesIO(saved), weights_only=False)
-            if isinstance(result, _RankFailure):
-                self.close()
-                raise RuntimeError(f"rank {rank} failed:\n{result.text}")
-            results[rank] = result
-            waiting.discard(rank)
-        return results
-
-    def close(self) -> None:
-        for process in self.processes:
-            process.kill()
-            process.join(30)
-        self.results.close()
-        for tasks in self.tasks:
-            tasks.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
-class _RankFailure:
-    def __init__(self, text):
-        self.text = text
-
-
-def _serve(rank, world_size, folder, tasks, results, environment):
-    os.environ.clear()  # a forked rank has the fork server's, from when it started
-    os.environ.update(environment)
-    faulthandler.enable()  # a rank that crashes in C++ prints its Python stack
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
-    while True:
-        fn, args = tasks.get()
-        try:
-            result = fn(rank, world_size, *args)
-        except Exception:
-            result = _RankFailure(traceback.format_exc())
-        saved = io.BytesIO()
-        torch.save(result, saved)
-        results.put((rank, saved.getvalue()))
-        torch._dynamo.reset()
-
-
-GROUPS: dict[int, RankGroup] = {}
-"""The ranks of each world size, started by the first example of that size."""
-
-
-def run_ranks(world_size: int, fn, *args) -> list:
-    """``ranks.run_ranks(world_size, fn, *args)`` on the ranks that stay up (``RankGroup``);
-    in this process, with no group, for world size 1."""
-    if world_size == 1:
-        return [fn(0, 1, *args)]
-    group = GROUPS.get(world_size)
-    if group is None or not all(p.is_alive() for p in group.processes):
-        group = GROUPS[world_size] = RankGroup(world_size)
-    try:
-        return group.run(fn, *args)
-    except BaseException:
-        GROUPS.pop(world_size, None)  # closed by run, or interrupted: the next one starts anew
-        group.close()
-        raise
-
-
-@pytest.fixture(scope="module", autouse=True)
-def rank_groups():
-    """Closes the groups of ranks when this file's tests are done."""
-    yield
-    while GROUPS:
-        GROUPS.popitem()[1].close()

@@ -9,8 +9,7 @@ import torch
 
 import feature_runs
 import training
-from ranks import mesh_errors, run_ranks, with_mesh
-from tensor_parallel_models import in_turn
+from ranks import in_turn, mesh_errors, run_ranks, with_mesh
 from training import SMALL_BUCKETS, parity_errors, reference_run, relative_error, zero_fx_run
 from zero_fx import MixedPrecision, zero_compile
 from zero_fx.analysis.traffic import REPLICATE_GROUP, SHARD_GROUP
@@ -33,9 +32,8 @@ FEATURE_RUNS = ((1, HYBRID, 2), (3, HYBRID, 2), (3, BF16 + HYBRID, 1))
 
 @functools.lru_cache(maxsize=None)
 def four_ranks() -> dict:
-    """Every four-rank run of this file not shared with another, in one launch (in_turn: a
-    launch pays each rank's first compile once, instead of once per run): TRAINING_RUNS by
-    (stage, options), FEATURE_RUNS by ("features", stage, options, micro-batches), the
+    """Every four-rank run of this file not shared with another, in one run (in_turn):
+    TRAINING_RUNS by (stage, options), FEATURE_RUNS by ("features", stage, options, micro-batches), the
     whole-model views flat and on a 2 x 2 mesh by ("views", mesh), and "bad meshes"."""
     calls = [(training.zero_fx_rank, ("gpt", "aot_eager", "adamw", stage, "", options))
              for stage, options in TRAINING_RUNS]

@@ -16,8 +16,7 @@ import torch
 
 import feature_runs
 from feature_runs import reference_run
-from ranks import run_ranks
-from tensor_parallel_models import in_turn
+from ranks import in_turn, run_ranks
 from training import parity_errors
 from zero_fx import MixedPrecision
 from zero_fx.analysis.host_syncs import counting_host_syncs
@@ -35,16 +34,15 @@ TWO_RANK_RUNS = ((0, BF16, 1), (1, FP16, 1), (3, FP16, 1), (1, UNSCHEDULED, 1),
                    for precision in (BF16, FP32_REDUCE)),
                  (0, BF16, 2), (3, BF16, 2))
 """(stage, options, micro-batches) of the feature_runs.zero_fx_rank runs on two ranks only
-this file reads, done in one launch (``two_ranks``); bf16 at stages 1-3 and UNSCHEDULED at
+this file reads, done in one run (``two_ranks``); bf16 at stages 1-3 and UNSCHEDULED at
 stage 3 are shared with test_offload and test_model_kinds through feature_runs.zero_fx_run."""
 
 
 @functools.lru_cache(maxsize=None)
 def two_ranks() -> dict:
-    """Every two-rank run of this file not shared with another, in one launch (in_turn: a
-    launch pays each rank's first compile once, instead of once per run): TWO_RANK_RUNS by
-    (stage, options, micro-batches), the overflowing fp16 runs by ("overflow", optimizer),
-    the sub-ulp runs by ("sub-ulp", stage)."""
+    """Every two-rank run of this file not shared with another, in one run (in_turn):
+    TWO_RANK_RUNS by (stage, options, micro-batches), the overflowing fp16 runs by
+    ("overflow", optimizer), the sub-ulp runs by ("sub-ulp", stage)."""
     calls = [(feature_runs.zero_fx_rank, ("gpt", stage, "sgd", options, micro, False,
                                           feature_runs.STEPS))
              for stage, options, micro in TWO_RANK_RUNS]

@@ -21,7 +21,7 @@ import torch
 import feature_runs
 import models
 import tensor_parallel_models as tp_models
-from ranks import mesh_errors, run_ranks
+from ranks import in_turn, mesh_errors, run_ranks
 from training import parity_errors
 from zero_fx import MixedPrecision, zero_compile
 from zero_fx.analysis.traffic import SHARD_GROUP, TP_GROUP
@@ -52,7 +52,7 @@ FOUR_RANK_RUNS = (arguments(), arguments(sequence_parallel=True), arguments(opti
                   arguments(options=BF16), arguments(stage=1, options=CLIPPED),
                   arguments(stage=2, options=ACCUMULATED), arguments(name="hf_llama"),
                   arguments(shape=(4, 1)))
-"""The runs on four ranks the tests read, done in one launch (``four_ranks``)."""
+"""The runs on four ranks the tests read, done in one run (``four_ranks``)."""
 
 
 def resaved(shape) -> str:
@@ -80,9 +80,8 @@ BAD_MESHES = [((2, 2), ("shard", "tp"), 0), ((2, 2), ("tp", "shard"), 3),
 
 @functools.lru_cache(maxsize=None)
 def four_ranks() -> dict:
-    """Everything the tests run on four ranks, in one launch (tp_models.in_turn: a launch pays
-    each rank's first compile once): the runs of FOUR_RANK_RUNS (the first, (2, 2) at stage
-    3, saving its checkpoint at CHECKPOINT), that checkpoint loaded at each of LOADED_SHAPES
+    """Everything the tests run on four ranks, in one run (in_turn): the runs of
+    FOUR_RANK_RUNS (the first, (2, 2) at stage 3, saving its checkpoint at CHECKPOINT), that checkpoint loaded at each of LOADED_SHAPES
     and saved again, the errors of BAD_MESHES and the meta-device model's. Each result by
     its key: a run's arguments, ("loaded", shape), "bad meshes", "meta"."""
     calls = [(tp_models.tensor_parallel_rank, FOUR_RANK_RUNS[0] + (CHECKPOINT,))]
@@ -91,7 +90,7 @@ def four_ranks() -> dict:
               for shape in LOADED_SHAPES]
     calls += [(mesh_errors, (BAD_MESHES,)), (meta_tensor_parallel_model_rank, ())]
     keys = [*FOUR_RANK_RUNS, *(("loaded", shape) for shape in LOADED_SHAPES), "bad meshes", "meta"]
-    per_rank = run_ranks(4, tp_models.in_turn, calls)
+    per_rank = run_ranks(4, in_turn, calls)
     return {key: [results[i] for results in per_rank] for i, key in enumerate(keys)}
 
 

@@ -27,12 +27,31 @@ def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, opti
     """Train STEPS steps with @zero_compile(stage=..., **dict(options)) on this rank's slice
     of each global batch; ``meta``: the model is built on the meta device (zero_fx
     initializes it, seeded as ``models.build`` seeds it)."""
-    if broken == "skip_divide":  # a deliberately broken reduce pass, to prove the parity test bites
-        import sys
+    with _broken(broken):
+        return _trained(rank, world_size, model_name, backend, optimizer, stage, options, meta)
 
-        import zero_fx.passes  # noqa: F401  (the module, not the function of the same name)
 
-        sys.modules["zero_fx.passes.collective_code"]._average = lambda summed, world_size: summed
+@contextlib.contextmanager
+def _broken(broken: str):
+    """``"skip_divide"``: a deliberately broken reduce pass, to prove the parity test bites;
+    put right afterwards (a rank serves later runs)."""
+    if broken != "skip_divide":
+        yield
+        return
+    import sys
+
+    import zero_fx.passes  # noqa: F401  (the module, not the function of the same name)
+
+    module = sys.modules["zero_fx.passes.collective_code"]
+    average = module._average
+    module._average = lambda summed, world_size: summed
+    try:
+        yield
+    finally:
+        module._average = average
+
+
+def _trained(rank, world_size, model_name, backend, optimizer, stage, options, meta):
     # world size 1 runs in the test process, next to earlier runs' results
     alive_before = _live_tensors()
     with torch.device("meta") if meta else contextlib.nullcontext():
