@@ -11,7 +11,8 @@ import os
 import pytest
 
 from bench.rss import MALLOC_ENV
-from training import peak_memory_run, rss_growth_run, zero_fx_run
+from ranks import run_ranks
+from training import peak_memory_run, rss_growth_run, zero_fx_rank, zero_fx_run
 
 FP32 = 4
 ADAMW_TENSORS_PER_PARAM = 3  # the parameter shard, exp_avg, exp_avg_sq
@@ -99,3 +100,29 @@ def test_stage3_release_survives_inductor(monkeypatch):
         assert inductor < param_bytes, f"rank {rank}: rose {inductor / 2**20:.1f} MiB"
         assert inductor < aot_eager + 3 * bucket, (
             f"rank {rank}: Inductor {inductor / 2**20:.1f} MiB vs aot_eager {aot_eager / 2**20:.1f} MiB")
+
+
+def _graph_modules_left_by_dropped_steps(rank, world_size):
+    """Graph modules alive after two steps were compiled and dropped, less those alive after
+    one (Dynamo keeps the latest compile's: the count must stay, not grow)."""
+    import gc
+
+    import torch
+
+    def graph_modules():  # no torch._dynamo.reset(): users compile many steps without one
+        gc.collect()
+        return sum(isinstance(o, torch.fx.GraphModule) for o in gc.get_objects())
+
+    zero_fx_rank(rank, world_size, "mlp", "aot_eager", "adamw")
+    after_one = graph_modules()
+    zero_fx_rank(rank, world_size, "mlp", "aot_eager", "adamw")
+    return graph_modules() - after_one
+
+
+def test_a_dropped_step_frees_its_graphs():
+    """Dynamo keeps each backend until a reset, and a compiled frame's globals as long as the
+    objects its guards match live (modules): neither may hold the step, or every step a
+    process compiles keeps its graphs, and through them its state, for good ([Note: compiled
+    graphs die with their step] in zero_fx/api.py)."""
+    left = run_ranks(2, _graph_modules_left_by_dropped_steps)
+    assert left == [0, 0], f"graph modules left per rank by a dropped step: {left}"

@@ -8,6 +8,7 @@ import difflib
 import functools
 import logging
 import types
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -269,8 +270,11 @@ class CompiledStep:
         # Dynamo caches compiled frames per code object: each compiled step gets
         # its own copy of `_traced_step`, or steps would share (and exhaust)
         # one cache and recompile whenever another step ran in between.
-        traced = types.MethodType(_with_own_code(CompiledStep._traced_step), self)
-        self._compiled = torch.compile(traced, backend=self._compile_graph,
+        traced_step = _with_own_code(CompiledStep._traced_step)
+        # [Note: compiled graphs die with their step] in _with_own_code
+        weakref.finalize(self, traced_step.__globals__.clear)
+        traced = types.MethodType(traced_step, self)
+        self._compiled = torch.compile(traced, backend=_weakly_bound(self._compile_graph),
                                        fullgraph=True, dynamic=False)
 
     # -- the call --------------------------------------------------------------
@@ -533,6 +537,26 @@ def explain(step: "CompiledStep", hardware="cpu-gloo") -> Explanation:
     return step.explain(hardware)
 
 
+def _weakly_bound(method):
+    """``method`` called through a weak reference to its object: Dynamo keeps every backend
+    it is given until ``torch._dynamo.reset()`` (``eval_frame.cached_backends``), and a
+    step's bound method would keep the step, its graphs and its state alive with it."""
+    method_ref = weakref.WeakMethod(method)
+
+    def backend(gm: GraphModule, example_inputs: list):
+        return method_ref()(gm, example_inputs)
+
+    return backend
+
+
 def _with_own_code(fn):
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+    """A copy of ``fn`` with its own code object and its own globals.
+
+    [Note: compiled graphs die with their step] Dynamo stores each graph it compiles as a
+    global of the compiled frame (``__compiled_fn_<n>_<uuid>``). Its guards keep those
+    globals alive for as long as any object they match by identity lives, and some live as
+    long as the process (the modules the step reads). In the module's own dict, every step
+    ever compiled, its graphs and through them the model's state, would stay alive. In a
+    dict of their own, cleared when the step is collected, they go with the step."""
+    return types.FunctionType(fn.__code__.replace(), dict(fn.__globals__), fn.__name__,
                               fn.__defaults__, fn.__closure__)
