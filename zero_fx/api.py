@@ -272,7 +272,8 @@ class CompiledStep:
         # one cache and recompile whenever another step ran in between.
         traced_step = _with_own_code(CompiledStep._traced_step)
         # [Note: compiled graphs die with their step] in _with_own_code
-        weakref.finalize(self, traced_step.__globals__.clear)
+        weakref.finalize(self, _drop_what_dynamo_installed, traced_step.__globals__,
+                         frozenset(globals()))
         traced = types.MethodType(traced_step, self)
         self._compiled = torch.compile(traced, backend=_weakly_bound(self._compile_graph),
                                        fullgraph=True, dynamic=False)
@@ -557,6 +558,15 @@ def _with_own_code(fn):
     globals alive for as long as any object they match by identity lives, and some live as
     long as the process (the modules the step reads). In the module's own dict, every step
     ever compiled, its graphs and through them the model's state, would stay alive. In a
-    dict of their own, cleared when the step is collected, they go with the step."""
+    dict of their own, emptied of what Dynamo put there when the step is collected
+    (``_drop_what_dynamo_installed``), they go with the step."""
     return types.FunctionType(fn.__code__.replace(), dict(fn.__globals__), fn.__name__,
                               fn.__defaults__, fn.__closure__)
+
+
+def _drop_what_dynamo_installed(step_globals: dict, module_names: frozenset) -> None:
+    """Drops the values of the globals Dynamo installed for a collected step. The names
+    stay: Dynamo deletes each one itself once its guards go, and a missing name is an error
+    it prints."""
+    for name in step_globals.keys() - module_names:
+        step_globals[name] = None
