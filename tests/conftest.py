@@ -3,19 +3,16 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 # tests import the example's GPT (the model the example trains) as `examples.gpt`
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _fake_world(size: int):
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
-    try:
+    import ranks
+
+    with ranks.fake_world(size):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ get freshly started ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import gc
@@ -70,6 +71,19 @@ def run_ranks(world_size: int, fn, *args, timeout_s: int = GROUP_TIMEOUT_S,
         _STANDING.pop(world_size, None)
         group.kill()
         raise
+
+
+@contextlib.contextmanager
+def fake_world(size: int):
+    """A fake process group of ``size`` ranks in this process, as rank 0: shapes and the
+    collectives issued are real, values are not (for tests that count, not compare)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _forkserver():
@@ -218,10 +232,7 @@ def _serve(rank, world_size, folder, tasks, results):
     while (task := tasks.get()) is not None:
         fn, args, environment = task
         _take_environment(environment)
-        result = _call(fn, rank, world_size, args)
-        saved = io.BytesIO()
-        torch.save(result, saved)
-        results.put((rank, saved.getvalue()))
+        results.put((rank, _call(fn, rank, world_size, args)))
         clean.restore()
     _end_rank(may_die=False)
 
@@ -239,17 +250,19 @@ def _take_environment(environment: dict) -> None:
     os.environ.update(environment)
 
 
-def _call(fn, rank, world_size, args):
-    """What ``fn`` returned, or the failure; either one that ``torch.save`` can write."""
+def _call(fn, rank, world_size, args) -> bytes:
+    """What ``fn`` returned, or the failure, as ``torch.save`` wrote it."""
     try:
         result = fn(rank, world_size, *args)
     except Exception:
-        return _RankFailure(traceback.format_exc())
+        result = _RankFailure(traceback.format_exc())
+    saved = io.BytesIO()
     try:
-        torch.save(result, io.BytesIO())
+        torch.save(result, saved)
     except Exception:  # a result that cannot be saved fails the test with the reason
-        return _RankFailure("its result could not be saved:\n" + traceback.format_exc())
-    return result
+        saved = io.BytesIO()
+        torch.save(_RankFailure("its result could not be saved:\n" + traceback.format_exc()), saved)
+    return saved.getvalue()
 
 
 def _end_rank(may_die: bool) -> None:
@@ -304,9 +317,10 @@ def _launch(world_size, fn, args, timeout_s, may_die, fresh_interpreter):
 def _rank_main(rank, world_size, tmp, fn, args, timeout_s, may_die, environment):
     _take_environment(environment)
     _start_rank(rank, world_size, tmp, timeout_s)
-    result = _call(fn, rank, world_size, args)
+    saved = _call(fn, rank, world_size, args)
     partial = os.path.join(tmp, f"rank{rank}.pt.partial")  # written aside and renamed, so a
-    torch.save(result, partial)                              # result file is always whole
+    with open(partial, "wb") as file:                        # result file is always whole
+        file.write(saved)
     os.replace(partial, os.path.join(tmp, f"rank{rank}.pt"))
     _end_rank(may_die)
 
