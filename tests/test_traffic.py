@@ -1,8 +1,8 @@
 """Traffic: what the collectives move per step, counted as they run, equals the report and the table.
 
 The count comes from ``CollectiveCounter``, a dispatch mode around the
-compiled graph and the optimizer step, on the last of 5 steps of the parity
-runs (GPT, aot_eager; one Inductor run). The table's multiples of Ψ are in zero_fx/plan/table.py;
+compiled graph and the optimizer step, on the second step of the test GPT (aot_eager; one
+Inductor run on the parity runs), on gloo ranks or on a fake group in the test process. The table's multiples of Ψ are in zero_fx/plan/table.py;
 every all-gather and reduce-scatter works on padded parameters (Ψ + padding),
 an all-reduce on the parameters as they are.
 """
@@ -12,7 +12,8 @@ from collections import Counter
 import pytest
 
 import models
-from training import SMALL_BUCKETS, UNSCHEDULED, zero_fx_run
+from ranks import fake_world, run_ranks
+from training import SMALL_BUCKETS, UNSCHEDULED, counted_traffic_rank, zero_fx_run
 from zero_fx import plan_for_module
 from zero_fx.config import ZeroConfig
 from zero_fx.plan.table import TRAFFIC_IN_PSI
@@ -43,12 +44,21 @@ def expected_numel(stage: int, world_size: int, options: tuple = ()) -> dict:
     return expected
 
 
+def counted_traffic(world_size: int, group: str, stage: int, options: tuple = ()) -> list:
+    """Each rank's ``training.counted_traffic_rank``: on gloo ranks, or as rank 0 of a fake
+    group in this process (the collectives issued and their shapes are real there, which is
+    all these tests count)."""
+    if group == "gloo":
+        return run_ranks(world_size, counted_traffic_rank, stage, options)
+    with fake_world(world_size):
+        return [counted_traffic_rank(0, world_size, stage, options)]
+
+
 @pytest.mark.parametrize("options", [(), SMALL_BUCKETS], ids=["defaults", "small-buckets"])
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size, group", [(2, "gloo"), (4, "fake")])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_counted_traffic_equals_report_and_table(stage, world_size, options):
-    for rank, result in enumerate(zero_fx_run(world_size, "gpt", "aot_eager", "adamw", stage,
-                                              options=options)):
+def test_counted_traffic_equals_report_and_table(stage, world_size, group, options):
+    for rank, result in enumerate(counted_traffic(world_size, group, stage, options)):
         report, counted = result["traffic"], result["counted"]
         assert counted["numel"] == report.numel_by_kind(), f"rank {rank}: counted != report"
         launches = Counter({kind: 0 for kind in KINDS}) + Counter(c.kind for c in report.collectives)
@@ -65,7 +75,7 @@ def test_counted_traffic_equals_report_under_inductor():
 
 
 def test_stage3_backward_regathers_all_but_what_it_never_reads_or_keeps():
-    report = zero_fx_run(2, "gpt", "aot_eager", "adamw", 3, options=UNSCHEDULED)[0]["traffic"]
+    report = counted_traffic(2, "fake", 3, UNSCHEDULED)[0]["traffic"]
     names = {n for n, _ in models.build("gpt").named_parameters()}
     backward = {c.bucket[0] for c in report.collectives
                 if c.kind == "all_gather" and c.phase == "backward"}
@@ -73,7 +83,7 @@ def test_stage3_backward_regathers_all_but_what_it_never_reads_or_keeps():
 
 
 def test_the_report_shows_psi_multiples_and_positions():
-    report = zero_fx_run(2, "gpt", "aot_eager", "adamw", 1)[0]["traffic"]
+    report = counted_traffic(2, "fake", 1)[0]["traffic"]
     text = str(report)
     assert "stage 1, 2 rank(s)" in text and "reduce_scatter" in text and "after step" in text
     assert report.psi_by_kind()["all_reduce"] == 0
@@ -84,7 +94,7 @@ def test_the_report_shows_psi_multiples_and_positions():
 
 def test_one_rank_moves_nothing():
     for stage in (0, 3):
-        report = zero_fx_run(1, "gpt", "aot_eager", "adamw", stage)[0]["traffic"]
+        report = counted_traffic_rank(0, 1, stage)["traffic"]
         assert report.collectives == () and report.wire_bytes() == 0
 
 

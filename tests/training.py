@@ -61,13 +61,7 @@ def _trained(rank, world_size, model_name, backend, optimizer, stage, options, m
     train_step = zero_compile(models.training_step(model_name), stage=stage, backend=backend,
                               **with_mesh(dict(options)))
 
-    losses = []
-    for step in range(STEPS):
-        x, y = models.global_batch(model_name, step)
-        per_rank = x.shape[0] // world_size
-        local = slice(rank * per_rank, (rank + 1) * per_rank)
-        with train_step.counting_collectives() as counted:  # the last step's count is kept
-            losses.append(train_step(model, opt, x[local], y[local]).item())
+    losses, counted = _train(train_step, model, opt, model_name, rank, world_size, STEPS)
     memory = _held_memory(model, train_step, alive_before)  # before full_parameters() gathers copies
     return {
         "losses": losses,
@@ -75,8 +69,32 @@ def _trained(rank, world_size, model_name, backend, optimizer, stage, options, m
         "memory": memory,
         "compile_seconds": train_step.compile_seconds,
         "traffic": train_step.traffic(),
-        "counted": {"numel": dict(counted.numel), "launches": dict(counted.launches)},
+        "counted": counted,
     }
+
+
+def _train(train_step, model, opt, model_name, rank, world_size, steps) -> tuple[list, dict]:
+    """``steps`` steps on this rank's slice of each global batch: the losses, and the
+    collectives counted in the last step."""
+    losses = []
+    for step in range(steps):
+        x, y = models.global_batch(model_name, step)
+        per_rank = x.shape[0] // world_size
+        local = slice(rank * per_rank, (rank + 1) * per_rank)
+        with train_step.counting_collectives() as counted:
+            losses.append(train_step(model, opt, x[local], y[local]).item())
+    return losses, {"numel": dict(counted.numel), "launches": dict(counted.launches)}
+
+
+def counted_traffic_rank(rank: int, world_size: int, stage: int, options: tuple = ()) -> dict:
+    """The test GPT's traffic report and the collectives counted in its second step (the
+    first compiles), on this rank's slice of each global batch; nothing else measured."""
+    model = models.build("gpt")
+    opt = models.make_optimizer(model, "adamw")
+    train_step = zero_compile(models.training_step("gpt"), stage=stage, backend="aot_eager",
+                              **with_mesh(dict(options)))
+    _, counted = _train(train_step, model, opt, "gpt", rank, world_size, steps=2)
+    return {"traffic": train_step.traffic(), "counted": counted}
 
 
 def checkpointed_training_rank(rank, world_size, stage, steps, load_from=None, save_to=None,
