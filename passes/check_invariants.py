@@ -8,7 +8,7 @@ from torch.fx import GraphModule
 
 from .host_copies import (is_device_copy, is_device_copy_wait, is_host_copy,
                           reduction_read_by)
-from .predicates import (CARRIES_META, Phase, gathered_param, is_collective, is_wait,
+from .predicates import (Phase, carried_params, gathered_param, is_collective, is_wait,
                          kept_through_loss, phase_of)
 
 
@@ -61,7 +61,7 @@ def _check_copied_after_reduction(copy, reduced: bool) -> None:
     ``reduced``), never the collective's unwaited result nor the unreduced gradient."""
     read = reduction_read_by(copy)
     unwaited = [n for n in read if is_collective(n) or (
-        reduced and not is_wait(n) and CARRIES_META not in n.meta)]
+        reduced and not is_wait(n) and not carried_params(n))]
     if unwaited or (reduced and not any(is_wait(n) for n in read)):
         raise InvariantError(f"{copy.name} copies a gradient to the host before its reduction "
                              f"completes: it does not read the reduction's waited result")

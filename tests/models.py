@@ -79,11 +79,6 @@ class TensorParallelGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def build(seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    return GPT()
-
-
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if name == "mlp":
