@@ -13,6 +13,9 @@ compute, and never across the forward/backward boundary:
   ``memory_budget_bytes`` (``max_gathered_bytes``), the prefetch distance shrinks (to 0 if
   need be) wherever the gathered buckets alive at the new issue point plus this
   one would exceed the budget;
+- with ``offload="parameters"``, a gather's copy of its shards from the host is issued
+  one bucket earlier still, with the previous gather of its phase, so it has landed by
+  the time its gather is issued ([Note: shards brought from the host]);
 - reductions (reduce-scatter, all-reduce): issued where ``bucket_collectives``
   put them, as soon as their last gradient exists; reduction ``i`` is waited for
   right before reduction ``i + k`` is issued (``k``: ``reduce_overlap_buckets``), or at
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
+from .host_copies import is_device_copy
 from .predicates import (
     Phase,
     carried_params,
@@ -69,6 +73,7 @@ def schedule_collectives(gm: GraphModule, plan) -> GraphModule:
 def _prefetch_gathers(gm: GraphModule, plan, phase: Phase) -> None:
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     gathers = [n for n in gm.graph.nodes if is_all_gather(n) and phase_of(n) is phase]
+    copies_ahead = _copies_one_bucket_ahead(gathers, order)
     waits = [_wait_of(g) for g in gathers]
     issued_at = {g: order[g] for g in gathers}
     last_use = {g: _last_use(g, order) for g in gathers}
@@ -83,6 +88,21 @@ def _prefetch_gathers(gm: GraphModule, plan, phase: Phase) -> None:
                     anchor.prepend(node)
                 issued_at[gather] = order[anchor] - 0.5
                 break
+    for copy, anchor in copies_ahead:
+        anchor.prepend(copy)
+
+
+def _copies_one_bucket_ahead(gathers: list[Node], order) -> list[tuple[Node, Node]]:
+    """Each gather's copy of shards from the host (offload="parameters") with the node it is
+    to be issued before: the first node after the previous gather's own copy in that
+    gather's code, so it is issued with the previous gather, one bucket ahead
+    ([Note: shards brought from the host] in passes/host_copies.py)."""
+    moves = []
+    for previous, gather in zip(gathers, gathers[1:]):
+        copies = [n for n in _issue_group(gather, order) if is_device_copy(n)]
+        rest = [n for n in _issue_group(previous, order) if not is_device_copy(n)]
+        moves += [(copy, rest[0]) for copy in copies]
+    return moves
 
 
 def reduce_overlap(plan) -> int:

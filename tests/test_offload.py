@@ -222,12 +222,13 @@ def test_a_copy_that_reads_an_unwaited_reduction_is_an_invariant_error():
 def test_the_graph_for_a_gpu_brings_each_bucket_of_shards_from_the_host():
     """offload="parameters" on the graph built for CUDA: the shards the graph reads are host
     tensors, read only by one copy per gather, whose result is read only through its wait,
-    right before the bucket's all-gather (all of it issued where the prefetch puts the
-    gather). The device keeps no model state between steps; the host keeps the bf16 shards,
-    the fp32 masters and AdamW's moments (2 + 12 bytes an element)."""
+    right before the bucket's all-gather (issued where the prefetch puts the gather). Each
+    copy but a phase's first is issued one bucket ahead, before the previous gather's wait
+    for its own copy. The device keeps no model state between steps; the host keeps the
+    bf16 shards, the fp32 masters and AdamW's moments (2 + 12 bytes an element)."""
     from zero_fx.analysis.model_state import model_state_bytes
     from zero_fx.passes.host_copies import is_device_copy, is_device_copy_wait
-    from zero_fx.passes.predicates import is_all_gather, is_param_input
+    from zero_fx.passes.predicates import is_all_gather, is_param_input, phase_of
 
     gm, plan = planned_for_cuda(3, offload="parameters", resident_max_numel=0)
     nodes = list(gm.graph.nodes)
@@ -247,7 +248,11 @@ def test_the_graph_for_a_gpu_brings_each_bucket_of_shards_from_the_host():
         while reader is not wait:  # the bucket's (1, S) view
             assert reader.target is torch.ops.aten.view.default, reader
             reader = reader.args[0]
-        assert order[copy] < order[wait] < order[gather] <= order[copy] + 3
+        assert order[copy] < order[wait] < order[gather] <= order[wait] + 2
+    for (previous, copy), gather in zip(zip(copies, copies[1:]), gathers[1:]):
+        if phase_of(gather) is phase_of(previous):
+            (previous_wait,) = previous.users
+            assert order[previous] < order[copy] < order[previous_wait], (copy, previous)
     state = model_state_bytes(gm, plan)
     per_rank = plan.shard_numel
     assert (state.device, state.host, state.streamed) == (0, 14 * per_rank, 2 * per_rank)
