@@ -30,9 +30,10 @@ and ``zero_fx::wait_device_copy`` makes the compute stream wait for those copies
 out the buffer (a copy of it on the device: the shard of a bucket, 1/N of what the gather
 makes). Both are in the gather's code. The gather's prefetch ([Note: the collective
 schedule]) issues the wait where it issues the all-gather, and the copy one bucket
-earlier, with the previous gather of its phase: the copy runs on its stream while the
+earlier, with the previous gather of its phase: the copy can run on its stream while the
 compute between the two gathers' issue points runs, so the all-gather (which starts only
-once its input is on the device) does not wait for it. The price is one more bucket's
+once its input is on the device) need not wait for it (the order of the graph; not yet
+measured on a GPU, nor checked in Inductor's lowered code). The price is one more bucket's
 shard (1/N of a bucket) on the device at a time.
 ``check_invariants`` (``device_copies_waited``) reads from the graph that nothing reads a
 copy before its wait.

@@ -1,8 +1,9 @@
 """Traffic: what the collectives move per step, counted as they run, equals the report and the table.
 
 The count comes from ``CollectiveCounter``, a dispatch mode around the
-compiled graph and the optimizer step, on the second step of the test GPT (aot_eager; one
-Inductor run on the parity runs), on gloo ranks or on a fake group in the test process. The table's multiples of Ψ are in zero_fx/plan/table.py;
+compiled graph and the optimizer step, on the second step of the test GPT (aot_eager), on
+gloo ranks or on a fake group in the test process; the Inductor run counts the last of the
+parity runs' 5 steps. The table's multiples of Ψ are in zero_fx/plan/table.py;
 every all-gather and reduce-scatter works on padded parameters (Ψ + padding),
 an all-reduce on the parameters as they are.
 """

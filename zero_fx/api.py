@@ -273,7 +273,7 @@ class CompiledStep:
         traced_step = _with_own_code(CompiledStep._traced_step)
         # [Note: compiled graphs die with their step] in _with_own_code
         weakref.finalize(self, _drop_what_dynamo_installed, traced_step.__globals__,
-                         frozenset(globals()))
+                         frozenset(traced_step.__globals__))
         traced = types.MethodType(traced_step, self)
         self._compiled = torch.compile(traced, backend=_weakly_bound(self._compile_graph),
                                        fullgraph=True, dynamic=False)

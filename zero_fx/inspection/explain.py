@@ -244,7 +244,7 @@ def _plan_section(plan, moe_blocks: Sequence[RoutedExperts] = ()) -> str:
                      + (" into its host shard in the compute dtype, the graph's input, copied "
                         "to the device bucket by bucket before each all-gather, issued one bucket "
                         "ahead of it (with the previous gather, where the prefetch allows), so the "
-                        "copy overlaps the compute between the two (offload='parameters', "
+                        "copy can run during the compute between the two (offload='parameters', "
                         "[Note: shards brought from the host])" if plan.offloads_parameters
                         else " into its device shard in the compute dtype, the graph's input"
                         if plan.params_sharded else ", gathered into the whole parameters")
