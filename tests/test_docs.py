@@ -210,15 +210,18 @@ BARE_NAMES_IN = ("bench/README.md", "passes/README.md")
 
 
 def ignored(paths: list[str]) -> set[str]:
-    """The paths git ignores (outputs such as bench/out/), relative to the repository."""
+    """The paths git ignores (outputs such as bench/out/), relative to the repository. Each is
+    asked about as a folder too: a pattern ending in "/" matches only a folder, and one not
+    made yet (bench/out/ before a benchmark ran) is not known to be one."""
     if not paths:
         return set()
     try:
         done = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=REPO,
-                              input="\n".join(paths), capture_output=True, text=True, timeout=30)
+                              input="\n".join(p + end for p in paths for end in ("", "/")),
+                              capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return set()
-    return set(done.stdout.split())
+    return {p.rstrip("/") for p in done.stdout.split()}
 
 
 def cited_paths(path: str, text: str = None) -> list[tuple[int, str]]:
