@@ -114,15 +114,160 @@ def test_checkpoints_pass_between_offloaded_runs_and_others(tmp_path):
     assert "compute after" in results["explain"]
 
 
-def test_offload_modes_not_built_and_stage_0_say_so():
-    with pytest.raises(NotImplementedError, match="offload='auto' is not built yet"):
-        ZeroConfig(stage=3, offload="auto")
+def test_offload_modes_that_cannot_apply_say_so():
     with pytest.raises(ValueError, match="needs stage 1, 2 or 3"):
         ZeroConfig(stage=0, offload="optimizer")
+    with pytest.raises(ValueError, match="needs stage 1, 2 or 3"):
+        ZeroConfig(stage=0, offload="auto")
     with pytest.raises(ValueError, match="'parameters' needs stage 3 \\(got stage 2\\)"):
         ZeroConfig(stage=2, offload="parameters")
-    with pytest.raises(ValueError, match="offload must be None, 'optimizer' or 'parameters'"):
+    with pytest.raises(ValueError, match="offload must be None, 'optimizer', 'parameters' or 'auto'"):
         ZeroConfig(stage=3, offload="gpu")
+    with pytest.raises(ValueError, match="device_memory is the budget offload='auto' fits"):
+        ZeroConfig(stage=3, device_memory=80e9)
+    with pytest.raises(ValueError, match="device_memory must be a number of bytes > 0"):
+        ZeroConfig(stage=3, offload="auto", device_memory="80GB")
+    with pytest.raises(ValueError, match="offload_update must be 'auto', 'host' or 'device'"):
+        ZeroConfig(stage=3, offload="optimizer", offload_update="gpu")
+    with pytest.raises(ValueError, match="set offload='optimizer', 'parameters' or 'auto' with it"):
+        ZeroConfig(stage=3, offload_update="device")
+    with pytest.raises(ValueError, match="it goes with offload_update='host'"):
+        ZeroConfig(stage=3, offload="optimizer", offload_update="device", offload_step="overlap")
+
+
+def auto_rank(rank, world_size):
+    """offload="auto" at stage 3, bf16, AdamW, for budgets around the modes' own figures (from
+    a first run with room for everything), two steps each: the mode chosen, each run's
+    losses and parameters, explain()'s lines, and a run with each explicit mode."""
+    import models
+    from zero_fx.runtime.offload_choice import bucket_state_bytes
+
+    def run(offload, **budget):
+        model = models.build("gpt", seed=0)
+        opt = models.make_optimizer(model)
+        step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager",
+                            offload=offload, mixed_precision=BF16[0][1], **budget)
+        losses = []
+        for i in range(2):
+            x, y = models.global_batch("gpt", i)
+            half = slice(rank * 4, rank * 4 + 4)
+            losses.append(step(model, opt, x[half], y[half]).item())
+        choice = step._sharded.offload_choice
+        return {"mode": step.plan.offload, "losses": losses, "norms": [],
+                "params": step.full_parameters(),
+                "verdicts": [(v.mode, v.state, v.peak) for v in choice.verdicts] if choice else None,
+                "update": choice.update if choice else None,
+                "between steps": choice.chosen.between_steps if choice else None,
+                "bucket state": bucket_state_bytes(step.plan, 2),
+                "explain": str(step.explain()),
+                "device_shards": {n: t.dtype for n, t in step.state.device_shards.items()},
+                "master_devices": {t.device.type for t in step.state.shards.values()}}
+
+    roomy = run("auto", device_memory=1e15)
+    _, state, peak = roomy["verdicts"][0]
+    results = {"roomy": roomy, "no budget": run("auto"),
+               # the model state fits, the step does not: placed, then moved at compile time
+               "moved": run("auto", device_memory=(state + peak) // 2),
+               # the model state alone does not fit: offloaded before it is placed (and then
+               # more: this model's activations are larger than its state)
+               "placed": run("auto", device_memory=state - 1),
+               "nothing fits": run("auto", device_memory=1000),
+               # every rank takes the smallest budget, rank 1's here
+               "rank 1's budget": run("auto", device_memory=1e15 if rank == 0 else state - 1)}
+    for mode in (None, "optimizer", "parameters"):
+        results[mode] = run(mode)
+    # where the offloaded optimizer steps ([Note: the update streamed through the device])
+    results["through the device"] = run("optimizer", offload_update="device")
+    offloaded = results["optimizer"]
+    results["room for two buckets"] = run("optimizer", device_memory=offloaded["between steps"]
+                                          + 2 * offloaded["bucket state"])
+    results["room for one bucket"] = run("optimizer", device_memory=offloaded["between steps"]
+                                         + offloaded["bucket state"])
+    return results
+
+
+def test_auto_offloads_the_least_that_fits_the_budget():
+    """[Note: choosing what to offload]: with room for everything nothing is offloaded; a
+    budget the model state fits but the step does not moves the state to the host at the
+    first compilation; a budget the model state alone is over offloads it before placing
+    it; a rank's smaller budget binds every rank (they would otherwise run different graphs
+    and hang). Each run equals the explicit mode's run bit for bit."""
+    results = run_ranks(2, auto_rank)[0]
+    chosen = {name: results[name]["mode"] for name in
+              ("roomy", "no budget", "moved", "placed", "nothing fits", "rank 1's budget")}
+    assert chosen == {"roomy": None, "no budget": None, "moved": "optimizer",
+                      "placed": "parameters", "nothing fits": "parameters",
+                      "rank 1's budget": "parameters"}
+    for name, mode in chosen.items():
+        assert_bitwise_equal([results[name]], [results[mode]])
+        assert results[name]["device_shards"] == results[mode]["device_shards"], name
+        assert results[name]["master_devices"] == {"cpu"}  # on this machine: host and device
+    (none, state, peak), (optimizer, offloaded_state, _), _ = results["roomy"]["verdicts"]
+    assert offloaded_state < state < peak  # the masters and the moments went to the host
+    moved = results["moved"]["verdicts"]
+    assert moved[0][2] == peak and moved[1][2] < (state + peak) // 2  # traced, then fits
+    placed = results["placed"]["verdicts"]
+    assert placed[0][2] is None and placed[1][2] > state  # None never traced: its state is over
+    assert "offload='auto': nothing offloaded (training on the cpu: host and device are one " \
+           "memory" in results["no budget"]["explain"]
+    explained = results["moved"]["explain"]
+    assert "offload='auto' chose offload='optimizer' for a device budget of" in explained
+    assert "peak over the budget" in explained and "not needed" in explained
+    assert "model state alone over the budget" in results["placed"]["explain"]
+    assert "offload='auto' chose offload='parameters'" in results["rank 1's budget"]["explain"]
+    assert "chosen (over the budget: no mode fits)" in results["nothing fits"]["explain"]
+    # the optimizer's place: the host on the CPU without a budget, else by the room left
+    assert results["optimizer"]["update"] == "host"
+    assert "optimizer step: on the host (training on the cpu" in results["optimizer"]["explain"]
+    assert results["through the device"]["update"] == "device"
+    assert results["room for two buckets"]["update"] == "device"
+    assert results["room for one bucket"]["update"] == "host"
+    assert "optimizer step: on the device, its state streamed in from the host bucket by bucket" \
+        in results["room for two buckets"]["explain"]
+    for name in ("through the device", "room for two buckets", "room for one bucket"):
+        assert_bitwise_equal([results[name]], [results["optimizer"]])
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_update_streamed_through_the_device_equals_the_host_update(stage):
+    """offload_update="device" ([Note: the update streamed through the device]): each bucket's
+    masters, gradients and momentum buffers are copied to the device (real copies, even on
+    this machine), stepped there and copied back; bit for bit the host's update, which it
+    would not be from the second step on if any state were lost on the way back."""
+    streamed = zero_fx_run(2, "gpt", stage, options=BF16 + OFFLOAD + (("offload_update", "device"),))
+    assert_bitwise_equal(streamed, zero_fx_run(2, "gpt", stage, options=BF16 + OFFLOAD))
+    assert streamed[0]["optimizer_state_dtypes"] == {torch.float32}
+
+
+def test_the_choice_counts_the_device_bytes_of_the_graph_for_a_gpu():
+    """The bytes offload="auto" weighs, read on the graph built for CUDA, where each tensor's
+    device is real: the model state counted from the plan is the graph's parameter inputs on
+    the device plus the masters and moments left there, and the device peak counts exactly
+    the tensors on the device (no host copy, no shard kept on the host)."""
+    from zero_fx.analysis.memory_timeline import memory_timeline
+    from zero_fx.passes.predicates import is_param_input, tensor_bytes, vals
+    from zero_fx.runtime.offload_choice import device_peak, state_bytes
+
+    def on_device(node):
+        tensors = [v for v in vals([node]) if isinstance(v, torch.Tensor)]
+        return bool(tensors) and all(v.device.type == "cuda" for v in tensors)
+
+    peaks = []
+    for mode in (None, "optimizer", "parameters"):
+        gm, plan = planned_for_cuda(3, offload=mode)
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        kept = state_bytes(plan, mode, state_tensors=2)
+        assert kept["parameters"] == sum(tensor_bytes(n.meta["val"]) for n in placeholders
+                                         if is_param_input(n) and on_device(n)), mode
+        device = {n.name for n in gm.graph.nodes if on_device(n)}
+        timeline = memory_timeline(gm)
+        working = max(sum(t.bytes for t in timeline.tensors
+                          if t.node in device and t.index <= i <= t.last_use)
+                      for i in range(len(timeline.transient)))
+        inputs = sum(tensor_bytes(n.meta["val"]) for n in placeholders if on_device(n))
+        assert device_peak(gm, plan, 2) == kept["masters"] + kept["optimizer"] + inputs + working
+        peaks.append(device_peak(gm, plan, 2))
+    assert peaks[0] > peaks[1] > peaks[2]
 
 
 def tiny_gpt():
@@ -227,6 +372,7 @@ def test_the_graph_for_a_gpu_brings_each_bucket_of_shards_from_the_host():
     for its own copy. The device keeps no model state between steps; the host keeps the
     bf16 shards, the fp32 masters and AdamW's moments (2 + 12 bytes an element)."""
     from zero_fx.analysis.model_state import model_state_bytes
+    from zero_fx.inspection.explain import explain_graph
     from zero_fx.passes.host_copies import is_device_copy, is_device_copy_wait
     from zero_fx.passes.predicates import is_all_gather, is_param_input, phase_of
 
@@ -256,6 +402,11 @@ def test_the_graph_for_a_gpu_brings_each_bucket_of_shards_from_the_host():
     state = model_state_bytes(gm, plan)
     per_rank = plan.shard_numel
     assert (state.device, state.host, state.streamed) == (0, 14 * per_rank, 2 * per_rank)
+    # explain() lists each copy where the graph issues and waits for it
+    explained = explain_graph(gm, plan)
+    assert [(c.at, c.waited) for c in explained.device_copies] == [
+        (order[copy], order[next(iter(copy.users))]) for copy in copies]
+    assert f"Copies from the host: {len(copies)} bucket(s) of shards" in str(explained)
 
 
 def test_a_shard_read_before_its_copy_from_the_host_completes_is_an_invariant_error():
@@ -326,3 +477,5 @@ def test_offload_step_options_say_what_they_need():
         ZeroConfig(stage=3, offload_step="overlap")
     with pytest.raises(ValueError, match="offload_step must be 'sync' or 'overlap'"):
         ZeroConfig(stage=3, offload="optimizer", offload_step="delayed")
+    with pytest.raises(ValueError, match="with offload='auto' whether it applies would depend"):
+        ZeroConfig(stage=3, offload="auto", offload_step="overlap")

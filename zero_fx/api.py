@@ -143,6 +143,15 @@ def zero_compile(
             capacity factor), which bounds the received rows' buffer to about this many
             times the rows a rank sends. None (default): no row dropped, the buffer sized
             for the worst case, ``expert_parallel`` times larger.
+        offload: stages 1-3: ``"optimizer"`` keeps the fp32 masters and the optimizer's
+            state in host memory and steps the optimizer there; ``"parameters"`` (stage 3)
+            the shards too; ``"auto"`` the least of these whose step fits ``device_memory``
+            bytes (default: the GPU's capacity), read from the rewritten step.
+            ``offload_update``: where the offloaded optimizer steps, ``"host"``,
+            ``"device"`` (its state streamed bucket by bucket) or ``"auto"`` (the device
+            where two buckets of state fit). ``offload_step="overlap"``: the host's
+            optimizer step overlaps the next call, whose parameters are one step stale.
+            docs/offload.md.
         debug: ``zero_fx.DebugOptions(dump_dir=..., disable_passes=..., check_ranks=...,
             pin_schedule=...)``: graph dumps (default: the ``ZERO_FX_DUMP`` environment
             variable), passes to skip, the ranks' agreement check before each call's
@@ -256,7 +265,6 @@ class CompiledStep:
         self._model = model
         self._optimizer = optimizer
         self.state: Optional[ShardedState] = None
-        self.plan: Optional[ShardPlan] = None
         self._experts = ExpertsRewrite([], [])
         self._sharded: Optional[Sharded] = None
         """What the first call set up (plan, state, update, scaler, rank agreement)."""
@@ -339,10 +347,16 @@ class CompiledStep:
         self._experts = route_experts_with_fixed_shapes(model)
         self._sharded = shard(model, optimizer, self.config, self.__name__, pretrained,
                               moe_blocks=self._experts.blocks)
-        self.plan, self.state = self._sharded.plan, self._sharded.state
+        self.state = self._sharded.state
         self._compiler = StepCompiler(self.__name__, self.config, self._sharded,
                                       graphs=self.graphs, compilations=self.compilations,
                                       observers=self._observers, explain=self.explain)
+
+    @property
+    def plan(self) -> Optional[ShardPlan]:
+        """The shard plan (None before the first call); ``offload="auto"`` settles its offload
+        mode at the first compilation."""
+        return self._sharded.plan if self._sharded is not None else None
 
     def _compile_graph(self, dynamo_gm: GraphModule, example_inputs: list):
         """The dynamo backend: ``StepCompiler`` (compiler/backend.py), made on the first call."""
@@ -418,7 +432,8 @@ class CompiledStep:
                  f"{ranks_phrase(plan.world_size, plan.replicas)} (this is rank {plan.rank}"
                  f"{of_group}), backend {describe_backend(self.config.backend)}")
         return explain_graph(self.graphs[-1], self.plan, hardware=hardware, title=title,
-                             compilations=self.compilations, moe_blocks=self.moe_blocks)
+                             compilations=self.compilations, moe_blocks=self.moe_blocks,
+                             offload_choice=self._sharded.offload_choice)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """A copy of the model's parameters as the optimizer holds them (fp32 masters under

@@ -225,8 +225,21 @@ class ZeroConfig:
     memory (pinned on CUDA), steps the optimizer there, and gives the device the
     parameters' shards in the compute dtype ([Note: optimizer offload] in
     zero_fx/runtime/offload.py). Stage 3: ``"parameters"`` keeps those shards in host memory
-    too, each bucket copied to the device right before its all-gather. None: everything on
-    the training device."""
+    too, each bucket copied to the device right before its all-gather. ``"auto"``: the least
+    of these whose step fits ``device_memory`` ([Note: choosing what to offload] in
+    zero_fx/runtime/offload_choice.py). None: everything on the training device."""
+    device_memory: Optional[int] = None
+    """With ``offload``: the bytes of device memory a rank's step may fill, which
+    ``offload="auto"`` and ``offload_update="auto"`` choose by. None: the training GPU's
+    capacity (on the CPU, where host and device are one memory, nothing is offloaded and the
+    optimizer steps on the host without it)."""
+    offload_update: str = "auto"
+    """With ``offload``: where the optimizer steps. ``"host"``: in host memory (ZeRO-Offload);
+    ``"device"``: on the device, its state streamed in and out bucket by bucket ([Note: the
+    update streamed through the device] in zero_fx/runtime/streamed_update.py); ``"auto"``:
+    on the device where the device's budget (``device_memory``, or the GPU's capacity) has
+    room for two buckets of state beside what stays on the device between steps, else on the
+    host."""
     offload_step: str = "sync"
     """With ``offload``: ``"overlap"`` runs each optimizer step on the host while the next
     call's forward and backward run, which then read parameters one step stale
@@ -283,12 +296,17 @@ class ZeroConfig:
         check_mesh(self.mesh, self.stage)
         check_expert_parallel(self.expert_parallel, self.stage, self.mesh,
                               self.expert_capacity_factor)
-        check_offload(self.offload, self.stage)
+        check_offload(self.offload, self.stage, self.device_memory)
+        check_offload_update(self.offload_update, self.offload, self.offload_step)
         if self.offload_step not in ("sync", "overlap"):
             raise ValueError(f"offload_step must be 'sync' or 'overlap', got {self.offload_step!r}")
         if self.offload_step == "overlap" and self.offload is None:
             raise ValueError("offload_step='overlap' overlaps the host's optimizer step with the "
                              "next call: it needs offload='optimizer' or 'parameters'")
+        if self.offload_step == "overlap" and self.offload == "auto":
+            raise ValueError("offload_step='overlap' makes every call read parameters one step "
+                             "stale, and with offload='auto' whether it applies would depend on "
+                             "memory: choose offload='optimizer' or 'parameters' with it")
         if self.init_fn is not None and not callable(self.init_fn):
             raise TypeError(f"init_fn must be a callable init_fn(module), got {type(self.init_fn).__name__}")
 
@@ -326,7 +344,8 @@ class ZeroConfig:
             "reduce_overlap_buckets": self.reduce_overlap_buckets,
             "memory_budget_bytes": self.max_gathered_bytes,
             "accumulation_steps": self.accumulation_steps,
-            "offload": self.offload,
+            # "auto" is resolved when the model is sharded (runtime/offload_choice.py)
+            "offload": None if self.offload == "auto" else self.offload,
             "offload_step": self.offload_step,
             **(self.mixed_precision.plan_options() if self.mixed_precision else {}),
         }
@@ -513,20 +532,15 @@ def check_expert_parallel(degree, stage: int, mesh, capacity_factor=None) -> Non
                          "without it")
 
 
-OFFLOAD_MODES = (None, "optimizer", "parameters")
-NOT_YET_OFFLOADED = ("auto",)
-"""Offload modes the design has (issue 39) but zero_fx does not run yet."""
+OFFLOAD_MODES = (None, "optimizer", "parameters", "auto")
 
 
-def check_offload(offload, stage: int) -> None:
-    """An offload mode zero_fx runs, or an error saying what to choose instead."""
-    if offload in NOT_YET_OFFLOADED:
-        raise NotImplementedError(f"offload={offload!r} is not built yet: offload='optimizer' "
-                                  "keeps the masters and the optimizer's state in host memory, "
-                                  "'parameters' (stage 3) the parameters' shards too; "
-                                  "`python -m zero_fx.plan --offload auto` says which one fits")
+def check_offload(offload, stage: int, device_memory=None) -> None:
+    """An offload mode zero_fx runs (and ``"auto"``'s budget), or an error saying what to
+    choose instead."""
     if offload not in OFFLOAD_MODES:
-        raise ValueError(f"offload must be None, 'optimizer' or 'parameters', got {offload!r}")
+        raise ValueError(f"offload must be None, 'optimizer', 'parameters' or 'auto', got "
+                         f"{offload!r}")
     if offload is not None and stage == 0:
         raise ValueError(f"offload={offload!r} needs stage 1, 2 or 3: stage 0 steps the "
                          "optimizer on the model's own parameters, on the training device")
@@ -534,6 +548,28 @@ def check_offload(offload, stage: int) -> None:
         raise ValueError(f"offload='parameters' needs stage 3 (got stage {stage}): stages 1-2 "
                          "keep whole parameters on the device; offload='optimizer' moves the "
                          "masters and the optimizer's state")
+    if device_memory is None:
+        return
+    if offload is None:
+        raise ValueError("device_memory is the budget offload='auto' fits the step into (and "
+                         "offload_update='auto' chooses by); without offload nothing reads it: "
+                         "set offload, or leave device_memory out")
+    if isinstance(device_memory, bool) or not isinstance(device_memory, (int, float)) \
+            or not device_memory > 0:
+        raise ValueError(f"device_memory must be a number of bytes > 0 (80e9 for 80 GB), got "
+                         f"{device_memory!r}")
+
+
+def check_offload_update(where, offload, offload_step: str) -> None:
+    """Where an offloaded optimizer steps, or an error saying what to choose instead."""
+    if where not in ("auto", "host", "device"):
+        raise ValueError(f"offload_update must be 'auto', 'host' or 'device', got {where!r}")
+    if where != "auto" and offload is None:
+        raise ValueError(f"offload_update={where!r} says where an offloaded optimizer steps: set "
+                         "offload='optimizer', 'parameters' or 'auto' with it")
+    if where == "device" and offload_step == "overlap":
+        raise ValueError("offload_step='overlap' runs the optimizer on a host thread during the "
+                         "next call: it goes with offload_update='host' (or 'auto'), not 'device'")
 
 
 def check_mesh(mesh, stage: int) -> None:

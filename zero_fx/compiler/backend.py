@@ -4,6 +4,7 @@ hands dynamo a ``StepRunner`` that feeds it shards."""
 
 from __future__ import annotations
 
+import copy as copy_module
 import dataclasses
 import logging
 import time
@@ -68,8 +69,8 @@ class StepCompiler:
         self.observers = observers
         self.explain = explain
         """The step's ``explain()``, written into the dumps."""
-        self.pipeline = build_pipeline(sharded.plan, disable=config.debug.disable_passes,
-                                       extra=config.passes)
+        self._pipeline = (None, None)
+        """(plan, our passes for it): built again when offload="auto" changes the plan."""
 
     def __call__(self, dynamo_gm: GraphModule, example_inputs: list) -> StepRunner:
         # The step's shape first: nothing is captured, rewritten or lowered for a step that
@@ -86,8 +87,8 @@ class StepCompiler:
             dump = (GraphDump(self.config.debug.dump_dir, self.step_name, plan.rank,
                               len(self.compilations), plan) if self.config.debug.dump_dir else None)
             with progress.phase(f"rewriting its {len(gm.graph.nodes)} nodes with zero_fx's passes"):
-                gm = run_pipeline(gm, self._pipeline_for(gm),
-                                  observe=dump.observe if dump else None)
+                gm = self._rewritten(gm, observe=dump.observe if dump else None)
+            plan = self.sharded.plan  # offload="auto" may have offloaded more
             dynamic = has_dynamic_shapes(dynamo_gm)
             extra_inputs = self._extra_inputs(gm)
             inputs = state.graph_inputs(names, example_inputs) + extra_inputs
@@ -131,6 +132,33 @@ class StepCompiler:
                 self.step_name, RECOMPILES_WARNED_AT, reason)
         return reason
 
+    @property
+    def pipeline(self):
+        """Our passes for the step's plan."""
+        plan = self.sharded.plan
+        if self._pipeline[0] is not plan:
+            self._pipeline = (plan, build_pipeline(plan, disable=self.config.debug.disable_passes,
+                                                   extra=self.config.passes))
+        return self._pipeline[1]
+
+    def _rewritten(self, gm: GraphModule, observe) -> GraphModule:
+        """``gm`` rewritten by our passes. With offload, on the first compilation, its device
+        peak chooses where the update runs, and with ``offload="auto"`` the step is rewritten
+        again for more offload while that peak is over the budget ([Note: choosing what to
+        offload] in zero_fx/runtime/offload_choice.py)."""
+        choice = self.sharded.offload_choice
+        if choice is None or choice.decided:
+            return run_pipeline(gm, self._pipeline_for(gm), observe=observe)
+        while True:
+            tried = _copied(gm) if choice.auto else gm
+            tried = run_pipeline(tried, self._pipeline_for(tried), observe=observe)
+            mode = choice.next_mode(tried, self.sharded.plan, self.sharded.optimizer_state_tensors)
+            if mode is None:
+                self.sharded.choose_update(self.config.offload_update,
+                                           delayed=self.config.offload_step == "overlap")
+                return tried
+            self.sharded.offload_more(mode)
+
     def _pipeline_for(self, gm: GraphModule):
         """Our passes; with ``recompute="blocks"`` when the model checkpoints activations
         itself and the user chose no recompute ([Note: torch.utils.checkpoint in a captured
@@ -151,6 +179,14 @@ class StepCompiler:
             raise CaptureError("fp16 loss scaling needs a scalar loss: call loss.backward() on a "
                                "0-dimensional loss, without gradient=")
         return [scaler.scale] if takes_scale else []
+
+
+def _copied(gm: GraphModule) -> GraphModule:
+    """A copy of ``gm`` our passes can rewrite while ``gm`` stays as captured (the nodes'
+    metadata dicts copied, their values shared)."""
+    copy = GraphModule(gm, copy_module.deepcopy(gm.graph))
+    copy.meta.update(gm.meta)
+    return copy
 
 
 def _recompile_reason() -> str:

@@ -20,7 +20,7 @@ from ..analysis.memory_timeline import MemoryTimeline, tensor_bytes
 from ..analysis.traffic import REPLICATE_GROUP
 from ..capture.routed_experts import RoutedExperts
 from ..formatting import format_bytes, format_seconds, short_dtype
-from ..passes.host_copies import is_host_copy, reduction_read_by
+from ..passes.host_copies import is_device_copy, is_device_copy_wait, is_host_copy, reduction_read_by
 from ..passes.predicates import (carried_params, gathered_param, is_anchor_compute, is_wait,
                                  kept_through_loss, readers_through_views)
 from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary
@@ -69,6 +69,21 @@ class HostCopy:
 
 
 @dataclass(frozen=True)
+class DeviceCopy:
+    """One bucket's shards brought from the host before its all-gather (offload="parameters",
+    [Note: shards brought from the host] in passes/host_copies.py)."""
+
+    bucket: tuple[str, ...]
+    bytes: int
+    at: int
+    """The copy's node index: where it is issued."""
+    waited: int
+    """The node index of its wait, where the compute stream waits for it (its gather's)."""
+    compute_between: int
+    """Matmuls, attention and convolutions the graph runs between the two: what hides it."""
+
+
+@dataclass(frozen=True)
 class Explanation:
     """The report ``explain`` returns: print it, or read its fields."""
 
@@ -86,10 +101,19 @@ class Explanation:
     """The mixture-of-experts blocks capture rewrote to fixed shapes (``step.moe_blocks``)."""
     host_copies: tuple[HostCopy, ...] = ()
     """The gradient shards the graph streams to the host (offload "optimizer", "parameters")."""
+    device_copies: tuple[DeviceCopy, ...] = ()
+    """The buckets of shards the graph brings from the host (offload="parameters")."""
+    offload_choice: Optional[object] = None
+    """With ``offload="auto"``: each mode's device bytes and the verdict (an
+    ``OffloadChoice``, [Note: choosing what to offload])."""
 
     def __str__(self) -> str:
-        sections = [self.title, _plan_section(self.plan, self.moe_blocks),
+        plan = _plan_section(self.plan, self.moe_blocks)
+        if self.offload_choice is not None:
+            plan += "\n" + "\n".join(self.offload_choice.lines())
+        sections = [self.title, plan,
                     _collectives_section(self), _host_copies_section(self.host_copies),
+                    _device_copies_section(self.device_copies),
                     _lifetimes_section(self),
                     _memory_section(self.memory, self.compilations, self.recompute),
                     f"Estimate\n  {self.estimate}", _compilations_section(self.compilations)]
@@ -98,7 +122,8 @@ class Explanation:
 
 def explain_graph(gm: GraphModule, plan, *, hardware="cpu-gloo", title: str = "",
                   compilations: Sequence[Compilation] = (),
-                  moe_blocks: Sequence[RoutedExperts] = ()) -> Explanation:
+                  moe_blocks: Sequence[RoutedExperts] = (),
+                  offload_choice: Optional[object] = None) -> Explanation:
     """The explanation of ``gm``, a graph our passes rewrote for ``plan`` (from a compiled
     step's ``graphs``, or from ``rewritten_step_on_fake``); ``moe_blocks``: the model's
     mixture-of-experts blocks (``step.moe_blocks``), listed under the plan."""
@@ -115,6 +140,8 @@ def explain_graph(gm: GraphModule, plan, *, hardware="cpu-gloo", title: str = ""
         recompute=gm.meta.get(RECOMPUTE_META),
         moe_blocks=tuple(moe_blocks),
         host_copies=tuple(_host_copies(gm)),
+        device_copies=tuple(_device_copies(gm)),
+        offload_choice=offload_choice,
     )
 
 
@@ -131,6 +158,23 @@ def _host_copies(gm: GraphModule) -> list[HostCopy]:
             copies.append(HostCopy(bucket=carried_params(node), bytes=tensor_bytes(node.meta.get("val")),
                                    at=order[node], after_wait=max(waits, default=None),
                                    compute_after=compute_after[order[node]]))
+    return copies
+
+
+def _device_copies(gm: GraphModule) -> list[DeviceCopy]:
+    nodes = list(gm.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    compute_before = [0]
+    for node in nodes:
+        compute_before.append(compute_before[-1] + is_anchor_compute(node))
+    copies = []
+    for node in nodes:
+        if is_device_copy(node):
+            wait = min((order[u] for u in node.users if is_device_copy_wait(u)), default=order[node])
+            copies.append(DeviceCopy(bucket=carried_params(node),
+                                     bytes=tensor_bytes(node.meta.get("val")), at=order[node],
+                                     waited=wait,
+                                     compute_between=compute_before[wait] - compute_before[order[node]]))
     return copies
 
 
@@ -311,6 +355,23 @@ def _host_copies_section(copies: Sequence[HostCopy]) -> str:
                      f"{c.compute_after:>13}  {_bucket(c.bucket)}")
     lines.append("  compute after: matmuls, attention and convolutions the graph runs after the "
                  "copy is issued, which it overlaps; the host reads the shards after the graph")
+    return "\n".join(lines)
+
+
+def _device_copies_section(copies: Sequence[DeviceCopy]) -> str:
+    if not copies:
+        return ""
+    lines = [f"Copies from the host: {len(copies)} bucket(s) of shards, "
+             f"{format_bytes(sum(c.bytes for c in copies))} a step, each issued one bucket ahead "
+             f"of its all-gather on a side stream, waited for where the gather is issued "
+             f"([Note: shards brought from the host])",
+             f"  {'#':>3}  {'bytes':>10} {'copied':>6} {'waited':>6}  {'compute between':>15}  bucket"]
+    for i, c in enumerate(copies):
+        lines.append(f"  {i:>3}  {format_bytes(c.bytes):>10} {c.at:>6} {c.waited:>6}  "
+                     f"{c.compute_between:>15}  {_bucket(c.bucket)}")
+    lines.append("  compute between: matmuls, attention and convolutions the graph runs between "
+                 "the copy's issue and its wait, which it can overlap (the graph's order; not "
+                 "measured on a GPU)")
     return "\n".join(lines)
 
 

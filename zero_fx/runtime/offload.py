@@ -24,9 +24,11 @@ read back for clipping.
 device holds no model state between steps, and each bucket's shards are copied to it right
 before their all-gather ([Note: shards brought from the host]).
 
-Not yet: choosing by a memory budget (``"auto"``), the update overlapped with the next step
-(ZeRO-Offload's delayed parameter update), and the update on the device with the state
-streamed in bucket by bucket.
+Where the optimizer steps (on the host, or on the device with its state streamed through
+bucket by bucket) is ``offload_update``'s ([Note: the update streamed through the device] in
+streamed_update.py); ``offload="auto"`` picks the least offload that fits a device budget
+([Note: choosing what to offload] in offload_choice.py); ``offload_step="overlap"`` runs the
+host's update during the next call ([Note: the delayed update] in update.py).
 """
 
 from __future__ import annotations

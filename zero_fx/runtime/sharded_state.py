@@ -120,6 +120,31 @@ class ShardedState:
             if any(True for _ in module.parameters()):
                 module._apply = RefuseConversion(module)
 
+    @torch.no_grad()
+    def move_to_host(self, plan: ShardPlan) -> None:
+        """Re-place the state for ``plan``, which offloads more than the current plan
+        (``offload="auto"``: [Note: choosing what to offload] in offload_choice.py). The
+        masters (the same ``nn.Parameter`` objects, which the optimizer holds), their
+        gradients and the optimizer's state go to the host. In stage 3 each shard the graph
+        reads becomes a copy in the compute dtype, kept on the device, or on the host with
+        offload="parameters"."""
+        for name, shard in self.shards.items():
+            if plan.params_sharded:
+                kept = self.device_shards.get(name)
+                if kept is None:
+                    kept = shard.detach().to(self.device, dtype=plan.compute_dtype or shard.dtype,
+                                             copy=True)
+                self.device_shards[name] = (to_host(kept, self.device)
+                                            if plan.offloads_parameters else kept)
+            shard.data = to_host(shard.data, self.device)
+            if shard.grad is not None:
+                shard.grad = to_host(shard.grad, self.device)
+            state = self.optimizer.state.get(shard, {})
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = to_host(value, self.device)
+        self.plan = plan
+
     @property
     def offloaded(self) -> bool:
         """The masters and the optimizer's state live in host memory ([Note: optimizer

@@ -25,6 +25,9 @@ from .gloo_all_gather import use_gloo_single_tensor_all_gather
 from .precision import LossScaler, cast_at_model_edge
 from .process_group import (check_current_cuda_device, check_devices_match_backend,
                             collectives_average, training_device, world_of)
+from .offload_choice import (OffloadChoice, agreed_budget, bucket_state_bytes,
+                             choose_before_placing, device_budget, optimizer_state_tensors,
+                             with_mode)
 from .rank_agreement import RankAgreement
 from .sharded_state import ShardedState
 from .update import OptimizerUpdate
@@ -42,6 +45,27 @@ class Sharded:
     scaler: Optional[LossScaler]
     """The fp16 loss scaler; None without loss scaling."""
     agreement: RankAgreement
+    offload_choice: Optional[OffloadChoice] = None
+    """With offload: the mode (``"auto"``'s choice) and where the update runs, and from what
+    ([Note: choosing what to offload])."""
+
+    def offload_more(self, mode: str) -> None:
+        """``offload="auto"`` at the first compilation: move the state to the host for
+        ``mode``, which offloads more than the plan's ([Note: choosing what to offload])."""
+        self.plan = with_mode(self.plan, mode)
+        self.state.move_to_host(self.plan)
+
+    def choose_update(self, requested: str, delayed: bool) -> None:
+        """Where the offloaded optimizer steps ([Note: the update streamed through the
+        device]), once the step's peak is known (the first compilation)."""
+        choice = self.offload_choice
+        choice.choose_update(requested, bucket_state_bytes(self.plan, self.optimizer_state_tensors),
+                             delayed)
+        self.update.steps_through_device = choice.update == "device" and self.plan.offloads_optimizer
+
+    @property
+    def optimizer_state_tensors(self) -> int:
+        return optimizer_state_tensors(self.state.optimizer)
 
 
 def find_model_and_optimizer(args, kwargs, model: Optional[torch.nn.Module],
@@ -83,6 +107,15 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
                            tensor_parallel=tensor_parallel_of(model, world),
                            **config.plan_options(hardware_for(model)))
     plan = dataclasses.replace(plan, device_type=device.type)
+    choice = None
+    if config.offload is not None:  # [Note: choosing what to offload]
+        budget, source = device_budget(config.device_memory, device)
+        budget = agreed_budget(budget, world, device)
+        if config.offload == "auto":
+            choice = choose_before_placing(plan, optimizer, budget, source)
+            plan = with_mode(plan, choice.mode)
+        else:
+            choice = OffloadChoice.given(config.offload, plan, optimizer, budget, source)
     if plan.tensor_parallel is not None and (pretrained is not None or any(
             local_tensor(p).is_meta for p in model.parameters())):
         claim(model, optimizer, None)
@@ -109,7 +142,7 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
                              delayed=config.offload_step == "overlap")
     agreement = RankAgreement(world.ranks if config.debug.check_ranks and not world.simulated else 1)
     _log_plan(plan, world)
-    return Sharded(plan, state, update, scaler, agreement)
+    return Sharded(plan, state, update, scaler, agreement, choice)
 
 
 def _log_plan(plan: ShardPlan, world) -> None:

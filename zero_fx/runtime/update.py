@@ -63,6 +63,7 @@ import torch
 from .failures import completion_check
 from .precision import LossScaler
 from .sharded_state import ShardedState
+from .streamed_update import step_through_device
 
 _c10d = torch.ops._c10d_functional
 
@@ -84,6 +85,9 @@ class OptimizerUpdate:
         update])."""
         self._pending: Optional[Future] = None
         self._host_thread = ThreadPoolExecutor(1, "zero_fx-update") if delayed else None
+        self.steps_through_device = False
+        """Offloaded: the optimizer steps on the device, its state streamed bucket by bucket
+        ([Note: the update streamed through the device] in streamed_update.py)."""
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
         self.scaler = scaler
@@ -189,6 +193,8 @@ class OptimizerUpdate:
         elif self.delayed:
             self._pending = self._host_thread.submit(optimizer.step)
             return
+        elif self.steps_through_device:
+            step_through_device(self.state)
         else:
             optimizer.step()
         self.state.zero_grad()
