@@ -3,7 +3,9 @@ frozen parameters): zero_fx on N ranks, and plain PyTorch on one process doing t
 
 from __future__ import annotations
 
+import collections
 import functools
+import re
 
 import torch
 import torch.nn as nn
@@ -107,7 +109,20 @@ def zero_fx_rank(rank: int, world_size: int, model_name: str, stage: int, optimi
         "optimizer_state_dtypes": {v.dtype for st in opt.state.values() for v in st.values()
                                    if isinstance(v, torch.Tensor) and v.ndim > 0},
         "storage_bytes": {name: p.untyped_storage().nbytes() for name, p in model.named_parameters()},
+        "our_ops": _our_ops(train_step),
     }
+
+
+def _our_ops(train_step) -> dict:
+    """Calls of zero_fx's own ops (the copies between host and device) by name: in the latest
+    rewritten graph, and in the program Inductor lowered it to (empty for other backends)."""
+    graph = collections.Counter(str(node.target.name()).split("::")[1].split(".")[0]
+                                for node in train_step.graphs[-1].graph.nodes
+                                if isinstance(node.target, torch._ops.OpOverload)
+                                and node.target.namespace == "zero_fx")
+    program = collections.Counter(re.findall(r"= torch\.ops\.zero_fx\.(\w+)\.default\(",
+                                             train_step.compilations[-1].program))
+    return {"graph": dict(graph), "program": dict(program)}
 
 
 @functools.lru_cache(maxsize=None)

@@ -63,6 +63,26 @@ def test_parameters_offloaded_too_equal_the_run_without(options):
         torch.bfloat16 if options else torch.float32}
 
 
+def test_inductor_lowers_the_copies_between_host_and_device():
+    """offload="parameters" in one whole-step Inductor program (regional=False): the program
+    calls every copy to and from the host the graph holds (as fallback kernels, in the
+    graph's order), and trains as aot_eager does. Nothing resident, so each bucket is copied
+    from the host before each of its gathers. fp32, 2 ranks, 3 steps: relative error
+    measured 1.0e-7 on the losses and 1.1e-7 on the parameters; bound 5e-7."""
+    options = PARAMETERS + (("resident_max_numel", 0),)
+    lowered = zero_fx_run(2, "gpt", 3, options=options + (("backend", "inductor"),
+                                                         ("regional", False)))
+    eager = zero_fx_run(2, "gpt", 3, options=options)
+    calls = lowered[0]["our_ops"]
+    assert calls["program"] == calls["graph"] == eager[0]["our_ops"]["graph"]
+    assert set(calls["program"]) == {"copy_to_host", "copy_to_device", "wait_device_copy"}
+    assert calls["program"]["copy_to_device"] > 2
+    for a, b in zip(lowered, eager):
+        assert relative(torch.tensor(a["losses"]), torch.tensor(b["losses"])) < 5e-7
+        for name, value in b["params"].items():
+            assert relative(a["params"][name], value) < 5e-7, name
+
+
 def checkpoint_rank(rank, world_size, path):
     """Train with offload at stage 3 and save; load into a run without offload at stage 2,
     and into an offloaded stage 3 again: the whole parameters the three hold."""
