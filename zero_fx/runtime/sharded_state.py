@@ -279,7 +279,7 @@ class ShardedState:
         return [s.grad for s in self.shards.values() if s.grad is not None]
 
     @torch.no_grad()
-    def refresh_parameters(self, frozen: bool = False) -> None:
+    def refresh_parameters(self, frozen: bool = False, fresh: frozenset = frozenset()) -> None:
         """Copy the updated masters into the model's parameters.
 
         Stage 0 with mixed precision: a cast copy of each master. Stages 1-2:
@@ -288,11 +288,13 @@ class ShardedState:
         frozen parameters never change and are skipped unless ``frozen`` (after
         loading a checkpoint). A no-op in stage 0
         without mixed precision (the optimizer stepped on the parameters) and in
-        stage 3 (the next step gathers where it uses them).
+        stage 3 (the next step gathers where it uses them). ``fresh``: offloaded stage 3,
+        the shards the update already wrote on the device ([Note: the update streamed
+        through the device] in streamed_update.py).
         """
         if self.plan.params_sharded and self.offloaded:  # [Note: optimizer offload]
             for name, device_shard in self.device_shards.items():
-                if frozen or self.shards[name].requires_grad:
+                if name not in fresh and (frozen or self.shards[name].requires_grad):
                     device_shard.copy_(self.shards[name].detach(), non_blocking=True)
             return
         if self.plan.params_sharded or self.shards_are_params:

@@ -10,7 +10,10 @@ bucket of shards ([Note: buckets by block] in plan/layout.py) is brought to the 
 its masters, their gradients and every tensor of optimizer state the size of a master.
 The optimizer then steps on those copies there, with the same object, hyperparameters and
 step counters, its param groups narrowed to the bucket's. The updated masters and state go
-back to the same host tensors.
+back to the same host tensors. At stage 3 with ``offload="optimizer"`` each updated master
+is also cast into the shard the graph reads straight from its device copy, so the updated
+parameters need no copy from the host (with the update on the host, each comes back over
+the link in the compute dtype).
 
 The next bucket's copy to the device is issued before this bucket's step, on a side stream
 on a GPU, so that it lands while this bucket steps. The copies back are issued on the
@@ -45,13 +48,16 @@ import torch
 class _Brought:
     """One bucket on the device: (host master, device copy, its host state) for each shard."""
 
+    names: list[str]
     shards: list[tuple[torch.nn.Parameter, torch.nn.Parameter, dict]]
     landed: Optional[torch.cuda.Event]
 
 
-def step_through_device(state) -> None:
+def step_through_device(state) -> frozenset:
     """``state.optimizer.step()`` on the device, one bucket of ``state``'s shards at a time
-    ([Note: the update streamed through the device])."""
+    ([Note: the update streamed through the device]). Returns the names whose device shard
+    (stage 3, offload="optimizer") it wrote from the updated copy, which need no copy from
+    the host."""
     optimizer, plan, device = state.optimizer, state.plan, state.device
     names = [name for name, shard in state.shards.items() if shard.grad is not None]
     buckets = plan.buckets(names)
@@ -59,6 +65,7 @@ def step_through_device(state) -> None:
     every_group = [group["params"] for group in groups]
     group_of = {id(p): index for index, params in enumerate(every_group) for p in params}
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    fresh = set()
     try:
         incoming = _bring(state, buckets[0], side) if buckets else None
         for index in range(len(buckets)):
@@ -67,19 +74,32 @@ def step_through_device(state) -> None:
             if current.landed is not None:
                 compute = torch.cuda.current_stream(device)
                 compute.wait_event(current.landed)
-                for _, copy, _ in current.shards:
-                    copy.record_stream(compute)
-                    copy.grad.record_stream(compute)
+                for _, copy, _ in current.shards:  # made on the side stream, used here
+                    for tensor in (copy, copy.grad, *optimizer.state.get(copy, {}).values()):
+                        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
+                            tensor.record_stream(compute)
             for number, group in enumerate(groups):
                 group["params"] = [copy for host, copy, _ in current.shards
                                    if group_of[id(host)] == number]
             optimizer.step()
+            fresh.update(_cast_into_device_shards(state, current))
             _send_back(optimizer, current)
     finally:
         for group, params in zip(groups, every_group):
             group["params"] = params
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()  # the host reads the masters next
+    return frozenset(fresh)
+
+
+def _cast_into_device_shards(state, brought: _Brought) -> list[str]:
+    """Stage 3 with the shards the graph reads on the device: each updated master cast into
+    its shard there, from the copy already on the device (nothing crosses the host link)."""
+    if not (state.plan.params_sharded and state.device_shards) or state.plan.offloads_parameters:
+        return []
+    for name, (_, copy, _) in zip(brought.names, brought.shards):
+        state.device_shards[name].copy_(copy.detach())
+    return brought.names
 
 
 def _bring(state, names: list[str], side) -> _Brought:
@@ -99,7 +119,7 @@ def _bring(state, names: list[str], side) -> _Brought:
                                          else value for key, value in kept.items()}
             shards.append((host, copy, kept))
         landed = side.record_event() if side is not None else None
-    return _Brought(shards, landed)
+    return _Brought(list(names), shards, landed)
 
 
 def _send_back(optimizer: torch.optim.Optimizer, brought: _Brought) -> None:

@@ -183,6 +183,7 @@ class OptimizerUpdate:
         """The optimizer steps on the shards (or skips, on the device, an overflowed fp16
         step); gradients cleared; parameters refreshed."""
         optimizer = self.state.optimizer
+        fresh = frozenset()
         if self._found_inf is not None:
             optimizer.found_inf = self._found_inf
             try:
@@ -194,11 +195,11 @@ class OptimizerUpdate:
             self._pending = self._host_thread.submit(optimizer.step)
             return
         elif self.steps_through_device:
-            step_through_device(self.state)
+            fresh = step_through_device(self.state)
         else:
             optimizer.step()
         self.state.zero_grad()
-        self.state.refresh_parameters()
+        self.state.refresh_parameters(fresh=fresh)
 
     def settle(self) -> None:
         """Wait for an update still running on the host thread (raising its error), then
