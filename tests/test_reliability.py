@@ -512,7 +512,7 @@ def test_a_failure_after_the_optimizer_refuses_further_calls(monkeypatch):
     model, opt, step = _setup(stage=2)
     step(model, opt, *models.global_batch("mlp", 0))
 
-    def broken_gather():
+    def broken_gather(**options):  # refresh_parameters(fresh=...)
         raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
 
     monkeypatch.setattr(step.state, "refresh_parameters", broken_gather)
@@ -526,6 +526,6 @@ def test_a_failure_after_the_optimizer_refuses_further_calls(monkeypatch):
 def test_errors_that_are_not_communication_pass_through(monkeypatch):
     model, opt, step = _setup(stage=2)
     step(model, opt, *models.global_batch("mlp", 0))
-    monkeypatch.setattr(step.state, "refresh_parameters", lambda: 1 / 0)
+    monkeypatch.setattr(step.state, "refresh_parameters", lambda **options: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         step(model, opt, *models.global_batch("mlp", 1))
