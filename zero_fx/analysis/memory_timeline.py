@@ -117,6 +117,20 @@ def memory_timeline(gm: GraphModule, *, persistent_bytes: int = 0) -> MemoryTime
                           buffer_of={n.name: b.name for n, b in base.items()})
 
 
+def peak_alive(length: int, tensors) -> float:
+    """The most bytes alive at once of ``tensors``, (first node, last node, bytes) each, over
+    a timeline of ``length`` nodes (a subset of a timeline's tensors, or priced again)."""
+    change = [0] * (length + 1)
+    for first, last, nbytes in tensors:
+        change[first] += nbytes
+        change[last + 1] -= nbytes
+    alive = peak = 0
+    for delta in change[:-1]:
+        alive += delta
+        peak = max(peak, alive)
+    return peak
+
+
 def _bases(nodes: list[Node]) -> dict[Node, Node]:
     """Node -> the tensor whose memory it is (for views, getitems and waits): a
     graph-created one, or an input (whose bytes are already persistent)."""

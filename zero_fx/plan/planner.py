@@ -190,7 +190,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch.fx import GraphModule
 
-from ..analysis.memory_timeline import memory_timeline
+from ..analysis.memory_timeline import memory_timeline, peak_alive
 from ..config import DEFAULT_BUCKET_BYTES, DEFAULT_PERSISTENCE_THRESHOLD
 from .layout import BLOCKS, ShardPlan, block_of, plan_for_module
 from .models import ModelSource, on_meta
@@ -702,7 +702,7 @@ def _streamed_peak(gm: GraphModule) -> float:
     end = len(timeline.transient) - 1
     outputs = sorted(t.index for t in timeline.tensors if t.last_use == end)
     following = dict(zip(outputs, outputs[1:] + [end]))
-    return _peak(len(timeline.transient),
+    return peak_alive(len(timeline.transient),
                  ((t.index, following[t.index] if t.last_use == end else t.last_use, t.bytes)
                   for t in timeline.tensors))
 
@@ -966,24 +966,10 @@ def _tensor_parallel_prices(gm: GraphModule, plan: ShardPlan, split: frozenset, 
 
     kept = [t for t in timeline.tensors if t.node not in params and t.phase == "forward"
             and t.last_use < len(timeline.phases) and timeline.phases[t.last_use] == "backward"]
-    return {"tp": _peak(len(timeline.transient),
+    return {"tp": peak_alive(len(timeline.transient),
                         ((t.index, t.last_use, priced(t)) for t in timeline.tensors)),
             ("kept", 1): float(sum(t.bytes for t in kept)),
             ("kept", "tp"): sum(priced(t) for t in kept)}
-
-
-def _peak(length: int, tensors) -> float:
-    """The most bytes alive at once of ``tensors``, (first node, last node, bytes) each, over
-    a timeline of ``length`` nodes."""
-    change = [0.0] * (length + 1)
-    for first, last, nbytes in tensors:
-        change[first] += nbytes
-        change[last + 1] -= nbytes
-    alive, peak = 0.0, 0.0
-    for delta in change[:-1]:
-        alive += delta
-        peak = max(peak, alive)
-    return peak
 
 
 def _expert_parallel_row(report: PlanReport, plan: ShardPlan, degree: int, traced: dict,
@@ -1077,7 +1063,7 @@ def _peaks_by_degree(gm: GraphModule, plan: ShardPlan, experts: ExpertBlocks, to
         rows_scale = _buffer_rows(tokens, p, e, k, capacity_factor) / (tokens * k)
         return (1 - share + share / p) * rows_scale
 
-    return {p: _peak(len(timeline.transient), ((first, last, nbytes * scale(p, share, rows))
+    return {p: peak_alive(len(timeline.transient), ((first, last, nbytes * scale(p, share, rows))
                                                for first, last, nbytes, share, rows in priced))
             for p in degrees}
 

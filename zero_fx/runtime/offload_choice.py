@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule
 
-from ..analysis.memory_timeline import memory_timeline
+from ..analysis.memory_timeline import memory_timeline, peak_alive
 from ..formatting import format_bytes
 from ..passes.host_copies import is_host_copy
 from ..passes.predicates import is_param_input, tensor_bytes
@@ -97,15 +97,8 @@ def device_peak(gm: GraphModule, plan, state_tensors: int) -> int:
     once, less the copies on their way to the host."""
     host = {node.name for node in gm.graph.nodes if is_host_copy(node)}
     timeline = memory_timeline(gm)
-    change = [0] * (len(timeline.transient) + 1)
-    for tensor in timeline.tensors:
-        if tensor.node not in host:
-            change[tensor.index] += tensor.bytes
-            change[tensor.last_use + 1] -= tensor.bytes
-    working = alive = 0
-    for delta in change:
-        alive += delta
-        working = max(working, alive)
+    working = peak_alive(len(timeline.transient), ((t.index, t.last_use, t.bytes)
+                                                   for t in timeline.tensors if t.node not in host))
     return device_between_steps(gm, plan, state_tensors) + working
 
 
