@@ -13,6 +13,7 @@ from .gather_params import gather_params
 from .order_weight_grads import order_weight_grads
 from .pipeline import PASS_ORDER, NamedPass, Placed, after, before, build_pipeline, pass_names, run_pipeline
 from .predicates import mark_step_graph
+from .quantize_collectives import quantize_collectives
 from .recompute_activations import recompute_activations
 from .recompute_param_views import recompute_param_views
 from .reduce_grads import reduce_grads
@@ -38,6 +39,7 @@ __all__ = [
     "recompute_param_views",
     "reduce_grads",
     "pass_names",
+    "quantize_collectives",
     "run_pipeline",
     "scale_loss",
     "schedule_collectives",

@@ -16,6 +16,7 @@ from .bucket_collectives import bucket_collectives
 from .check_invariants import InvariantError, check_invariants
 from .gather_params import gather_params
 from .order_weight_grads import order_weight_grads
+from .quantize_collectives import quantize_collectives
 from .recompute_activations import recompute_activations
 from .recompute_param_views import recompute_param_views
 from .reduce_grads import reduce_grads
@@ -65,6 +66,7 @@ PASS_ORDER = (
     ("accumulate_embedding_grads", accumulate_embedding_grads),
     ("reduce_grads", reduce_grads),
     ("bucket_collectives", bucket_collectives),
+    ("quantize_collectives", quantize_collectives),
     ("schedule_collectives", schedule_collectives),
     ("check_invariants", check_invariants),
 )

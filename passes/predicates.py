@@ -83,8 +83,16 @@ def is_all_reduce(node: Node) -> bool:
     return _target_is(node, _c10d.all_reduce.default)
 
 
+def is_all_to_all(node: Node) -> bool:
+    """A quantized reduction's all-to-all ([Note: reductions as all-to-alls] in
+    passes/quantized_code.py); expert parallelism's exchanges are ops of their own
+    (``is_token_exchange``), tensor parallelism's are tagged."""
+    return _target_is(node, _c10d.all_to_all_single.default)
+
+
 def is_collective(node: Node) -> bool:
-    return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node)
+    return (is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node)
+            or is_all_to_all(node))
 
 
 def is_token_exchange(node: Node) -> bool:

@@ -45,6 +45,7 @@ from .predicates import (
     is_collective,
     is_wait,
     phase_of,
+    tensor_bytes,
 )
 
 
@@ -77,7 +78,7 @@ def _prefetch_gathers(gm: GraphModule, plan, phase: Phase) -> None:
     waits = [_wait_of(g) for g in gathers]
     issued_at = {g: order[g] for g in gathers}
     last_use = {g: _last_use(g, order) for g in gathers}
-    nbytes = {g: g.meta["val"].numel() * g.meta["val"].element_size() for g in gathers}
+    nbytes = {g: _gathered_bytes(g, order) for g in gathers}
     for i, gather in enumerate(gathers):
         for distance in range(min(plan.prefetch, i), 0, -1):
             anchor = waits[i - distance]
@@ -136,9 +137,20 @@ def _sink_reduction_waits(gm: GraphModule, overlap: int) -> None:
 
 def _chained(collective: Node) -> bool:
     """A collective that reduces what another one of the same bucket returned: hybrid
-    sharding's all-reduce across replicas of a reduce-scatter's shard."""
-    return any(is_wait(i) and carried_params(i) == carried_params(collective)
-               for i in collective.all_input_nodes)
+    sharding's all-reduce across replicas of a reduce-scatter's shard (read directly, or
+    through the code between them: a quantized shard's dequantization, sum and
+    requantization)."""
+    carries = carried_params(collective)
+    seen, stack = set(), list(collective.all_input_nodes)
+    while stack:
+        node = stack.pop()
+        if node in seen or carried_params(node) != carries:
+            continue
+        if is_wait(node):
+            return True
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return False
 
 
 def _segments(tail: list[Node]) -> list[list[Node]]:
@@ -180,6 +192,13 @@ def _tail(wait: Node, order) -> list[Node]:
             tail.add(node)
             stack.extend(node.users)
     return sorted(tail, key=order.__getitem__)
+
+
+def _gathered_bytes(gather: Node, order) -> int:
+    """Bytes of the buffer a gather fills once waited for: its output, or where it moves
+    quantized bytes, the dequantized buffer its parameters are copied out of (the
+    largest value of its tail)."""
+    return max(tensor_bytes(n.meta.get("val")) for n in _tail(_wait_of(gather), order))
 
 
 def _last_use(gather: Node, order) -> int:

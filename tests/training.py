@@ -22,6 +22,14 @@ SMALL_BUCKETS = (("bucket_bytes", 4096), ("persistence_threshold", 0), ("prefetc
 """Several buckets per phase in the test GPT, prefetched two ahead, nothing resident."""
 
 
+class Frozen(dict):
+    """A dict option value (``quantize_weights={"forward": ...}``) that can sit in the
+    options tuple of a cached run (hashable; never changed)."""
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.items())))
+
+
 def zero_fx_rank(rank: int, world_size: int, model_name: str, backend: str, optimizer: str,
                  stage: int = 3, broken: str = "", options: tuple = (), meta: bool = False):
     """Train STEPS steps with @zero_compile(stage=..., **dict(options)) on this rank's slice

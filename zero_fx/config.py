@@ -8,11 +8,12 @@ import functools
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .passes.pipeline import pass_names
+from .passes.quantized_code import check_block
 from .passes.recompute_activations import ActivationBudget
 from .plan.layout import BLOCKS
 
@@ -245,6 +246,21 @@ class ZeroConfig:
     call's forward and backward run, which then read parameters one step stale
     (ZeRO-Offload's delayed parameter update, [Note: the delayed update] in
     zero_fx/runtime/update.py); ``"sync"``: every call reads the latest parameters."""
+    quantize_weights: Union[None, str, Mapping[str, Optional[str]]] = None
+    """Stage 3: the all-gathers move the parameters block-quantized, dequantized before
+    use (ZeRO++'s qwZ; [Note: quantized blocks on the wire] in passes/quantized_code.py):
+    ``"int8"`` or ``"fp8"`` (e4m3) for every gather, or ``{"forward": ..., "backward":
+    ...}`` to choose each phase's apart (None in it: that phase's gathers as they are).
+    The masters, the optimizer and the shards stay in full precision: only the copy on the
+    wire is quantized. None: gathers move the parameters' own dtype."""
+    quantize_gradients: Optional[str] = None
+    """Stages 1-3: each gradient reduction moves ``"int8"`` or ``"int4"`` blocks by
+    all-to-all, summed in fp32 on arrival (ZeRO++'s qgZ; [Note: reductions as
+    all-to-alls] in passes/quantized_code.py); with hybrid sharding, the all-reduce across
+    replicas too where that moves fewer bytes. None: reductions in the gradients' dtype."""
+    quantize_block: int = 256
+    """Elements per quantized block (one fp32 scale each, 4 bytes): a multiple of 8.
+    Smaller blocks follow the values more closely and move more scales."""
     debug: DebugOptions = field(default_factory=DebugOptions)
     """Dumps, disabled passes, the ranks' agreement check and Inductor schedule pinning
     (``DebugOptions``)."""
@@ -307,6 +323,8 @@ class ZeroConfig:
             raise ValueError("offload_step='overlap' makes every call read parameters one step "
                              "stale, and with offload='auto' whether it applies would depend on "
                              "memory: choose offload='optimizer' or 'parameters' with it")
+        check_quantization(self.quantize_weights, self.quantize_gradients, self.quantize_block,
+                           self.stage, self.accumulation_steps)
         if self.init_fn is not None and not callable(self.init_fn):
             raise TypeError(f"init_fn must be a callable init_fn(module), got {type(self.init_fn).__name__}")
 
@@ -347,6 +365,9 @@ class ZeroConfig:
             # "auto" is resolved when the model is sharded (runtime/offload_choice.py)
             "offload": None if self.offload == "auto" else self.offload,
             "offload_step": self.offload_step,
+            "quantize_weights": weight_formats(self.quantize_weights),
+            "quantize_gradients": self.quantize_gradients,
+            "quantize_block": self.quantize_block,
             **(self.mixed_precision.plan_options() if self.mixed_precision else {}),
         }
 
@@ -570,6 +591,49 @@ def check_offload_update(where, offload, offload_step: str) -> None:
     if where == "device" and offload_step == "overlap":
         raise ValueError("offload_step='overlap' runs the optimizer on a host thread during the "
                          "next call: it goes with offload_update='host' (or 'auto'), not 'device'")
+
+
+WEIGHT_FORMATS = ("int8", "fp8")
+GRADIENT_FORMATS = ("int8", "int4")
+PHASES = ("forward", "backward")
+
+
+def weight_formats(quantize_weights) -> tuple:
+    """``quantize_weights`` as (the forward's format, the backward's)."""
+    if isinstance(quantize_weights, Mapping):
+        return tuple(quantize_weights.get(phase) for phase in PHASES)
+    return (quantize_weights, quantize_weights)
+
+
+def check_quantization(weights, gradients, block, stage: int, accumulation_steps: int) -> None:
+    """The quantized-communication options make sense together ([Note: quantized blocks
+    on the wire] in passes/quantized_code.py)."""
+    if isinstance(weights, Mapping):
+        unknown = set(weights) - set(PHASES)
+        if unknown:
+            raise ValueError(f"quantize_weights takes the phases {PHASES} as keys, got "
+                             f"{sorted(unknown)}")
+    for fmt in weight_formats(weights):
+        if fmt is not None and fmt not in WEIGHT_FORMATS:
+            raise ValueError(f"quantize_weights must be None, one of {WEIGHT_FORMATS} or "
+                             f"{{'forward': ..., 'backward': ...}} of them; got {weights!r}"
+                             + (" (int4 is for gradients: quantize_gradients='int4')"
+                                if fmt == "int4" else ""))
+    if any(weight_formats(weights)) and stage != 3:
+        raise ValueError(f"quantize_weights quantizes stage 3's gathers of the parameters; "
+                         f"stage {stage} keeps whole parameters on every rank and gathers "
+                         f"none in the step: use stage=3, or leave quantize_weights unset")
+    if gradients is not None and gradients not in GRADIENT_FORMATS:
+        raise ValueError(f"quantize_gradients must be None or one of {GRADIENT_FORMATS}, "
+                         f"got {gradients!r}")
+    if gradients is not None and stage == 0:
+        raise ValueError("quantize_gradients quantizes the reduce-scatter of stages 1-3; "
+                         "stage 0 all-reduces whole gradients: use stage >= 1")
+    if gradients is not None and stage == 1 and accumulation_steps > 1:
+        raise ValueError("quantize_gradients quantizes the reductions in the step's graph; "
+                         "stage 1 with accumulation_steps > 1 reduces the summed gradients "
+                         "outside it, once per optimizer step: use stage 2 or 3 with it")
+    check_block(block)
 
 
 def check_mesh(mesh, stage: int) -> None:

@@ -22,6 +22,7 @@ import time
 from .analysis.cost_model import PRESETS, estimate
 from .plan.offline import rewritten_step_on_fake
 from .analysis.traffic import traffic_report
+from .config import GRADIENT_FORMATS, WEIGHT_FORMATS
 from .inspection.explain import explain_graph
 from .plan.cli import add_dtype_argument
 from .plan.models import (MODEL_NAMES_HELP, NAMED, embedding_rows, import_builder, named_builder,
@@ -72,6 +73,12 @@ def make_parser() -> argparse.ArgumentParser:
                              "issued (zero_compile's reduce_overlap_buckets; default 1)")
     parser.add_argument("--prefetch", type=int, default=None, metavar="N",
                         help="the old option: both of the above")
+    parser.add_argument("--quantize-weights", default=None, choices=WEIGHT_FORMATS,
+                        help="stage 3: gathers move quantized blocks (docs/quantization.md)")
+    parser.add_argument("--quantize-gradients", default=None, choices=GRADIENT_FORMATS,
+                        help="reductions move quantized blocks, summed in fp32")
+    parser.add_argument("--quantize-block", type=int, default=256, metavar="N",
+                        help="elements per quantized block (default 256)")
     parser.add_argument("--traffic", action="store_true", help="also print every collective")
     parser.add_argument("--explain", action="store_true",
                         help="print the whole explain() report of the planned step instead")
@@ -99,7 +106,9 @@ def main(argv=None) -> None:
     gm, plan = rewritten_step_on_fake(
         build, batch=args.batch, seq=args.seq, vocab_size=args.vocab or vocab_size_of(build),
         world_size=shards, replicas=replicas, stage=args.stage, dtype=args.dtype,
-        bucket_bytes=args.bucket_bytes, **overlap_options(args))
+        bucket_bytes=args.bucket_bytes, quantize_weights=args.quantize_weights,
+        quantize_gradients=args.quantize_gradients, quantize_block=args.quantize_block,
+        **overlap_options(args))
     print(f"planned in {time.perf_counter() - start:.1f} s: {plan.total_numel / 1e9:.2f}B "
           f"parameters, {len(gm.graph.nodes)} nodes", file=sys.stderr)
     if args.explain:

@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..passes.predicates import collective_group, is_token_exchange_op, token_exchange_numel
-from .traffic import ALL_TO_ALL, KIND_OF_COLLECTIVE, KINDS, TP_PREFIX, tensor_parallel_kind
+from .traffic import (ALL_TO_ALL, KIND_OF_COLLECTIVE, KINDS, TP_PREFIX, dtype_name,
+                      tensor_parallel_kind)
 
 _c10d = torch.ops._c10d_functional
 
@@ -33,6 +34,8 @@ class CollectiveCounter(TorchDispatchMode):
         self.numel: Counter = Counter({kind: 0 for kind in KINDS})
         self.bytes: Counter = Counter({kind: 0 for kind in KINDS})
         self.launches: Counter = Counter({kind: 0 for kind in KINDS})
+        self.bytes_by_dtype: Counter = Counter()
+        """Bytes per dtype moved ("float32", "uint8" for quantized blocks), all kinds together."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -40,11 +43,14 @@ class CollectiveCounter(TorchDispatchMode):
             numel = token_exchange_numel(args[0], out)
             self.numel[ALL_TO_ALL] += numel
             self.bytes[ALL_TO_ALL] += numel * args[0].element_size()
+            self.bytes_by_dtype[dtype_name(args[0].dtype)] += numel * args[0].element_size()
             self.launches[ALL_TO_ALL] += 1
             return out
         kind = KIND_OF_COLLECTIVE.get(func.overloadpacket)
         if kind is None and func.overloadpacket != _c10d.all_to_all_single:
             return out
+        if kind is None:  # a quantized reduction ([Note: reductions as all-to-alls])
+            kind = ALL_TO_ALL
         tensor_parallel = self.tensor_parallel_group()
         if tensor_parallel and collective_group((*args, *(kwargs or {}).values())) == tensor_parallel:
             kind = tensor_parallel_kind(func)
@@ -54,6 +60,8 @@ class CollectiveCounter(TorchDispatchMode):
             buffers = tree_leaves(out if gathers else args[0])
             self.numel[kind] += sum(b.numel() for b in buffers)
             self.bytes[kind] += sum(b.numel() * b.element_size() for b in buffers)
+            for b in buffers:
+                self.bytes_by_dtype[dtype_name(b.dtype)] += b.numel() * b.element_size()
             self.launches[kind] += 1
         return out
 

@@ -38,6 +38,7 @@ from ..passes.predicates import (
     grad_slots,
     is_all_gather,
     is_all_reduce,
+    is_all_to_all,
     is_collective,
     is_reduce_scatter,
     is_tensor_parallel_collective,
@@ -74,6 +75,11 @@ KIND_OF_COLLECTIVE = {
 }
 """A functional collective's kind, by its packet: the plain variants, the in-place and out=
 ones (what Inductor calls) and the coalesced ones."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> "float32"."""
+    return str(dtype).removeprefix("torch.")
 
 
 def tensor_parallel_kind(op) -> Optional[str]:
@@ -154,6 +160,15 @@ class TrafficReport:
             totals[c.kind] += value(c)
         return dict(totals)
 
+    def bytes_by_dtype(self) -> dict[str, int]:
+        """Bytes per step by the dtype they move in ("float32", "bfloat16", "uint8" for
+        quantized blocks: [Note: quantized blocks on the wire] in passes/quantized_code.py),
+        every kind together."""
+        totals = Counter()
+        for c in self.collectives:
+            totals[dtype_name(c.dtype)] += c.bytes
+        return dict(totals)
+
     def psi_by_kind(self) -> dict[str, float]:
         """Elements per kind as a multiple of Ψ (padding makes it a little above the table)."""
         return {kind: numel / self.psi for kind, numel in self.numel_by_kind().items()}
@@ -187,7 +202,7 @@ class TrafficReport:
             lines.append(f"  {'#':>3}  {'kind':<14} {'dtype':<8} {'elements':>11}  {'phase':<10} "
                          f"{'issued':>6} {'waited':>6}  bucket")
             for i, c in enumerate(self.collectives):
-                lines.append(f"  {i:>3}  {c.kind:<14} {str(c.dtype).removeprefix('torch.'):<8} "
+                lines.append(f"  {i:>3}  {c.kind:<14} {dtype_name(c.dtype):<8} "
                              f"{c.numel:>11,}  {c.phase:<10} {_position(c.issued_at):>6} "
                              f"{_position(c.waited_at):>6}  {', '.join(c.bucket)}"
                              + (f" ({c.group})" if c.group != SHARD_GROUP else ""))
@@ -205,6 +220,10 @@ class TrafficReport:
                                                  f" = {psi[kind]:.3f} Ψ")
                  + f" ({nbytes[kind]:,} B)"
                  for kind, numel in self.numel_by_kind().items() if numel]
+        by_dtype = self.bytes_by_dtype()
+        if len(by_dtype) > 1:
+            kinds.append("by dtype " + ", ".join(f"{dtype} {nbytes:,} B"
+                                                 for dtype, nbytes in by_dtype.items()))
         launches = sum(self.launches_by_kind().values())
         wire = f"on the wire (ring) per rank: {self.wire_bytes():,} B"
         by_group = self.wire_bytes_by_group()
@@ -308,6 +327,8 @@ def _describe(node: Node, position: dict[Node, int], plan) -> Collective:
         kind, buffer = "all_gather", node.meta["val"]
     elif is_reduce_scatter(node):
         kind, buffer = "reduce_scatter", node.args[0].meta["val"]
+    elif is_all_to_all(node):  # a quantized reduction ([Note: reductions as all-to-alls])
+        kind, buffer = ALL_TO_ALL, node.args[0].meta["val"]
     else:
         assert is_all_reduce(node), node
         kind, buffer = "all_reduce", node.meta["val"]

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from ..passes.predicates import (
     ANCHOR_OPS,
     is_all_gather,
+    is_all_to_all,
     is_anchor_compute,
     is_collective,
     is_reduce_scatter,
@@ -134,11 +135,12 @@ def inductor_keeps_as_kernel(node: Node) -> bool:
 
 def _kind(node) -> str:
     return "all_gather" if is_all_gather(node) else (
-        "reduce_scatter" if is_reduce_scatter(node) else "all_reduce")
+        "reduce_scatter" if is_reduce_scatter(node) else
+        "all_to_all" if is_all_to_all(node) else "all_reduce")
 
 
 _C10D = r"torch\.ops\._c10d_functional\."
-_ISSUE_RE = re.compile(_C10D + r"(all_gather_into_tensor|reduce_scatter_tensor|all_reduce)(_out|_)?"
+_ISSUE_RE = re.compile(_C10D + r"(all_gather_into_tensor|reduce_scatter_tensor|all_reduce|all_to_all_single)(_out|_)?"
                        r"\.default\((?P<args>.*)\)\s*$")
 _WAIT_RE = re.compile(_C10D + r"wait_tensor\.default\((?P<buf>\w+)\)")
 _ASSIGN_RE = re.compile(r"^(?P<lhs>\w+) = (?P<rhs>.*)$")
@@ -146,7 +148,7 @@ _ALIAS_RE = re.compile(r"^(?P<lhs>\w+) = (?:reinterpret_tensor\()?(?P<rhs>buf\w+
 _ANCHOR_RE = re.compile(r"\bextern_kernels\.(?:%s)\(|torch\.ops\.aten\.(?:%s|\w*scaled_dot_product\w*)"
                         r"\.default\(" % ("|".join(ANCHOR_OPS), "|".join(ANCHOR_OPS)))
 _ISSUE_KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-               "all_reduce": "all_reduce"}
+               "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
 
 
 def lowered_schedule(source: str, skip_groups: Collection[str] = ()) -> Optional[Schedule]:

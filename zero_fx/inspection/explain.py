@@ -255,6 +255,26 @@ def _tensor_parallel_lines(plan) -> list[str]:
             f"rank; DTensor's tp collectives stay in the step where its placements put them"]
 
 
+def _quantization_lines(plan) -> list[str]:
+    """What ``quantize_collectives`` moves quantized ([Note: quantized blocks on the wire])."""
+    forward, backward = getattr(plan, "quantize_weights", (None, None))
+    gradients = getattr(plan, "quantize_gradients", None)
+    if not (forward or backward or gradients):
+        return []
+    parts = []
+    if forward or backward:
+        parts.append("gathers " + (forward if forward == backward else
+                                   f"{forward or 'unquantized'} in the forward, "
+                                   f"{backward or 'unquantized'} in the backward"))
+    if gradients:
+        parts.append(f"reductions {gradients} by all-to-all, summed in fp32"
+                     + (" (across replicas too, where it moves fewer bytes)"
+                        if plan.replicas > 1 else ""))
+    return [f"  quantized communication: {'; '.join(parts)}; blocks of {plan.quantize_block} "
+            f"elements with an fp32 scale each; masters and shards in full precision "
+            f"([Note: quantized blocks on the wire])"]
+
+
 def _plan_section(plan, moe_blocks: Sequence[RoutedExperts] = ()) -> str:
     lines = ["Plan"]
     dtypes = sorted({short_dtype(l.dtype) for l in plan.params})
@@ -280,6 +300,7 @@ def _plan_section(plan, moe_blocks: Sequence[RoutedExperts] = ()) -> str:
         lines.append(f"  mixed precision: compute and gather {short_dtype(plan.compute_dtype)}, reduce "
                      f"{short_dtype(plan.reduce_dtype or plan.compute_dtype)}, masters and optimizer "
                      f"state {'/'.join(dtypes)}" + (", loss scaled" if plan.loss_scaled else ""))
+    lines += _quantization_lines(plan)
     if getattr(plan, "offloads_optimizer", False):
         lines.append("  offload: the fp32 masters and the optimizer's state in host memory, where "
                      "the optimizer steps; each gradient shard streams to the host in the graph "

@@ -18,6 +18,7 @@ from ..passes.predicates import (
     grad_slots,
     is_all_gather,
     is_all_reduce,
+    is_all_to_all,
     is_param_input,
     is_reduce_scatter,
     is_wait,
@@ -27,7 +28,7 @@ from ..passes.predicates import (
 )
 from ..passes.recompute_activations import RECOMPUTED_META
 
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 ARGS_WIDTH = 110
 NAME_WIDTH = 40
@@ -116,9 +117,11 @@ def _kind_and_note(node: Node, plan) -> tuple[str, str]:
         return "input", "input of the step"
     if node.op == "output":
         return "output", ""
-    for kind, test in zip(COLLECTIVE_KINDS, (is_all_gather, is_reduce_scatter, is_all_reduce)):
+    for kind, test in zip(COLLECTIVE_KINDS, (is_all_gather, is_reduce_scatter, is_all_reduce,
+                                             is_all_to_all)):
         if test(node):
-            buffer = node.args[0].meta["val"] if kind == "reduce_scatter" else node.meta["val"]
+            buffer = (node.args[0].meta["val"] if kind in ("reduce_scatter", "all_to_all")
+                      else node.meta["val"])
             nbytes = tensor_bytes(buffer)
             return kind, (f"{kind.upper().replace('_', '-')} {format_bytes(nbytes)} of "
                           f"{_members(carried_params(node))}"

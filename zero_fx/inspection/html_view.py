@@ -19,6 +19,7 @@ LEGEND = (
     ("all_gather", "all-gather"),
     ("reduce_scatter", "reduce-scatter"),
     ("all_reduce", "all-reduce"),
+    ("all_to_all", "all-to-all (a quantized reduction)"),
     ("wait", "wait"),
     ("gathered", "full parameter"),
     ("param", "parameter input"),
@@ -40,7 +41,8 @@ td.lane { width: 6px; padding: 0; } td.lane.on { border-left: 3px solid #888; }
 .all_gather { background: #cfe3ff; } td.lane.all_gather { border-color: #2f6fd6; background: none; }
 .reduce_scatter { background: #ffe0c2; } td.lane.reduce_scatter { border-color: #e07b12; background: none; }
 .all_reduce { background: #f3d4f7; } td.lane.all_reduce { border-color: #a23bb5; background: none; }
-tr.all_gather td, tr.reduce_scatter td, tr.all_reduce td { font-weight: 600; }
+.all_to_all { background: #ffd6d6; } td.lane.all_to_all { border-color: #c23a3a; background: none; }
+tr.all_gather td, tr.reduce_scatter td, tr.all_reduce td, tr.all_to_all td { font-weight: 600; }
 .wait { background: #e6e6e6; } .gathered { background: #d9f2d9; } .param { background: #eef8e6; }
 .comm { background: #f7f7fb; } .recomputed { background: #fff1c2; }
 tr.hl-in td { outline: 2px solid #2a2; } tr.hl-out td { outline: 2px solid #d22; }

@@ -164,6 +164,16 @@ class ShardPlan:
     device_type: str = "cpu"
     """The training device's type ("cuda", "cpu"): where a shard kept on the host is copied
     to (offload="parameters"). Not its index, which differs by rank."""
+    quantize_weights: tuple = (None, None)
+    """Stage 3: the format (``"int8"``, ``"fp8"``) the forward's and the backward's
+    all-gathers move, or None for the parameters' own dtype ([Note: quantized blocks on
+    the wire] in passes/quantized_code.py)."""
+    quantize_gradients: Optional[str] = None
+    """The format (``"int8"``, ``"int4"``) gradient reductions move, summed in fp32 on
+    arrival ([Note: reductions as all-to-alls] in passes/quantized_code.py); None: their
+    own dtype."""
+    quantize_block: int = 256
+    """Elements per block of a quantized collective (one fp32 scale each)."""
 
     @property
     def offloads_optimizer(self) -> bool:
@@ -318,6 +328,9 @@ def make_plan(
     tensor_parallel: Optional[TensorParallel] = None,
     offload: Optional[str] = None,
     offload_step: str = "sync",
+    quantize_weights: tuple = (None, None),
+    quantize_gradients: Optional[str] = None,
+    quantize_block: int = 256,
 ) -> ShardPlan:
     """Lay out parameters ``(name, shape, dtype, requires_grad)`` over ``world_size`` ranks.
 
@@ -390,6 +403,9 @@ def make_plan(
         tensor_parallel=tensor_parallel,
         offload=offload,
         offload_step=offload_step,
+        quantize_weights=tuple(quantize_weights),
+        quantize_gradients=quantize_gradients,
+        quantize_block=quantize_block,
     )
 
 
