@@ -211,7 +211,18 @@ class _ProcessState:
         torch.set_default_dtype(self.dtype)
         torch.set_grad_enabled(True)
         os.chdir(self.cwd)
-        gc.collect()
+        settle()
+
+
+def settle() -> None:
+    """Collects what a run left, then freezes what remains (the process between runs:
+    modules, caches) out of the collector's sight. Each later ``gc.collect()`` and
+    ``gc.get_objects()`` (the harness's memory probe calls three and two per run) then walks
+    the run's own objects only: a full walk of a rank's ~360k objects took 0.22 s per collect
+    on the 2-core box, about 0.9 s per run with the probe and this clean-up. What was frozen
+    stays alive for good; it is what a rank keeps between runs anyway."""
+    gc.collect()
+    gc.freeze()
 
 
 def _forget_groups() -> None:
@@ -229,6 +240,7 @@ def _forget_groups() -> None:
 def _serve(rank, world_size, folder, tasks, results):
     _start_rank(rank, world_size, folder, GROUP_TIMEOUT_S)
     clean = _ProcessState()
+    settle()
     while (task := tasks.get()) is not None:
         fn, args, environment = task
         _take_environment(environment)
@@ -240,6 +252,10 @@ def _serve(rank, world_size, folder, tasks, results):
 def _start_rank(rank, world_size, folder, timeout_s) -> None:
     faulthandler.enable()  # a rank that crashes in C++ prints its Python stack
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # and a stuck one, when asked
+    # the cores shared among the ranks, as torchrun does (OMP_NUM_THREADS=1 for several ranks):
+    # four ranks of two OpenMP threads each, spinning on two cores, took 0.6 s over a step
+    # of the test GPT that takes 0.05 s at two ranks
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     # a rank that fails makes its peers' collectives time out instead of hanging the suite
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
