@@ -46,8 +46,14 @@ from zero_fx.capture.grouped_mm import grouped_linear  # noqa: E402
 
 STEPS = 3
 STAGES = (0, 1, 2, 3)
+PARITY = 1e-5
+UPDATE_PARITY = 1e-4
+"""Bound on the relative error of each parameter's change over the run (final - initial):
+three steps move a weight by a fraction of a percent, so the bound on the parameter itself
+passes a gradient 1% off; its change shows it. Measured: at most 1e-5 (fp32)."""
+MOE_MODELS = {"mixtral": hf_models.tiny_mixtral, "qwen3_moe": hf_models.tiny_qwen3_moe}
 FP32_GRID = {(name, stage): 2 if (stage + index) % 2 == 0 else 4
-             for index, name in enumerate(("mixtral", "qwen3_moe")) for stage in STAGES}
+             for index, name in enumerate(MOE_MODELS) for stage in STAGES}
 """(model, stage) -> the world size its fp32 parity run takes: every pair of the three
 factors is covered (each model at every stage, each stage at both world sizes, each model at
 both), not every triple. Mixtral at stages 0 and 2 on two ranks, 1 and 3 on four; Qwen3-MoE
@@ -55,12 +61,6 @@ the other way round. What a third factor adds to a pair is not MoE's: the world 
 changes the shards' padding and the number of slices the aux loss averages over, which the
 stage does not touch, and the dense models' grid (tests/test_parity.py) runs every stage
 at every world size. The full 16 took 228 s of the suite's 42 minutes (2026-11-27)."""
-PARITY = 1e-5
-UPDATE_PARITY = 1e-4
-"""Bound on the relative error of each parameter's change over the run (final - initial):
-three steps move a weight by a fraction of a percent, so the bound on the parameter itself
-passes a gradient 1% off; its change shows it. Measured: at most 1e-5 (fp32)."""
-MOE_MODELS = {"mixtral": hf_models.tiny_mixtral, "qwen3_moe": hf_models.tiny_qwen3_moe}
 LAYERS = 1
 """Decoder layers of the parity grid's models: with one, each case's capture and passes
 take about a third less than with two (blocks sharing compiled bodies are
