@@ -1,8 +1,8 @@
 """Mixture-of-experts models ([Note: routed experts with fixed shapes] in
 zero_fx/capture/routed_experts.py): HF Mixtral and Qwen3-MoE train under @zero_compile
-like single-process HF eager (stages 0-3 at world sizes 2 and 4, pairwise: ``FP32_GRID``;
-bf16 and expert-parallel cases), the other HF blocks zero_fx recognises train like eager
-at world size 1, a looping block of another shape is named in the capture error, and the
+like single-process HF eager (stages 0-3 and bf16 at world size 2, ``FP32_GRID``;
+expert-parallel cases at 4), the other HF blocks zero_fx recognises train like eager at
+world size 1, a looping block of another shape is named in the capture error, and the
 pieces (the grouped matmul op, the probe, the rewritten forward) are checked on their own.
 
 The reference for world size N is single-process HF eager on the same global batch, taken
@@ -17,7 +17,7 @@ Cost: one process group per world size; each rank trains every case in turn (a f
 model, optimizer and step each), and the tests read the cached results. Measured on the
 2-core box (2026-11-26): with two-layer models and other jobs running, the world-2 launch
 60-105 s, the world-4 launch 125-165 s; on the quiet machine 61 and 113 s. One layer
-(``LAYERS``) since, and half the fp32 cases (``FP32_GRID``).
+(``LAYERS``) since, and the fp32 cases at two ranks only (``FP32_GRID``).
 """
 
 from __future__ import annotations
@@ -52,15 +52,15 @@ UPDATE_PARITY = 1e-4
 three steps move a weight by a fraction of a percent, so the bound on the parameter itself
 passes a gradient 1% off; its change shows it. Measured: at most 1e-5 (fp32)."""
 MOE_MODELS = {"mixtral": hf_models.tiny_mixtral, "qwen3_moe": hf_models.tiny_qwen3_moe}
-FP32_GRID = {(name, stage): 2 if (stage + index) % 2 == 0 else 4
-             for index, name in enumerate(MOE_MODELS) for stage in STAGES}
-"""(model, stage) -> the world size its fp32 parity run takes: every pair of the three
-factors is covered (each model at every stage, each stage at both world sizes, each model at
-both), not every triple. Mixtral at stages 0 and 2 on two ranks, 1 and 3 on four; Qwen3-MoE
-the other way round. What a third factor adds to a pair is not MoE's: the world size
-changes the shards' padding and the number of slices the aux loss averages over, which the
-stage does not touch, and the dense models' grid (tests/test_parity.py) runs every stage
-at every world size. The full 16 took 228 s of the suite's 42 minutes (2026-11-27)."""
+FP32_GRID = {(name, stage): 2 for name in MOE_MODELS for stage in STAGES}
+"""(model, stage) -> the world size its fp32 parity run takes: two for every pair. World size
+four is the expert-parallel cases' (``EP_CASES``: stage 3, expert parallelism 2 over 2 data
+replicas, each model once), which compare against the same four-slice reference: four
+ranks' padding and the aux loss averaged over four slices are checked there. What a world
+size changes beyond that is not MoE's (the shards' padding, which the stage does not touch),
+and the dense models' grid (tests/test_parity.py) runs every stage at every world size.
+A fp32 case at four ranks cost about 27 s of the 2-core box, at two about 10 s: the grid of
+16 took 228 s of the suite's 42 minutes, the pairwise 8 of 2026-11-27 165 s."""
 LAYERS = 1
 """Decoder layers of the parity grid's models: with one, each case's capture and passes
 take about a third less than with two (blocks sharing compiled bodies are
