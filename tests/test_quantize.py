@@ -249,3 +249,20 @@ def test_inductor_lowers_the_quantized_collectives_of_the_whole_step():
     flat = lambda results: torch.cat([p.flatten() for p in results[0]["params"].values()])
     assert relative_error(losses(lowered), losses(eager)) < 5e-7
     assert relative_error(flat(lowered), flat(eager)) < 5e-7
+
+
+def test_the_convergence_benchmark_compares_the_last_steps_with_full_precision():
+    """bench/convergence.py: a configuration passes within 1% of fp32's mean over the last
+    steps (not over the whole curve), and the ranks' slices make up the global batch."""
+    from bench.convergence import batch, compared
+
+    fp32 = [5.0] * 10 + [2.0] * 5
+    curves = {"fp32": fp32, "close": [9.0] * 10 + [2.015] * 5, "off": fp32[:10] + [2.03] * 5}
+    rows = {r["config"]: r for r in compared(curves, window=5)}
+    assert [rows[n]["within_bound"] for n in curves] == [True, True, False]
+    assert rows["off"]["relative"] == pytest.approx(0.015)
+    text = torch.arange(256, dtype=torch.uint8).repeat(4)
+    whole = batch(text, 7, 8, 0, 1)
+    slices = [batch(text, 7, 8, rank, 4) for rank in range(4)]
+    assert torch.equal(torch.cat([x for x, _ in slices]), whole[0])
+    assert torch.equal(whole[1][:, :-1], whole[0][:, 1:])  # targets are the next byte

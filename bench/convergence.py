@@ -1,0 +1,171 @@
+"""Quantized communication's effect on training: loss curves against full precision.
+
+    torchrun --nproc_per_node 4 -m bench.convergence                 # 300 steps each
+    torchrun --nproc_per_node 4 -m bench.convergence --steps 20      # a quick look
+
+The README example's model (examples/train_gpt.py's defaults: a byte-level GPT of 4
+layers, width 128, 4 heads, 32 tokens) trains on examples/data/shakespeare.txt, stage 3 on
+a 2 x (N/2) ``("replicate", "shard")`` mesh of gloo ranks, once per configuration of
+bench/quantized.py (``CONFIGS``: none, qwZ int8, qgZ int8, both, both with int4
+gradients). Every configuration starts from the same weights (``--seed``) and sees the same
+batches (random windows, seeded by the step), AdamW at a constant rate; ``--block`` sets
+the quantized configurations' ``quantize_block``.
+
+For each: the loss of every step (the mean over ranks, which is the global batch's), and
+the mean over the last ``--window`` steps against full precision's (passing within
+1%, ``BOUND``). Writes ``bench/out/<--name>.json`` and, with matplotlib, the curves
+beside it (``.png``); prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import textwrap
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from examples.gpt import GPT, GPTConfig
+from zero_fx import zero_compile
+
+from .quantized import CONFIGS
+from .runs import OUT, join_group, leave_group, machine, write_json
+
+TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                    "data", "shakespeare.txt")
+README_MODEL = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128)
+"""examples/train_gpt.py's defaults (--layers 4 --width 128 --heads 4 --seq 32)."""
+BOUND = 0.01
+"""The relative difference of the last steps' mean loss from full precision's that passes."""
+
+
+def batch(text: torch.Tensor, step: int, size: int, rank: int, world: int):
+    """This rank's slice of step ``step``'s global batch: random windows of the text."""
+    generator = torch.Generator().manual_seed(1_000_003 + step)
+    seq = README_MODEL.block_size
+    starts = torch.randint(0, len(text) - seq - 1, (size,), generator=generator)
+    mine = starts[rank * size // world:(rank + 1) * size // world]
+    windows = torch.stack([text[s:s + seq + 1] for s in mine.tolist()]).long()
+    return windows[:, :-1], windows[:, 1:]
+
+
+def train(options: dict, text: torch.Tensor, args, rank: int, world: int) -> list[float]:
+    """The global batch's loss at every step of one configuration."""
+    torch.manual_seed(args.seed)
+    model = GPT(README_MODEL)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+
+    @zero_compile(stage=3, backend="aot_eager", mesh=mesh, **options)
+    def train_step(model, opt, x, y):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    losses = []
+    for step in range(args.steps):
+        loss = train_step(model, opt, *batch(text, step, args.batch_size, rank, world)).detach()
+        dist.all_reduce(loss)  # SUM, then divide: gloo's AVG sums in some paths
+        losses.append(loss.item() / world)
+        if rank == 0 and (step + 1) % 50 == 0:
+            print(f"  step {step + 1}: loss {losses[-1]:.4f}", flush=True)
+    return losses
+
+
+def compared(curves: dict[str, list[float]], window: int) -> list[dict]:
+    """Each configuration's mean over the last ``window`` steps and its relative difference
+    from the first (full precision)."""
+    base = statistics.mean(next(iter(curves.values()))[-window:])
+    rows = []
+    for name, losses in curves.items():
+        last = statistics.mean(losses[-window:])
+        rows.append({"config": name, "last_mean": last, "relative": (last - base) / base,
+                     "within_bound": abs(last - base) <= BOUND * base})
+    return rows
+
+
+def markdown(rows: list[dict], window: int) -> str:
+    lines = [f"| configuration | mean loss, last {window} steps | against fp32 | within 1% |",
+             "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['last_mean']:.4f} | {100 * r['relative']:+.2f}% | "
+                     f"{'yes' if r['within_bound'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def plot(curves: dict[str, list[float]], path: str, title: str) -> bool:
+    """The curves (a 20-step running mean) as a PNG; False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for name, losses in curves.items():
+        smooth = [statistics.mean(losses[max(0, i - 19):i + 1]) for i in range(len(losses))]
+        axis.plot(range(1, len(losses) + 1), smooth, label=name, linewidth=1)
+    axis.set_xlabel("step")
+    axis.set_ylabel("training loss (20-step running mean)")
+    axis.set_title(textwrap.fill(title, 90), fontsize=8)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--window", type=int, default=50, help="last steps the loss is averaged over")
+    parser.add_argument("--batch-size", type=int, default=16, help="global; split over the ranks")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--block", type=int, default=None,
+                        help="quantize_block of the quantized configurations (zero_fx's default: 256)")
+    parser.add_argument("--seed", type=int, default=0, help="of the initial weights (the batches stay)")
+    parser.add_argument("--name", default="convergence-readme-gpt", help="of the files in bench/out/")
+    args = parser.parse_args()
+    if args.window > args.steps:
+        parser.error(f"--window {args.window} is longer than --steps {args.steps}")
+    rank, world = join_group()
+    if world < 4 or world % 2:
+        raise SystemExit("run it on an even number of ranks, 4 or more (torchrun --nproc_per_node 4)")
+    if args.batch_size % world:
+        parser.error(f"--batch-size {args.batch_size} must split evenly over {world} ranks")
+    with open(TEXT, "rb") as file:
+        text = torch.frombuffer(bytearray(file.read()), dtype=torch.uint8)
+    curves = {}
+    for name in args.configs:
+        if rank == 0:
+            print(f"{name} ...", flush=True)
+        options = dict(CONFIGS[name])
+        if options and args.block is not None:
+            options["quantize_block"] = args.block
+        curves[name] = train(options, text, args, rank, world)
+    if rank == 0:
+        rows = compared(curves, args.window)
+        about = (f"the README example's GPT ({README_MODEL.n_layer} layers, width "
+                 f"{README_MODEL.n_embd}, {README_MODEL.block_size} tokens), stage 3 on a 2 x "
+                 f"{world // 2} mesh, AdamW lr {args.lr}, global batch {args.batch_size}, "
+                 f"blocks of {args.block or 256}, weights of seed {args.seed}")
+        result = {"machine": machine(), "about": about, "steps": args.steps,
+                  "window": args.window, "bound": BOUND, "compared": rows, "losses": curves}
+        path = write_json(args.name, result)
+        picture = os.path.join(OUT, f"{args.name}.png")
+        drawn = plot(curves, picture, about)
+        print(f"\n{result['machine']}; {about}:\n")
+        print(markdown(rows, args.window))
+        print(f"\nwritten to {path}" + (f" and {picture}" if drawn else ""))
+    leave_group()
+
+
+if __name__ == "__main__":
+    main()
