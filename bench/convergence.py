@@ -27,12 +27,11 @@ import textwrap
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 from examples.gpt import GPT, GPTConfig
-from zero_fx import zero_compile
+from zero_fx import ZeroConfig
 
-from .quantized import CONFIGS
+from .quantized import CONFIGS, step_on_mesh
 from .runs import OUT, join_group, leave_group, machine, write_json
 
 TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
@@ -58,16 +57,8 @@ def train(options: dict, text: torch.Tensor, args, rank: int, world: int) -> lis
     torch.manual_seed(args.seed)
     model = GPT(README_MODEL)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-
-    @zero_compile(stage=3, backend="aot_eager", mesh=mesh, **options)
-    def train_step(model, opt, x, y):
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    train_step = step_on_mesh(lambda model, x, y: F.cross_entropy(model(x).flatten(0, 1), y.flatten()),
+                              world, options)
     losses = []
     for step in range(args.steps):
         loss = train_step(model, opt, *batch(text, step, args.batch_size, rank, world)).detach()
@@ -129,7 +120,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--block", type=int, default=None,
-                        help="quantize_block of the quantized configurations (zero_fx's default: 256)")
+                        help=f"quantize_block of the quantized configurations (zero_fx's default: "
+                             f"{ZeroConfig.quantize_block})")
     parser.add_argument("--seed", type=int, default=0, help="of the initial weights (the batches stay)")
     parser.add_argument("--name", default="convergence-readme-gpt", help="of the files in bench/out/")
     args = parser.parse_args()
@@ -155,7 +147,7 @@ def main() -> None:
         about = (f"the README example's GPT ({README_MODEL.n_layer} layers, width "
                  f"{README_MODEL.n_embd}, {README_MODEL.block_size} tokens), stage 3 on a 2 x "
                  f"{world // 2} mesh, AdamW lr {args.lr}, global batch {args.batch_size}, "
-                 f"blocks of {args.block or 256}, weights of seed {args.seed}")
+                 f"blocks of {args.block or ZeroConfig.quantize_block}, weights of seed {args.seed}")
         result = {"machine": machine(), "about": about, "steps": args.steps,
                   "window": args.window, "bound": BOUND, "compared": rows, "losses": curves}
         path = write_json(args.name, result)

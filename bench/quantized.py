@@ -17,6 +17,7 @@ the step time on a 2-core CPU is not a speed claim.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -39,20 +40,28 @@ CONFIGS = {
 }
 
 
-def measure(name: str, options: dict, spec, rank: int, world: int, steps: int) -> dict:
-    torch.manual_seed(0)
-    model = spec.build()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def step_on_mesh(loss_of_batch, world: int, options: dict):
+    """The training step these benchmarks compile: ``loss_of_batch(model, x, y)``, its
+    backward and the optimizer's step, at stage 3 on a 2 x (world / 2) ``("replicate",
+    "shard")`` mesh, with ``options`` (a configuration of ``CONFIGS``)."""
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
 
     @zero_compile(stage=3, backend="aot_eager", mesh=mesh, **options)
     def train_step(model, opt, x, y):
-        loss = loss_of(spec, model, x, y)
+        loss = loss_of_batch(model, x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss
 
+    return train_step
+
+
+def measure(name: str, options: dict, spec, rank: int, world: int, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = spec.build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train_step = step_on_mesh(functools.partial(loss_of, spec), world, options)
     losses, sent, seconds = [], [], []
     for step in range(steps):
         x, y = rank_batch(spec, step, rank, world, "cpu")
