@@ -1,6 +1,6 @@
 """Mixture-of-experts models ([Note: routed experts with fixed shapes] in
 zero_fx/capture/routed_experts.py): HF Mixtral and Qwen3-MoE train under @zero_compile
-like single-process HF eager (stages 0-3 and bf16 at world size 2, ``FP32_GRID``;
+like single-process HF eager (stages 0-3 and bf16 at world size 2, ``FP32_WORLD``;
 expert-parallel cases at 4), the other HF blocks zero_fx recognises train like eager at
 world size 1, a looping block of another shape is named in the capture error, and the
 pieces (the grouped matmul op, the probe, the rewritten forward) are checked on their own.
@@ -17,7 +17,7 @@ Cost: one process group per world size; each rank trains every case in turn (a f
 model, optimizer and step each), and the tests read the cached results. Measured on the
 2-core box (2026-11-26): with two-layer models and other jobs running, the world-2 launch
 60-105 s, the world-4 launch 125-165 s; on the quiet machine 61 and 113 s. One layer
-(``LAYERS``) since, and the fp32 cases at two ranks only (``FP32_GRID``).
+(``LAYERS``) since, and the fp32 cases at two ranks only (``FP32_WORLD``).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ UPDATE_PARITY = 1e-4
 three steps move a weight by a fraction of a percent, so the bound on the parameter itself
 passes a gradient 1% off; its change shows it. Measured: at most 1e-5 (fp32)."""
 MOE_MODELS = {"mixtral": hf_models.tiny_mixtral, "qwen3_moe": hf_models.tiny_qwen3_moe}
-FP32_GRID = {(name, stage): 2 for name in MOE_MODELS for stage in STAGES}
-"""(model, stage) -> the world size its fp32 parity run takes: two for every pair. World size
+FP32_WORLD = 2
+"""The world size of every fp32 (model, stage) parity case. World size
 four is the expert-parallel cases' (``EP_CASES``: stage 3, expert parallelism 2 over 2 data
 replicas, each model once), which compare against the same four-slice reference: four
 ranks' padding and the aux loss averaged over four slices are checked there. What a world
@@ -97,9 +97,9 @@ NO_DROP_CAPACITY = 8 / 2
 
 
 def cases(world_size: int) -> list:
-    fp32 = [(name, stage, "fp32") for (name, stage), world in FP32_GRID.items()
-            if world == world_size]
-    return fp32 + (BF16_CASES if world_size == 2 else EP_CASES)
+    if world_size == FP32_WORLD:
+        return [(name, stage, "fp32") for name in MOE_MODELS for stage in STAGES] + BF16_CASES
+    return EP_CASES
 
 
 def moe_rank(rank: int, world_size: int, case_list: list, steps: int) -> dict:
@@ -196,7 +196,7 @@ def errors_against(results: list, reference: dict) -> dict:
 
 
 @pytest.mark.parametrize(("name", "stage", "world_size"),
-                         [(name, stage, world) for (name, stage), world in FP32_GRID.items()])
+                         [(name, stage, FP32_WORLD) for name in MOE_MODELS for stage in STAGES])
 def test_moe_trains_as_single_process(name, stage, world_size):
     assert_trains_like_eager(name, moe_run(world_size, (name, stage, "fp32")), world_size)
 
@@ -258,7 +258,7 @@ def assert_trains_like_eager(name: str, results: list, world_size: int) -> None:
 def test_router_aux_loss_is_in_the_objective(name):
     """Parity with an aux-loss-free reference fails by far: the load-balancing loss is in
     the loss zero_fx returns and its gradient reaches the router gates."""
-    world_size = FP32_GRID[name, 3]
+    world_size = FP32_WORLD
     results = moe_run(world_size, (name, 3, "fp32"))
     with_aux = errors_against(results, reference_run(name, world_size))
     without_aux = errors_against(results, reference_run(name, world_size, aux_loss=False))
