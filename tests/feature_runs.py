@@ -82,7 +82,7 @@ def zero_fx_rank(rank: int, world_size: int, model_name: str, stage: int, optimi
     scheduler = schedule(opt, scheduled)
     loss_of = models.training_step(_data_name(model_name))
     train_step = zero_compile(loss_of, stage=stage, accumulation_steps=micro_batches,
-                              **with_mesh({"backend": "aot_eager", **dict(options)}))
+                              **with_mesh({"backend": models.BACKEND, **dict(options)}))
     losses, norms = [], []
     for step in range(steps):
         x, y = models.global_batch(_data_name(model_name), step)

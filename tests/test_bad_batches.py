@@ -37,7 +37,7 @@ def batches(case: str):
 def bad_batch_rank(rank, world_size, case):
     model = models.build("gpt", seed=1)
     opt = models.make_optimizer(model)
-    step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager")
+    step = zero_compile(models.training_step("gpt"), stage=3, backend=models.BACKEND)
     losses = []
     for x, y in batches(case):
         per_rank = x.shape[0] // world_size
@@ -68,7 +68,7 @@ def test_int32_targets_raise_what_eager_raises():
     model = models.build("gpt", seed=1)
     with pytest.raises(RuntimeError, match="expected target dtype to be Long") as eager:
         models.loss_fn("gpt", model, x, y.int())
-    step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager")
+    step = zero_compile(models.training_step("gpt"), stage=3, backend=models.BACKEND)
     with pytest.raises(RuntimeError) as ours:
         step(model, models.make_optimizer(model), x, y.int())
     assert str(eager.value) in str(ours.value)
@@ -78,7 +78,7 @@ def nan_rank(rank, world_size, precision):
     """A NaN in one input of rank 1's slice of the second batch (the MLP reads floats)."""
     model = models.build("mlp")
     opt = models.make_optimizer(model)
-    step = zero_compile(models.training_step("mlp"), stage=3, backend="aot_eager",
+    step = zero_compile(models.training_step("mlp"), stage=3, backend=models.BACKEND,
                         mixed_precision=precision)
     mine = slice(rank * 4, (rank + 1) * 4)
     x, y = models.global_batch("mlp", 0)
@@ -129,7 +129,7 @@ def test_a_batch_with_a_nan_in_fp16_is_skipped_on_every_rank():
 def test_a_model_cast_after_compiling_is_refused_and_keeps_training():
     model = models.build("gpt", seed=1)
     opt = models.make_optimizer(model)
-    step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager")
+    step = zero_compile(models.training_step("gpt"), stage=3, backend=models.BACKEND)
     step(model, opt, *models.global_batch("gpt", 0))
     for convert in (lambda m: m.to(torch.float64), lambda m: m.half(),
                     lambda m: m.blocks[0].bfloat16()):

@@ -72,7 +72,7 @@ def resharding_rank(rank, world_size, stage, load_from, save_to, mesh=None):
     """``mesh``: (replicas, shards), hybrid sharding."""
     model = models.build("gpt", seed=1)
     opt = models.make_optimizer(model)
-    step = zero_compile(models.training_step("gpt"), stage=stage, backend="aot_eager",
+    step = zero_compile(models.training_step("gpt"), stage=stage, backend=models.BACKEND,
                         **with_mesh({"mesh": mesh}))
     if load_from:
         step.load_checkpoint(load_from, model, opt)
@@ -145,7 +145,7 @@ def test_a_hybrid_checkpoint_loads_flat_and_at_one_rank_and_back(tmp_path, train
 def _trained_at_world_1(path, stage=3, steps=2):
     model = models.build("gpt", seed=1)
     opt = models.make_optimizer(model)
-    step = zero_compile(models.training_step("gpt"), stage=stage, backend="aot_eager")
+    step = zero_compile(models.training_step("gpt"), stage=stage, backend=models.BACKEND)
     for i in range(steps):
         step(model, opt, *models.global_batch("gpt", i))
     step.save_checkpoint(path, extra={"next_step": steps})
@@ -183,7 +183,7 @@ def test_export_writes_a_state_dict_plain_pytorch_loads(tmp_path, trained_at_wor
 
 def _fresh_step(model=None, optimizer="adamw"):
     model = model or models.build("gpt", seed=1)
-    return (zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager"), model,
+    return (zero_compile(models.training_step("gpt"), stage=3, backend=models.BACKEND), model,
             models.make_optimizer(model, optimizer))
 
 

@@ -60,7 +60,7 @@ def _trained(rank, world_size, steps, path):
     """A stage-3 step trained ``steps`` steps, having saved ``path`` after FIRST_SAVE."""
     model = models.build("gpt", seed=1)
     opt = models.make_optimizer(model)
-    step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager")
+    step = zero_compile(models.training_step("gpt"), stage=3, backend=models.BACKEND)
     for i in range(steps):
         if i == FIRST_SAVE:
             step.save_checkpoint(path, extra={"next_step": i})
@@ -247,7 +247,7 @@ def test_a_save_that_runs_out_of_disk_says_so_on_every_rank_and_keeps_the_previo
 
 def test_saving_into_a_folder_that_is_not_a_checkpoint_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("the user's own files")
-    step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager")
+    step = zero_compile(models.training_step("gpt"), stage=3, backend=models.BACKEND)
     model = models.build("gpt", seed=1)
     opt = models.make_optimizer(model)
     step(model, opt, *models.global_batch("gpt", 0))

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import models
 from zero_fx.checkpoint.save_load import load_full
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +36,7 @@ class TorchrunJob:
 
     def __init__(self, folder: str, *example_args: str):
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--max-restarts", "2", EXAMPLE, "--device", "cpu", "--backend", "aot_eager",
+                   "--max-restarts", "2", EXAMPLE, "--device", "cpu", "--backend", models.BACKEND,
                    "--layers", str(LAYERS), "--steps", str(STEPS), "--checkpoint-every",
                    str(EVERY), "--checkpoint-dir", folder, *example_args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

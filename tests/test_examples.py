@@ -7,16 +7,18 @@ import sys
 
 import pytest
 
+import models
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def torchrun_command(script, args, launcher=(), ranks=2):
     """torchrun of ``ranks`` ranks (``launcher``: more torchrun options) running an example on
     CPUs (--device cpu: on a one-GPU machine, ``auto`` would too, but the test means gloo),
-    traced with aot_eager."""
+    lowered with the suite's backend (``models.BACKEND``)."""
     return [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc_per_node",
             str(ranks), os.path.join(ROOT, "examples", script), "--device", "cpu", "--backend",
-            "aot_eager", *args]
+            models.BACKEND, *args]
 
 
 def torchrun(script, *args, ranks=2):

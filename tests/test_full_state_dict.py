@@ -84,7 +84,7 @@ def _state_dicts_and_peaks(rank, world_size, stage, precision):
     torch.manual_seed(0)
     model = Blocks()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = zero_compile(_train_step, stage=stage, backend="aot_eager", mixed_precision=precision,
+    step = zero_compile(_train_step, stage=stage, backend=models.BACKEND, mixed_precision=precision,
                         bucket_bytes=None if stage == 3 else 20_000)
     g = torch.Generator().manual_seed(rank)
     step(model, opt, torch.randn(4, WIDTH, generator=g), torch.randn(4, WIDTH, generator=g))
@@ -134,7 +134,7 @@ def test_streamed_full_state_dict_peaks_at_one_bucket_and_lands_on_rank_0_only(s
 
 def test_bad_options_are_refused_with_what_to_pass():
     model = Blocks()
-    step = zero_compile(_train_step, stage=3, backend="aot_eager")
+    step = zero_compile(_train_step, stage=3, backend=models.BACKEND)
     step(model, torch.optim.AdamW(model.parameters()), torch.randn(4, WIDTH), torch.randn(4, WIDTH))
     with pytest.raises(TypeError, match="cpu_offload must be True, False or None"):
         step.full_state_dict(cpu_offload="yes")
@@ -152,7 +152,7 @@ def test_export_reads_only_the_model_and_casts_a_group_at_a_time(tmp_path):
 
     path = str(tmp_path / "ckpt")
     model = Blocks()
-    step = zero_compile(_train_step, stage=3, backend="aot_eager")
+    step = zero_compile(_train_step, stage=3, backend=models.BACKEND)
     step(model, torch.optim.AdamW(model.parameters()), torch.randn(4, WIDTH), torch.randn(4, WIDTH))
     step.save_checkpoint(path)
     expected = step.full_state_dict()
@@ -175,7 +175,7 @@ def test_gathered_parameters_says_what_it_gathers(caplog):
     from zero_fx.formatting import format_bytes
 
     model = Blocks()
-    step = zero_compile(_train_step, stage=3, backend="aot_eager")
+    step = zero_compile(_train_step, stage=3, backend=models.BACKEND)
     step(model, torch.optim.AdamW(model.parameters()), torch.randn(4, WIDTH), torch.randn(4, WIDTH))
     whole = sum(p.numel() * 4 for p in model.parameters())
     assert step.state.gathered_bytes() == whole
@@ -190,7 +190,7 @@ def _on_a_mesh(rank, world_size):
 
     torch.manual_seed(0)
     model = Blocks()
-    step = zero_compile(_train_step, stage=3, backend="aot_eager", **with_mesh({"mesh": (2, 2)}))
+    step = zero_compile(_train_step, stage=3, backend=models.BACKEND, **with_mesh({"mesh": (2, 2)}))
     g = torch.Generator().manual_seed(rank)
     step(model, torch.optim.AdamW(model.parameters()), torch.randn(4, WIDTH, generator=g),
          torch.randn(4, WIDTH, generator=g))

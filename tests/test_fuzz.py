@@ -89,7 +89,7 @@ def loss_of(model, x, y):
 def fuzz_rank(rank: int, world_size: int, spec: Spec):
     model, opt = build(spec)
 
-    @zero_compile(stage=spec.stage, backend="aot_eager", bucket_bytes=spec.bucket_bytes,
+    @zero_compile(stage=spec.stage, backend=models.BACKEND, bucket_bytes=spec.bucket_bytes,
                   persistence_threshold=0, recompute=RECOMPUTE[spec.recompute])
     def train_step(model, opt, x, y):
         loss = loss_of(model, x, y)
@@ -204,7 +204,7 @@ def hf_loss(model, ids, mask, labels):
 def hf_fuzz_rank(rank: int, world_size: int, spec: HFSpec):
     model, opt = build_hf(spec)
 
-    @zero_compile(stage=spec.stage, backend="aot_eager", persistence_threshold=0,
+    @zero_compile(stage=spec.stage, backend=models.BACKEND, persistence_threshold=0,
                   recompute=RECOMPUTE[spec.recompute])
     def train_step(model, opt, ids, mask, labels):
         loss = hf_loss(model, ids, mask, labels)

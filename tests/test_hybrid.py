@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import feature_runs
+import models
 import training
 from ranks import in_turn, mesh_errors, run_ranks, with_mesh
 from training import SMALL_BUCKETS, parity_errors, reference_run, relative_error, zero_fx_run
@@ -35,7 +36,7 @@ def four_ranks() -> dict:
     """Every four-rank run of this file not shared with another, in one run (in_turn):
     TRAINING_RUNS by (stage, options), FEATURE_RUNS by ("features", stage, options, micro-batches), the
     whole-model views flat and on a 2 x 2 mesh by ("views", mesh), and "bad meshes"."""
-    calls = [(training.zero_fx_rank, ("gpt", "aot_eager", "adamw", stage, "", options))
+    calls = [(training.zero_fx_rank, ("gpt", models.BACKEND, "adamw", stage, "", options))
              for stage, options in TRAINING_RUNS]
     calls += [(feature_runs.zero_fx_rank, ("gpt", stage, "sgd", options, micro, False,
                                            feature_runs.STEPS))
@@ -134,7 +135,7 @@ def whole_model_views_rank(rank, world_size, mesh):
 
     model = models.build("gpt")
     opt = models.make_optimizer(model)
-    step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager",
+    step = zero_compile(models.training_step("gpt"), stage=3, backend=models.BACKEND,
                         **with_mesh({"mesh": mesh}))
     for i in range(2):
         x, y = models.global_batch("gpt", i)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import feature_runs
+import models
 from feature_runs import reference_run
 from ranks import in_turn, run_ranks
 from training import parity_errors
@@ -134,7 +135,7 @@ def overflowing_fp16_rank(rank, world_size, optimizer="sgd"):
     model = models.build("gpt")
     opt = OPTIMIZERS[optimizer](model.parameters())
     policy = MixedPrecision(param_dtype=torch.float16, initial_scale=2.0 ** 17, growth_interval=2)
-    step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager",
+    step = zero_compile(models.training_step("gpt"), stage=3, backend=models.BACKEND,
                         mixed_precision=policy)
     history, params = [], []
     for i in range(5):
@@ -170,7 +171,7 @@ def growing_scale_rank(rank, world_size):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     policy = MixedPrecision(param_dtype=torch.float16, output_dtype=torch.float32,
                             initial_scale=2.0 ** 16, growth_interval=1)
-    step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager",
+    step = zero_compile(models.training_step("gpt"), stage=3, backend=models.BACKEND,
                         mixed_precision=policy)
     history = []
     for i in range(6):
@@ -204,7 +205,7 @@ def test_an_fp16_step_reads_nothing_on_the_host_but_the_overflow_of_an_unfused_o
 
     model = models.build("gpt")
     opt = OPTIMIZERS[optimizer](model.parameters())
-    step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager",
+    step = zero_compile(models.training_step("gpt"), stage=3, backend=models.BACKEND,
                         mixed_precision=FP16[0][1], max_grad_norm=clip)
     counts = []
     for i in range(3):
@@ -235,7 +236,7 @@ def sub_ulp_rank(rank, world_size, stage):
     torch.nn.init.ones_(model.weight)
     opt = torch.optim.SGD(model.parameters(), lr=SUB_ULP_LR)
 
-    @zero_compile(stage=stage, backend="aot_eager", mixed_precision=BF16[0][1])
+    @zero_compile(stage=stage, backend=models.BACKEND, mixed_precision=BF16[0][1])
     def train_step(model, opt, x):
         loss = model(x).sum()  # d loss / d weight = x = ones, on every rank
         loss.backward()

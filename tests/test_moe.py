@@ -127,7 +127,7 @@ def moe_case(rank: int, world_size: int, name: str, stage: int, variant: str,
     started = time.perf_counter()
     model = build_moe(name, layers=LAYERS)
     opt = models.make_optimizer(model, "sgd")
-    step = zero_compile(train_step, stage=stage, backend="aot_eager",
+    step = zero_compile(train_step, stage=stage, backend=models.BACKEND,
                         mixed_precision=BF16 if variant.startswith("bf16") else None,
                         expert_parallel=2 if "ep2" in variant else 1,
                         expert_capacity_factor=NO_DROP_CAPACITY if variant == "ep2-capacity" else None)
@@ -405,7 +405,7 @@ def train_eager_and_zero_fx(build, loss_of, batches, **options):
         losses["eager"].append(step_fn(eager, opt, x).item())
 
     opt = models.make_optimizer(compiled, "sgd")
-    step = zero_compile(step_fn, backend="aot_eager", **options)
+    step = zero_compile(step_fn, backend=models.BACKEND, **options)
     losses["zero_fx"] = [step(compiled, opt, x).item() for x in batches]
     return losses, dict(eager.named_parameters()), step
 
@@ -500,7 +500,7 @@ def unrecognised_moe_error(loop: str):
     parameters before, and as the step holds them after."""
     model = LoopedMoEModel("sigmoid", loop)
     before = {k: v.clone() for k, v in model.named_parameters()}
-    step = zero_compile(step_on(regression_loss), stage=3, backend="aot_eager")
+    step = zero_compile(step_on(regression_loss), stage=3, backend=models.BACKEND)
     with pytest.raises(zero_fx.CaptureError) as raised:
         step(model, models.make_optimizer(model, "sgd"), regression_batch(0))
     return str(raised.value), step, before
@@ -528,7 +528,7 @@ def test_an_unrecognised_moe_block_with_a_unique_loop_is_named_too():
     """A loop over `torch.unique(chosen).tolist()` fails capture with dynamo's
     GuardOnDataDependentSymNode, a RuntimeError of its own: a CaptureError too."""
     model = LoopedMoEModel("sigmoid", "unique")
-    step = zero_compile(step_on(regression_loss), stage=3, backend="aot_eager")
+    step = zero_compile(step_on(regression_loss), stage=3, backend=models.BACKEND)
     try:
         step(model, models.make_optimizer(model, "sgd"), regression_batch(0))
     except zero_fx.CaptureError as err:

@@ -9,6 +9,7 @@ import operator
 import pytest
 import torch
 
+import models
 from feature_runs import zero_fx_run
 from ranks import run_ranks
 from zero_fx import MixedPrecision, ZeroConfig, zero_compile
@@ -66,8 +67,8 @@ def test_parameters_offloaded_too_equal_the_run_without(options):
 def test_inductor_lowers_the_copies_between_host_and_device():
     """offload="parameters" in one whole-step Inductor program (regional=False): the program
     calls every copy to and from the host the graph holds (as fallback kernels, in the
-    graph's order), and trains as aot_eager does. Nothing resident, so each bucket is copied
-    from the host before each of its gathers. fp32, 2 ranks, 3 steps: relative error
+    graph's order), and trains as the suite's backend (models.BACKEND) does. Nothing
+    resident, so each bucket is copied from the host before each of its gathers. fp32, 2 ranks, 3 steps: relative error
     measured 1.0e-7 on the losses and 1.1e-7 on the parameters; bound 5e-7."""
     options = PARAMETERS + (("resident_max_numel", 0),)
     lowered = zero_fx_run(2, "gpt", 3, options=options + (("backend", "inductor"),
@@ -93,7 +94,7 @@ def checkpoint_rank(rank, world_size, path):
     def trained(stage, offload, load=None):
         model = models.build("gpt", seed=1 if load else 0)  # a load must replace all of it
         opt = models.make_optimizer(model)
-        step = zero_compile(models.training_step("gpt"), stage=stage, backend="aot_eager",
+        step = zero_compile(models.training_step("gpt"), stage=stage, backend=models.BACKEND,
                             offload=offload, mixed_precision=BF16[0][1])
         if load:
             step.load_checkpoint(load, model, opt)
@@ -165,7 +166,7 @@ def auto_rank(rank, world_size):
     def run(offload, **budget):
         model = models.build("gpt", seed=0)
         opt = models.make_optimizer(model)
-        step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager",
+        step = zero_compile(models.training_step("gpt"), stage=3, backend=models.BACKEND,
                             offload=offload, mixed_precision=BF16[0][1], **budget)
         losses = []
         for i in range(2):

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import models
 from test_cost_model import tiny_gpt
 from training import SMALL_BUCKETS, Frozen, relative_error, zero_fx_run
 from zero_fx import ZeroConfig, rewritten_step_on_fake
@@ -194,8 +195,8 @@ def test_training_on_a_two_by_two_mesh_moves_a_quarter_of_the_bytes_and_stays_cl
     prefetched, against the same run without them (test_hybrid's): the traffic report and
     the counted collectives agree, the bytes each rank sends drop to about a quarter (int8
     against fp32), the replicas stay identical, and training stays close (5 AdamW steps)."""
-    plain = zero_fx_run(4, "gpt", "aot_eager", stage=3, options=HYBRID)
-    quantized = zero_fx_run(4, "gpt", "aot_eager", stage=3, options=HYBRID + QUANTIZED)
+    plain = zero_fx_run(4, "gpt", models.BACKEND, stage=3, options=HYBRID)
+    quantized = zero_fx_run(4, "gpt", models.BACKEND, stage=3, options=HYBRID + QUANTIZED)
     for rank in quantized:
         assert {kind: n for kind, n in rank["traffic"].numel_by_kind().items() if n} == \
             {kind: n for kind, n in rank["counted"]["numel"].items() if n}

@@ -32,11 +32,11 @@ class LiveAtBackwardStart(LiveTensorBytes):
 
 def live_at_backward_start(model_name, recompute, passes=()):
     """(bytes alive when the backward starts, the pass's summary), one rank, the rewritten
-    graph run as it is (backend "eager"), second call."""
+    graph run as it is (backend "eager", whole), second call."""
     model = models.build(model_name)
     opt = models.make_optimizer(model, "adamw")
     step = zero_compile(models.training_step(model_name), stage=0, backend="eager",
-                        recompute=recompute, passes=passes)
+                        regional=False, recompute=recompute, passes=passes)
     x, y = models.global_batch(model_name, 0)
     step(model, opt, x, y)
     counter = LiveAtBackwardStart()

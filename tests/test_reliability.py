@@ -327,8 +327,8 @@ def die_after_first_gather(gm):
 def dying_rank(rank: int, world_size: int, when: str):
     model = models.build("gpt")
     opt = models.make_optimizer(model)
-    # "eager" runs the rewritten graph as it is, the dying call included
-    step = zero_compile(models.training_step("gpt"), stage=3, backend="eager",
+    # "eager", whole, runs the rewritten graph as it is, the dying call included
+    step = zero_compile(models.training_step("gpt"), stage=3, backend="eager", regional=False,
                         passes=[die_after_first_gather] if when == "mid-step" else [])
     x, y = models.global_batch("gpt", 0)
     mine = slice(rank * 4, (rank + 1) * 4)

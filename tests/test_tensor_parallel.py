@@ -66,7 +66,7 @@ def meta_tensor_parallel_model_rank(rank, world_size):
         model = models.build("tp_gpt")
     mesh = tp_models.device_mesh((2, 2))
     tp_models.parallelize(model, mesh["tp"])
-    step = zero_compile(models.training_step("tp_gpt"), backend="aot_eager", mesh=mesh)
+    step = zero_compile(models.training_step("tp_gpt"), backend=models.BACKEND, mesh=mesh)
     x, y = models.global_batch("tp_gpt", 0)
     try:
         step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)

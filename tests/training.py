@@ -99,7 +99,7 @@ def counted_traffic_rank(rank: int, world_size: int, stage: int, options: tuple 
     first compiles), on this rank's slice of each global batch; nothing else measured."""
     model = models.build("gpt")
     opt = models.make_optimizer(model, "adamw")
-    train_step = zero_compile(models.training_step("gpt"), stage=stage, backend="aot_eager",
+    train_step = zero_compile(models.training_step("gpt"), stage=stage, backend=models.BACKEND,
                               **with_mesh(dict(options)))
     _, counted = _train(train_step, model, opt, "gpt", rank, world_size, steps=2)
     return {"traffic": train_step.traffic(), "counted": counted}
@@ -111,7 +111,7 @@ def checkpointed_training_rank(rank, world_size, stage, steps, load_from=None, s
     from a checkpoint and save one after ``save_after`` steps."""
     model = models.build(model_name, seed=1)
     opt = models.make_optimizer(model)
-    step = zero_compile(models.training_step(model_name), stage=stage, backend="aot_eager",
+    step = zero_compile(models.training_step(model_name), stage=stage, backend=models.BACKEND,
                         mixed_precision=precision)
     first = 0
     if load_from:

@@ -92,7 +92,8 @@ def zero_compile(
         regional: compile each distinct run of compute between collectives once
             (a 48-block model compiles about as fast as a 12-block one) and run the
             step's graph, with its collectives, as Python; False: one whole-step
-            program (Inductor, pinned). Applies to "inductor" and "aot_eager".
+            program (Inductor, pinned). Applies to "inductor" and "aot_eager", and to
+            "eager", which then runs each run of compute as traced.
         bucket_bytes: byte cap of one fused collective; None: the stage's default
             (25 MiB; one repeated block per bucket in stage 3), 0: one per parameter.
         prefetch_buckets: stage 3: each all-gather is issued this many buckets ahead of

@@ -139,8 +139,10 @@ class ZeroConfig:
     stage: int = 3
     """ZeRO stage: 0 = DDP, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters."""
     backend: Union[BackendName, Compiler] = "inductor"
-    """Lowers the rewritten graph: "inductor", "aot_eager", "eager" (run the
-    rewritten aten graph as is), or a callable ``compiler(gm, example_inputs) -> callable``."""
+    """Lowers the rewritten graph: "inductor", "aot_eager", "eager" (run the rewritten aten
+    graph without compiling it: by regions, each run of compute as traced; with
+    ``regional=False``, the whole graph as is), or a callable
+    ``compiler(gm, example_inputs) -> callable``."""
     elementwise_optimizer: Optional[bool] = None
     """Declare that an optimizer zero_fx does not know updates each element
     independently (so it may step on flat shards). ``None``: known torch.optim
@@ -161,8 +163,9 @@ class ZeroConfig:
     """"inductor" and "aot_eager": compile each distinct run of compute between
     collectives once and run the step's graph itself as Python, so compile time grows
     with the number of distinct runs, not with depth ([Note: regional compilation] in
-    zero_fx/compiler/regions.py). False compiles the whole step as one program (see
-    ``DebugOptions.pin_schedule``). Dynamic shapes always compile the whole step."""
+    zero_fx/compiler/regions.py); "eager": the same outer graph, each run as traced. False
+    compiles (or runs) the whole step as one program (see ``DebugOptions.pin_schedule``).
+    Dynamic shapes always compile the whole step."""
     max_gathered_bytes: Optional[int] = None
     """Stage 3: the most bytes of gathered (full) parameters alive at once; prefetching
     stops where it would exceed it. ``None``: bounded by ``prefetch_buckets`` only."""

@@ -22,8 +22,9 @@ from .regions import RegionReport, compile_regions
 from .realize_readers import StoreReleasedReaders, tag_released_gathers
 
 
-REGIONAL_BACKENDS = ("aot_eager", "inductor")
-"""The backends that can compile a step by regions (``zero_compile(regional=True)``)."""
+REGIONAL_BACKENDS = ("eager", "aot_eager", "inductor")
+"""The backends that can run a step by regions (``zero_compile(regional=True)``); "eager"
+runs each body as traced, compiling nothing."""
 
 
 def by_regions(backend, regional: bool, dynamic: bool) -> bool:
@@ -68,15 +69,18 @@ def lower(gm: GraphModule, example_inputs: Sequence[torch.Tensor], backend, *,
     With ``regional`` (and static shapes), "aot_eager" and "inductor" compile each
     distinct run of compute between collectives once and run the graph itself as
     Python ([Note: regional compilation] in regions.py); ``pin_schedule`` is then moot.
+    "eager" by regions runs the same outer graph with each body as traced: the same ops in
+    the same order as the whole graph, without AOTAutograd's second trace of each body (the
+    quickest start, and what most of the test suite runs).
     """
     if callable(backend) and not isinstance(backend, str):
         return Lowered(backend(gm, list(example_inputs)), order_as_graph(
             getattr(backend, "__name__", "the backend"), gm,
             "a custom backend compiled the graph: its order is not checked"))
-    if backend == "eager":
-        return Lowered(gm, order_as_graph("eager", gm, "eager runs the graph's own order"))
     if by_regions(backend, regional, dynamic):
         return _regional(gm, backend)
+    if backend == "eager":
+        return Lowered(gm, order_as_graph("eager", gm, "eager runs the graph's own order"))
     if dynamic:
         # [Note: dynamic shapes] in capture/step_graph.py: in dynamo's own tracing context, on
         # fakes of its fake mode, so what lowering assumes about a size is a guard.
@@ -138,7 +142,10 @@ def _regional(gm: GraphModule, backend: str) -> Lowered:
 
 
 def _compile_body(backend: str, body: GraphModule, values: Sequence[torch.Tensor]):
-    """One region's body compiled with ``backend``, on static fakes shaped like ``values``."""
+    """One region's body compiled with ``backend``, on static fakes shaped like ``values``
+    ("eager": the body as traced)."""
+    if backend == "eager":
+        return body
     with _static_tracing_context(values) as fakes, torch._functorch.config.patch(cse=False):
         if backend == "aot_eager":
             from torch._dynamo.backends.debugging import aot_eager
