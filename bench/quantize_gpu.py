@@ -5,15 +5,17 @@ wire time it saves.
     python -m bench.quantize_gpu --device cpu --model tiny --backend aot_eager   # anywhere, a look
 
 1. The kernels. ``quantize_rows`` and ``dequantize_rows`` ([Note: quantized blocks on the
-   wire] in passes/quantized_code.py), each compiled as the step lowers it, on a bucket
-   the size of one block's parameters: microseconds and GB/s of the values they read.
+   wire] in passes/quantized_code.py), each compiled as the step lowers it, on a bucket of
+   one block's parameters and on one of the whole model's, 50 calls back to back: the
+   microseconds a call keeps the device busy, and GB/s of the bf16 values it reads.
 2. The step. Stage 3 in bf16 on a fake process group of 8 in this process: one rank of 8,
    its shapes, kernels and memory real; its collectives move nothing and cost nothing.
    For each configuration, the median step time: its difference from the run without
    quantization is the quantize and dequantize work a rank adds to a step.
 3. The cost model's side: the same model planned on fake tensors flat over 32 ranks of
-   the ``4x8xh100-ib`` preset (``zero_fx.estimate``): the bytes each rank sends per step,
-   the communication seconds, and the step time, for each configuration.
+   the ``4x8xh100-ib`` preset, as ``python -m zero_fx.plan --quantize`` prices it: the bytes
+   each rank sends per step, the communication seconds, and the step time, for each
+   configuration.
 
 Writes bench/out/quantize-gpu-<model>.json and prints a Markdown table.
 """
@@ -21,6 +23,7 @@ Writes bench/out/quantize-gpu-<model>.json and prints a Markdown table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 import time
@@ -28,22 +31,16 @@ import time
 import torch
 import torch.distributed as dist
 
+from examples.gpt import GPT
 from zero_fx import MixedPrecision, zero_compile
-from zero_fx.analysis.cost_model import estimate
-from zero_fx.analysis.traffic import traffic_report
 from zero_fx.passes.quantized_code import dequantize_rows, quantize_rows
-from zero_fx.plan.offline import rewritten_step_on_fake
+from zero_fx.plan.models import ModelSource
+from zero_fx.plan.planner import STEADY_FROM
+from zero_fx.plan.quantization import CONFIGURATIONS, price_quantization
 
 from .peer_models import MODELS, loss_of, rank_batch
 from .runs import machine, write_json
 
-CONFIGS = {
-    "none": {},
-    "qwZ int8": {"quantize_weights": "int8"},
-    "qgZ int8": {"quantize_gradients": "int8"},
-    "qwZ + qgZ int8": {"quantize_weights": "int8", "quantize_gradients": "int8"},
-    "qwZ int8 + qgZ int4": {"quantize_weights": "int8", "quantize_gradients": "int4"},
-}
 PRESET = "4x8xh100-ib"
 PRESET_RANKS = 32
 BLOCK = 256
@@ -124,7 +121,7 @@ def step_rows(spec, configs, device: torch.device, backend: str, world: int, ste
             model = spec.build().to(device)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-            @zero_compile(stage=3, backend=backend, **CONFIGS[name],
+            @zero_compile(stage=3, backend=backend, **CONFIGURATIONS[name],
                           mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
             def train_step(model, opt, x, y):
                 loss = loss_of(spec, model, x, y)
@@ -151,19 +148,18 @@ def step_rows(spec, configs, device: torch.device, backend: str, world: int, ste
 
 
 def cost_model_rows(spec, configs) -> list[dict]:
-    """The same model planned on fake tensors over ``PRESET_RANKS`` ranks of ``PRESET``."""
-    rows = []
-    for name in configs:
-        gm, plan = rewritten_step_on_fake(spec.build, batch=spec.batch_per_rank, seq=spec.seq,
-                                          vocab_size=spec.vocab_size, world_size=PRESET_RANKS,
-                                          stage=3, dtype=torch.bfloat16, **CONFIGS[name])
-        guess = estimate(gm, plan, PRESET)
-        rows.append({"config": name, "sent_bytes_per_rank": traffic_report(gm, plan).wire_bytes(),
-                     "step_ms": 1e3 * guess.step_seconds,
-                     "compute_ms": 1e3 * guess.compute_seconds,
-                     "communication_ms": 1e3 * guess.communication_seconds,
-                     "exposed_ms": 1e3 * guess.exposed_seconds})
-    return rows
+    """The same model priced by the planner (``python -m zero_fx.plan --quantize``) over
+    ``PRESET_RANKS`` ranks of ``PRESET``."""
+    config = spec.gpt
+    source = ModelSource(spec.about, lambda layers: GPT(dataclasses.replace(
+        config, n_layer=layers or config.n_layer)), config.n_layer, spec.vocab_size,
+        config.block_size)
+    rows = price_quantization(source, world_size=PRESET_RANKS, stage=3, dtype=torch.bfloat16,
+                              batch=spec.batch_per_rank, seq=spec.seq, hardware=PRESET,
+                              steady_from=STEADY_FROM, names=configs)
+    return [{"config": row.name, "sent_bytes_per_rank": row.sent_bytes,
+             "step_ms": 1e3 * row.step_seconds, "compute_ms": 1e3 * row.compute_seconds,
+             "communication_ms": 1e3 * row.communication_seconds} for row in rows]
 
 
 def markdown(measured: list[dict], modelled: list[dict], world: int) -> str:
@@ -188,7 +184,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per configuration")
     parser.add_argument("--configs", nargs="+", default=["none", "qwZ + qgZ int8",
                                                          "qwZ int8 + qgZ int4"],
-                        choices=list(CONFIGS))
+                        choices=list(CONFIGURATIONS))
     args = parser.parse_args()
     if args.configs[0] != "none":
         parser.error("the first configuration is the baseline: none")

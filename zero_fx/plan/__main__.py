@@ -7,6 +7,8 @@
     python -m zero_fx.plan --model gpt-64k --world 64 --dtype fp16 --seq 2048 --tp 8 --device-memory 80
     python -m zero_fx.plan --model zero-offload-13b --world 1 --dtype fp16 --offload optimizer \
         --hardware 1xv100-32gb-pcie3 --device-memory 32 --seq 1024 --recompute blocks
+    python -m zero_fx.plan --model gpt2 --world 32 --dtype bf16 --seq 512 --quantize \
+        --hardware 4x8xh100-ib
 
 Nothing is allocated: the model is built on the meta device (see [Note: what the
 planner counts] in zero_fx/plan/planner.py).
@@ -61,6 +63,10 @@ def make_parser() -> argparse.ArgumentParser:
     add_expert_parallel_arguments(parser)
     add_tensor_parallel_arguments(parser)
     add_offload_arguments(parser)
+    parser.add_argument("--quantize", action="store_true",
+                        help="price ZeRO++'s quantized collectives (zero_compile's "
+                             "quantize_weights / quantize_gradients, with --seq) on --hardware: "
+                             "bytes, quantizing's compute and the step of each, and what pays")
     return parser
 
 
@@ -77,13 +83,16 @@ def main(argv=None) -> None:
                **offload_options(parser, args)}
     source = model_source(args.model)
     print(f"building {source.description} on the meta device ...", file=sys.stderr, flush=True)
+    if args.quantize:
+        print("--quantize traces the step on fake tensors twice for each configuration of "
+              "quantized collectives (about a minute for GPT-2) ...", file=sys.stderr, flush=True)
     try:
         report = plan_model(source, world_size=args.world, stage=args.stage,
                             dtype=args.dtype, optimizer=args.optimizer,
                             batch=args.batch, seq=args.seq,
                             recompute=None if args.recompute == "none" else args.recompute,
                             activation_memory_budget=args.activation_budget, nodes=args.nodes,
-                            **options)
+                            quantize=args.quantize, **options)
     except ValueError as err:  # what the model's own sizes rule out (--tp, --expert-parallel,
         # a preset without host memory for --offload)
         parser.error(str(err))

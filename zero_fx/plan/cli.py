@@ -72,7 +72,8 @@ def add_expert_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                              "zero_compile(expert_capacity_factor=C) (rows past an expert's "
                              "capacity dropped) instead of the worst case")
     parser.add_argument("--hardware", default=None, choices=sorted(PRESETS),
-                        help="cost-model preset for --expert-parallel's, --tp's and --offload's step times "
+                        help="cost-model preset for the step times of --expert-parallel, --tp, "
+                             "--offload and --quantize "
                              "(default 8xh100-nvlink up to 8 ranks, else 4x8xh100-ib: nodes "
                              "of 8)")
 

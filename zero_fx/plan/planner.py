@@ -194,6 +194,7 @@ from ..analysis.memory_timeline import memory_timeline, peak_alive
 from ..config import DEFAULT_BUCKET_BYTES, DEFAULT_PERSISTENCE_THRESHOLD
 from .layout import BLOCKS, ShardPlan, block_of, plan_for_module
 from .models import ModelSource, on_meta
+from .quantization import QuantizedRow, configurations, format_quantization, price_quantization
 from .table import TRAFFIC_IN_PSI, model_state_breakdown, zero_paper_bytes
 
 GB = 1e9
@@ -480,6 +481,8 @@ class PlanReport:
     """Bytes of a device (with ``offload``: the budget ``"auto"`` and the verdicts use)."""
     offload_auto: bool = False
     """Whether ``offload`` was picked by ``"auto"``."""
+    quantized: Optional[list[QuantizedRow]] = None
+    """With ``quantize``: each configuration of quantized collectives, the first none."""
 
     @property
     def peak_bytes(self) -> Optional[float]:
@@ -504,7 +507,7 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
                expert_capacity_factor: Optional[float] = None, tensor_parallel: int = 1,
                sequence_parallel: bool = False, offload: str = "none",
                host_memory: Optional[float] = None,
-               device_memory: Optional[float] = None) -> PlanReport:
+               device_memory: Optional[float] = None, quantize: bool = False) -> PlanReport:
     """Plan ``source``'s model on ``world_size`` ranks; trace the working set when ``seq`` is
     given, with ``recompute`` (and its budget) as ``zero_compile`` takes them. ``nodes`` > 1:
     also set flat and hybrid sharding side by side ([Note: what the planner counts]).
@@ -520,7 +523,9 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
     ``offload``: ``"optimizer"``, ``"parameters"`` or ``"auto"`` sets every mode the stage
     allows side by side, device and host bytes, copies and the host's optimizer step, with
     ``host_memory`` bytes a rank (default: the preset's) and ``device_memory`` bytes a device
-    (``"auto"`` picks the least offload that fits it; [Note: planning offload])."""
+    (``"auto"`` picks the least offload that fits it; [Note: planning offload]).
+    ``quantize``: ZeRO++'s quantized collectives, each configuration the stage allows,
+    priced on ``hardware`` ([Note: when quantizing pays] in zero_fx/plan/quantization.py)."""
     check_offload(offload, stage=stage, device_memory=device_memory,
                   others=tensor_parallel > 1 or bool(expert_parallel))
     if world_size < 1:
@@ -549,6 +554,17 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
     if degrees and seq is None:
         raise ValueError("expert parallelism is planned from the step's working set: give seq "
                          "(--seq) too")
+    if quantize and world_size < 2:
+        raise ValueError("one rank sends nothing, so there is nothing to quantize: plan "
+                         "--quantize with --world 2 or more")
+    if quantize and seq is None:
+        raise ValueError("quantized collectives are priced on the traced step: give seq "
+                         "(--seq) too")
+    if quantize and (degrees or tp > 1 or offload != "none" or nodes > 1):
+        raise ValueError("plan --quantize without --tp, --expert-parallel, --offload and "
+                         "--nodes (one question at a time)")
+    if quantize:
+        configurations(stage)  # a ValueError for a stage with nothing to quantize
     start = time.perf_counter()
     model = on_meta(lambda: source.build(None))
     item = dtype.itemsize
@@ -577,7 +593,7 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
         resident=len(plan.resident), experts=experts, tensor_parallel=tp,
         sequence_parallel=sequence_parallel, psi_per_rank=_psi_per_rank(plan, tp, split))
     offloading = offload != "none"
-    if degrees or tp > 1 or offloading:
+    if degrees or tp > 1 or offloading or quantize:
         report.hardware = hardware or ("8xh100-nvlink" if world_size <= 8 else "4x8xh100-ib")
     if degrees:
         _check_degrees(degrees, world_size, report.experts)
@@ -607,6 +623,10 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
         report.largest_block = _largest_block(plan, tp, split)[0]
     if offloading:
         _plan_offload(report, offload, traced, host_memory, device_memory)
+    if quantize:
+        report.quantized = price_quantization(
+            source, world_size=world_size, stage=stage, dtype=dtype, batch=batch or 1, seq=seq,
+            hardware=report.hardware, steady_from=STEADY_FROM)
     if nodes > 1:
         report.nodes = nodes
         report.levels = _levels(report, plan_over, nodes, item, mixed)
@@ -1341,6 +1361,8 @@ def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = Non
         lines += ["", *_format_tensor_parallel(report, device_memory_gb)]
     if report.offload_rows:
         lines += ["", *_format_offload(report)]
+    if report.quantized:
+        lines += ["", *format_quantization(report.quantized, report.hardware, report.world_size)]
     if device_memory_gb is not None and report.working_set is None:
         fitting = [s.stage for s in report.stages if s.state_bytes <= device_memory_gb * GB]
         lines.append(f"Model states fit in {device_memory_gb:g} GB in stages: "

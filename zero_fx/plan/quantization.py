@@ -1,0 +1,133 @@
+"""Pricing ZeRO++'s quantized collectives before a run: ``python -m zero_fx.plan --quantize``.
+
+[Note: when quantizing pays]
+Quantizing trades bytes on the wire for work on the device. Each gather quantizes the
+rank's shard and dequantizes the gathered bucket; each reduction quantizes the bucket and
+dequantizes and sums what arrives ([Note: quantized blocks on the wire] and [Note:
+reductions as all-to-alls] in passes/quantized_code.py). That work is ops of the step's
+graph, so the cost model prices it like any other: the bytes each op moves at the preset's
+memory bandwidth, plus a launch.
+
+For each configuration of ``CONFIGURATIONS`` the stage allows, the planner traces the step
+on fake tensors with the configuration's options, at ``STEADY_FROM`` + 1 blocks and at one
+block more, and extrapolates to the model's depth: the bytes a rank sends per step and the
+cost model's communication, compute and step seconds ([Note: the cost model] in
+zero_fx/analysis/cost_model.py). A configuration pays where its step is shorter than the
+step without quantization: where the communication it saves was exposed, and more of it
+than the quantizing adds.
+
+Checked against one H200 (bench/README.md, "On one GPU"): on GPT-2 125M's shape, a rank of
+8, the model charges int8 both ways 9.1 ms a step and int4 gradients 10.6; measured, 7.3
+and 16.4 ms, on a step bound by launching kernels. The communication saved is the model's
+alone: nothing here has run across GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .models import ModelSource
+
+CONFIGURATIONS = {
+    "none": {},
+    "qwZ int8": {"quantize_weights": "int8"},
+    "qgZ int8": {"quantize_gradients": "int8"},
+    "qwZ + qgZ int8": {"quantize_weights": "int8", "quantize_gradients": "int8"},
+    "qwZ int8 + qgZ int4": {"quantize_weights": "int8", "quantize_gradients": "int4"},
+}
+"""What ``--quantize`` compares: ``zero_compile``'s options for each (docs/quantization.md)."""
+
+
+@dataclass(frozen=True)
+class QuantizedRow:
+    """One configuration's step, per rank, extrapolated to the model's depth."""
+
+    name: str
+    options: dict
+    sent_bytes: float
+    """Bytes a rank sends per step (``traffic().wire_bytes()``)."""
+    communication_seconds: float
+    compute_seconds: float
+    """The compute stream's time, quantizing and dequantizing included."""
+    step_seconds: float
+
+
+def configurations(stage: int, names: Optional[Sequence[str]] = None) -> dict:
+    """The configurations ``stage`` allows (of ``names``, by default all): qwZ quantizes
+    stage 3's gathers, qgZ the reductions of stages 1-3."""
+    if stage == 0:
+        raise ValueError("quantized reductions start at stage 1 (stage 0 all-reduces whole "
+                         "gradients, which qgZ does not replace) and quantized gathers at "
+                         "stage 3: plan --quantize with --stage 1, 2 or 3")
+    unknown = set(names or ()) - set(CONFIGURATIONS)
+    if unknown:
+        raise ValueError(f"unknown configurations {sorted(unknown)}; choose from "
+                         f"{list(CONFIGURATIONS)}")
+    return {name: options for name, options in CONFIGURATIONS.items()
+            if (stage == 3 or "quantize_weights" not in options)
+            and (names is None or name in names or name == "none")}
+
+
+def price_quantization(source: ModelSource, *, world_size: int, stage: int,
+                       dtype: torch.dtype, batch: int, seq: int, hardware: str,
+                       steady_from: int, names: Optional[Sequence[str]] = None
+                       ) -> list[QuantizedRow]:
+    """Each configuration ``stage`` allows (of ``names``), priced on ``hardware`` ([Note: when
+    quantizing pays]); the first row is the step without quantization. ``steady_from``:
+    blocks traced before the one whose cost is extrapolated to the model's depth."""
+    if world_size < 2:
+        raise ValueError("one rank sends nothing, so there is nothing to quantize: plan "
+                         "--quantize with --world 2 or more")
+    return [_priced(source, name, options, world_size=world_size, stage=stage, dtype=dtype,
+                    batch=batch, seq=seq, hardware=hardware, steady_from=steady_from)
+            for name, options in configurations(stage, names).items()]
+
+
+def _priced(source: ModelSource, name: str, options: dict, *, world_size: int, stage: int,
+            dtype: torch.dtype, batch: int, seq: int, hardware: str,
+            steady_from: int) -> QuantizedRow:
+    from ..analysis.cost_model import estimate
+    from ..analysis.traffic import traffic_report
+    from .offline import rewritten_step_on_fake
+    from .planner import _causal_lm_loss
+
+    def figures(layers: Optional[int]) -> tuple[float, ...]:
+        gm, plan = rewritten_step_on_fake(
+            lambda: source.build(layers), batch=batch, seq=seq, vocab_size=source.vocab_size,
+            world_size=world_size, stage=stage, dtype=dtype, loss_fn=_causal_lm_loss, **options)
+        guess = estimate(gm, plan, hardware)
+        return (traffic_report(gm, plan).wire_bytes(), guess.communication_seconds,
+                guess.compute_seconds, guess.step_seconds)
+
+    first = steady_from + 1
+    if source.layers is None or source.layers <= first + 1:
+        values = figures(None)
+    else:  # what one more block adds, times the blocks beyond the first traced depth
+        base, more = figures(first), figures(first + 1)
+        values = tuple(b + (source.layers - first) * (m - b) for b, m in zip(base, more))
+    return QuantizedRow(name, options, *values)
+
+
+def format_quantization(rows: list[QuantizedRow], hardware: str, world_size: int) -> list[str]:
+    """The table ``python -m zero_fx.plan --quantize`` prints, and what pays."""
+    base = rows[0]
+    lines = [f"Quantized collectives on {hardware}, {world_size} ranks, per rank per step "
+             f"([Note: when quantizing pays] in zero_fx/plan/quantization.py):",
+             "| configuration | sent | communication | compute (quantizing included) | step | |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        change = row.step_seconds - base.step_seconds
+        verdict = ("" if row is base else
+                   f"pays: {-1e3 * change:.2f} ms faster" if change < 0 else
+                   f"does not pay: {1e3 * change:.2f} ms slower")
+        lines.append(f"| {row.name} | {row.sent_bytes / 2**20:.1f} MiB "
+                     f"({row.sent_bytes / base.sent_bytes:.2f}×) | "
+                     f"{1e3 * row.communication_seconds:.2f} ms | {1e3 * row.compute_seconds:.2f} ms | "
+                     f"{1e3 * row.step_seconds:.2f} ms | {verdict} |")
+    best = min(rows, key=lambda row: row.step_seconds)
+    lines.append(f"Fastest: {best.name}" + ("" if best is base else
+                 f" ({', '.join(f'{k}={v!r}' for k, v in best.options.items())})"))
+    return lines
