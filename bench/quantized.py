@@ -26,18 +26,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from zero_fx import zero_compile
+from zero_fx.plan.quantization import CONFIGURATIONS
 
 from . import wire
 from .peer_models import MODELS, loss_of, rank_batch
 from .runs import join_group, leave_group, machine, rows_of_every_rank, write_json
 
-CONFIGS = {
-    "fp32": {},
-    "qwZ int8": {"quantize_weights": "int8"},
-    "qgZ int8": {"quantize_gradients": "int8"},
-    "qwZ + qgZ int8": {"quantize_weights": "int8", "quantize_gradients": "int8"},
-    "qwZ int8 + qgZ int4": {"quantize_weights": "int8", "quantize_gradients": "int4"},
-}
+CONFIGS = {"fp32" if name == "none" else name: options
+           for name, options in CONFIGURATIONS.items()}
+"""The planner's configurations (zero_fx/plan/quantization.py), the unquantized one named
+by what these benchmarks train in."""
 
 
 def step_on_mesh(loss_of_batch, world: int, options: dict):

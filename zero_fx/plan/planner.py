@@ -194,7 +194,8 @@ from ..analysis.memory_timeline import memory_timeline, peak_alive
 from ..config import DEFAULT_BUCKET_BYTES, DEFAULT_PERSISTENCE_THRESHOLD
 from .layout import BLOCKS, ShardPlan, block_of, plan_for_module
 from .models import ModelSource, on_meta
-from .quantization import QuantizedRow, configurations, format_quantization, price_quantization
+from .quantization import (QuantizedRow, check_quantizable, format_quantization,
+                           price_quantization)
 from .table import TRAFFIC_IN_PSI, model_state_breakdown, zero_paper_bytes
 
 GB = 1e9
@@ -554,17 +555,14 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
     if degrees and seq is None:
         raise ValueError("expert parallelism is planned from the step's working set: give seq "
                          "(--seq) too")
-    if quantize and world_size < 2:
-        raise ValueError("one rank sends nothing, so there is nothing to quantize: plan "
-                         "--quantize with --world 2 or more")
+    if quantize:
+        check_quantizable(stage, world_size)
     if quantize and seq is None:
         raise ValueError("quantized collectives are priced on the traced step: give seq "
                          "(--seq) too")
     if quantize and (degrees or tp > 1 or offload != "none" or nodes > 1):
         raise ValueError("plan --quantize without --tp, --expert-parallel, --offload and "
                          "--nodes (one question at a time)")
-    if quantize:
-        configurations(stage)  # a ValueError for a stage with nothing to quantize
     start = time.perf_counter()
     model = on_meta(lambda: source.build(None))
     item = dtype.itemsize

@@ -55,13 +55,20 @@ class QuantizedRow:
     step_seconds: float
 
 
-def configurations(stage: int, names: Optional[Sequence[str]] = None) -> dict:
-    """The configurations ``stage`` allows (of ``names``, by default all): qwZ quantizes
-    stage 3's gathers, qgZ the reductions of stages 1-3."""
+def check_quantizable(stage: int, world_size: int) -> None:
+    """A ValueError saying what to change where a step has nothing to quantize."""
+    if world_size < 2:
+        raise ValueError("one rank sends nothing, so there is nothing to quantize: plan "
+                         "--quantize with --world 2 or more")
     if stage == 0:
         raise ValueError("quantized reductions start at stage 1 (stage 0 all-reduces whole "
                          "gradients, which qgZ does not replace) and quantized gathers at "
                          "stage 3: plan --quantize with --stage 1, 2 or 3")
+
+
+def configurations(stage: int, names: Optional[Sequence[str]] = None) -> dict:
+    """The configurations stage ``stage`` (1-3) allows (of ``names``, by default all): qwZ
+    quantizes stage 3's gathers, qgZ the reductions of stages 1-3."""
     unknown = set(names or ()) - set(CONFIGURATIONS)
     if unknown:
         raise ValueError(f"unknown configurations {sorted(unknown)}; choose from "
@@ -78,9 +85,7 @@ def price_quantization(source: ModelSource, *, world_size: int, stage: int,
     """Each configuration ``stage`` allows (of ``names``), priced on ``hardware`` ([Note: when
     quantizing pays]); the first row is the step without quantization. ``steady_from``:
     blocks traced before the one whose cost is extrapolated to the model's depth."""
-    if world_size < 2:
-        raise ValueError("one rank sends nothing, so there is nothing to quantize: plan "
-                         "--quantize with --world 2 or more")
+    check_quantizable(stage, world_size)
     return [_priced(source, name, options, world_size=world_size, stage=stage, dtype=dtype,
                     batch=batch, seq=seq, hardware=hardware, steady_from=steady_from)
             for name, options in configurations(stage, names).items()]
