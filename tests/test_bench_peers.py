@@ -14,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench import peers_report  # noqa: E402
+from torchrun import torchrun_command  # noqa: E402
 
 FP32 = 4
 
@@ -93,10 +94,9 @@ def test_peers_train_the_same_model_to_the_same_losses_and_meter_them():
 def test_under_torchrun_each_peer_still_runs_in_fresh_processes():
     """The GPU mode's `torchrun -m bench.peers`: each rank starts a process per peer, which
     joins a group of the peer's own; on CPU here, the same code path."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_addr", "127.0.0.1", "--master_port", "29517", "-m", "bench.peers",
-               "--device", "cpu", "--model", "tiny", "--peers", "ddp", "fsdp2", "--steps", "3",
-               "--warmup", "1", "--name", "peers-torchrun-test"]
+    command = torchrun_command(2, "-m", "bench.peers", "--device", "cpu", "--model", "tiny",
+                               "--peers", "ddp", "fsdp2", "--steps", "3", "--warmup", "1",
+                               "--name", "peers-torchrun-test")
     run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
                          env=extensions_environment())
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -6,7 +6,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 import models
+from torchrun import torchrun_command
 from zero_fx.checkpoint.save_load import load_full
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,10 +35,10 @@ class TorchrunJob:
     line by line as it comes."""
 
     def __init__(self, folder: str, *example_args: str):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--max-restarts", "2", EXAMPLE, "--device", "cpu", "--backend", models.BACKEND,
-                   "--layers", str(LAYERS), "--steps", str(STEPS), "--checkpoint-every",
-                   str(EVERY), "--checkpoint-dir", folder, *example_args]
+        command = torchrun_command(2, "--max-restarts", "2", EXAMPLE, "--device", "cpu",
+                                   "--backend", models.BACKEND, "--layers", str(LAYERS),
+                                   "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
+                                   "--checkpoint-dir", folder, *example_args)
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, cwd=ROOT,
                                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -118,7 +118,8 @@ def test_a_hung_rank_fails_its_peers_within_the_timeout_naming_the_collective(
         tmp_path, uninterrupted):
     job = TorchrunJob(str(tmp_path), "--timeout", str(HANG_TIMEOUT_S))
     job.wait_for(rf"saved \S+ after step {EVERY}\b")
-    os.kill(job.worker(1), signal.SIGSTOP)
+    hung = job.worker(1)
+    os.kill(hung, signal.SIGSTOP)
     stopped = time.monotonic()
     failure = job.wait_for(r"CollectiveFailedError: .*")
     waited = time.monotonic() - stopped
@@ -129,5 +130,9 @@ def test_a_hung_rank_fails_its_peers_within_the_timeout_naming_the_collective(
     assert re.search(r"in the check that ranks agree \(an all-gather|in the compiled step at "
                      r"`wait_tensor = torch\.ops\._c10d_functional\.wait_tensor",
                      failure.group(0)), failure.group(0)
+    # torchrun then ends the group with SIGTERM, which a stopped process receives only once
+    # continued: left stopped, it is killed 30 s later (SIGKILL), an idle wait of the suite's
+    job.wait_for(rf"Closing process {hung} via signal SIGTERM")
+    os.kill(hung, signal.SIGCONT)
     output = job.finish()
     _assert_ends_like(uninterrupted, output, str(tmp_path))

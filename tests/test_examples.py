@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import models
+from torchrun import torchrun_command as launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,9 +17,8 @@ def torchrun_command(script, args, launcher=(), ranks=2):
     """torchrun of ``ranks`` ranks (``launcher``: more torchrun options) running an example on
     CPUs (--device cpu: on a one-GPU machine, ``auto`` would too, but the test means gloo),
     lowered with the suite's backend (``models.BACKEND``)."""
-    return [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc_per_node",
-            str(ranks), os.path.join(ROOT, "examples", script), "--device", "cpu", "--backend",
-            models.BACKEND, *args]
+    return launch(ranks, os.path.join(ROOT, "examples", script), "--device", "cpu", "--backend",
+                  models.BACKEND, *args, launcher=launcher)
 
 
 def torchrun(script, *args, ranks=2):
