@@ -132,7 +132,7 @@ def test_a_hung_rank_fails_its_peers_within_the_timeout_naming_the_collective(
                      failure.group(0)), failure.group(0)
     # torchrun then ends the group with SIGTERM, which a stopped process receives only once
     # continued: left stopped, it is killed 30 s later (SIGKILL), an idle wait of the suite's
-    job.wait_for(rf"Closing process {hung} via signal SIGTERM")
+    job.wait_for(rf"process {hung} (closing signal|via signal) SIGTERM")
     os.kill(hung, signal.SIGCONT)
     output = job.finish()
     _assert_ends_like(uninterrupted, output, str(tmp_path))
