@@ -94,7 +94,7 @@ def tensor_parallel_rank(rank: int, world_size: int, shape: tuple, stage: int = 
             parallelize_hf_llama(model, mesh["tp"])
     opt = models.make_optimizer(model, OPTIMIZER)
     step = zero_compile(models.training_step(name), stage=stage, mesh=mesh,
-                        **{"backend": "aot_eager", **dict(options)})
+                        **{"backend": models.BACKEND, **dict(options)})
     calls = dict(options).get("accumulation_steps", 1)
     data_ranks = world_size // shape[-1]
     data_rank = rank // shape[-1]
@@ -130,7 +130,7 @@ def loaded_rank(rank: int, world_size: int, shape: tuple, path: str, resave: str
         if shape[-1] > 1:
             parallelize(model, mesh["tp"])
     opt = models.make_optimizer(model, OPTIMIZER)
-    step = zero_compile(models.training_step("tp_gpt"), stage=stage, backend="aot_eager",
+    step = zero_compile(models.training_step("tp_gpt"), stage=stage, backend=models.BACKEND,
                         mesh=mesh)
     step.load_checkpoint(path, model, opt)
     step.save_checkpoint(resave)

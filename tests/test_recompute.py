@@ -77,7 +77,7 @@ def test_a_value_kept_against_the_claim_is_caught():
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_blocks_train_as_single_process(stage):
-    results = zero_fx_run(2, "gpt", "aot_eager", stage=stage, options=(("recompute", "blocks"),))
+    results = zero_fx_run(2, "gpt", models.BACKEND, stage=stage, options=(("recompute", "blocks"),))
     errors = parity_errors(results, reference_run("gpt"))
     assert max(errors.values()) < TOLERANCE, max(errors, key=errors.get)
 
@@ -86,7 +86,7 @@ def test_blocks_train_as_single_process(stage):
     (4, 3, "auto"), (2, 0, "auto"), (2, 1, "auto"), (4, 3, "blocks"), (2, 2, models.save_matmuls),
     (2, 3, models.save_matmuls)])
 def test_other_modes_and_worlds_train_as_single_process(world_size, stage, mode):
-    results = zero_fx_run(world_size, "gpt", "aot_eager", stage=stage, options=(("recompute", mode),))
+    results = zero_fx_run(world_size, "gpt", models.BACKEND, stage=stage, options=(("recompute", mode),))
     errors = parity_errors(results, reference_run("gpt"))
     assert max(errors.values()) < TOLERANCE, max(errors, key=errors.get)
 
@@ -101,8 +101,8 @@ def test_blocks_under_inductor_train_as_single_process():
 def test_stage3_recompute_gathers_no_more():
     """A recomputed matmul reads the backward's own gather: the same collectives move the
     same bytes as without recompute."""
-    plain = zero_fx_run(2, "gpt", "aot_eager", stage=3)
-    recomputed = zero_fx_run(2, "gpt", "aot_eager", stage=3, options=(("recompute", "blocks"),))
+    plain = zero_fx_run(2, "gpt", models.BACKEND, stage=3)
+    recomputed = zero_fx_run(2, "gpt", models.BACKEND, stage=3, options=(("recompute", "blocks"),))
     assert recomputed[0]["counted"] == plain[0]["counted"]
 
 
@@ -111,21 +111,21 @@ def test_dropout_is_replayed_with_the_forwards_mask():
     each rank's masks are the same with and without recompute, so training is identical."""
     reference = reference_run("gpt_dropout")
     for mode in MODES:
-        one = zero_fx_run(1, "gpt_dropout", "aot_eager", stage=3, options=(("recompute", mode),))
+        one = zero_fx_run(1, "gpt_dropout", models.BACKEND, stage=3, options=(("recompute", mode),))
         assert max(parity_errors(one, reference).values()) < TOLERANCE
-    plain = zero_fx_run(2, "gpt_dropout", "aot_eager", stage=3)
-    blocks = zero_fx_run(2, "gpt_dropout", "aot_eager", stage=3, options=(("recompute", "blocks"),))
+    plain = zero_fx_run(2, "gpt_dropout", models.BACKEND, stage=3)
+    blocks = zero_fx_run(2, "gpt_dropout", models.BACKEND, stage=3, options=(("recompute", "blocks"),))
     for rank in range(2):
         assert blocks[rank]["losses"] == plain[rank]["losses"]
         assert all(torch.equal(blocks[rank]["params"][n], p)
                    for n, p in plain[rank]["params"].items())
-    assert plain[0]["losses"] != zero_fx_run(2, "gpt", "aot_eager", stage=3)[0]["losses"]
+    assert plain[0]["losses"] != zero_fx_run(2, "gpt", models.BACKEND, stage=3)[0]["losses"]
 
 
 def test_bf16_recompute_equals_bf16_without():
     bf16 = (("mixed_precision", MixedPrecision(param_dtype=torch.bfloat16)),)
-    plain = zero_fx_run(2, "gpt", "aot_eager", stage=3, options=bf16)
-    blocks = zero_fx_run(2, "gpt", "aot_eager", stage=3, options=bf16 + (("recompute", "blocks"),))
+    plain = zero_fx_run(2, "gpt", models.BACKEND, stage=3, options=bf16)
+    blocks = zero_fx_run(2, "gpt", models.BACKEND, stage=3, options=bf16 + (("recompute", "blocks"),))
     assert blocks[0]["losses"] == plain[0]["losses"]
     assert all(torch.equal(blocks[0]["params"][n], p) for n, p in plain[0]["params"].items())
 
@@ -148,7 +148,7 @@ def _checkpointed_and_plain(rank, world_size):
     for checkpointed in (False, True):
         model = models.build("mlp")
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        step = zero_compile(_dropout_step(checkpointed), stage=3, backend="aot_eager")
+        step = zero_compile(_dropout_step(checkpointed), stage=3, backend=models.BACKEND)
         losses = []
         for i in range(3):
             x, y = models.global_batch("mlp", i)
@@ -180,7 +180,7 @@ def _hf_gradient_checkpointing(rank, world_size):
         if checkpointing:
             model.gradient_checkpointing_enable()
         opt = models.make_optimizer(model, "adamw")
-        step = zero_compile(models.training_step("hf_gpt2"), stage=3, backend="aot_eager")
+        step = zero_compile(models.training_step("hf_gpt2"), stage=3, backend=models.BACKEND)
         losses = [step(model, opt, *models.global_batch("hf_gpt2", i)).item() for i in range(3)]
         summary = step.graphs[-1].meta.get(RECOMPUTE_META)
         out.append((losses, summary and summary.mode))
