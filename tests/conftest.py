@@ -53,21 +53,8 @@ def pytest_runtest_logfinish(nodeid, location):
     ranks.settle()
 
 
-LONGEST_FIRST = ("test_examples.py", "test_tensor_parallel.py", "test_elastic_restart.py",
-                 "test_moe.py", "test_parity.py", "test_recompute.py", "test_offload.py",
-                 "test_hybrid.py", "test_planner.py", "test_fuzz.py", "test_bench_peers.py",
-                 "test_checkpoint.py")
-"""The files that take longest on the 2-core CI box (1.5-3 minutes each), run first. Under
-``pytest -n 2 --dist loadfile`` (the README's command) each process takes the next file
-when it finishes one; a long file taken last leaves the other process idle until it ends
-(in alphabetical order, test_elastic_restart.py and test_fuzz.py came last)."""
-
-
 def pytest_collection_modifyitems(config, items):
-    """The longest files first (``LONGEST_FIRST``; the rest in their order). Tests marked
-    ``cuda`` are skipped, with the reason, where torch sees no GPU."""
-    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: files stay whole
+    """Tests marked ``cuda`` are skipped, with the reason, where torch sees no GPU."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=CUDA_SKIP_REASON)
