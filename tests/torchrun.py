@@ -1,6 +1,6 @@
 """The command that starts torchrun on this machine as the tests start it, on a port of its
-own: two test processes running at once (``pytest -n 2``) each start torchrun jobs, and two
-jobs at torchrun's default port (29500) would meet in one group."""
+own: two test runs at once (two pytest processes, or ``pytest -n 2``) each start torchrun
+jobs, and two jobs at torchrun's default port (29500) would meet in one group."""
 
 from __future__ import annotations
 
