@@ -3,6 +3,7 @@ and shapes that change never hang silently or leave half-updated state."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -365,13 +366,28 @@ def test_a_dead_rank_fails_the_others_fast_with_state_intact(when):
     assert survivor["shards_unchanged"] and survivor["optimizer_unchanged"]
 
 
+@contextlib.contextmanager
+def completion_check_on_gloo():
+    """The NCCL completion check forced on over gloo for the rank function inside, and off
+    again after it: the standing ranks run later tests' functions, and a check left on sends
+    each step's fence over the training group (a leak test_checkpoint_devices once saw)."""
+    saved = failures.CHECKED_BACKENDS
+    failures.CHECKED_BACKENDS = ("nccl", "gloo")
+    try:
+        yield
+    finally:
+        failures.CHECKED_BACKENDS = saved
+
+
 def rank_dying_before_its_fence(rank: int, world_size: int, stage: int):
     """The NCCL completion check, run on gloo: rank 1 dies after its update of the second
     call, where only that call's fence still needs it. Rank 0's fence fails in the background;
     its third call reports it."""
-    import zero_fx.runtime.failures
+    with completion_check_on_gloo():
+        return _dying_before_its_fence(rank, stage)
 
-    zero_fx.runtime.failures.CHECKED_BACKENDS = ("nccl", "gloo")
+
+def _dying_before_its_fence(rank: int, stage: int):
     model = models.build("gpt")
     opt = models.make_optimizer(model)
     step = zero_compile(models.training_step("gpt"), stage=stage, backend="aot_eager")
@@ -455,11 +471,14 @@ def test_a_failed_fence_fails_the_next_call_and_refuses_the_rest(tmp_path):
 
 def steady_state_host_syncs(rank: int, world_size: int, stage: int, precision: str):
     """Host syncs of the fourth call, with the NCCL completion check forced on (over gloo)."""
-    import zero_fx.runtime.failures
+    with completion_check_on_gloo():
+        return _steady_state_host_syncs(rank, stage, precision)
+
+
+def _steady_state_host_syncs(rank: int, stage: int, precision: str):
     from zero_fx import MixedPrecision
     from zero_fx.analysis.host_syncs import counting_host_syncs
 
-    zero_fx.runtime.failures.CHECKED_BACKENDS = ("nccl", "gloo")
     model = models.build("gpt")
     # fused: its step counters live on the device (non-fused ones read CPU counters, no sync on CUDA)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
