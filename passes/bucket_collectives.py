@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 from torch.fx import GraphModule, Node
 
 from .collective_code import gather_bucket
-from .predicates import (CARRIES_META, GATHERED_META, Phase, carried_params, gathered_param,
-                         grad_slots, kept_through_loss, phase_of)
+from .predicates import (CARRIES_META, GATHERED_META, SECONDARY_META, Phase, carried_params,
+                         gathered_param, grad_slots, kept_through_loss, phase_of, secondary_of)
+from .secondary_code import gather_from_secondary, gather_keeping_secondary
 from .reduce_grads import reduction
 from .splice import splice
 
@@ -57,9 +59,15 @@ def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
         through_loss = [n for n in results if carried_params(n)[0] in kept]
         released = [n for n in results
                     if carried_params(n)[0] not in plan.resident | kept]
+        # [Note: the secondary partition]: the backward's gathers from secondary shards
+        # share buckets with each other only
+        from_secondary = [n for n in released if _reads_secondary(n)]
+        released = [n for n in released if n not in from_secondary]
         for group, is_resident in ((resident, True), (through_loss, False), (released, False)):
-            replaced |= _fuse(gm, plan, group, order, _gather_code(plan), insert_at_first=True,
-                              resident=is_resident)
+            replaced |= _fuse(gm, plan, group, order, _gather_code(plan, _keeps_secondary(group)),
+                              insert_at_first=True, resident=is_resident)
+        replaced |= _fuse(gm, plan, from_secondary, order, _secondary_gather_code(plan),
+                          insert_at_first=True)
     if plan.reduces_in_graph:
         output = gm.graph.output_node()
         slots = {i: output.args[0][i] for i in grad_slots(gm) if output.args[0][i] is not None}
@@ -72,15 +80,49 @@ def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
     return gm
 
 
-def _gather_code(plan):
+def _gather_code(plan, keeping: frozenset = frozenset()):
+    """Code for a bucket of ``gather_params``' gathers; where a member of ``keeping`` is in
+    the bucket, the forward's gather that keeps the secondary shards of those members."""
     def code(names):
         layouts = [plan.layout(n) for n in names]
         size, group = plan.collective_group(names[0])  # a bucket is one group's
+        from_host = plan.device_type if plan.offloads_parameters else None
+        if any(n in keeping for n in names):
+            secondary = plan.secondary
+            return functools.partial(
+                gather_keeping_secondary, numels=[l.numel for l in layouts],
+                shapes=[l.shape for l in layouts], keep=[n in keeping for n in names],
+                nodes=secondary.nodes, node_size=secondary.size,
+                across_group_name=secondary.across_group_name,
+                node_group_name=secondary.node_group_name, dtype=plan.compute_dtype,
+                from_host=from_host)
         return functools.partial(gather_bucket, numels=[l.numel for l in layouts],
                                  shapes=[l.shape for l in layouts], world_size=size,
-                                 group_name=group, dtype=plan.compute_dtype,
-                                 from_host=plan.device_type if plan.offloads_parameters else None)
+                                 group_name=group, dtype=plan.compute_dtype, from_host=from_host)
     return code
+
+
+def _secondary_gather_code(plan):
+    def code(names):
+        layouts = [plan.layout(n) for n in names]
+        return functools.partial(gather_from_secondary, numels=[l.numel for l in layouts],
+                                 shapes=[l.shape for l in layouts], nodes=plan.secondary.nodes,
+                                 node_size=plan.secondary.size,
+                                 node_group_name=plan.secondary.node_group_name)
+    return code
+
+
+def _kept_secondary(result: Node) -> Optional[Node]:
+    """The secondary shard the forward gather of ``result`` keeps, if it keeps one."""
+    return next((n for n in _chain(result) if secondary_of(n) is not None), None)
+
+
+def _keeps_secondary(results: list[Node]) -> frozenset:
+    return frozenset(carried_params(r)[0] for r in results if _kept_secondary(r) is not None)
+
+
+def _reads_secondary(result: Node) -> bool:
+    return any(secondary_of(n) is not None for n in _chain_inputs(result))
 
 
 def _fuse(gm, plan, results: list[Node], order, code_for, *, insert_at_first: bool,
@@ -98,9 +140,11 @@ def _fuse(gm, plan, results: list[Node], order, code_for, *, insert_at_first: bo
         inputs = [_chain_inputs(old)[0] for old in olds]
         news = splice(gm.graph, code_for(bucket), inputs, before=before,
                       phase=phase_of(before), meta={CARRIES_META: tuple(bucket)})
-        for old, new in zip(olds, news):
-            if GATHERED_META in old.meta:
-                new.meta[GATHERED_META] = old.meta[GATHERED_META]
+        old_secondaries = [s for s in map(_kept_secondary, olds) if s is not None]
+        for old, new in zip(olds + old_secondaries, news):
+            for key in (GATHERED_META, SECONDARY_META):
+                if key in old.meta:
+                    new.meta[key] = old.meta[key]
             old.replace_all_uses_with(new)
             replaced[old] = new
     return replaced
@@ -108,12 +152,12 @@ def _fuse(gm, plan, results: list[Node], order, code_for, *, insert_at_first: bo
 
 def _chain(result: Node) -> list[Node]:
     """The inserted nodes that compute ``result``: its ancestors carrying the same parameters."""
-    carries = carried_params(result)
+    carries, phase = carried_params(result), phase_of(result)
     chain, stack = [], [result]
     while stack:
         node = stack.pop()
-        if node in chain or carried_params(node) != carries:
-            continue
+        if node in chain or carried_params(node) != carries or phase_of(node) is not phase:
+            continue  # a backward gather's chain ends at the secondary shard it reads
         chain.append(node)
         stack.extend(node.all_input_nodes)
     return chain
@@ -127,7 +171,11 @@ def _chain_inputs(result: Node) -> list[Node]:
 
 def _erase_dead_chains(gm: GraphModule, replaced: dict) -> None:
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    erased = set()  # a kept secondary shard is in its full parameter's chain too
     for old in replaced:
+        if old in erased:
+            continue
         for node in sorted(_chain(old), key=order.__getitem__, reverse=True):
             if not node.users:
                 gm.graph.erase_node(node)
+                erased.add(node)

@@ -82,21 +82,25 @@ def gather_bucket(*shards: torch.Tensor, numels: Sequence[int], shapes: Sequence
     ``from_host``: the shards are in host memory, copied to the training device of that type
     first, in one buffer ([Note: shards brought from the host] in passes/host_copies.py).
     """
-    if from_host is not None:  # 1-D: (1, bucket shard numel) for a bucket of several
-        flat = wait_device_copy(copy_to_device(list(shards), from_host))
-        flat = flat if len(shards) == 1 else flat.view(1, -1)
-    else:
-        flat = shards[0] if len(shards) == 1 else torch._chunk_cat(shards, 0, 1)
-    flat = _cast(flat, dtype)
+    flat = cast(bucket_buffer(shards, from_host), dtype)
     if len(shards) == 1:
         if world_size > 1:
             flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world_size, group_name))
-        return [_unpadded(flat, numels[0], shapes[0])]
+        return [unpadded(flat, numels[0], shapes[0])]
     if world_size > 1:
         flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world_size, group_name))
     columns = torch.split_with_sizes_copy(flat, [s.numel() for s in shards], dim=1)
-    return [_unpadded(column, numel, shape)
+    return [unpadded(column, numel, shape)
             for column, numel, shape in zip(columns, numels, shapes)]
+
+
+def bucket_buffer(shards: Sequence[torch.Tensor], from_host: Optional[str]) -> torch.Tensor:
+    """The bucket's shards in one buffer, in one op ([Note: one op per bucket]): 1-D for one
+    shard, else ``(1, bucket shard numel)``; ``from_host``: copied to the device first."""
+    if from_host is not None:
+        flat = wait_device_copy(copy_to_device(list(shards), from_host))
+        return flat if len(shards) == 1 else flat.view(1, -1)
+    return shards[0] if len(shards) == 1 else torch._chunk_cat(shards, 0, 1)
 
 
 def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_size: int,
@@ -120,7 +124,7 @@ def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_s
     count: [Note: expert parallelism] in zero_fx/plan/expert_parallel.py).
     """
     ranks = mean_over or world_size * replicas
-    grads = [_cast(g, dtype) for g in grads]
+    grads = [cast(g, dtype) for g in grads]
     if world_size == 1:
         flat = [torch.nn.functional.pad(g.reshape(-1), (0, p)) if p else g.reshape(-1)
                 for g, p in zip(grads, paddings)]
@@ -152,7 +156,7 @@ def all_reduce_bucket(*grads: torch.Tensor, world_size: int, group_name: str,
     """Each gradient, whole, averaged over ranks (stage 0), in ``dtype`` (None: its own):
     the bucket is flattened into one buffer in one op and divided before the sum
     ([Note: divide before the sum])."""
-    grads = [_cast(g, dtype) for g in grads]
+    grads = [cast(g, dtype) for g in grads]
     if world_size == 1:
         return grads
     buffer = grads[0] if len(grads) == 1 else torch._chunk_cat(grads, 0, 1)  # (1, numel)
@@ -164,11 +168,11 @@ def all_reduce_bucket(*grads: torch.Tensor, world_size: int, group_name: str,
                                                    grads)]
 
 
-def _cast(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+def cast(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
     return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
 
 
-def _unpadded(flat: torch.Tensor, numel: int, shape) -> torch.Tensor:
+def unpadded(flat: torch.Tensor, numel: int, shape) -> torch.Tensor:
     """The parameter: the first ``numel`` elements of contiguous ``flat``, in ``shape``;
     only the views that change something (each is an op in the step's graph)."""
     if flat.numel() != numel:

@@ -7,9 +7,10 @@ import functools
 from torch.fx import GraphModule, Node
 
 from .collective_code import gather_bucket
-from .predicates import (CARRIES_META, GATHERED_META, KEPT_THROUGH_LOSS_META, Phase,
-                         is_anchor_compute, is_param_input, is_view, param_name, phase_of,
-                         readers_through_views)
+from .predicates import (CARRIES_META, GATHERED_META, KEPT_THROUGH_LOSS_META, SECONDARY_META,
+                         Phase, is_anchor_compute, is_param_input, is_view, param_name,
+                         phase_of, readers_through_views)
+from .secondary_code import gather_from_secondary, gather_keeping_secondary
 from .splice import splice
 
 
@@ -34,6 +35,11 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
     whose last forward reader and first backward reader have no matmul, attention
     or convolution between them (the language-model head: [Note: a weight kept
     through the loss]); their names go to ``gm.meta["zero_kept_through_loss"]``.
+    With ``plan.secondary`` a parameter gathered in both phases is gathered in the
+    forward across nodes, then within the node, and the first result, its secondary
+    shard (``meta["zero_secondary"]``), is the backward gather's input instead of the
+    shard, gathered within the node only ([Note: the secondary partition] in
+    zero_fx/plan/secondary.py).
     Does nothing when the graph has no parameter placeholders.
 
     [Note: a weight kept through the loss]
@@ -81,17 +87,42 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
             # [Note: a weight kept through the loss]
             kept.add(layout.name)
             users_by_phase = {Phase.FORWARD: list(placeholder.users)}
-        for phase, users in users_by_phase.items():
+        secondary = None
+        if plan.secondary is not None and set(users_by_phase) == {Phase.FORWARD, Phase.BACKWARD}:
+            secondary = plan.secondary  # [Note: the secondary partition]
+        source = placeholder
+        for phase in sorted(users_by_phase, key=lambda p: p is not Phase.FORWARD):
+            users = users_by_phase[phase]
             first = min(users, key=order.__getitem__)
-            (full,) = splice(gm.graph, gather, [placeholder], before=first, phase=phase_of(first),
-                             meta={CARRIES_META: (layout.name,)})
+            code = gather if secondary is None else _secondary_code(gather, secondary, phase)
+            full, *kept_shard = splice(gm.graph, code, [source], before=first,
+                                       phase=phase_of(first),
+                                       meta={CARRIES_META: (layout.name,)})
             full.meta[GATHERED_META] = (layout.name, phase)
+            if kept_shard:
+                kept_shard[0].meta[SECONDARY_META] = layout.name
+                source = kept_shard[0]
             for user in users:
                 user.replace_input_with(placeholder, full)
     gm.meta[KEPT_THROUGH_LOSS_META] = frozenset(kept)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _secondary_code(gather: functools.partial, secondary, phase: Phase) -> functools.partial:
+    """The forward's gather keeping the secondary shard, or the backward's from it."""
+    bound = gather.keywords
+    if phase is Phase.FORWARD:
+        return functools.partial(
+            gather_keeping_secondary, numels=bound["numels"], shapes=bound["shapes"],
+            keep=[True], nodes=secondary.nodes, node_size=secondary.size,
+            across_group_name=secondary.across_group_name,
+            node_group_name=secondary.node_group_name, dtype=bound["dtype"],
+            from_host=bound["from_host"])
+    return functools.partial(gather_from_secondary, numels=bound["numels"],
+                             shapes=bound["shapes"], nodes=secondary.nodes,
+                             node_size=secondary.size, node_group_name=secondary.node_group_name)
 
 
 def _only_the_loss_between(users_by_phase: dict, order: dict, anchors: list[int]) -> bool:

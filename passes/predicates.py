@@ -16,6 +16,9 @@ PHASE_META = "zero_phase"
 """Node meta key: the node's ``Phase`` (set by ``annotate_phases``, kept by every pass)."""
 GATHERED_META = "zero_gathered"
 """Node meta key on the node that yields a gathered full parameter: ``(name, Phase)``."""
+SECONDARY_META = "zero_secondary"
+"""Node meta key on the node that yields a parameter's secondary shard: its name ([Note: the
+secondary partition] in zero_fx/plan/secondary.py)."""
 CARRIES_META = "zero_carries"
 """Node meta key on inserted communication code: the names of the parameters
 whose elements it moves (one bucket), in order."""
@@ -230,6 +233,11 @@ def gradient_seeds(gm: torch.fx.GraphModule) -> set:
 def gathered_param(node: Node) -> Optional[tuple[str, Phase]]:
     """``(name, phase)`` if ``node`` yields a gathered full parameter, else None."""
     return node.meta.get(GATHERED_META)
+
+
+def secondary_of(node: Node) -> Optional[str]:
+    """The parameter whose secondary shard ``node`` yields, else None."""
+    return node.meta.get(SECONDARY_META)
 
 
 def carried_params(node: Node) -> tuple[str, ...]:

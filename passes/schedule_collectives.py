@@ -73,7 +73,8 @@ def schedule_collectives(gm: GraphModule, plan) -> GraphModule:
 
 def _prefetch_gathers(gm: GraphModule, plan, phase: Phase) -> None:
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    gathers = [n for n in gm.graph.nodes if is_all_gather(n) and phase_of(n) is phase]
+    gathers = [n for n in gm.graph.nodes if is_all_gather(n) and phase_of(n) is phase
+               and not _feeds_a_gather(n, order)]
     copies_ahead = _copies_one_bucket_ahead(gathers, order)
     waits = [_wait_of(g) for g in gathers]
     issued_at = {g: order[g] for g in gathers}
@@ -91,6 +92,13 @@ def _prefetch_gathers(gm: GraphModule, plan, phase: Phase) -> None:
                 break
     for copy, anchor in copies_ahead:
         anchor.prepend(copy)
+
+
+def _feeds_a_gather(gather: Node, order) -> bool:
+    """A gather whose result another gather of its bucket gathers again (the secondary
+    partition's gather across nodes, [Note: the secondary partition] in
+    zero_fx/plan/secondary.py): it moves with that one, in its issue group."""
+    return any(is_all_gather(n) and n is not gather for n in _tail(_wait_of(gather), order))
 
 
 def _copies_one_bucket_ahead(gathers: list[Node], order) -> list[tuple[Node, Node]]:
@@ -172,11 +180,11 @@ def _wait_of(collective: Node) -> Node:
 def _issue_group(collective: Node, order) -> list[Node]:
     """The collective and the inserted code that prepares its buffer (its concatenation, a
     reduction's division), in order."""
-    carries = carried_params(collective)
+    carries, phase = carried_params(collective), phase_of(collective)
     group, stack = set(), [collective]
     while stack:
         node = stack.pop()
-        if node not in group and carried_params(node) == carries:
+        if node not in group and carried_params(node) == carries and phase_of(node) is phase:
             group.add(node)
             stack.extend(node.all_input_nodes)
     return sorted(group, key=order.__getitem__)
@@ -184,11 +192,12 @@ def _issue_group(collective: Node, order) -> list[Node]:
 
 def _tail(wait: Node, order) -> list[Node]:
     """The wait and the inserted code after it (the copy-out or split, views), in order."""
-    carries = carried_params(wait)
+    carries, phase = carried_params(wait), phase_of(wait)
     tail, stack = set(), [wait]
     while stack:
         node = stack.pop()
-        if node not in tail and carried_params(node) == carries and node.op != "output":
+        if (node not in tail and carried_params(node) == carries and node.op != "output"
+                and phase_of(node) is phase):  # a kept secondary's backward reader is not
             tail.add(node)
             stack.extend(node.users)
     return sorted(tail, key=order.__getitem__)

@@ -264,6 +264,14 @@ class ZeroConfig:
     quantize_block: int = 256
     """Elements per quantized block (one fp32 scale each, 4 bytes): a multiple of 8.
     Smaller blocks follow the values more closely and move more scales."""
+    secondary_partition: Union[None, bool, int] = None
+    """Stage 3: the forward's gathers also keep a copy of each parameter sharded within the
+    node, and the backward gathers from it within the node only (ZeRO++'s hpZ; [Note: the
+    secondary partition] in zero_fx/plan/secondary.py): the number of ranks per node, or
+    True for torchrun's ``LOCAL_WORLD_SIZE`` (on a ("replicate", "shard") mesh: its "shard"
+    dimension, and the primary shards then span the whole mesh). Costs ``Ψ / n``
+    parameters per rank between the forward and the backward. None: every gather spans the
+    shard group."""
     debug: DebugOptions = field(default_factory=DebugOptions)
     """Dumps, disabled passes, the ranks' agreement check and Inductor schedule pinning
     (``DebugOptions``)."""
@@ -328,6 +336,8 @@ class ZeroConfig:
                              "memory: choose offload='optimizer' or 'parameters' with it")
         check_quantization(self.quantize_weights, self.quantize_gradients, self.quantize_block,
                            self.stage, self.accumulation_steps)
+        check_secondary_partition(self.secondary_partition, self.stage, self.mesh,
+                                  self.expert_parallel)
         if self.init_fn is not None and not callable(self.init_fn):
             raise TypeError(f"init_fn must be a callable init_fn(module), got {type(self.init_fn).__name__}")
 
@@ -663,6 +673,30 @@ def check_mesh(mesh, stage: int) -> None:
     if mesh.size(names.index("shard")) == 1 and stage != 0 and "replicate" in names:
         raise ValueError(f"the mesh's shard dimension has one rank, so stage {stage} would shard "
                          f"nothing: use stage=0 (every rank a replica), or more ranks per shard group")
+
+
+def check_secondary_partition(secondary_partition, stage: int, mesh, expert_parallel) -> None:
+    """``secondary_partition`` makes sense with the rest ([Note: the secondary partition] in
+    zero_fx/plan/secondary.py); whether it divides the ranks is checked once the group is
+    known (``runtime/secondary_groups.py``)."""
+    if secondary_partition is None or secondary_partition is False:
+        return
+    if not (secondary_partition is True or isinstance(secondary_partition, int)
+            and not isinstance(secondary_partition, bool) and secondary_partition >= 2):
+        raise ValueError(f"secondary_partition must be the number of ranks per node (an int >= "
+                         f"2), True (torchrun's LOCAL_WORLD_SIZE, or a mesh's 'shard' "
+                         f"dimension) or None; got {secondary_partition!r}")
+    if stage != 3:
+        raise ValueError(f"secondary_partition keeps a node's copy of stage 3's gathered "
+                         f"parameters for the backward; stage {stage} gathers none in the step: "
+                         f"use stage=3, or leave secondary_partition unset")
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "tp" in names:
+        raise ValueError("secondary_partition with a tensor-parallel mesh is not supported: use a "
+                         "flat world or a ('replicate', 'shard') mesh")
+    if expert_parallel != 1:
+        raise ValueError("secondary_partition with expert_parallel is not supported: routed "
+                         "experts are gathered over their own groups; leave one of them unset")
 
 
 MESH_DIM_NAMES = (("replicate", "shard"), ("shard", "tp"), ("replicate", "shard", "tp"))

@@ -55,6 +55,7 @@ ALL_TO_ALL = "all_to_all"
 SHARD_GROUP, REPLICATE_GROUP = "shard group", "replicate group"
 EXPERT_GROUP, EXPERT_DATA_GROUP = "expert-parallel group", "expert-data-parallel group"
 TP_GROUP = "tp group"
+NODE_GROUP, ACROSS_NODES = "node group", "across-nodes group"  # [Note: the secondary partition]
 TP_PREFIX = "tp_"
 """A tensor-parallel collective's kind: this before its operation's ("tp_all_reduce")."""
 _RING = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, ALL_TO_ALL: 1}
@@ -143,6 +144,9 @@ class TrafficReport:
     expert_parallel``."""
     tp: int = 1
     """Ranks of the tensor-parallel group: Ψ is then this rank's piece of the model."""
+    node_size: int = 1
+    """With a secondary partition: ranks per node ([Note: the secondary partition] in
+    zero_fx/plan/secondary.py); ``world_size / node_size`` nodes."""
 
     def numel_by_kind(self) -> dict[str, int]:
         return self._total_by_kind(lambda c: c.numel)
@@ -182,7 +186,8 @@ class TrafficReport:
         replicas and within its tensor-parallel group ([Note: counting traffic])."""
         sizes = {SHARD_GROUP: self.world_size, REPLICATE_GROUP: self.replicas,
                  EXPERT_GROUP: self.expert_parallel,
-                 EXPERT_DATA_GROUP: self.world_size // self.expert_parallel, TP_GROUP: self.tp}
+                 EXPERT_DATA_GROUP: self.world_size // self.expert_parallel, TP_GROUP: self.tp,
+                 NODE_GROUP: self.node_size, ACROSS_NODES: self.world_size // self.node_size}
         totals = {SHARD_GROUP: 0, REPLICATE_GROUP: 0} if self.replicas > 1 else {SHARD_GROUP: 0}
         for c in self.collectives:
             n = sizes[c.group]  # an all-to-all sends (n-1)/n of its rows on average
@@ -230,6 +235,7 @@ class TrafficReport:
         if len(by_group) > 1:
             wire += " (" + ", ".join(
                 f"{nbytes:,} B " + ("across replicas" if group == REPLICATE_GROUP else
+                                    "across nodes" if group == ACROSS_NODES else
                                     f"within the {group}")
                 for group, nbytes in by_group.items()) + ")"
         return f"totals: {'; '.join(kinds) or 'nothing'}; {launches} launches; {wire}"
@@ -263,7 +269,8 @@ def traffic_report(gm: GraphModule, plan, expert_prefixes: tuple[str, ...] = ())
                          collectives=tuple(collectives), replicas=plan.replicas,
                          expert_numel=_expert_numel(collectives, plan, expert_prefixes),
                          expert_parallel=parallel.degree if parallel else 1,
-                         tp=tensor_parallel.degree if tensor_parallel else 1)
+                         tp=tensor_parallel.degree if tensor_parallel else 1,
+                         node_size=plan.secondary.size if getattr(plan, "secondary", None) else 1)
 
 
 def _expert_numel(collectives: list[Collective], plan, prefixes: tuple[str, ...]):
@@ -343,8 +350,18 @@ def _describe(node: Node, position: dict[Node, int], plan) -> Collective:
         waited_at=position[waits[0]] if waits else -1,
         node=node.name,
         group=(REPLICATE_GROUP if runs_across_replicas(node, plan) else
-               EXPERT_DATA_GROUP if _on_expert_data_group(node, plan) else SHARD_GROUP),
+               EXPERT_DATA_GROUP if _on_expert_data_group(node, plan) else
+               _secondary_group(node, plan) or SHARD_GROUP),
     )
+
+
+def _secondary_group(collective: Node, plan) -> str:
+    """NODE_GROUP or ACROSS_NODES for a secondary partition's gathers, else ""."""
+    secondary = getattr(plan, "secondary", None)
+    if secondary is None:
+        return ""
+    return {secondary.node_group_name: NODE_GROUP,
+            secondary.across_group_name: ACROSS_NODES}.get(collective.args[-1], "")
 
 
 def _on_expert_data_group(collective: Node, plan) -> bool:

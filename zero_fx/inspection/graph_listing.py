@@ -83,6 +83,10 @@ def _group_roles(plan) -> dict:
         roles[plan.group_name] = "<shard group>"
         if plan.replicate_group_name:
             roles[plan.replicate_group_name] = "<replicate group>"
+        secondary = getattr(plan, "secondary", None)
+        if secondary is not None:
+            roles[secondary.node_group_name] = "<node group>"
+            roles[secondary.across_group_name] = "<across-nodes group>"
         parallel = getattr(plan, "expert_parallel", None)
         if parallel is not None:
             roles[parallel.group_name] = "<expert-parallel group>"

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 import torch
 
 from .expert_parallel import ExpertParallel
+from .secondary import SecondaryPartition
 from .tensor_parallel import TensorParallel, local_tensor
 
 
@@ -174,6 +175,9 @@ class ShardPlan:
     own dtype."""
     quantize_block: int = 256
     """Elements per block of a quantized collective (one fp32 scale each)."""
+    secondary: Optional[SecondaryPartition] = None
+    """Stage 3: the forward's gathers also leave a copy of each parameter sharded within the
+    node, which the backward gathers from ([Note: the secondary partition] in secondary.py)."""
 
     @property
     def offloads_optimizer(self) -> bool:
@@ -331,6 +335,7 @@ def make_plan(
     quantize_weights: tuple = (None, None),
     quantize_gradients: Optional[str] = None,
     quantize_block: int = 256,
+    secondary: Optional[SecondaryPartition] = None,
 ) -> ShardPlan:
     """Lay out parameters ``(name, shape, dtype, requires_grad)`` over ``world_size`` ranks.
 
@@ -406,6 +411,7 @@ def make_plan(
         quantize_weights=tuple(quantize_weights),
         quantize_gradients=quantize_gradients,
         quantize_block=quantize_block,
+        secondary=secondary,
     )
 
 

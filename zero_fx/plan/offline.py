@@ -20,6 +20,7 @@ from ..passes.predicates import mark_step_graph
 from ..passes.splice import trace_to_aten
 from .layout import ShardPlan, plan_for_module
 from .on_device import moved_to_device
+from .secondary import planned as planned_secondary
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -48,11 +49,13 @@ def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch:
         model = build_model()
         _route_experts(model)
         named = dict(model.named_parameters())
+        world_size, replicas, secondary = planned_secondary(config.secondary_partition,
+                                                            world_size, replicas)
         hybrid = replicas > 1 and stage != 0
         plan = plan_for_module(model, world_size=world_size, stage=stage, group_name="planned",
                                replicas=replicas if hybrid else 1,
                                replicate_group_name="planned-replicas" if hybrid else "",
-                               **config.plan_options())
+                               secondary=secondary, **config.plan_options())
         tokens = torch.randint(0, vocab_size, (batch, seq))
         targets = torch.randint(0, vocab_size, (batch, seq))
 

@@ -11,6 +11,8 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from ..plan.secondary import SecondaryPartition
+
 
 @dataclass(frozen=True)
 class World:
@@ -39,6 +41,9 @@ class World:
     """This rank's place on the "tp" dimension."""
     tp_group_name: str = ""
     """The "tp" group's name ("" without tensor parallelism)."""
+    secondary: Optional[SecondaryPartition] = None
+    """Stage 3 with ``secondary_partition``: the nodes the ranks split into and their groups
+    ([Note: the secondary partition] in zero_fx/plan/secondary.py)."""
     mesh: Any = field(default=None, compare=False)
     """The user's multi-dimensional ``DeviceMesh`` (None: flat), for checkpoints' DTensors."""
 

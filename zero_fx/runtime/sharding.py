@@ -24,11 +24,12 @@ from .expert_groups import split_experts
 from .gloo_all_gather import use_gloo_single_tensor_all_gather
 from .precision import LossScaler, cast_at_model_edge
 from .process_group import (check_current_cuda_device, check_devices_match_backend,
-                            collectives_average, training_device, world_of)
+                            collectives_average, current_world, training_device, world_of)
 from .offload_choice import (OffloadChoice, agreed_budget, bucket_state_bytes,
                              choose_before_placing, device_budget, optimizer_state_tensors,
                              with_mode)
 from .rank_agreement import RankAgreement
+from .secondary_groups import with_secondary_partition
 from .sharded_state import ShardedState
 from .update import OptimizerUpdate
 
@@ -88,7 +89,8 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     one if none) or ``config.mesh``; in place: the model and optimizer are the user's,
     rebound to shards. ``moe_blocks``: the model's rewritten mixture-of-experts blocks,
     whose experts ``config.expert_parallel`` splits over ranks."""
-    world = world_of(config.mesh, config.stage)
+    world = with_secondary_partition(world_of(config.mesh, config.stage), config.mesh,
+                                     config.secondary_partition, current_world())
     experts = split_experts(model, moe_blocks, world, config.expert_parallel,
                             config.expert_capacity_factor)
     check_devices_match_backend(model.parameters())
@@ -105,6 +107,7 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
                            collectives_average=collectives_average(world, device),
                            expert_parallel=experts,
                            tensor_parallel=tensor_parallel_of(model, world),
+                           secondary=world.secondary,
                            **config.plan_options(hardware_for(model)))
     plan = dataclasses.replace(plan, device_type=device.type)
     choice = None

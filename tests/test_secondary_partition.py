@@ -1,0 +1,72 @@
+"""The secondary partition (ZeRO++'s hpZ): the graph a fake world gets, and training over gloo
+on 4 ranks as 2 nodes of 2, bitwise as without it."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+
+import models
+from test_cost_model import tiny_gpt
+from training import SMALL_BUCKETS, zero_fx_run
+from zero_fx import rewritten_step_on_fake
+from zero_fx.analysis.traffic import traffic_report
+from zero_fx.passes.predicates import Phase, is_all_gather, phase_of
+
+
+@functools.lru_cache(maxsize=None)
+def rewritten(**options):
+    return rewritten_step_on_fake(tiny_gpt, batch=2, seq=32, vocab_size=128, world_size=8,
+                                  resident_max_numel=0, **options)
+
+
+def gathers(gm) -> Counter:
+    return Counter((phase_of(n), n.args[1], n.args[-1]) for n in gm.graph.nodes if is_all_gather(n))
+
+
+@pytest.mark.parametrize("options", [{}, {"prefetch_buckets": 1}, {"bucket_bytes": 0}],
+                         ids=["blocks", "prefetched", "per-parameter"])
+def test_the_backward_gathers_within_the_node_from_what_the_forward_kept(options):
+    """8 ranks as 4 nodes of 2: each gather the backward repeats is, in the forward, one
+    across nodes (4 ranks) and one within the node (2), and in the backward one within the
+    node only; a parameter the backward does not gather (the embedding, the head kept
+    through the loss) is gathered over every rank as before."""
+    plain, _ = rewritten(**options)
+    gm, plan = rewritten(secondary_partition=2, **options)
+    before, after = gathers(plain), gathers(gm)
+    repeated = before[(Phase.BACKWARD, 8, "planned")]
+    assert repeated and after == {
+        (Phase.FORWARD, 4, "planned-across"): repeated, (Phase.FORWARD, 2, "planned-node"): repeated,
+        (Phase.BACKWARD, 2, "planned-node"): repeated,
+        (Phase.FORWARD, 8, "planned"): before[(Phase.FORWARD, 8, "planned")] - repeated}
+    report = traffic_report(gm, plan)
+    by_group = report.wire_bytes_by_group()
+    assert set(by_group) == {"shard group", "node group", "across-nodes group"}
+    # the forward moves what one gather over every rank moves; the backward 1/2 of a parameter
+    # within the node instead of 7/8 of it over every rank
+    plain_report = traffic_report(plain, plan)
+    backward = lambda r: sum(c.bytes * (1 - 1 / {"node group": 2}.get(c.group, 8))
+                             for c in r.collectives if c.kind == "all_gather" and c.phase == "backward")
+    assert backward(report) == pytest.approx(backward(plain_report) * (1 / 2) / (7 / 8))
+    forward = lambda r: sum(c.bytes * (1 - 1 / {"node group": 2, "across-nodes group": 4}.get(c.group, 8))
+                            * (1 if c.group != "node group" else 1)
+                            for c in r.collectives if c.kind == "all_gather" and c.phase == "forward")
+    assert forward(report) == pytest.approx(forward(plain_report), rel=1e-6)
+
+
+NODES_OF_TWO = (("secondary_partition", 2),)
+
+
+def test_four_ranks_as_two_nodes_train_bitwise_as_without_it():
+    """Buckets prefetched two ahead, nothing resident: the parameters the backward computes
+    with are the same bytes, gathered from the secondary shards within each node."""
+    plain = zero_fx_run(4, "gpt", "aot_eager", stage=3, options=SMALL_BUCKETS)
+    secondary = zero_fx_run(4, "gpt", "aot_eager", stage=3, options=SMALL_BUCKETS + NODES_OF_TWO)
+    for with_it, without in zip(secondary, plain):
+        assert with_it["losses"] == without["losses"]
+        assert all(torch.equal(with_it["params"][n], without["params"][n]) for n in without["params"])
+        assert {k: n for k, n in with_it["traffic"].numel_by_kind().items() if n} == \
+            {k: n for k, n in with_it["counted"]["numel"].items() if n}
