@@ -206,6 +206,25 @@ def test_training_on_a_two_by_two_mesh_moves_a_quarter_of_the_bytes_and_stays_cl
     assert_close(quantized, plain, loss=LOSS_INT8, params=PARAMS_INT8)
 
 
+def test_with_the_secondary_partition_too_the_bytes_stay_within_the_bound():
+    """All three of ZeRO++ on the 2 x 2 mesh (hpZ: the shard dimension is the node, the
+    primary shards span the mesh): each rank sends at most 0.35x the bytes of the plain
+    hybrid run, the report agrees with the counted collectives, and training stays as
+    close as with qwZ and qgZ alone."""
+    plain = zero_fx_run(4, "gpt", models.BACKEND, stage=3, options=HYBRID)
+    options = HYBRID + QUANTIZED + (("secondary_partition", True),)
+    all_three = zero_fx_run(4, "gpt", models.BACKEND, stage=3, options=options)
+    for rank in all_three:
+        assert {kind: n for kind, n in rank["traffic"].numel_by_kind().items() if n} == \
+            {kind: n for kind, n in rank["counted"]["numel"].items() if n}
+    by_group = all_three[0]["traffic"].wire_bytes_by_group()
+    assert set(by_group) == {"shard group", "node group", "across-nodes group"}
+    wire = all_three[0]["traffic"].wire_bytes() / plain[0]["traffic"].wire_bytes()
+    print(f"wire bytes {wire:.3f}x the plain hybrid run's: {by_group}")
+    assert 0.2 < wire <= 0.35
+    assert_close(all_three, plain, loss=LOSS_INT8, params=PARAMS_INT8)
+
+
 def test_fp8_forward_gathers_int8_backward_gathers_and_int4_gradients_train_close():
     """The phases' formats chosen apart, on two ranks, against the same run without them
     (test_parity's)."""

@@ -70,3 +70,18 @@ def test_four_ranks_as_two_nodes_train_bitwise_as_without_it():
         assert all(torch.equal(with_it["params"][n], without["params"][n]) for n in without["params"])
         assert {k: n for k, n in with_it["traffic"].numel_by_kind().items() if n} == \
             {k: n for k, n in with_it["counted"]["numel"].items() if n}
+
+
+def test_on_a_replicate_shard_mesh_the_shard_dimension_is_the_node():
+    """A (2, 2) ("replicate", "shard") mesh with ``secondary_partition=True``: the primary
+    shards span the mesh, so it trains bitwise as 4 flat ranks do without it; its backward
+    gathers run on the mesh's shard groups."""
+    plain = zero_fx_run(4, "gpt", "aot_eager", stage=3, options=SMALL_BUCKETS)
+    on_mesh = zero_fx_run(4, "gpt", "aot_eager", stage=3,
+                          options=(("mesh", (2, 2)), ("secondary_partition", True)) + SMALL_BUCKETS)
+    for with_it, without in zip(on_mesh, plain):
+        assert with_it["losses"] == without["losses"]
+        assert all(torch.equal(with_it["params"][n], without["params"][n]) for n in without["params"])
+    groups = {c.group for c in on_mesh[0]["traffic"].collectives if c.phase == "backward"
+              and c.kind == "all_gather"}
+    assert groups == {"node group"}
