@@ -77,3 +77,20 @@ def test_the_command_line_says_what_cannot_be_priced(argv, says, capsys):
     with pytest.raises(SystemExit):
         plan_main(["--model", "gpt2", "--quantize", *world, *argv])
     assert re.search(says, capsys.readouterr().err)
+
+
+def test_the_secondary_partition_is_priced_where_the_ranks_fill_several_nodes():
+    """16 ranks as 2 nodes of 8 (4x8xh100-ib): hpZ moves the backward's gathers onto the
+    node's links, so communication takes less time for about the same bytes, and each rank
+    keeps its secondary shards, 1/8 of the parameters, from the forward to the backward. On
+    one node there is nothing to price."""
+    ib = PRESETS["4x8xh100-ib"]
+    none, secondary = price_quantization(source(depth_changes=False, depth=2), world_size=16,
+                                         stage=3, dtype=torch.float32, batch=2, seq=32,
+                                         hardware=ib, steady_from=1, names=["hpZ"])
+    assert secondary.options == {"secondary_partition": 8}
+    assert secondary.communication_seconds < 0.8 * none.communication_seconds
+    assert 0.9 < secondary.sent_bytes / none.sent_bytes <= 1.0
+    assert secondary.peak_bytes > none.peak_bytes
+    assert list(configurations(3, ranks_per_node=8, world_size=8)) == list(CONFIGURATIONS)
+    assert "hpZ" not in configurations(2, ranks_per_node=8, world_size=16)

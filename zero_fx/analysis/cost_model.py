@@ -18,7 +18,10 @@ Each node of the rewritten graph gets a duration from its shapes alone:
   node runs at ``inter_node_bandwidth`` and ``inter_node_latency``: a ring is as
   fast as its slowest hop. That is what hybrid sharding avoids: its gathers and
   reduce-scatters stay on one node, only the all-reduce of gradient shards
-  crosses ([Note: hybrid sharding] in runtime/process_group.py).
+  crosses ([Note: hybrid sharding] in runtime/process_group.py). So does the
+  secondary partition's backward gather, on the node's ``n`` ranks; its forward
+  gather across nodes runs on the ranks at stride ``n`` ([Note: the secondary
+  partition] in zero_fx/plan/secondary.py).
 - expert parallelism ([Note: expert parallelism] in zero_fx/plan/expert_parallel.py): the
   experts' gathers and reduce-scatters run on the expert-data-parallel group (``D = W /
   P`` ranks at stride ``P``; the functional collective's last argument names the group);
@@ -105,9 +108,11 @@ from ..formatting import format_bytes
 from ..passes.predicates import is_collective, is_token_exchange, is_wait
 from .memory_timeline import MemoryTimeline, hint, is_view, memory_timeline, tensor_bytes, vals
 from .traffic import (
+    ACROSS_NODES,
     ALL_TO_ALL,
     EXPERT_DATA_GROUP,
     EXPERT_GROUP,
+    NODE_GROUP,
     REPLICATE_GROUP,
     SHARD_GROUP,
     Collective,
@@ -308,7 +313,8 @@ def replay(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_pa
     in_graph = {c.node: c for c in report.collectives if c.node}
     compute = busy_compute = busy_comm = exposed = 0.0
     # one stream per process group
-    comm_free = dict.fromkeys((SHARD_GROUP, REPLICATE_GROUP, EXPERT_GROUP, EXPERT_DATA_GROUP), 0.0)
+    comm_free = dict.fromkeys((SHARD_GROUP, REPLICATE_GROUP, EXPERT_GROUP, EXPERT_DATA_GROUP,
+                               NODE_GROUP, ACROSS_NODES), 0.0)
     # per collective: start, finish, busy compute and ops at issue, compute time it shared
     issued: dict[Node, tuple[float, float, float, int, float]] = {}
     ops = 0
@@ -396,6 +402,9 @@ def group_ranks(plan, group: str) -> range:
     expert-parallel group, the ranks at stride ``P`` for the expert-data-parallel group."""
     if group == REPLICATE_GROUP:
         return range(0, plan.world_size * plan.replicas, plan.world_size)
+    if group in (NODE_GROUP, ACROSS_NODES):  # [Note: the secondary partition]
+        size = plan.secondary.size
+        return range(size) if group == NODE_GROUP else range(0, plan.world_size, size)
     parallel = getattr(plan, "expert_parallel", None)
     degree = parallel.degree if parallel is not None else 1
     if group == EXPERT_GROUP:

@@ -1,4 +1,5 @@
-"""Pricing ZeRO++'s quantized collectives before a run: ``python -m zero_fx.plan --quantize``.
+"""Pricing ZeRO++ before a run: ``python -m zero_fx.plan --quantize``, its quantized collectives
+and, on hardware of several nodes, its secondary partition.
 
 [Note: when quantizing pays]
 Quantizing trades bytes on the wire for work on the device. Each gather quantizes the
@@ -40,6 +41,16 @@ CONFIGURATIONS = {
 }
 """What ``--quantize`` compares: ``zero_compile``'s options for each (docs/quantization.md)."""
 
+SECONDARY_CONFIGURATIONS = {
+    "hpZ": {},
+    "qwZ + qgZ int8 + hpZ": {"quantize_weights": "int8", "quantize_gradients": "int8"},
+}
+"""Where the hardware has several nodes: the secondary partition (``secondary_partition``,
+ranks per node from the preset), alone and with int8 both ways ([Note: the secondary
+partition] in zero_fx/plan/secondary.py). It saves no bytes in all (the forward moves what
+it did); it moves the backward's gathers onto the node's links, and costs each rank ``Ψ/n``
+parameters kept from the forward to the backward (the peak column)."""
+
 
 @dataclass(frozen=True)
 class QuantizedRow:
@@ -53,6 +64,8 @@ class QuantizedRow:
     compute_seconds: float
     """The compute stream's time, quantizing and dequantizing included."""
     step_seconds: float
+    peak_bytes: float = 0.0
+    """The cost model's peak memory of the step, a hpZ row's secondary shards included."""
 
 
 def check_quantizable(stage: int, world_size: int) -> None:
@@ -66,14 +79,20 @@ def check_quantizable(stage: int, world_size: int) -> None:
                          "stage 3: plan --quantize with --stage 1, 2 or 3")
 
 
-def configurations(stage: int, names: Optional[Sequence[str]] = None) -> dict:
+def configurations(stage: int, names: Optional[Sequence[str]] = None, *,
+                   ranks_per_node: int = 0, world_size: int = 0) -> dict:
     """The configurations stage ``stage`` (1-3) allows (of ``names``, by default all): qwZ
-    quantizes stage 3's gathers, qgZ the reductions of stages 1-3."""
-    unknown = set(names or ()) - set(CONFIGURATIONS)
+    quantizes stage 3's gathers, qgZ the reductions of stages 1-3; hpZ (stage 3) where
+    ``world_size`` ranks fill several nodes of ``ranks_per_node``."""
+    offered = dict(CONFIGURATIONS)
+    if stage == 3 and 0 < ranks_per_node < world_size and world_size % ranks_per_node == 0:
+        offered |= {name: {**options, "secondary_partition": ranks_per_node}
+                    for name, options in SECONDARY_CONFIGURATIONS.items()}
+    unknown = set(names or ()) - set(offered)
     if unknown:
         raise ValueError(f"unknown configurations {sorted(unknown)}; choose from "
-                         f"{list(CONFIGURATIONS)}")
-    return {name: options for name, options in CONFIGURATIONS.items()
+                         f"{list(offered)}")
+    return {name: options for name, options in offered.items()
             if (stage == 3 or "quantize_weights" not in options)
             and (names is None or name in names or name == "none")}
 
@@ -85,10 +104,14 @@ def price_quantization(source: ModelSource, *, world_size: int, stage: int,
     """Each configuration ``stage`` allows (of ``names``), priced on ``hardware`` ([Note: when
     quantizing pays]); the first row is the step without quantization. ``steady_from``:
     blocks traced before the one whose cost is extrapolated to the model's depth."""
+    from ..analysis.cost_model import hardware as preset
+
     check_quantizable(stage, world_size)
+    offered = configurations(stage, names, ranks_per_node=preset(hardware).ranks_per_node,
+                             world_size=world_size)
     return [_priced(source, name, options, world_size=world_size, stage=stage, dtype=dtype,
                     batch=batch, seq=seq, hardware=hardware, steady_from=steady_from)
-            for name, options in configurations(stage, names).items()]
+            for name, options in offered.items()]
 
 
 def _priced(source: ModelSource, name: str, options: dict, *, world_size: int, stage: int,
@@ -105,7 +128,7 @@ def _priced(source: ModelSource, name: str, options: dict, *, world_size: int, s
             world_size=world_size, stage=stage, dtype=dtype, loss_fn=_causal_lm_loss, **options)
         guess = estimate(gm, plan, hardware)
         return (traffic_report(gm, plan).wire_bytes(), guess.communication_seconds,
-                guess.compute_seconds, guess.step_seconds)
+                guess.compute_seconds, guess.step_seconds, guess.peak_bytes)
 
     first = steady_from + 1
     if source.layers is None or source.layers <= first + 1:
@@ -121,8 +144,9 @@ def format_quantization(rows: list[QuantizedRow], hardware: str, world_size: int
     base = rows[0]
     lines = [f"Quantized collectives on {hardware}, {world_size} ranks, per rank per step "
              f"([Note: when quantizing pays] in zero_fx/plan/quantization.py):",
-             "| configuration | sent | communication | compute (quantizing included) | step | |",
-             "|---|---|---|---|---|---|"]
+             "| configuration | sent | communication | compute (quantizing included) | step "
+             "| peak memory | |",
+             "|---|---|---|---|---|---|---|"]
     for row in rows:
         change = row.step_seconds - base.step_seconds
         verdict = ("" if row is base else
@@ -131,7 +155,8 @@ def format_quantization(rows: list[QuantizedRow], hardware: str, world_size: int
         lines.append(f"| {row.name} | {row.sent_bytes / 2**20:.1f} MiB "
                      f"({row.sent_bytes / base.sent_bytes:.2f}×) | "
                      f"{1e3 * row.communication_seconds:.2f} ms | {1e3 * row.compute_seconds:.2f} ms | "
-                     f"{1e3 * row.step_seconds:.2f} ms | {verdict} |")
+                     f"{1e3 * row.step_seconds:.2f} ms | {row.peak_bytes / 2**20:,.0f} MiB | "
+                     f"{verdict} |")
     best = min(rows, key=lambda row: row.step_seconds)
     lines.append(f"Fastest: {best.name}" + ("" if best is base else
                  f" ({', '.join(f'{k}={v!r}' for k, v in best.options.items())})"))
