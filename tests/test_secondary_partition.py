@@ -12,9 +12,11 @@ import torch
 import models
 from test_cost_model import tiny_gpt
 from training import SMALL_BUCKETS, zero_fx_run
-from zero_fx import rewritten_step_on_fake
+from zero_fx import ZeroConfig, rewritten_step_on_fake
 from zero_fx.analysis.traffic import traffic_report
 from zero_fx.passes.predicates import Phase, is_all_gather, phase_of
+from zero_fx.runtime.process_group import World
+from zero_fx.runtime.secondary_groups import with_secondary_partition
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,16 +47,15 @@ def test_the_backward_gathers_within_the_node_from_what_the_forward_kept(options
     report = traffic_report(gm, plan)
     by_group = report.wire_bytes_by_group()
     assert set(by_group) == {"shard group", "node group", "across-nodes group"}
-    # the forward moves what one gather over every rank moves; the backward 1/2 of a parameter
-    # within the node instead of 7/8 of it over every rank
+    # the forward sends what one gather over every rank sends; the backward 1/2 of each
+    # parameter within the node instead of 7/8 of it over every rank
+    sizes = {"shard group": 8, "across-nodes group": 4, "node group": 2}
+    sent = lambda report, phase: sum(c.bytes * (sizes[c.group] - 1) / sizes[c.group]
+                                     for c in report.collectives
+                                     if c.kind == "all_gather" and c.phase == phase)
     plain_report = traffic_report(plain, plan)
-    backward = lambda r: sum(c.bytes * (1 - 1 / {"node group": 2}.get(c.group, 8))
-                             for c in r.collectives if c.kind == "all_gather" and c.phase == "backward")
-    assert backward(report) == pytest.approx(backward(plain_report) * (1 / 2) / (7 / 8))
-    forward = lambda r: sum(c.bytes * (1 - 1 / {"node group": 2, "across-nodes group": 4}.get(c.group, 8))
-                            * (1 if c.group != "node group" else 1)
-                            for c in r.collectives if c.kind == "all_gather" and c.phase == "forward")
-    assert forward(report) == pytest.approx(forward(plain_report), rel=1e-6)
+    assert sent(report, "forward") == pytest.approx(sent(plain_report, "forward"))
+    assert sent(report, "backward") == pytest.approx(sent(plain_report, "backward") * 4 / 7)
 
 
 NODES_OF_TWO = (("secondary_partition", 2),)
@@ -85,3 +86,37 @@ def test_on_a_replicate_shard_mesh_the_shard_dimension_is_the_node():
     groups = {c.group for c in on_mesh[0]["traffic"].collectives if c.phase == "backward"
               and c.kind == "all_gather"}
     assert groups == {"node group"}
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"secondary_partition": 1}, "secondary_partition must be the number of ranks per node"),
+    ({"secondary_partition": "node"}, "an int >= 2"),
+    ({"secondary_partition": 2, "stage": 2}, "stage 2 gathers none in the step: use stage=3"),
+    ({"secondary_partition": 2, "expert_parallel": 2}, "not supported"),
+])
+def test_options_that_cannot_work_are_refused_with_what_to_do(options, message):
+    with pytest.raises(ValueError, match=message):
+        ZeroConfig(**options)
+
+
+FOUR = World(size=4, rank=0, group_name="0")
+
+
+@pytest.mark.parametrize("world, value, message", [
+    (FOUR, 3, "does not split the 4 ranks into several nodes: give a divisor of 4 below it"),
+    (FOUR, 4, "one node needs no secondary partition: leave it unset"),
+    (FOUR, True, "LOCAL_WORLD_SIZE, which is not set"),
+    (World(size=2, rank=0, group_name="1", replicas=2, replicate_group_name="2"), 4,
+     "the mesh's 'shard' dimension is the node, so give secondary_partition=True \\(or 2\\)"),
+])
+def test_ranks_that_do_not_split_into_nodes_are_refused(world, value, message, monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match=message):
+        with_secondary_partition(world, None, value, FOUR)
+
+
+def test_true_on_one_node_has_nothing_to_partition(monkeypatch, caplog):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with caplog.at_level("INFO", logger="zero_fx"):
+        assert with_secondary_partition(FOUR, None, True, FOUR) is FOUR
+    assert "every gather already stays in the node" in caplog.text
