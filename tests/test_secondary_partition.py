@@ -59,13 +59,15 @@ def test_the_backward_gathers_within_the_node_from_what_the_forward_kept(options
 
 
 NODES_OF_TWO = (("secondary_partition", 2),)
+COMPOSED = SMALL_BUCKETS + (("recompute", "blocks"),)
+"""Several buckets per phase prefetched two ahead, nothing resident, blocks recomputed."""
 
 
 def test_four_ranks_as_two_nodes_train_bitwise_as_without_it():
-    """Buckets prefetched two ahead, nothing resident: the parameters the backward computes
-    with are the same bytes, gathered from the secondary shards within each node."""
-    plain = zero_fx_run(4, "gpt", "aot_eager", stage=3, options=SMALL_BUCKETS)
-    secondary = zero_fx_run(4, "gpt", "aot_eager", stage=3, options=SMALL_BUCKETS + NODES_OF_TWO)
+    """With buckets, prefetch and recompute: the parameters the backward computes with are
+    the same bytes, gathered from the secondary shards within each node."""
+    plain = zero_fx_run(4, "gpt", "aot_eager", stage=3, options=COMPOSED)
+    secondary = zero_fx_run(4, "gpt", "aot_eager", stage=3, options=COMPOSED + NODES_OF_TWO)
     for with_it, without in zip(secondary, plain):
         assert with_it["losses"] == without["losses"]
         assert all(torch.equal(with_it["params"][n], without["params"][n]) for n in without["params"])
@@ -77,9 +79,9 @@ def test_on_a_replicate_shard_mesh_the_shard_dimension_is_the_node():
     """A (2, 2) ("replicate", "shard") mesh with ``secondary_partition=True``: the primary
     shards span the mesh, so it trains bitwise as 4 flat ranks do without it; its backward
     gathers run on the mesh's shard groups."""
-    plain = zero_fx_run(4, "gpt", "aot_eager", stage=3, options=SMALL_BUCKETS)
+    plain = zero_fx_run(4, "gpt", "aot_eager", stage=3, options=COMPOSED)
     on_mesh = zero_fx_run(4, "gpt", "aot_eager", stage=3,
-                          options=(("mesh", (2, 2)), ("secondary_partition", True)) + SMALL_BUCKETS)
+                          options=(("mesh", (2, 2)), ("secondary_partition", True)) + COMPOSED)
     for with_it, without in zip(on_mesh, plain):
         assert with_it["losses"] == without["losses"]
         assert all(torch.equal(with_it["params"][n], without["params"][n]) for n in without["params"])
