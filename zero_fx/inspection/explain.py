@@ -17,7 +17,7 @@ from torch.fx import GraphModule
 
 from ..analysis.cost_model import CollectiveTiming, Estimate, replay
 from ..analysis.memory_timeline import MemoryTimeline, tensor_bytes
-from ..analysis.traffic import REPLICATE_GROUP
+from ..analysis.traffic import ACROSS_NODES, NODE_GROUP, REPLICATE_GROUP
 from ..capture.routed_experts import RoutedExperts
 from ..formatting import format_bytes, format_seconds, short_dtype
 from ..passes.host_copies import is_device_copy, is_device_copy_wait, is_host_copy, reduction_read_by
@@ -290,6 +290,13 @@ def _plan_section(plan, moe_blocks: Sequence[RoutedExperts] = ()) -> str:
             lines.append(f"  hybrid sharding: {plan.replicas} replicas of these {plan.world_size} "
                          f"ranks (group {plan.replicate_group_name!r}); each reduced gradient shard "
                          f"is all-reduced across them, the only traffic between replicas")
+        secondary = getattr(plan, "secondary", None)
+        if secondary is not None:
+            lines.append(
+                f"  secondary partition: {secondary.nodes} nodes of {secondary.size} ranks; the "
+                f"forward gathers across nodes (group {secondary.across_group_name!r}), keeping "
+                f"1/{secondary.size} of each parameter, then within the node (group "
+                f"{secondary.node_group_name!r}); the backward gathers within the node only")
     lines += _tensor_parallel_lines(plan)
     lines.append("  buckets: one per repeated block (bucket_bytes='blocks')" if plan.bucket_bytes == BLOCKS
                  else f"  buckets of at most {format_bytes(plan.bucket_bytes)}"
@@ -355,7 +362,8 @@ def _collectives_section(e: Explanation) -> str:
             f"  {i:>3}  {c.kind:<14} {format_bytes(c.bytes):>10}  {c.phase:<10} "
             f"{_at(c.issued_at):>6} {_at(c.waited_at):>6}  {between:>22}  "
             f"{format_seconds(t.exposed):>9}  {_bucket(c.bucket)}"
-            + (" (across replicas)" if c.group == REPLICATE_GROUP else ""))
+            + (" (across replicas)" if c.group == REPLICATE_GROUP else
+               f" ({c.group})" if c.group in (NODE_GROUP, ACROSS_NODES) else ""))
     lines.append("  issued/waited: node index in the rewritten graph (see the graph dump); "
                  "exposed: time compute loses to it (waiting, or sharing its core)")
     order = e.compilations[-1].order if e.compilations else None
