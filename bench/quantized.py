@@ -4,7 +4,8 @@
     torchrun --nproc_per_node 4 -m bench.quantized --model tiny --steps 3
 
 For each configuration (none, ``quantize_weights="int8"``, ``quantize_gradients="int8"``,
-both, both with int4 gradients), stage 3 over a 2 x 2 ``("replicate", "shard")`` mesh of
+both, both with int4 gradients, ``secondary_partition=True`` alone and with int8 both ways),
+stage 3 over a 2 x 2 ``("replicate", "shard")`` mesh of
 gloo ranks trains the model a few AdamW steps and records, per rank, the bytes it sent
 per step as the kernel counted them (``wchar``, [Note: counting gloo's bytes on the wire]
 in bench/wire.py; median over the timed steps), the ring figure ``traffic().wire_bytes()``,
@@ -26,16 +27,18 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from zero_fx import zero_compile
-from zero_fx.plan.quantization import CONFIGURATIONS
+from zero_fx.plan.quantization import CONFIGURATIONS, SECONDARY_CONFIGURATIONS
 
 from . import wire
 from .peer_models import MODELS, loss_of, rank_batch
 from .runs import join_group, leave_group, machine, rows_of_every_rank, write_json
 
 CONFIGS = {"fp32" if name == "none" else name: options
-           for name, options in CONFIGURATIONS.items()}
+           for name, options in CONFIGURATIONS.items()} | {
+    name: {**options, "secondary_partition": True}
+    for name, options in SECONDARY_CONFIGURATIONS.items()}
 """The planner's configurations (zero_fx/plan/quantization.py), the unquantized one named
-by what these benchmarks train in."""
+by what these benchmarks train in; hpZ's with the mesh's "shard" dimension as the node."""
 
 
 def step_on_mesh(loss_of_batch, world: int, options: dict):
@@ -95,6 +98,8 @@ def main() -> None:
     parser.add_argument("--model", default="gpt2-125m", choices=sorted(MODELS))
     parser.add_argument("--steps", type=int, default=4, help="per configuration: 1 compiles, the rest are timed")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--name", default=None,
+                        help="the output's name in bench/out (default quantized-MODEL)")
     args = parser.parse_args()
     rank, world = join_group()
     if world < 4 or world % 2:
@@ -110,7 +115,7 @@ def main() -> None:
         result = {"machine": machine(), "world_size": world, "mesh": [2, world // 2],
                   "model": args.model, "about": spec.about, "steps": args.steps,
                   "ranks": everyone}
-        path = write_json(f"quantized-{args.model}", result)
+        path = write_json(args.name or f"quantized-{args.model}", result)
         print(f"\n{result['machine']}; stage 3 on a 2 x {world // 2} (replicate, shard) mesh of "
               f"gloo ranks; {spec.about}; rank 0:\n")
         print(markdown(rows))
