@@ -10,8 +10,8 @@ from torch.fx import GraphModule, Node
 from .collective_code import gather_bucket
 from .predicates import (CARRIES_META, GATHERED_META, SECONDARY_META, Phase, carried_params,
                          gathered_param, grad_slots, kept_through_loss, phase_of, secondary_of)
-from .secondary_code import gather_from_secondary, gather_keeping_secondary
 from .reduce_grads import reduction
+from .secondary_code import from_secondary_code, keeping_code
 from .splice import splice
 
 
@@ -66,8 +66,8 @@ def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
         for group, is_resident in ((resident, True), (through_loss, False), (released, False)):
             replaced |= _fuse(gm, plan, group, order, _gather_code(plan, _keeps_secondary(group)),
                               insert_at_first=True, resident=is_resident)
-        replaced |= _fuse(gm, plan, from_secondary, order, _secondary_gather_code(plan),
-                          insert_at_first=True)
+        replaced |= _fuse(gm, plan, from_secondary, order,
+                          functools.partial(from_secondary_code, plan), insert_at_first=True)
     if plan.reduces_in_graph:
         output = gm.graph.output_node()
         slots = {i: output.args[0][i] for i in grad_slots(gm) if output.args[0][i] is not None}
@@ -84,31 +84,14 @@ def _gather_code(plan, keeping: frozenset = frozenset()):
     """Code for a bucket of ``gather_params``' gathers; where a member of ``keeping`` is in
     the bucket, the forward's gather that keeps the secondary shards of those members."""
     def code(names):
+        if any(n in keeping for n in names):
+            return keeping_code(plan, names, [n in keeping for n in names])
         layouts = [plan.layout(n) for n in names]
         size, group = plan.collective_group(names[0])  # a bucket is one group's
-        from_host = plan.device_type if plan.offloads_parameters else None
-        if any(n in keeping for n in names):
-            secondary = plan.secondary
-            return functools.partial(
-                gather_keeping_secondary, numels=[l.numel for l in layouts],
-                shapes=[l.shape for l in layouts], keep=[n in keeping for n in names],
-                nodes=secondary.nodes, node_size=secondary.size,
-                across_group_name=secondary.across_group_name,
-                node_group_name=secondary.node_group_name, dtype=plan.compute_dtype,
-                from_host=from_host)
         return functools.partial(gather_bucket, numels=[l.numel for l in layouts],
                                  shapes=[l.shape for l in layouts], world_size=size,
-                                 group_name=group, dtype=plan.compute_dtype, from_host=from_host)
-    return code
-
-
-def _secondary_gather_code(plan):
-    def code(names):
-        layouts = [plan.layout(n) for n in names]
-        return functools.partial(gather_from_secondary, numels=[l.numel for l in layouts],
-                                 shapes=[l.shape for l in layouts], nodes=plan.secondary.nodes,
-                                 node_size=plan.secondary.size,
-                                 node_group_name=plan.secondary.node_group_name)
+                                 group_name=group, dtype=plan.compute_dtype,
+                                 from_host=plan.device_type if plan.offloads_parameters else None)
     return code
 
 

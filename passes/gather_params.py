@@ -10,7 +10,7 @@ from .collective_code import gather_bucket
 from .predicates import (CARRIES_META, GATHERED_META, KEPT_THROUGH_LOSS_META, SECONDARY_META,
                          Phase, is_anchor_compute, is_param_input, is_view, param_name,
                          phase_of, readers_through_views)
-from .secondary_code import gather_from_secondary, gather_keeping_secondary
+from .secondary_code import from_secondary_code, keeping_code
 from .splice import splice
 
 
@@ -87,14 +87,16 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
             # [Note: a weight kept through the loss]
             kept.add(layout.name)
             users_by_phase = {Phase.FORWARD: list(placeholder.users)}
-        secondary = None
-        if plan.secondary is not None and set(users_by_phase) == {Phase.FORWARD, Phase.BACKWARD}:
-            secondary = plan.secondary  # [Note: the secondary partition]
+        # [Note: the secondary partition]
+        secondary = plan.secondary is not None and set(users_by_phase) == {Phase.FORWARD,
+                                                                           Phase.BACKWARD}
         source = placeholder
         for phase in sorted(users_by_phase, key=lambda p: p is not Phase.FORWARD):
             users = users_by_phase[phase]
             first = min(users, key=order.__getitem__)
-            code = gather if secondary is None else _secondary_code(gather, secondary, phase)
+            code = (gather if not secondary else
+                    keeping_code(plan, [layout.name], [True]) if phase is Phase.FORWARD else
+                    from_secondary_code(plan, [layout.name]))
             full, *kept_shard = splice(gm.graph, code, [source], before=first,
                                        phase=phase_of(first),
                                        meta={CARRIES_META: (layout.name,)})
@@ -108,21 +110,6 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
-
-
-def _secondary_code(gather: functools.partial, secondary, phase: Phase) -> functools.partial:
-    """The forward's gather keeping the secondary shard, or the backward's from it."""
-    bound = gather.keywords
-    if phase is Phase.FORWARD:
-        return functools.partial(
-            gather_keeping_secondary, numels=bound["numels"], shapes=bound["shapes"],
-            keep=[True], nodes=secondary.nodes, node_size=secondary.size,
-            across_group_name=secondary.across_group_name,
-            node_group_name=secondary.node_group_name, dtype=bound["dtype"],
-            from_host=bound["from_host"])
-    return functools.partial(gather_from_secondary, numels=bound["numels"],
-                             shapes=bound["shapes"], nodes=secondary.nodes,
-                             node_size=secondary.size, node_group_name=secondary.node_group_name)
 
 
 def _only_the_loss_between(users_by_phase: dict, order: dict, anchors: list[int]) -> bool:

@@ -9,6 +9,7 @@ elements per primary shard: row ``i`` is the primary shard of rank ``i * n + loc
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -16,6 +17,28 @@ import torch
 from .collective_code import bucket_buffer, cast, unpadded
 
 _c10d = torch.ops._c10d_functional
+
+
+def keeping_code(plan, names: Sequence[str], keep: Sequence[bool]) -> functools.partial:
+    """``gather_keeping_secondary`` bound for a bucket of ``names`` (``keep``: whose
+    secondary shards to return) under ``plan``."""
+    layouts = [plan.layout(n) for n in names]
+    secondary = plan.secondary
+    return functools.partial(
+        gather_keeping_secondary, numels=[l.numel for l in layouts],
+        shapes=[l.shape for l in layouts], keep=list(keep), nodes=secondary.nodes,
+        node_size=secondary.size, across_group_name=secondary.across_group_name,
+        node_group_name=secondary.node_group_name, dtype=plan.compute_dtype,
+        from_host=plan.device_type if plan.offloads_parameters else None)
+
+
+def from_secondary_code(plan, names: Sequence[str]) -> functools.partial:
+    """``gather_from_secondary`` bound for a bucket of ``names`` under ``plan``."""
+    layouts = [plan.layout(n) for n in names]
+    secondary = plan.secondary
+    return functools.partial(gather_from_secondary, numels=[l.numel for l in layouts],
+                             shapes=[l.shape for l in layouts], nodes=secondary.nodes,
+                             node_size=secondary.size, node_group_name=secondary.node_group_name)
 
 
 def gather_keeping_secondary(*shards: torch.Tensor, numels: Sequence[int], shapes: Sequence,

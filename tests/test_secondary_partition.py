@@ -114,11 +114,11 @@ FOUR = World(size=4, rank=0, group_name="0")
 def test_ranks_that_do_not_split_into_nodes_are_refused(world, value, message, monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match=message):
-        with_secondary_partition(world, None, value, FOUR)
+        with_secondary_partition(world, value, FOUR)
 
 
 def test_true_on_one_node_has_nothing_to_partition(monkeypatch, caplog):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with caplog.at_level("INFO", logger="zero_fx"):
-        assert with_secondary_partition(FOUR, None, True, FOUR) is FOUR
+        assert with_secondary_partition(FOUR, True, FOUR) is FOUR
     assert "every gather already stays in the node" in caplog.text

@@ -16,7 +16,7 @@ from .process_group import World, world_timeout
 log = logging.getLogger("zero_fx")
 
 
-def with_secondary_partition(world: World, mesh, secondary_partition: Union[None, bool, int],
+def with_secondary_partition(world: World, secondary_partition: Union[None, bool, int],
                              default_world: World) -> World:
     """``world`` (what ``world_of`` made of the mesh) with its ranks split into nodes of
     ``secondary_partition`` ranks, or of the mesh's "shard" dimension. On a ("replicate",

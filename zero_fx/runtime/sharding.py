@@ -89,7 +89,7 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     one if none) or ``config.mesh``; in place: the model and optimizer are the user's,
     rebound to shards. ``moe_blocks``: the model's rewritten mixture-of-experts blocks,
     whose experts ``config.expert_parallel`` splits over ranks."""
-    world = with_secondary_partition(world_of(config.mesh, config.stage), config.mesh,
+    world = with_secondary_partition(world_of(config.mesh, config.stage),
                                      config.secondary_partition, current_world())
     experts = split_experts(model, moe_blocks, world, config.expert_parallel,
                             config.expert_capacity_factor)
