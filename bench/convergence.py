@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 4 -m bench.convergence                 # 300 steps each
     torchrun --nproc_per_node 4 -m bench.convergence --steps 20      # a quick look
+    torchrun --nproc_per_node 4 -m bench.convergence --warm-start 600  # from past the plateau
 
 The README example's model (examples/train_gpt.py's defaults: a byte-level GPT of 4
 layers, width 128, 4 heads, 32 tokens) trains on examples/data/shakespeare.txt, stage 3 on
@@ -9,7 +10,9 @@ a 2 x (N/2) ``("replicate", "shard")`` mesh of gloo ranks, once per configuratio
 bench/quantized.py (``CONFIGS``: none, qwZ int8, qgZ int8, both, both with int4
 gradients). Every configuration starts from the same weights (``--seed``) and sees the same
 batches (random windows, seeded by the step), AdamW at a constant rate; ``--block`` sets
-the quantized configurations' ``quantize_block``.
+the quantized configurations' ``quantize_block``. ``--warm-start N``: the weights of
+``--seed`` trained N steps in fp32 first (``warmed_weights``), and each configuration
+starts from those with a fresh optimizer.
 
 For each: the loss of every step (the mean over ranks, which is the global batch's), and
 the mean over the last ``--window`` steps against full precision's (passing within
@@ -52,10 +55,36 @@ def batch(text: torch.Tensor, step: int, size: int, rank: int, world: int):
     return windows[:, :-1], windows[:, 1:]
 
 
-def train(options: dict, text: torch.Tensor, args, rank: int, world: int) -> list[float]:
-    """The global batch's loss at every step of one configuration."""
+def warmed_weights(text: torch.Tensor, args) -> dict:
+    """The weights every configuration starts from: seed ``args.seed``'s, trained in fp32
+    for ``args.warm_start`` steps on whole global batches of windows none of the measured
+    steps sees, in this process (the same on every rank). From scratch, the loss sits on a
+    plateau until the model leaves it, and when each run leaves it decides its last
+    steps' mean (bench/README, "Quantized communication on a 2 x 2 mesh"); from past the
+    plateau, the measured steps compare the training itself."""
     torch.manual_seed(args.seed)
     model = GPT(README_MODEL)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    for step in range(args.warm_start):
+        x, y = batch(text, WARM_START_BATCHES + step, args.batch_size, 0, 1)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+WARM_START_BATCHES = 1_000_000
+"""The warm start's batches are steps from here on: never one of the measured steps'."""
+
+
+def train(options: dict, text: torch.Tensor, args, rank: int, world: int,
+          initial: dict | None = None) -> list[float]:
+    """The global batch's loss at every step of one configuration, from the weights of
+    ``args.seed`` or from ``initial`` (with a fresh optimizer)."""
+    torch.manual_seed(args.seed)
+    model = GPT(README_MODEL)
+    if initial is not None:
+        model.load_state_dict(initial)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     train_step = step_on_mesh(lambda model, x, y: F.cross_entropy(model(x).flatten(0, 1), y.flatten()),
                               world, options)
@@ -123,6 +152,10 @@ def main() -> None:
                         help=f"quantize_block of the quantized configurations (zero_fx's default: "
                              f"{ZeroConfig.quantize_block})")
     parser.add_argument("--seed", type=int, default=0, help="of the initial weights (the batches stay)")
+    parser.add_argument("--warm-start", type=int, default=0,
+                        help="steps of fp32 training (eager, in each process) that every "
+                             "configuration starts from, on other batches (default 0: from the "
+                             "initial weights)")
     parser.add_argument("--name", default="convergence-readme-gpt", help="of the files in bench/out/")
     args = parser.parse_args()
     if args.window > args.steps:
@@ -134,6 +167,7 @@ def main() -> None:
         parser.error(f"--batch-size {args.batch_size} must split evenly over {world} ranks")
     with open(TEXT, "rb") as file:
         text = torch.frombuffer(bytearray(file.read()), dtype=torch.uint8)
+    initial = warmed_weights(text, args) if args.warm_start else None
     curves = {}
     for name in args.configs:
         if rank == 0:
@@ -141,13 +175,14 @@ def main() -> None:
         options = dict(CONFIGS[name])
         if options and args.block is not None:
             options["quantize_block"] = args.block
-        curves[name] = train(options, text, args, rank, world)
+        curves[name] = train(options, text, args, rank, world, initial)
     if rank == 0:
         rows = compared(curves, args.window)
         about = (f"the README example's GPT ({README_MODEL.n_layer} layers, width "
                  f"{README_MODEL.n_embd}, {README_MODEL.block_size} tokens), stage 3 on a 2 x "
                  f"{world // 2} mesh, AdamW lr {args.lr}, global batch {args.batch_size}, "
-                 f"blocks of {args.block or ZeroConfig.quantize_block}, weights of seed {args.seed}")
+                 f"blocks of {args.block or ZeroConfig.quantize_block}, weights of seed {args.seed}"
+                 + (f" trained {args.warm_start} steps in fp32" if args.warm_start else ""))
         result = {"machine": machine(), "about": about, "steps": args.steps,
                   "window": args.window, "bound": BOUND, "compared": rows, "losses": curves}
         path = write_json(args.name, result)
