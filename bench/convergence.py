@@ -55,6 +55,17 @@ def batch(text: torch.Tensor, step: int, size: int, rank: int, world: int):
     return windows[:, :-1], windows[:, 1:]
 
 
+def seeded_model_and_optimizer(args) -> tuple:
+    """The README model with the initial weights of ``args.seed``, and a fresh AdamW."""
+    torch.manual_seed(args.seed)
+    model = GPT(README_MODEL)
+    return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+
+
+def next_byte_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
 def warmed_weights(text: torch.Tensor, args) -> dict:
     """The weights every configuration starts from: seed ``args.seed``'s, trained in fp32
     for ``args.warm_start`` steps on whole global batches of windows none of the measured
@@ -62,12 +73,10 @@ def warmed_weights(text: torch.Tensor, args) -> dict:
     plateau until the model leaves it, and when each run leaves it decides its last
     steps' mean (bench/README, "Quantized communication on a 2 x 2 mesh"); from past the
     plateau, the measured steps compare the training itself."""
-    torch.manual_seed(args.seed)
-    model = GPT(README_MODEL)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    model, opt = seeded_model_and_optimizer(args)
     for step in range(args.warm_start):
         x, y = batch(text, WARM_START_BATCHES + step, args.batch_size, 0, 1)
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        next_byte_loss(model, x, y).backward()
         opt.step()
         opt.zero_grad()
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
@@ -81,13 +90,10 @@ def train(options: dict, text: torch.Tensor, args, rank: int, world: int,
           initial: dict | None = None) -> list[float]:
     """The global batch's loss at every step of one configuration, from the weights of
     ``args.seed`` or from ``initial`` (with a fresh optimizer)."""
-    torch.manual_seed(args.seed)
-    model = GPT(README_MODEL)
+    model, opt = seeded_model_and_optimizer(args)
     if initial is not None:
         model.load_state_dict(initial)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
-    train_step = step_on_mesh(lambda model, x, y: F.cross_entropy(model(x).flatten(0, 1), y.flatten()),
-                              world, options)
+    train_step = step_on_mesh(next_byte_loss, world, options)
     losses = []
     for step in range(args.steps):
         loss = train_step(model, opt, *batch(text, step, args.batch_size, rank, world)).detach()

@@ -7,7 +7,7 @@ from typing import Optional
 
 from torch.fx import GraphModule, Node
 
-from .collective_code import gather_bucket
+from .collective_code import gather_code
 from .predicates import (CARRIES_META, GATHERED_META, SECONDARY_META, Phase, carried_params,
                          gathered_param, grad_slots, kept_through_loss, phase_of, secondary_of)
 from .reduce_grads import reduction
@@ -86,12 +86,7 @@ def _gather_code(plan, keeping: frozenset = frozenset()):
     def code(names):
         if any(n in keeping for n in names):
             return keeping_code(plan, names, [n in keeping for n in names])
-        layouts = [plan.layout(n) for n in names]
-        size, group = plan.collective_group(names[0])  # a bucket is one group's
-        return functools.partial(gather_bucket, numels=[l.numel for l in layouts],
-                                 shapes=[l.shape for l in layouts], world_size=size,
-                                 group_name=group, dtype=plan.compute_dtype,
-                                 from_host=plan.device_type if plan.offloads_parameters else None)
+        return gather_code(plan, names)  # a bucket is one group's
     return code
 
 

@@ -60,6 +60,7 @@ the reductions are AVG: for floating types NCCL runs it as a sum pre-multiplied 
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -67,6 +68,17 @@ import torch
 from .host_copies import copy_to_device, copy_to_host, wait_device_copy
 
 _c10d = torch.ops._c10d_functional
+
+
+def gather_code(plan, names: Sequence[str]) -> functools.partial:
+    """``gather_bucket`` bound for a bucket of ``names`` (one collective group's) under
+    ``plan``."""
+    layouts = [plan.layout(n) for n in names]
+    size, group = plan.collective_group(names[0])
+    return functools.partial(gather_bucket, numels=[l.numel for l in layouts],
+                             shapes=[l.shape for l in layouts], world_size=size,
+                             group_name=group, dtype=plan.compute_dtype,
+                             from_host=plan.device_type if plan.offloads_parameters else None)
 
 
 def gather_bucket(*shards: torch.Tensor, numels: Sequence[int], shapes: Sequence,

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 
 from torch.fx import GraphModule, Node
 
-from .collective_code import gather_bucket
+from .collective_code import gather_code
 from .predicates import (CARRIES_META, GATHERED_META, KEPT_THROUGH_LOSS_META, SECONDARY_META,
                          Phase, is_anchor_compute, is_param_input, is_view, param_name,
                          phase_of, readers_through_views)
@@ -68,18 +67,8 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
     kept = set()
     for placeholder in params:
         layout = plan.layout(param_name(placeholder))
-        ranks, group = plan.collective_group(layout.name)
         full_val = placeholder.meta["val"]
         placeholder.meta["val"] = full_val.new_empty(layout.shard_numel, dtype=plan.input_dtype(layout))
-        gather = functools.partial(
-            gather_bucket,
-            numels=[layout.numel],
-            shapes=[layout.shape],
-            world_size=ranks,
-            group_name=group,
-            dtype=plan.compute_dtype,
-            from_host=plan.device_type if plan.offloads_parameters else None,
-        )
         users_by_phase = _users_by_phase(placeholder)
         if layout.name in plan.resident:
             users_by_phase = {Phase.FORWARD: list(placeholder.users)}
@@ -87,16 +76,16 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
             # [Note: a weight kept through the loss]
             kept.add(layout.name)
             users_by_phase = {Phase.FORWARD: list(placeholder.users)}
-        # [Note: the secondary partition]
-        secondary = plan.secondary is not None and set(users_by_phase) == {Phase.FORWARD,
-                                                                           Phase.BACKWARD}
+        codes = dict.fromkeys(users_by_phase, gather_code(plan, [layout.name]))
+        if plan.secondary is not None and set(users_by_phase) == {Phase.FORWARD, Phase.BACKWARD}:
+            # [Note: the secondary partition]
+            codes = {Phase.FORWARD: keeping_code(plan, [layout.name], [True]),
+                     Phase.BACKWARD: from_secondary_code(plan, [layout.name])}
         source = placeholder
         for phase in sorted(users_by_phase, key=lambda p: p is not Phase.FORWARD):
             users = users_by_phase[phase]
             first = min(users, key=order.__getitem__)
-            code = (gather if not secondary else
-                    keeping_code(plan, [layout.name], [True]) if phase is Phase.FORWARD else
-                    from_secondary_code(plan, [layout.name]))
+            code = codes[phase]
             full, *kept_shard = splice(gm.graph, code, [source], before=first,
                                        phase=phase_of(first),
                                        meta={CARRIES_META: (layout.name,)})

@@ -294,14 +294,13 @@ def test_the_convergence_warm_start_is_trained_the_same_on_every_rank():
     are made (each rank makes its own), on batches none of the measured steps reads."""
     from types import SimpleNamespace
 
-    from bench.convergence import README_MODEL, WARM_START_BATCHES, GPT, warmed_weights
+    from bench.convergence import WARM_START_BATCHES, seeded_model_and_optimizer, warmed_weights
 
     text = torch.arange(256, dtype=torch.uint8).repeat(4)
     args = SimpleNamespace(seed=3, warm_start=2, lr=1e-3, batch_size=4, steps=300)
     first, again = warmed_weights(text, args), warmed_weights(text, args)
     assert all(torch.equal(first[name], again[name]) for name in first)
-    torch.manual_seed(3)
-    initial = GPT(README_MODEL).state_dict()
+    initial = seeded_model_and_optimizer(args)[0].state_dict()
     moved = [name for name in initial if not torch.equal(first[name], initial[name])]
     assert "wte.weight" in moved and len(moved) > len(initial) // 2
     assert WARM_START_BATCHES > 100 * args.steps
