@@ -134,12 +134,16 @@ def dequantize_rows(packed: torch.Tensor, numel: int, fmt: str, block: int,
     code_bytes = blocks * block * spec.bits // 8
     codes = packed[:, :code_bytes]
     scale = packed[:, code_bytes:].contiguous().view(torch.float32).view(count, blocks, 1)
+    # Integer codes are multiplied by the fp32 scales as they are: the product promotes to
+    # fp32 in the one kernel, so no fp32 copy of the codes exists, eager or lowered (float8
+    # does not promote, so fp8 codes are converted first).
     if fmt == "fp8":
         values = codes.view(torch.float8_e4m3fn).float()
     elif spec.bits == 8:
-        values = codes.view(torch.int8).float()
+        values = codes.view(torch.int8)
     else:
-        values = torch.stack([codes & 15, codes >> 4], dim=-1).view(count, -1).float() - 8
+        nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).view(count, -1)
+        values = nibbles.view(torch.int8) - 8
     x = (values.reshape(count, blocks, block) * scale).view(count, blocks * block)
     return (x if blocks * block == numel else x[:, :numel]).to(dtype)
 
