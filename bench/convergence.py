@@ -3,9 +3,11 @@
     torchrun --nproc_per_node 4 -m bench.convergence                 # 300 steps each
     torchrun --nproc_per_node 4 -m bench.convergence --steps 20      # a quick look
     torchrun --nproc_per_node 4 -m bench.convergence --warm-start 600  # from past the plateau
+    torchrun --nproc_per_node 4 -m bench.convergence --model gpt2-125m --steps 100
 
 The README example's model (examples/train_gpt.py's defaults: a byte-level GPT of 4
-layers, width 128, 4 heads, 32 tokens) trains on examples/data/shakespeare.txt, stage 3 on
+layers, width 128, 4 heads, 32 tokens), or with ``--model gpt2-125m`` GPT-2 small's
+shape on windows of ``--seq`` bytes, trains on examples/data/shakespeare.txt, stage 3 on
 a 2 x (N/2) ``("replicate", "shard")`` mesh of gloo ranks, once per configuration of
 bench/quantized.py (``CONFIGS``: none, qwZ int8, qgZ int8, both, both with int4
 gradients). Every configuration starts from the same weights (``--seed``) and sees the same
@@ -26,6 +28,7 @@ import argparse
 import os
 import statistics
 import textwrap
+import time
 
 import torch
 import torch.distributed as dist
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from examples.gpt import GPT, GPTConfig
 from zero_fx import ZeroConfig
 
+from .peer_models import MODELS
 from .quantized import CONFIGS, step_on_mesh
 from .runs import OUT, join_group, leave_group, machine, write_json
 
@@ -41,14 +45,19 @@ TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                     "data", "shakespeare.txt")
 README_MODEL = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128)
 """examples/train_gpt.py's defaults (--layers 4 --width 128 --heads 4 --seq 32)."""
+CONVERGENCE_MODELS = {"readme": README_MODEL, "gpt2-125m": MODELS["gpt2-125m"].gpt}
+"""``--model``: the README example's GPT, or GPT-2 small's shape (124M parameters, its
+vocabulary of 50304 of which the bytes use 256, positions up to 1024)."""
+DEFAULT_SEQ = {"readme": README_MODEL.block_size, "gpt2-125m": 128}
+"""Tokens per window when ``--seq`` is not given: GPT-2's shape trains on 128 of its 1024
+positions, so that a step on CPU takes seconds, not half a minute."""
 BOUND = 0.01
 """The relative difference of the last steps' mean loss from full precision's that passes."""
 
 
-def batch(text: torch.Tensor, step: int, size: int, rank: int, world: int):
-    """This rank's slice of step ``step``'s global batch: random windows of the text."""
+def batch(text: torch.Tensor, step: int, size: int, rank: int, world: int, seq: int = 32):
+    """This rank's slice of step ``step``'s global batch: random windows of ``seq`` bytes."""
     generator = torch.Generator().manual_seed(1_000_003 + step)
-    seq = README_MODEL.block_size
     starts = torch.randint(0, len(text) - seq - 1, (size,), generator=generator)
     mine = starts[rank * size // world:(rank + 1) * size // world]
     windows = torch.stack([text[s:s + seq + 1] for s in mine.tolist()]).long()
@@ -56,9 +65,9 @@ def batch(text: torch.Tensor, step: int, size: int, rank: int, world: int):
 
 
 def seeded_model_and_optimizer(args) -> tuple:
-    """The README model with the initial weights of ``args.seed``, and a fresh AdamW."""
+    """``args.model`` with the initial weights of ``args.seed``, and a fresh AdamW."""
     torch.manual_seed(args.seed)
-    model = GPT(README_MODEL)
+    model = GPT(CONVERGENCE_MODELS[args.model])
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
 
 
@@ -75,7 +84,7 @@ def warmed_weights(text: torch.Tensor, args) -> dict:
     plateau, the measured steps compare the training itself."""
     model, opt = seeded_model_and_optimizer(args)
     for step in range(args.warm_start):
-        x, y = batch(text, WARM_START_BATCHES + step, args.batch_size, 0, 1)
+        x, y = batch(text, WARM_START_BATCHES + step, args.batch_size, 0, 1, args.seq)
         next_byte_loss(model, x, y).backward()
         opt.step()
         opt.zero_grad()
@@ -95,12 +104,16 @@ def train(options: dict, text: torch.Tensor, args, rank: int, world: int,
         model.load_state_dict(initial)
     train_step = step_on_mesh(next_byte_loss, world, options)
     losses = []
+    start = time.perf_counter()
     for step in range(args.steps):
-        loss = train_step(model, opt, *batch(text, step, args.batch_size, rank, world)).detach()
+        x, y = batch(text, step, args.batch_size, rank, world, args.seq)
+        loss = train_step(model, opt, x, y).detach()
         dist.all_reduce(loss)  # SUM, then divide: gloo's AVG sums in some paths
         losses.append(loss.item() / world)
-        if rank == 0 and (step + 1) % 50 == 0:
-            print(f"  step {step + 1}: loss {losses[-1]:.4f}", flush=True)
+        if rank == 0 and (step + 1) % max(1, args.steps // 10) == 0:
+            print(f"  step {step + 1}: loss {losses[-1]:.4f} "
+                  f"({time.perf_counter() - start:.0f} s, the first step's compilation included)",
+                  flush=True)
     return losses
 
 
@@ -149,6 +162,9 @@ def plot(curves: dict[str, list[float]], path: str, title: str) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="readme", choices=list(CONVERGENCE_MODELS))
+    parser.add_argument("--seq", type=int, default=None,
+                        help=f"tokens per window (default: {DEFAULT_SEQ})")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--window", type=int, default=50, help="last steps the loss is averaged over")
     parser.add_argument("--batch-size", type=int, default=16, help="global; split over the ranks")
@@ -164,6 +180,10 @@ def main() -> None:
                              "initial weights)")
     parser.add_argument("--name", default="convergence-readme-gpt", help="of the files in bench/out/")
     args = parser.parse_args()
+    args.seq = args.seq or DEFAULT_SEQ[args.model]
+    if args.seq > CONVERGENCE_MODELS[args.model].block_size:
+        parser.error(f"--seq {args.seq} is longer than {args.model}'s "
+                     f"{CONVERGENCE_MODELS[args.model].block_size} positions")
     if args.window > args.steps:
         parser.error(f"--window {args.window} is longer than --steps {args.steps}")
     rank, world = join_group()
@@ -184,8 +204,10 @@ def main() -> None:
         curves[name] = train(options, text, args, rank, world, initial)
     if rank == 0:
         rows = compared(curves, args.window)
-        about = (f"the README example's GPT ({README_MODEL.n_layer} layers, width "
-                 f"{README_MODEL.n_embd}, {README_MODEL.block_size} tokens), stage 3 on a 2 x "
+        cfg = CONVERGENCE_MODELS[args.model]
+        title = "the README example's GPT" if args.model == "readme" else "GPT-2 small's shape"
+        about = (f"{title} ({cfg.n_layer} layers, width {cfg.n_embd}, {args.seq} tokens), "
+                 f"stage 3 on a 2 x "
                  f"{world // 2} mesh, AdamW lr {args.lr}, global batch {args.batch_size}, "
                  f"blocks of {args.block or ZeroConfig.quantize_block}, weights of seed {args.seed}"
                  + (f" trained {args.warm_start} steps in fp32" if args.warm_start else ""))

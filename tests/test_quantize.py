@@ -297,7 +297,8 @@ def test_the_convergence_warm_start_is_trained_the_same_on_every_rank():
     from bench.convergence import WARM_START_BATCHES, seeded_model_and_optimizer, warmed_weights
 
     text = torch.arange(256, dtype=torch.uint8).repeat(4)
-    args = SimpleNamespace(seed=3, warm_start=2, lr=1e-3, batch_size=4, steps=300)
+    args = SimpleNamespace(model="readme", seq=32, seed=3, warm_start=2, lr=1e-3, batch_size=4,
+                           steps=300)
     first, again = warmed_weights(text, args), warmed_weights(text, args)
     assert all(torch.equal(first[name], again[name]) for name in first)
     initial = seeded_model_and_optimizer(args)[0].state_dict()
