@@ -68,12 +68,12 @@ def test_a_resumed_run_continues_bitwise_like_the_uninterrupted_one(resumed_runs
         assert resumed[rank]["loss_scale"] == whole[rank]["loss_scale"]
 
 
-def resharding_rank(rank, world_size, stage, load_from, save_to, mesh=None):
-    """``mesh``: (replicas, shards), hybrid sharding."""
+def resharding_rank(rank, world_size, stage, load_from, save_to, mesh=None, **options):
+    """``mesh``: (replicas, shards), hybrid sharding; ``options``: more of zero_compile's."""
     model = models.build("gpt", seed=1)
     opt = models.make_optimizer(model)
     step = zero_compile(models.training_step("gpt"), stage=stage, backend=models.BACKEND,
-                        **with_mesh({"mesh": mesh}))
+                        **with_mesh({"mesh": mesh}), **options)
     if load_from:
         step.load_checkpoint(load_from, model, opt)
     else:
@@ -96,22 +96,44 @@ def assert_same_states(paths):
             assert torch.equal(other[key], saved[0][key]), key
 
 
-def trained_by_four_rank(rank, world_size, flat_path, hybrid_path):
-    """resharding_rank's training and save by 4 ranks, flat (stage 3) then on a 2 x 2 mesh:
-    each test's first run, fresh model and step each."""
+NODES_OF_TWO = {"secondary_partition": 2}
+
+
+def trained_by_four_rank(rank, world_size, flat_path, hybrid_path, secondary_paths):
+    """resharding_rank's training and save by 4 ranks, flat (stage 3), on a 2 x 2 mesh, and
+    flat as 2 nodes of 2 with the secondary partition (saved, then loaded from the flat
+    run's checkpoint): each test's first run, fresh model and step each."""
+    saved, resaved = secondary_paths
     return (resharding_rank(rank, world_size, 3, None, flat_path),
-            resharding_rank(rank, world_size, 3, None, hybrid_path, (2, 2)))
+            resharding_rank(rank, world_size, 3, None, hybrid_path, (2, 2)),
+            resharding_rank(rank, world_size, 3, None, saved, **NODES_OF_TWO),
+            resharding_rank(rank, world_size, 3, flat_path, resaved, **NODES_OF_TWO))
 
 
 @pytest.fixture(scope="module")
 def trained_by_four(tmp_path_factory):
-    """(the flat run's results per rank, its checkpoint, the hybrid checkpoint): both tests'
-    first 4-rank runs in one launch instead of one each (a 4-rank launch and its first
-    compilations cost ~20 s on the 2-core box)."""
+    """(the flat run's results per rank, its checkpoint, the hybrid checkpoint, the
+    secondary partition's (results, checkpoints)): the tests' first 4-rank runs in one
+    launch instead of one each (a 4-rank launch and its first compilations cost ~20 s on
+    the 2-core box)."""
     folder = tmp_path_factory.mktemp("trained_by_four")
     flat, hybrid = str(folder / "at4"), str(folder / "hybrid")
-    results = run_ranks(4, trained_by_four_rank, flat, hybrid)
-    return [r[0] for r in results], flat, hybrid
+    secondary = (str(folder / "hpz"), str(folder / "hpz-resaved"))
+    results = run_ranks(4, trained_by_four_rank, flat, hybrid, secondary)
+    return ([r[0] for r in results], flat, hybrid,
+            ([(r[2], r[3]) for r in results], secondary))
+
+
+def test_the_secondary_partition_saves_and_loads_the_flat_runs_states(trained_by_four):
+    """hpZ changes only where the backward gathers from: 4 ranks as 2 nodes of 2 save
+    bitwise the flat run's checkpoint, load the flat run's and save it unchanged, and the
+    step after either trains bitwise as the flat run's does."""
+    flat_runs, flat_path, _, (secondary_runs, secondary_paths) = trained_by_four
+    assert_same_states([flat_path, *secondary_paths])
+    for flat, (saved, loaded) in zip(flat_runs, secondary_runs):
+        for run in (saved, loaded):
+            assert run["loss"] == flat["loss"]
+            assert all(torch.equal(run["params"][n], p) for n, p in flat["params"].items())
 
 
 def test_a_checkpoint_reshards_from_4_ranks_to_2_and_1_and_across_stages(tmp_path,
@@ -119,7 +141,7 @@ def test_a_checkpoint_reshards_from_4_ranks_to_2_and_1_and_across_stages(tmp_pat
     """Saved by 4 ranks in stage 3, loaded by 2 in stage 1 and saved again, loaded by 1 in
     stage 0: the same parameters and optimizer state each time, and the next step trains
     the same (the mean loss over ranks; parameters to reduction-order rounding)."""
-    at4, at4_path, _ = trained_by_four
+    at4, at4_path = trained_by_four[:2]
     paths = [at4_path] + [str(tmp_path / name) for name in ("at2", "at1")]
     runs = [at4,
             run_ranks(2, resharding_rank, 1, paths[0], paths[1]),
