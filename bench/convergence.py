@@ -160,6 +160,26 @@ def plot(curves: dict[str, list[float]], path: str, title: str) -> bool:
     return True
 
 
+def describe(args, world: int) -> str:
+    cfg = CONVERGENCE_MODELS[args.model]
+    title = "the README example's GPT" if args.model == "readme" else "GPT-2 small's shape"
+    return (f"{title} ({cfg.n_layer} layers, width {cfg.n_embd}, {args.seq} tokens), stage 3 "
+            f"on a 2 x {world // 2} mesh, AdamW lr {args.lr}, global batch {args.batch_size}, "
+            f"blocks of {args.block or ZeroConfig.quantize_block}, weights of seed {args.seed}"
+            + (f" trained {args.warm_start} steps in fp32" if args.warm_start else ""))
+
+
+def write_results(curves: dict[str, list[float]], args, world: int) -> tuple[str, str, bool]:
+    """``bench/out/<args.name>.json`` with the curves so far, compared with the first's, and
+    the plot beside it: (the JSON's path, the plot's, whether it was drawn)."""
+    about = describe(args, world)
+    result = {"machine": machine(), "about": about, "steps": args.steps, "window": args.window,
+              "bound": BOUND, "compared": compared(curves, args.window), "losses": curves}
+    path = write_json(args.name, result)
+    picture = os.path.join(OUT, f"{args.name}.png")
+    return path, picture, plot(curves, picture, about)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="readme", choices=list(CONVERGENCE_MODELS))
@@ -202,22 +222,11 @@ def main() -> None:
         if options and args.block is not None:
             options["quantize_block"] = args.block
         curves[name] = train(options, text, args, rank, world, initial)
+        if rank == 0:  # after each configuration: a run stopped early keeps the curves so far
+            path, picture, drawn = write_results(curves, args, world)
     if rank == 0:
-        rows = compared(curves, args.window)
-        cfg = CONVERGENCE_MODELS[args.model]
-        title = "the README example's GPT" if args.model == "readme" else "GPT-2 small's shape"
-        about = (f"{title} ({cfg.n_layer} layers, width {cfg.n_embd}, {args.seq} tokens), "
-                 f"stage 3 on a 2 x "
-                 f"{world // 2} mesh, AdamW lr {args.lr}, global batch {args.batch_size}, "
-                 f"blocks of {args.block or ZeroConfig.quantize_block}, weights of seed {args.seed}"
-                 + (f" trained {args.warm_start} steps in fp32" if args.warm_start else ""))
-        result = {"machine": machine(), "about": about, "steps": args.steps,
-                  "window": args.window, "bound": BOUND, "compared": rows, "losses": curves}
-        path = write_json(args.name, result)
-        picture = os.path.join(OUT, f"{args.name}.png")
-        drawn = plot(curves, picture, about)
-        print(f"\n{result['machine']}; {about}:\n")
-        print(markdown(rows, args.window))
+        print(f"\n{machine()}; {describe(args, world)}:\n")
+        print(markdown(compared(curves, args.window), args.window))
         print(f"\nwritten to {path}" + (f" and {picture}" if drawn else ""))
     leave_group()
 
