@@ -55,7 +55,8 @@ BOUND = 0.01
 """The relative difference of the last steps' mean loss from full precision's that passes."""
 
 
-def batch(text: torch.Tensor, step: int, size: int, rank: int, world: int, seq: int = 32):
+def batch(text: torch.Tensor, step: int, size: int, rank: int, world: int,
+          seq: int = README_MODEL.block_size):
     """This rank's slice of step ``step``'s global batch: random windows of ``seq`` bytes."""
     generator = torch.Generator().manual_seed(1_000_003 + step)
     starts = torch.randint(0, len(text) - seq - 1, (size,), generator=generator)
