@@ -6,7 +6,8 @@ AOTAutograd's one-off set-up, lazy imports), which standing ranks pay once. Betw
 each rank puts back what a run may change in the process (``_ProcessState``), so every run
 is captured and compiled from scratch as in a new process. Runs that need a process of
 their own (a rank that dies on purpose, another group timeout, ``MALLOC_*`` read at start)
-get freshly started ranks."""
+get freshly started ranks. Every multi-rank run holds the machine's cores (tests/cores.py)
+while it runs."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cores import the_cores
 
 PRELOADED = ["torch", "torch.distributed", "zero_fx", "models", "training"]
 """Imported once by the fork server the ranks are forked from, instead of by every rank
@@ -59,6 +61,11 @@ def run_ranks(world_size: int, fn, *args, timeout_s: int = GROUP_TIMEOUT_S,
     spawned, for what is read only when a process starts, as glibc's ``MALLOC_*``)."""
     if world_size == 1:
         return [fn(0, 1, *args)]
+    with the_cores():
+        return _run_ranks(world_size, fn, args, timeout_s, may_die, fresh_interpreter)
+
+
+def _run_ranks(world_size, fn, args, timeout_s, may_die, fresh_interpreter):
     if may_die or fresh_interpreter or timeout_s != GROUP_TIMEOUT_S:
         return _launch(world_size, fn, args, timeout_s, may_die, fresh_interpreter)
     group = _STANDING.get(world_size)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import models
+from cores import the_cores
 from torchrun import torchrun_command
 from zero_fx.checkpoint.save_load import load_full
 
@@ -84,6 +85,13 @@ def _children(pid: int) -> list[int]:
 def _losses(output: str) -> dict[int, str]:
     """Each step's printed loss, by step (the last printing of a step that ran twice)."""
     return dict(re.findall(r"step +(\d+)/\d+  loss (\d+\.\d+)  ", output))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cores():
+    """Every test here is a torchrun job, or waits on one: the module holds the cores."""
+    with the_cores():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import models
+from cores import the_cores
 from torchrun import torchrun_command as launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,8 +23,9 @@ def torchrun_command(script, args, launcher=(), ranks=2):
 
 
 def torchrun(script, *args, ranks=2):
-    run = subprocess.run(torchrun_command(script, args, ranks=ranks), capture_output=True,
-                         text=True, timeout=300, cwd=ROOT)
+    with the_cores():
+        run = subprocess.run(torchrun_command(script, args, ranks=ranks), capture_output=True,
+                             text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
 
@@ -36,17 +38,19 @@ def torchrun_as_two_nodes(script, *args):
     endpoint = f"127.0.0.1:{free_port()}"
     launcher = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                 "--rdzv-id", "two-nodes")
-    agents = [subprocess.Popen(torchrun_command(script, args, launcher), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, cwd=ROOT) for _ in range(2)]
-    outputs = []
-    try:
-        for agent in agents:
-            out, err = agent.communicate(timeout=300)
-            assert agent.returncode == 0, err[-3000:]
-            outputs.append(out)
-    finally:
-        for agent in agents:
-            agent.kill()
+    with the_cores():
+        agents = [subprocess.Popen(torchrun_command(script, args, launcher),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   cwd=ROOT) for _ in range(2)]
+        outputs = []
+        try:
+            for agent in agents:
+                out, err = agent.communicate(timeout=300)
+                assert agent.returncode == 0, err[-3000:]
+                outputs.append(out)
+        finally:
+            for agent in agents:
+                agent.kill()
     return "".join(outputs)
 
 
