@@ -8,11 +8,13 @@ against 61 s, the fine-tuning example 96 s against 35 s), more than the 2x of sh
 cores. So a job takes the cores with ``the_cores()``: the other test process meanwhile runs
 its one-process tests, or waits for the cores and then has them to itself.
 
-The lease is a lock on a file that every test process of this checkout opens (a second
-checkout, as a CI clone, has its own). It is re-entrant within a process, so a job that
-starts another (a test's helper calling ``run_ranks``) does not wait on itself, and it is
-released when the process exits, however it exits. Its file descriptor is not inherited:
-a rank or torchrun started under it cannot keep holding it."""
+The cores are leased in slots of two, one slot a job: on the 2-core box one job runs at a
+time; with 16 cores and ``-n 8``, eight. A slot is a lock on a file that every test process
+of this checkout opens (a second checkout, as a CI clone, has its own). The lease is
+re-entrant within a process, so a job that starts another (a test's helper calling
+``run_ranks``) does not wait on itself, and it is released when the process exits, however
+it exits. Its file descriptor is not inherited: a rank or torchrun started under it cannot
+keep holding it."""
 
 from __future__ import annotations
 
@@ -24,23 +26,41 @@ import tempfile
 import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LEASE_PATH = os.path.join(
-    tempfile.gettempdir(), f"zero_fx-tests-cores-{hashlib.sha1(ROOT.encode()).hexdigest()[:12]}.lock")
+CORES_PER_JOB = 2
+SLOTS = max(1, len(os.sched_getaffinity(0)) // CORES_PER_JOB)
+_CHECKOUT = hashlib.sha1(ROOT.encode()).hexdigest()[:12]
 
 _held = threading.RLock()
 _depth = 0
 _lease = None
 
 
+def _slot_path(slot: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"zero_fx-tests-cores-{_CHECKOUT}-{slot}.lock")
+
+
+def _take_a_slot():
+    """A free slot's file, locked; if none is free, waits for one."""
+    for slot in range(SLOTS):
+        lease = open(_slot_path(slot), "a")
+        try:
+            fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return lease
+        except BlockingIOError:
+            lease.close()
+    lease = open(_slot_path(os.getpid() % SLOTS), "a")
+    fcntl.flock(lease, fcntl.LOCK_EX)
+    return lease
+
+
 @contextlib.contextmanager
 def the_cores():
-    """Holds the machine's cores for a multi-process job: waits while another test process
-    holds them."""
+    """Holds a slot of the machine's cores for a multi-process job: waits while other test
+    processes hold them all."""
     global _depth, _lease
     with _held:
         if _depth == 0:
-            _lease = open(LEASE_PATH, "a")
-            fcntl.flock(_lease, fcntl.LOCK_EX)
+            _lease = _take_a_slot()
         _depth += 1
         try:
             yield
