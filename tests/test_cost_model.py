@@ -141,13 +141,26 @@ def test_a_calibration_predicts_other_steps_on_this_machine():
     running identity views (the same day, six runs): 0.55-0.95x, stage 3 0.86-0.95x. The
     model now overcharges stage 0, whose ops the regional outer graph runs more cheaply than
     the fit step's: its band is the worst measured error with a little room, 0.5, until the
-    model charges what runs (not every node of the rewritten graph)."""
+    model charges what runs (not every node of the rewritten graph).
+
+    Under ``pytest -n 2`` the other test process runs its one-process tests beside this one
+    (tests/cores.py keeps other rank groups out, not those), and a load that starts or stops
+    between the calibration and the timed steps moves one against the other: a clean-clone
+    suite measured stage 0 at 1.62x (calibrated quiet, timed loaded), another at 0.48x (the
+    reverse). So a try outside the band is calibrated and timed once more; a model that is
+    wrong misses both tries, a shift of load rarely twice."""
     from ranks import run_ranks
 
     bands = {0: 0.5, 3: 0.4}
-    for stage, (measured, predicted) in zip((0, 3), run_ranks(2, calibrated_prediction_rank)[0]):
-        assert abs(measured / predicted - 1) <= bands[stage], \
-            f"stage {stage}: measured {1e3 * measured:.1f} ms, predicted {1e3 * predicted:.1f} ms"
+    misses = []
+    for _ in range(2):
+        timed = run_ranks(2, calibrated_prediction_rank)[0]
+        misses.append([f"stage {stage}: measured {1e3 * measured:.1f} ms, predicted "
+                       f"{1e3 * predicted:.1f} ms" for stage, (measured, predicted)
+                       in zip((0, 3), timed) if abs(measured / predicted - 1) > bands[stage]])
+        if not misses[-1]:
+            break
+    assert not misses[-1], f"outside the bands {bands} on both tries: {misses}"
 
 
 def test_the_cpu_gloo_preset_is_a_calibration():
