@@ -1,4 +1,4 @@
-"""One multi-process job at a time across the suite's test processes (``pytest -n 2``).
+"""Multi-process jobs take turns on the cores across the suite's test processes (``pytest -n 2``).
 
 A job of several ranks (a gloo group, a torchrun) wants every core of the 2-core CI box, and
 its collectives wait on its slowest rank. Two such jobs at once, one per test process, put
@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import subprocess
 import tempfile
 import threading
 
@@ -70,3 +71,10 @@ def the_cores():
                 fcntl.flock(_lease, fcntl.LOCK_UN)
                 _lease.close()
                 _lease = None
+
+
+def run(command: list[str], **options) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, **options)`` of a multi-process job (a torchrun, a benchmark
+    that starts its ranks) holding the cores."""
+    with the_cores():
+        return subprocess.run(command, **options)

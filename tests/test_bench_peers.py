@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench import peers_report  # noqa: E402
-from cores import the_cores  # noqa: E402
+import cores  # noqa: E402
 from torchrun import torchrun_command  # noqa: E402
 
 FP32 = 4
@@ -33,9 +33,8 @@ def extensions_environment() -> dict:
 
 def run_bench(*args):
     command = [sys.executable, "-m", "bench.peers", "--device", "cpu", *args]
-    with the_cores():
-        return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                              env=extensions_environment())
+    return cores.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                     env=extensions_environment())
 
 
 def test_counting_allocator_sees_every_cpu_tensor_byte():
@@ -99,9 +98,8 @@ def test_under_torchrun_each_peer_still_runs_in_fresh_processes():
     command = torchrun_command(2, "-m", "bench.peers", "--device", "cpu", "--model", "tiny",
                                "--peers", "ddp", "fsdp2", "--steps", "3", "--warmup", "1",
                                "--name", "peers-torchrun-test")
-    with the_cores():
-        run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                             env=extensions_environment())
+    run = cores.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                    env=extensions_environment())
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     with open(os.path.join(ROOT, "bench", "out", "peers-torchrun-test.json")) as f:
         result = json.load(f)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import subprocess
 import types
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import models
-from cores import the_cores
+import cores
 from torchrun import torchrun_command
 from training import STEPS, parity_errors, reference_run
 from zero_fx import zero_compile
@@ -193,9 +192,8 @@ def test_torchrun_with_an_undefined_backend_trains_stage_3_at_parity(tmp_path):
     script, out = tmp_path / "train.py", str(tmp_path / "result.pt")
     script.write_text(UNDEFINED_BACKEND_SCRIPT.format(tests=os.path.join(ROOT, "tests"), root=ROOT,
                                                             out=out))
-    with the_cores():
-        done = subprocess.run(torchrun_command(2, str(script)), cwd=ROOT, capture_output=True,
-                              text=True, timeout=600)
+    done = cores.run(torchrun_command(2, str(script)), cwd=ROOT, capture_output=True,
+                     text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = [torch.load(out + str(rank), weights_only=False) for rank in range(2)]
     assert [r["backend"] for r in results] == ["undefined"] * 2

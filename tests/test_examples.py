@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import models
+import cores
 from cores import the_cores
 from torchrun import torchrun_command as launch
 
@@ -23,9 +24,8 @@ def torchrun_command(script, args, launcher=(), ranks=2):
 
 
 def torchrun(script, *args, ranks=2):
-    with the_cores():
-        run = subprocess.run(torchrun_command(script, args, ranks=ranks), capture_output=True,
-                             text=True, timeout=300, cwd=ROOT)
+    run = cores.run(torchrun_command(script, args, ranks=ranks), capture_output=True,
+                    text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
 
