@@ -24,16 +24,14 @@ RESUME_CASES = [
 
 
 def uninterrupted_and_saving_rank(rank, world_size, folder):
-    """Per case of RESUME_CASES: the uninterrupted 6 steps, then a fresh run of 3 steps that
-    saves its checkpoint (``folder``/<case index>) after them."""
-    results = []
-    for index, (stage, precision, model_name) in enumerate(RESUME_CASES):
-        args = (precision, model_name)
-        results.append(checkpointed_training_rank(rank, world_size, stage, 6, None, None, None,
-                                                  *args))
-        checkpointed_training_rank(rank, world_size, stage, 3, None, f"{folder}/{index}", 3,
-                                   *args)
-    return results
+    """Per case of RESUME_CASES: the uninterrupted 6 steps, saving its checkpoint
+    (``folder``/<case index>) after step 3 and going on, as a training script saves. One
+    compilation a case instead of two for a separate run that saves: a save that changed
+    the run it was taken from (its parameters, optimizer state, loss scale or RNG) would
+    part the rest of that run from the resumed one, which starts from what was saved."""
+    return [checkpointed_training_rank(rank, world_size, stage, 6, None, f"{folder}/{index}", 3,
+                                       precision, model_name)
+            for index, (stage, precision, model_name) in enumerate(RESUME_CASES)]
 
 
 def resuming_rank(rank, world_size, folder):
@@ -45,9 +43,9 @@ def resuming_rank(rank, world_size, folder):
 
 @pytest.fixture(scope="module")
 def resumed_runs(tmp_path_factory):
-    """(uninterrupted, resumed) per case, every rank's: two 2-rank launches for all the
-    cases (the first saves, the second, other processes, resumes) instead of three per case
-    (a launch and its first compilation cost about 10 s on the 2-core box)."""
+    """(uninterrupted, resumed) per case, every rank's: two 2-rank runs for all the cases
+    (the first trains and saves, the second resumes) instead of runs per case (a run and its
+    first compilation cost about 10 s on the 2-core box)."""
     folder = str(tmp_path_factory.mktemp("resume"))
     whole = run_ranks(2, uninterrupted_and_saving_rank, folder)
     resumed = run_ranks(2, resuming_rank, folder)
