@@ -2,10 +2,11 @@ import os
 import sys
 
 # One intra-op thread per test process, set before torch starts its pool, and for the processes
-# they start (command-line tools; a torchrun job keeps one per rank as it does by default). The
-# suite's models are tiny: a second thread only waits and wakes, and on the 2-core CI box it
-# takes CPU from the ranks of the other test process's job. Measured alone, 6 planner tests:
-# 100-101 s of CPU with two threads, 84-90 s with one.
+# they start (command-line tools; a torchrun job keeps one per rank as it does by default): the
+# suite's models are tiny, and a second thread costs more than it saves. Six planner tests
+# alone took 100-101 s of CPU with two threads, 84-90 s with one. The suite's time under
+# `-n 2` did not change with it (2078 s before, 2072 s after, on the same box within the hour):
+# there the multi-rank jobs, one at a time, are what it waits on.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
