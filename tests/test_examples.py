@@ -9,7 +9,6 @@ import pytest
 
 import models
 import cores
-from cores import the_cores
 from torchrun import torchrun_command as launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +37,7 @@ def torchrun_as_two_nodes(script, *args):
     endpoint = f"127.0.0.1:{free_port()}"
     launcher = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                 "--rdzv-id", "two-nodes")
-    with the_cores():
+    with cores.the_cores():
         agents = [subprocess.Popen(torchrun_command(script, args, launcher),
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    cwd=ROOT) for _ in range(2)]
