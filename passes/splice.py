@@ -10,13 +10,21 @@ A deep model splices the same code hundreds of times: every block's gather bucke
 costs tens of milliseconds (make_fx sets up a tracer and generates a module), and at 48
 blocks those traces were most of the passes' time. The same function with the same
 bound arguments on inputs of the same layouts traces to the same graph, so a trace is
-kept per fake mode (one compilation) and copied again; the copies' values are computed
-afresh on their own inputs (one fake op each), so no two nodes share a fake tensor.
-Functions with a closure are traced every time: what they captured is not in the key.
+kept and copied again; the copies' values are computed afresh on their own inputs (one
+fake op each), so no two nodes share a fake tensor. Functions with a closure are traced
+every time: what they captured is not in the key.
+
+The traces are kept for the process, not for one compilation: a step compiled again (a
+new batch shape, a second step function, the planner tracing a model at three depths)
+splices mostly what the first compilation did. A kept trace holds no fake tensor (its
+nodes' values are dropped when it is kept), so it keeps no fake mode alive, and its key
+holds what else decides a trace that a process may change between compilations: the
+default dtype and grad mode.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
@@ -69,12 +77,12 @@ def splice(
     with outside_dynamo_tracing():
         fake_mode = detect_fake_mode(vals)
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            sub, traced_now = _trace(fn, vals, fake_mode)
+            traced, traced_now = _trace(fn, vals, fake_mode)
             env: dict[Node, Node] = {}
             placeholders = iter(inputs)
             results: list[Node] = []
             with graph.inserting_before(before):
-                for node in sub.graph.nodes:
+                for node in traced.nodes:
                     if node.op == "placeholder":
                         env[node] = next(placeholders)
                     elif node.op == "output":
@@ -89,33 +97,40 @@ def splice(
     return results
 
 
-_TRACES = "_zero_fx_splice_traces"
-"""The attribute of a fake mode that keeps the trace of each distinct splice made in it
-([Note: one trace per distinct splice]). On the mode itself, not in a table keyed by it:
-a trace's values are the mode's fake tensors, which hold their mode, so even a weak table
-would keep every mode and its traces alive as long as the process (12k objects a compile,
-each later compile and garbage collection slower)."""
+KEPT_TRACES = 4096
+"""How many distinct splices the process keeps the trace of (the least recently used
+go first). A compilation of a GPT-2-sized step splices a few hundred distinct ones."""
+
+_kept: "collections.OrderedDict[Hashable, Graph]" = collections.OrderedDict()
+"""The trace of each distinct splice, without values ([Note: one trace per distinct
+splice])."""
 
 
-def _kept_traces(fake_mode) -> dict[Hashable, GraphModule]:
-    kept = getattr(fake_mode, _TRACES, None)
-    if kept is None:
-        kept = {}
-        setattr(fake_mode, _TRACES, kept)
-    return kept
-
-
-def _trace(fn: Callable, vals: Sequence, fake_mode) -> tuple[GraphModule, bool]:
+def _trace(fn: Callable, vals: Sequence, fake_mode) -> tuple[Graph, bool]:
     """``fn`` traced on ``vals`` (a kept trace where there is one) and whether it was
-    traced now."""
+    traced now (then its nodes carry their values)."""
     key = _trace_key(fn, vals) if fake_mode is not None else None
-    kept = _kept_traces(fake_mode) if key is not None else {}
-    if key in kept:
-        return kept[key], False
+    if key in _kept:
+        _kept.move_to_end(key)
+        return _kept[key], False
     sub = trace_to_aten(fn, "real" if fake_mode is not None else "fake")(*vals)
     if key is not None:
-        kept[key] = sub
-    return sub, True
+        _kept[key] = _without_values(sub.graph)
+        if len(_kept) > KEPT_TRACES:
+            _kept.popitem(last=False)
+    return sub.graph, True
+
+
+def _without_values(graph: Graph) -> Graph:
+    """A copy of ``graph`` whose nodes' metadata holds no tensor (a fake tensor would keep
+    its fake mode, and every tensor of that mode, alive)."""
+    copy = Graph()
+    copy.output(copy.graph_copy(graph, {}))
+    for node in copy.nodes:
+        node.meta = {k: v for k, v in node.meta.items()
+                     if not any(isinstance(leaf, torch.Tensor)
+                                for leaf in torch.utils._pytree.tree_leaves(v))}
+    return copy
 
 
 def _trace_key(fn: Callable, vals: Sequence) -> Optional[Hashable]:
@@ -135,7 +150,8 @@ def _trace_key(fn: Callable, vals: Sequence) -> Optional[Hashable]:
         if not all(type(n) is int for n in torch.utils._pytree.tree_leaves(sizes)):
             return None
         layouts.append((sizes, v.dtype, v.device, v.requires_grad))
-    return code, repr(bound), tuple(layouts)
+    return (code, repr(bound), tuple(layouts), torch.get_default_dtype(),
+            torch.is_grad_enabled())
 
 
 def _fake_value(node: Node):

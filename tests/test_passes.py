@@ -106,18 +106,45 @@ def _scaled_column_sums(t, *, scale):
     return (t * scale).sum(0)
 
 
+def _column_sums_plus_ones(t):
+    return t.sum(0) + torch.ones(t.shape[1])  # ones of the default dtype
+
+
 class TestSplice:
     """[Note: one trace per distinct splice] in passes/splice.py."""
 
-    def _two_gathers(self, monkeypatch):
-        import functools
+    @pytest.fixture(autouse=True)
+    def traces(self, monkeypatch):
+        """Every fn traced in the test, with the process's kept traces set aside."""
+        import collections
 
         from zero_fx.passes import splice as splice_module
 
+        monkeypatch.setattr(splice_module, "_kept", collections.OrderedDict())
         traces = []
         traced = splice_module.trace_to_aten
         monkeypatch.setattr(splice_module, "trace_to_aten",
                             lambda fn, *mode: traces.append(fn) or traced(fn, *mode))
+        return traces
+
+    def _splice(self, code, default_dtype=torch.float32):
+        """``code`` spliced on ``v`` (float32) of a newly captured step (a fake mode of its
+        own), under ``default_dtype``."""
+        from zero_fx.passes.splice import splice
+
+        gm, _ = step_graph()
+        node = next(n for n in gm.graph.nodes if n.meta.get(PARAM_META) == "v")
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(default_dtype)
+        try:
+            return splice(gm.graph, code, [node], before=gm.graph.output_node(),
+                          phase=Phase.FORWARD)[0], node
+        finally:
+            torch.set_default_dtype(previous)
+
+    def _two_gathers(self, traces):
+        from zero_fx.passes import splice as splice_module
+
         gm, _ = step_graph()
         w, b, v = [n for n in gm.graph.nodes if n.op == "placeholder"][:3]
         output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -128,21 +155,51 @@ class TestSplice:
                                                 phase=Phase.FORWARD)[0])
         return traces, spliced
 
-    def test_the_same_code_on_the_same_layout_is_traced_once(self, monkeypatch):
-        traces, (first, again, other) = self._two_gathers(monkeypatch)
+    def test_the_same_code_on_the_same_layout_is_traced_once(self, traces):
+        traces, (first, again, other) = self._two_gathers(traces)
         assert len(traces) == 2  # v's second splice reused the first trace; w's shape differs
         assert tuple(again.meta["val"].shape) == (5,) == tuple(first.meta["val"].shape)
         assert tuple(other.meta["val"].shape) == (3,)
         assert all(phase_of(n) is Phase.FORWARD for n in (first, again, other))
 
-    def test_a_reused_trace_gives_each_node_a_value_of_its_own(self, monkeypatch):
-        _, (first, again, _) = self._two_gathers(monkeypatch)
+    def test_a_reused_trace_gives_each_node_a_value_of_its_own(self, traces):
+        _, (first, again, _) = self._two_gathers(traces)
         scaled, scaled_again = first.args[0], again.args[0]  # sum(mul(v, 2.0), [0]) twice
         assert scaled is not scaled_again and scaled.args[0] is scaled_again.args[0]
         for a, b in ((first, again), (scaled, scaled_again)):
             assert a.target == b.target
             assert a.meta["val"] is not b.meta["val"]
             assert a.meta["val"].untyped_storage()._cdata != b.meta["val"].untyped_storage()._cdata
+
+    def test_a_trace_serves_later_compilations_and_keeps_no_fake_tensor(self, traces):
+        from torch._guards import detect_fake_mode
+
+        from zero_fx.passes import splice as splice_module
+
+        code = functools.partial(_scaled_column_sums, scale=2.0)
+        first, _ = self._splice(code)
+        again, source = self._splice(code)  # another step: another fake mode
+        assert len(traces) == 1
+        assert detect_fake_mode([again.meta["val"]]) is detect_fake_mode([source.meta["val"]])
+        assert detect_fake_mode([again.meta["val"]]) is not detect_fake_mode([first.meta["val"]])
+        (kept,) = splice_module._kept.values()
+        assert not any(isinstance(leaf, torch.Tensor) for node in kept.nodes
+                       for leaf in torch.utils._pytree.tree_leaves(node.meta))
+
+    def test_the_default_dtype_is_part_of_what_decides_a_trace(self, traces):
+        single, _ = self._splice(_column_sums_plus_ones)
+        double, source = self._splice(_column_sums_plus_ones, default_dtype=torch.float64)
+        assert source.meta["val"].dtype == torch.float32 and len(traces) == 2
+        assert single.meta["val"].dtype == torch.float32
+        assert double.meta["val"].dtype == torch.float64
+
+    def test_the_process_keeps_a_bounded_number_of_traces(self, traces, monkeypatch):
+        from zero_fx.passes import splice as splice_module
+
+        monkeypatch.setattr(splice_module, "KEPT_TRACES", 1)
+        for scale in (2.0, 3.0, 2.0):  # the third was dropped when the second was kept
+            self._splice(functools.partial(_scaled_column_sums, scale=scale))
+        assert len(traces) == 3 and len(splice_module._kept) == 1
 
 
 class TestReduceGrads:
