@@ -63,6 +63,20 @@ def pytest_runtest_logfinish(nodeid, location):
     ranks.settle()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_runs(tmp_path_factory):
+    """The folder of the session's shared runs ([Note: shared runs] in tests/ranks.py): in
+    the session's own temporary folder, which both test processes of ``-n 2`` share (each
+    has a folder of its own in it)."""
+    import ranks
+
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs"
+    ranks.SHARED_RUNS_FOLDER = str(folder)
+    yield
+    ranks.SHARED_RUNS_FOLDER = None
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` are skipped, with the reason, where torch sees no GPU."""
     if torch.cuda.is_available():

@@ -130,7 +130,7 @@ def zero_fx_run(world_size: int, model_name: str, stage: int, optimizer: str = "
                 options: tuple = (), micro_batches: int = 1, scheduled: bool = False,
                 steps: int = STEPS):
     return run_ranks(world_size, zero_fx_rank, model_name, stage, optimizer, options,
-                     micro_batches, scheduled, steps)
+                     micro_batches, scheduled, steps, shared=True)
 
 
 @functools.lru_cache(maxsize=None)

@@ -45,7 +45,7 @@ failed peer fails after it."""
 
 
 def run_ranks(world_size: int, fn, *args, timeout_s: int = GROUP_TIMEOUT_S,
-              may_die: bool = False, fresh_interpreter: bool = False):
+              may_die: bool = False, fresh_interpreter: bool = False, shared: bool = False):
     """``fn(rank, world_size, *args)`` on each rank (in-process, no group, for world size 1).
 
     ``timeout_s``: the process group's (a collective waiting on a dead peer fails after it).
@@ -58,21 +58,96 @@ def run_ranks(world_size: int, fn, *args, timeout_s: int = GROUP_TIMEOUT_S,
     The ranks take the caller's environment variables as they are now. They are the
     standing ranks of ``world_size`` unless the run needs its own processes: ``may_die``,
     a ``timeout_s`` other than ``GROUP_TIMEOUT_S``, or ``fresh_interpreter`` (each rank
-    spawned, for what is read only when a process starts, as glibc's ``MALLOC_*``)."""
+    spawned, for what is read only when a process starts, as glibc's ``MALLOC_*``).
+
+    ``shared``: the run may be shared with the session's other tests that make the same run
+    on standing ranks ([Note: shared runs]). Only for a ``fn`` whose result is all a test
+    reads of the run, and not for a test that runs it twice to compare the two."""
     if world_size == 1:
         return [fn(0, 1, *args)]
+    standing = not (may_die or fresh_interpreter or timeout_s != GROUP_TIMEOUT_S)
+    key = _shared_key(world_size, fn, args) if shared and standing else None
+    if key is not None and (saved := _shared_result(key)) is not None:
+        return [_loaded(s) for s in saved]
     with the_cores():
-        return _run_ranks(world_size, fn, args, timeout_s, may_die, fresh_interpreter)
+        if key is None:
+            return _run_ranks(world_size, fn, args, timeout_s, may_die, fresh_interpreter)
+        saved = _shared_result(key)  # the other test process may have made it meanwhile
+        if saved is None:
+            saved = _standing(world_size, lambda group: group.run_saved(fn, args))
+            _share(key, saved)
+        return [_loaded(s) for s in saved]
+
+
+SHARED_RUNS_FOLDER: str | None = None
+"""Where this session's shared runs are kept (set by conftest), for every test process of
+the session to read; None: no run is shared.
+
+[Note: shared runs]
+Several test files make the same baseline run: test_parity's, test_hybrid's and
+test_memory's stage-3 GPT on 2 and on 4 ranks, test_mixed_precision's and test_offload's
+bf16 runs. The multi-rank runs are what the suite waits on (docs/testing.md), and each of
+those took 3-25 s of the cores. A run is the same run when the function, its arguments
+and the environment the ranks take are the same (rank processes put back what a run
+changes, ``_ProcessState``), so the first test to make it keeps what each rank returned,
+as the ranks saved it, and a later test, in either test process, loads its own copy: each
+test still checks a result of its own, computed as if it had run the ranks itself."""
+
+_VOLATILE_ENVIRONMENT = ("PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER")
+"""Variables that differ between tests or test processes but not between runs."""
+
+
+def _shared_key(world_size: int, fn, args) -> str | None:
+    """The name of the run ``fn(rank, world_size, *args)`` in the shared-runs folder; None
+    when nothing is shared or the run cannot be named (arguments that do not pickle)."""
+    if SHARED_RUNS_FOLDER is None:
+        return None
+    import hashlib
+    import pickle
+
+    environment = sorted((k, v) for k, v in os.environ.items() if k not in _VOLATILE_ENVIRONMENT)
+    try:
+        named = pickle.dumps((world_size, fn.__module__, fn.__qualname__, args, environment),
+                             protocol=4)
+    except Exception:
+        return None
+    return hashlib.sha256(named).hexdigest()
+
+
+def _shared_result(key: str) -> list[bytes] | None:
+    import pickle
+
+    try:
+        with open(os.path.join(SHARED_RUNS_FOLDER, key), "rb") as f:
+            return pickle.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def _share(key: str, saved: list[bytes]) -> None:
+    """Keeps a run's results whole or not at all (written aside, then renamed)."""
+    import pickle
+
+    os.makedirs(SHARED_RUNS_FOLDER, exist_ok=True)
+    path = os.path.join(SHARED_RUNS_FOLDER, key)
+    with open(f"{path}.{os.getpid()}", "wb") as f:
+        pickle.dump(saved, f)
+    os.replace(f"{path}.{os.getpid()}", path)
 
 
 def _run_ranks(world_size, fn, args, timeout_s, may_die, fresh_interpreter):
     if may_die or fresh_interpreter or timeout_s != GROUP_TIMEOUT_S:
         return _launch(world_size, fn, args, timeout_s, may_die, fresh_interpreter)
+    return _standing(world_size, lambda group: group.run(fn, args))
+
+
+def _standing(world_size: int, run):
+    """``run(group)`` on the standing ranks of ``world_size`` (started if none are up)."""
     group = _STANDING.get(world_size)
     if group is None:
         group = _STANDING[world_size] = StandingRanks(world_size)
     try:
-        return group.run(fn, args)
+        return run(group)
     except BaseException:
         # a failed or interrupted run may leave the ranks mid-collective: the next starts anew
         _STANDING.pop(world_size, None)
@@ -120,6 +195,10 @@ class StandingRanks:
             process.start()
 
     def run(self, fn, args) -> list:
+        return [_loaded(saved) for saved in self.run_saved(fn, args)]
+
+    def run_saved(self, fn, args) -> list[bytes]:
+        """What each rank returned, as it saved it (``_call``); a rank's failure raises."""
         for tasks in self.tasks:
             tasks.put((fn, args, dict(os.environ)))
         results, deadline = [None] * self.world_size, time.monotonic() + JOIN_TIMEOUT_S
@@ -139,10 +218,10 @@ class StandingRanks:
                                        f"{JOIN_TIMEOUT_S} s: killed (their stacks are in the "
                                        "output above)")
                 continue
-            result = torch.load(io.BytesIO(saved), weights_only=False)
+            result = _loaded(saved)
             if isinstance(result, _RankFailure):
                 raise RuntimeError(f"rank {rank} failed:\n{result.text}")
-            results[rank] = result
+            results[rank] = saved
             waiting.discard(rank)
         return results
 
@@ -271,6 +350,11 @@ def _start_rank(rank, world_size, folder, timeout_s) -> None:
 def _take_environment(environment: dict) -> None:
     os.environ.clear()  # a forked rank has the fork server's, from when it started
     os.environ.update(environment)
+
+
+def _loaded(saved: bytes):
+    """A rank's result from what ``_call`` saved."""
+    return torch.load(io.BytesIO(saved), weights_only=False)
 
 
 def _call(fn, rank, world_size, args) -> bytes:

@@ -175,7 +175,7 @@ def _held_memory(model, train_step, alive_before: dict) -> dict:
 def zero_fx_run(world_size: int, model_name: str, backend: str, optimizer: str = "adamw",
                 stage: int = 3, broken: str = "", options: tuple = (), meta: bool = False):
     return run_ranks(world_size, zero_fx_rank, model_name, backend, optimizer, stage, broken,
-                     options, meta)
+                     options, meta, shared=True)
 
 
 @functools.lru_cache(maxsize=None)
