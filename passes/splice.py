@@ -19,7 +19,9 @@ new batch shape, a second step function, the planner tracing a model at three de
 splices mostly what the first compilation did. A kept trace holds no fake tensor (its
 nodes' values are dropped when it is kept), so it keeps no fake mode alive, and its key
 holds what else decides a trace that a process may change between compilations: the
-default dtype and grad mode.
+default dtype, grad mode, and which function each global name the code calls is bound
+to, through the functions it calls that are not torch's (a test that patches
+``collective_code._average`` out gets a trace without the divide, not the kept one).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import types
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 import torch
@@ -151,7 +154,36 @@ def _trace_key(fn: Callable, vals: Sequence) -> Optional[Hashable]:
             return None
         layouts.append((sizes, v.dtype, v.device, v.requires_grad))
     return (code, repr(bound), tuple(layouts), torch.get_default_dtype(),
-            torch.is_grad_enabled())
+            torch.is_grad_enabled(), _called_functions(func))
+
+
+def _called_functions(func) -> tuple:
+    """The functions ``func`` calls by global name, and those they call, as (name, id)
+    pairs: a global rebound since a trace was kept (a patched helper) changes the key.
+    torch's own functions are taken as they are, not followed."""
+    found, stack, seen = [], [func], set()
+    while stack:
+        function = stack.pop()
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        scope = getattr(function, "__globals__", {})
+        for name in _global_names(function.__code__):
+            value = scope.get(name)
+            if isinstance(value, types.FunctionType):
+                found.append((name, id(value)))
+                if not (value.__module__ or "").startswith("torch"):
+                    stack.append(value)
+    return tuple(found)
+
+
+def _global_names(code: types.CodeType) -> list[str]:
+    """The names ``code`` looks up, its comprehensions' and inner functions' too."""
+    names = list(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names += _global_names(constant)
+    return names
 
 
 def _fake_value(node: Node):

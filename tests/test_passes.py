@@ -110,6 +110,14 @@ def _column_sums_plus_ones(t):
     return t.sum(0) + torch.ones(t.shape[1])  # ones of the default dtype
 
 
+def _doubled(t):
+    return t * 2
+
+
+def _column_sums_of_doubled(t):
+    return [_doubled(row) for row in t.unbind(0)][0] + t.sum(0)  # called in a comprehension
+
+
 class TestSplice:
     """[Note: one trace per distinct splice] in passes/splice.py."""
 
@@ -192,6 +200,16 @@ class TestSplice:
         assert source.meta["val"].dtype == torch.float32 and len(traces) == 2
         assert single.meta["val"].dtype == torch.float32
         assert double.meta["val"].dtype == torch.float64
+
+    def test_a_helper_patched_since_is_traced_anew(self, traces, monkeypatch):
+        """As test_parity's missing divide patches collective_code._average out."""
+        first, _ = self._splice(_column_sums_of_doubled)
+        monkeypatch.setitem(globals(), "_doubled", lambda t: t * 3)
+        patched, _ = self._splice(_column_sums_of_doubled)
+        assert len(traces) == 2
+        doubled = [result.args[0] for result in (first, patched)]  # add(mul(row, k), sum)
+        assert [(n.target, n.args[1]) for n in doubled] == [(aten.mul.Tensor, 2),
+                                                            (aten.mul.Tensor, 3)]
 
     def test_the_process_keeps_a_bounded_number_of_traces(self, traces, monkeypatch):
         from zero_fx.passes import splice as splice_module
