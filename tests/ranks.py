@@ -65,7 +65,7 @@ def run_ranks(world_size: int, fn, *args, timeout_s: int = GROUP_TIMEOUT_S,
     reads of the run, and not for a test that runs it twice to compare the two."""
     if world_size == 1:
         return [fn(0, 1, *args)]
-    standing = not (may_die or fresh_interpreter or timeout_s != GROUP_TIMEOUT_S)
+    standing = not _needs_own_processes(timeout_s, may_die, fresh_interpreter)
     key = _shared_key(world_size, fn, args) if shared and standing else None
     if key is not None and (saved := _shared_result(key)) is not None:
         return [_loaded(s) for s in saved]
@@ -73,10 +73,11 @@ def run_ranks(world_size: int, fn, *args, timeout_s: int = GROUP_TIMEOUT_S,
         if key is None:
             return _run_ranks(world_size, fn, args, timeout_s, may_die, fresh_interpreter)
         saved = _shared_result(key)  # the other test process may have made it meanwhile
-        if saved is None:
-            saved = _standing(world_size, lambda group: group.run_saved(fn, args))
-            _share(key, saved)
-        return [_loaded(s) for s in saved]
+        if saved is not None:
+            return [_loaded(s) for s in saved]
+        results, saved = _standing(world_size, lambda group: group.run_keeping_saved(fn, args))
+        _share(key, saved)
+        return results
 
 
 SHARED_RUNS_FOLDER: str | None = None
@@ -135,8 +136,13 @@ def _share(key: str, saved: list[bytes]) -> None:
     os.replace(f"{path}.{os.getpid()}", path)
 
 
+def _needs_own_processes(timeout_s, may_die, fresh_interpreter) -> bool:
+    """Whether a run needs ranks started for it rather than the standing ones."""
+    return may_die or fresh_interpreter or timeout_s != GROUP_TIMEOUT_S
+
+
 def _run_ranks(world_size, fn, args, timeout_s, may_die, fresh_interpreter):
-    if may_die or fresh_interpreter or timeout_s != GROUP_TIMEOUT_S:
+    if _needs_own_processes(timeout_s, may_die, fresh_interpreter):
         return _launch(world_size, fn, args, timeout_s, may_die, fresh_interpreter)
     return _standing(world_size, lambda group: group.run(fn, args))
 
@@ -195,13 +201,14 @@ class StandingRanks:
             process.start()
 
     def run(self, fn, args) -> list:
-        return [_loaded(saved) for saved in self.run_saved(fn, args)]
+        return self.run_keeping_saved(fn, args)[0]
 
-    def run_saved(self, fn, args) -> list[bytes]:
-        """What each rank returned, as it saved it (``_call``); a rank's failure raises."""
+    def run_keeping_saved(self, fn, args) -> tuple[list, list[bytes]]:
+        """What each rank returned, and as it saved it (``_call``); a rank's failure raises."""
         for tasks in self.tasks:
             tasks.put((fn, args, dict(os.environ)))
         results, deadline = [None] * self.world_size, time.monotonic() + JOIN_TIMEOUT_S
+        saves = [b""] * self.world_size
         waiting = set(range(self.world_size))
         while waiting:
             try:
@@ -221,9 +228,9 @@ class StandingRanks:
             result = _loaded(saved)
             if isinstance(result, _RankFailure):
                 raise RuntimeError(f"rank {rank} failed:\n{result.text}")
-            results[rank] = saved
+            results[rank], saves[rank] = result, saved
             waiting.discard(rank)
-        return results
+        return results, saves
 
     def close(self, timeout_s: float = 60) -> list[str]:
         """Ends the ranks as a training script ends (a barrier, then the group torn down):

@@ -10,7 +10,7 @@ from ranks import run_ranks
 
 def a_draw(rank: int, world_size: int, label: str) -> dict:
     """What no two runs return alike: a fresh random tensor (ranks restore their generators
-    after each run, so it is drawn from the clock)."""
+    after each run, so it is seeded from os.urandom)."""
     generator = torch.Generator().manual_seed(
         int.from_bytes(os.urandom(8), "little") & (2**63 - 1))
     return {"rank": rank, "label": label, "env": os.environ.get("ZERO_FX_TEST_LABEL"),
