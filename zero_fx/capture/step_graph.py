@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..passes.predicates import GRAD_SLOTS_META, PARAM_META
 from ..passes.splice import outside_dynamo_tracing, trace_to_aten
 from .inline_checkpoints import inline_checkpoints
+from .kept_captures import capture_key, keep_capture, kept_capture
 from ..plan.tensor_parallel import local_tensor
 from .tensor_parallel import (has_dtensors, mark_tensor_parallel, over_local_tensors,
                               sum_partials_before_reducing)
@@ -48,6 +49,10 @@ def capture_step_graph(
     ``param_names[i]`` is the plan name of graph input ``i`` if it is a model
     parameter, else None.
     """
+    key = None if has_dynamic_shapes(dynamo_gm) else capture_key(dynamo_gm, example_inputs,
+                                                                  param_names)
+    if (kept := kept_capture(key)) is not None:  # [Note: kept captures]
+        return kept
     checkpointed = inline_checkpoints(dynamo_gm)
     gm = _trace(dynamo_gm, example_inputs)
     gm.meta[CHECKPOINTED_META] = checkpointed
@@ -69,6 +74,7 @@ def capture_step_graph(
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
+    keep_capture(key, gm)
     return gm
 
 
