@@ -2,12 +2,12 @@
 
 [Note: kept captures]
 A step is compiled again with the same dynamo graph more often than it seems: a second
-``zero_compile`` of the same model with other options (the planner's and bench's
-comparisons, a test grid), ``torch._dynamo.reset()``, ``offload="auto"`` planning again, a
-step function used for two models of one shape. Capturing (make_fx of the forward and the
-autograd engine's backward on fakes) is then the same work with the same result: about 0.6
-of a small GPT's 1.4 s compile, and 552 of the 870 compilations of this project's test
-suite repeated a dynamo graph their process had already captured.
+``zero_compile`` of the same model with other options (bench's comparisons, a test grid),
+the same step after ``torch._dynamo.reset()``, a step function used for two models of one
+shape. Capturing (make_fx of the forward and the autograd engine's backward on fakes) is
+then the same work with the same result: about 0.6 s of a small GPT's 1.4 s compile, and
+552 of the 870 compilations of this project's test suite repeated a dynamo graph their
+process had already captured.
 
 So ``capture_step_graph`` keeps each capture and hands a later compilation of the same
 graph a copy: its own nodes, which the passes rewrite, whose ``meta["val"]`` are the kept
