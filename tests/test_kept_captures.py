@@ -54,7 +54,7 @@ def plain_step(model, opt, x, y):
 def test_a_step_compiled_again_takes_the_kept_capture_and_trains_like_eager(traces):
     """Two zero_compile steps of one model shape, with other options (a second optimizer,
     gradients in buckets of their own): the second is not traced, and both train as eager
-    PyTorch does."""
+    PyTorch does (bitwise, as measured: one rank runs eager's ops)."""
     first_model, second_model, reference = tiny(), tiny(), tiny()
     first = zero_compile(plain_step, backend="eager")
     second = zero_compile(plain_step, backend="eager", bucket_bytes=64)
@@ -63,11 +63,10 @@ def test_a_step_compiled_again_takes_the_kept_capture_and_trains_like_eager(trac
                           torch.optim.SGD(second_model.parameters(), lr=0.1))
     assert len(traces) == 1
     expected = train(plain_step, reference, torch.optim.SGD(reference.parameters(), lr=0.1))
-    assert first_losses == pytest.approx(expected, rel=1e-6)
-    assert second_losses == pytest.approx(expected, rel=1e-6)
+    assert first_losses == second_losses == expected
     full = second.full_parameters()
     for name, p in reference.named_parameters():
-        torch.testing.assert_close(full[name], p, rtol=1e-6, atol=1e-7)
+        assert torch.equal(full[name], p), name
     # the kept capture is as traced: neither compilation's passes rewrote it
     (kept,) = kept_captures._kept.values()
     graphs = {id(g.graph) for g in (first.graphs + second.graphs)}
