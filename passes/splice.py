@@ -145,16 +145,20 @@ def _trace_key(fn: Callable, vals: Sequence) -> Optional[Hashable]:
     if (code is None or getattr(func, "__closure__", None)
             or any(isinstance(b, torch.Tensor) for b in torch.utils._pytree.tree_leaves(bound))):
         return None
-    layouts = []
-    for v in vals:
-        if not isinstance(v, torch.Tensor):
-            return None
-        sizes = (tuple(v.shape), v.stride(), v.storage_offset())
-        if not all(type(n) is int for n in torch.utils._pytree.tree_leaves(sizes)):
-            return None
-        layouts.append((sizes, v.dtype, v.device, v.requires_grad))
+    layouts = [static_layout(v) if isinstance(v, torch.Tensor) else None for v in vals]
+    if None in layouts:
+        return None
     return (code, repr(bound), tuple(layouts), torch.get_default_dtype(),
             torch.is_grad_enabled(), _called_functions(func))
+
+
+def static_layout(value: torch.Tensor) -> Optional[tuple]:
+    """What of a tensor decides a trace on it: sizes, strides, offset, dtype, device,
+    requires_grad; None if a size is symbolic."""
+    sizes = (tuple(value.shape), value.stride(), value.storage_offset())
+    if not all(type(n) is int for n in torch.utils._pytree.tree_leaves(sizes)):
+        return None
+    return sizes, value.dtype, value.device, value.requires_grad
 
 
 def _called_functions(func) -> tuple:

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from test_api import standard_step, tiny
 from zero_fx import zero_compile
 from zero_fx.capture import kept_captures, step_graph
 from zero_fx.capture.kept_captures import capture_key
@@ -29,11 +30,6 @@ def traces(monkeypatch):
     return traced
 
 
-def tiny():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 2))
-
-
 def train(step, model, opt, batch_size=3, steps=3):
     torch.manual_seed(1)
     losses = []
@@ -43,26 +39,18 @@ def train(step, model, opt, batch_size=3, steps=3):
     return losses
 
 
-def plain_step(model, opt, x, y):
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
-
-
 def test_a_step_compiled_again_takes_the_kept_capture_and_trains_like_eager(traces):
     """Two zero_compile steps of one model shape, with other options (a second optimizer,
     gradients in buckets of their own): the second is not traced, and both train as eager
     PyTorch does (bitwise, as measured: one rank runs eager's ops)."""
     first_model, second_model, reference = tiny(), tiny(), tiny()
-    first = zero_compile(plain_step, backend="eager")
-    second = zero_compile(plain_step, backend="eager", bucket_bytes=64)
+    first = zero_compile(standard_step, backend="eager")
+    second = zero_compile(standard_step, backend="eager", bucket_bytes=64)
     first_losses = train(first, first_model, torch.optim.SGD(first_model.parameters(), lr=0.1))
     second_losses = train(second, second_model,
                           torch.optim.SGD(second_model.parameters(), lr=0.1))
     assert len(traces) == 1
-    expected = train(plain_step, reference, torch.optim.SGD(reference.parameters(), lr=0.1))
+    expected = train(standard_step, reference, torch.optim.SGD(reference.parameters(), lr=0.1))
     assert first_losses == second_losses == expected
     full = second.full_parameters()
     for name, p in reference.named_parameters():
@@ -76,7 +64,7 @@ def test_a_step_compiled_again_takes_the_kept_capture_and_trains_like_eager(trac
 
 def test_another_batch_shape_is_traced_anew(traces):
     model = tiny()
-    step = zero_compile(plain_step, backend="eager")
+    step = zero_compile(standard_step, backend="eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     train(step, model, opt, batch_size=3, steps=1)
     train(step, model, opt, batch_size=5, steps=1)

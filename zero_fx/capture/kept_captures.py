@@ -37,6 +37,8 @@ from typing import Hashable, Optional, Sequence
 import torch
 from torch.fx import GraphModule
 
+from ..passes.splice import static_layout
+
 KEPT_CAPTURES = 32
 """How many distinct captures the process keeps (a few graphs of thousands of nodes each)."""
 
@@ -122,12 +124,11 @@ def _input_layouts(example_inputs: Sequence) -> Optional[tuple]:
             continue
         if type(value) not in _PLAIN_TENSOR_TYPES or value.layout != torch.strided:
             return None  # a subclass (DTensor, a fake), a symbolic size, a sparse tensor
-        sizes = (tuple(value.shape), value.stride(), value.storage_offset())
-        if not all(type(n) is int for n in torch.utils._pytree.tree_leaves(sizes)):
+        layout = static_layout(value)
+        if layout is None:
             return None
         shares = storages.setdefault(value.untyped_storage()._cdata, index)
-        layouts.append((sizes, value.dtype, value.device, value.requires_grad, type(value),
-                        shares))
+        layouts.append((layout, type(value), shares))
     return tuple(layouts)
 
 
