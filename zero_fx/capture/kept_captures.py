@@ -36,6 +36,7 @@ from typing import Hashable, Optional, Sequence
 
 import torch
 from torch.fx import GraphModule
+from torch.fx._lazy_graph_module import _make_graph_module
 
 from ..passes.splice import static_layout
 
@@ -99,7 +100,8 @@ def _copy(gm: GraphModule) -> GraphModule:
     names, traced_names = graph._graph_namespace, gm.graph._graph_namespace
     names._used_names = set(traced_names._used_names)
     names._base_count = dict(traced_names._base_count)
-    copied = GraphModule(gm, graph, class_name=gm.__class__.__name__)
+    # lazy: [Note: graph modules that generate their code when it is used] in compiler/backend.py
+    copied = _make_graph_module(gm, graph, class_name=gm.__class__.__name__)
     copied.meta = {key: copy.copy(value) for key, value in gm.meta.items()}
     return copied
 

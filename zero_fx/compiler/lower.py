@@ -9,6 +9,7 @@ from typing import Callable, Collection, NamedTuple, Optional, Sequence
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
+from torch.fx._lazy_graph_module import _make_graph_module
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..capture.step_graph import static_fakes
@@ -133,7 +134,9 @@ def _regional(gm: GraphModule, backend: str) -> Lowered:
     """A copy of ``gm`` whose runs of compute call their compiled bodies."""
     copy = torch.fx.Graph()
     copy.output(copy.graph_copy(gm.graph, {}))
-    outer, report = compile_regions(GraphModule(gm, copy), functools.partial(_compile_body, backend))
+    # lazy: [Note: graph modules that generate their code when it is used] in backend.py
+    outer, report = compile_regions(_make_graph_module(gm, copy),
+                                    functools.partial(_compile_body, backend))
     return Lowered(outer, order_as_graph(
         f"{backend} by regions", gm,
         f"the step's own graph runs as Python and issues and waits for every collective in its "

@@ -69,6 +69,7 @@ from typing import Callable, Sequence
 
 import torch
 from torch.fx import Graph, GraphModule, Node
+from torch.fx._lazy_graph_module import _make_graph_module
 
 from ..passes.predicates import GATHERED_META, Phase, is_collective, is_view, is_wait, phase_of
 from ..plan.layout import block_of
@@ -386,7 +387,8 @@ def _body(run: Sequence[Node], inputs: Sequence[Node], outputs: Sequence[Node]) 
     for node in run:
         env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[node] for node in outputs))
-    return GraphModule(torch.nn.Module(), graph)
+    # lazy: [Note: graph modules that generate their code when it is used] in backend.py
+    return _make_graph_module(torch.nn.Module(), graph)
 
 
 def _replace_with_call(gm: GraphModule, name: str, run: Sequence[Node], inputs: Sequence[Node],
