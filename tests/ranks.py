@@ -30,9 +30,10 @@ import torch.multiprocessing as mp
 
 from cores import the_cores
 
-PRELOADED = ["torch", "torch.distributed", "zero_fx", "models", "training"]
+PRELOADED = ["torch", "torch.distributed", "zero_fx", "models", "training", "warm_ranks"]
 """Imported once by the fork server the ranks are forked from, instead of by every rank
-(about 4 s of each spawned rank's start on the 2-core CI box)."""
+(about 4 s of each spawned rank's start on the 2-core CI box); ``warm_ranks`` also imports
+transformers and compiles the test GPT's step there once (tests/warm_ranks.py)."""
 
 JOIN_TIMEOUT_S = 900
 """How long the ranks together may take over one run before the test fails and they are
