@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 from torch.fx import GraphModule
 
 from .host_copies import (is_device_copy, is_device_copy_wait, is_host_copy,
                           reduction_read_by)
-from .predicates import (Phase, carried_params, gathered_param, is_collective, is_wait,
-                         kept_through_loss, phase_of)
+from .predicates import (CAPTURED_AT_META, Phase, carried_params, gathered_param, is_collective,
+                         is_view, is_wait, kept_through_loss, phase_of, storage_base,
+                         written_in_place)
 
 
 class InvariantError(AssertionError):
@@ -35,7 +37,22 @@ def check_invariants(gm: GraphModule, plan) -> GraphModule:
     reduction's wait, never from the collective's unwaited result, and shards
     brought from the host are read only through their copy's wait
     ([Note: gradients streamed to the host], [Note: shards brought from the
-    host] in passes/host_copies.py).
+    host] in passes/host_copies.py); every read of a tensor that the step writes in
+    place is on the side of the write it was captured on.
+
+    [Note: in-place writes keep their readers' sides]
+    The captured graph is not functional: it keeps the model's own in-place ops and those of
+    autograd (``topk_weights /= denominator`` in DeepSeek-V3's router, with the clone of the
+    weights that autograd saves before it; a BatchNorm's running statistics). Data flow does
+    not order a read of a tensor against a later write to it, so a pass that moves or copies
+    nodes by data flow alone (a copy moved to the edge of a compiled body, a forward value
+    recomputed in the backward) can put a read on the other side of a write, and the step
+    computes with other values, silently: the router's update was 7% off while the loss
+    agreed to 1e-7. Capture numbers every node (``meta["zero_captured_at"]``, kept by copies);
+    after every pass, and after regional compilation reorders the graph, each read of a
+    tensor written in place (through any view of it) must be on the side of the write it
+    was captured on. Nodes that passes insert carry no number and are not checked: our
+    inserted code writes nothing in place.
     """
     for node in gm.graph.nodes:
         if is_collective(node):
@@ -53,7 +70,35 @@ def check_invariants(gm: GraphModule, plan) -> GraphModule:
                 f"would be used before its copy from the host completes")
     if plan.stage == 3:
         _check_release(gm, plan.resident | kept_through_loss(gm))
+    check_in_place_order(gm)
     return gm
+
+
+def check_in_place_order(gm: GraphModule, mover: str = "") -> None:
+    """Raise ``InvariantError`` if a read of a tensor that an op writes in place has moved to
+    the other side of that write since capture ([Note: in-place writes keep their readers'
+    sides]); ``mover``: who reordered the graph, for the message when it is not a pass."""
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    writes = [(node, {storage_base(w) for w in written}) for node in gm.graph.nodes
+              if CAPTURED_AT_META in node.meta and (written := written_in_place(node))]
+    if not writes:
+        return
+    readers: dict = {}
+    for node in gm.graph.nodes:
+        if CAPTURED_AT_META not in node.meta or is_view(node) or node.target is operator.getitem:
+            continue
+        for base in {storage_base(i) for i in node.all_input_nodes}:
+            readers.setdefault(base, []).append(node)
+    for write, bases in writes:
+        captured = write.meta[CAPTURED_AT_META]
+        for reader in {r for base in bases for r in readers.get(base, ()) if r is not write}:
+            if (reader.meta[CAPTURED_AT_META] < captured) != (position[reader] < position[write]):
+                side = "before" if reader.meta[CAPTURED_AT_META] < captured else "after"
+                raise InvariantError(
+                    f"{reader.name} read what {write.name} ({write.target}) changes in place "
+                    f"{side} the change when captured, and {'after' if side == 'before' else 'before'} "
+                    f"it now{f' ({mover})' if mover else ''}: it would compute with other values "
+                    f"than the step you wrote ([Note: in-place writes keep their readers' sides])")
 
 
 def _check_copied_after_reduction(copy, reduced: bool) -> None:

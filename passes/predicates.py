@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import operator
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -31,6 +32,10 @@ TP_COLLECTIVE_META = "zero_tp_collective"
 step, on the "tp" group the value names ([Note: capturing a tensor-parallel step] in
 zero_fx/capture/tensor_parallel.py). ZeRO's predicates below do not match it: it is data,
 moved by no pass, like compute."""
+CAPTURED_AT_META = "zero_captured_at"
+"""Node meta key: the node's position in the captured graph, before any pass (copies of a
+node keep it): what ``check_invariants`` holds every in-place write's readers to ([Note:
+in-place writes keep their readers' sides])."""
 KEPT_THROUGH_LOSS_META = "zero_kept_through_loss"
 """GraphModule meta key: the stage-3 parameters whose forward gather also serves the
 backward (``gather_params``, [Note: a weight kept through the loss])."""
@@ -145,6 +150,59 @@ def is_view(node: Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return bool(schema and schema.returns and all(
         r.alias_info is not None and not r.alias_info.is_write for r in schema.returns))
+
+
+def storage_base(node: Node) -> Node:
+    """The node whose storage ``node`` reads: followed back through views, the getitems of a
+    view that returns several (``split``, ``unbind``) and ``_unsafe_view`` (which aliases
+    its input though its schema does not say so)."""
+    while True:
+        if node.op == "call_function" and node.target is operator.getitem:
+            parent = node.args[0] if node.args and isinstance(node.args[0], Node) else None
+            if parent is None or not (is_view(parent) and parent.all_input_nodes):
+                return node
+            node = parent.all_input_nodes[0]
+        elif node.op == "call_function" and node.all_input_nodes and (
+                is_view(node) or node.target == torch.ops.aten._unsafe_view.default):
+            node = node.all_input_nodes[0]
+        else:
+            return node
+
+
+def written_in_place(node: Node) -> list[Node]:
+    """The inputs an op changes in place (``div_``'s first, ``index_add_``'s ``self``,
+    ``copy_``'s destination); empty for ops that change none."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
+        written += [v for v in (value if isinstance(value, (list, tuple)) else (value,))
+                    if isinstance(v, Node)]
+    return written
+
+
+def reads_the_same(a, b) -> bool:
+    """Whether tensors ``a`` and ``b`` read the same elements the same way ([Note: views
+    that read differently])."""
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+            and a.shape == b.shape and a.stride() == b.stride()
+            and a.storage_offset() == b.storage_offset()
+            and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
+
+
+# [Note: views that read differently]
+# A view is more than its sizes, strides and offset: ``_conj(c)`` of a complex tensor and
+# ``_neg_view`` set a bit that every reader applies (the conjugate, the negation), with the
+# base's exact layout. The backward of a complex product takes the conjugate of the other
+# factor (``g * _conj(c)``), and a view dropped as "the same tensor as its base" because the
+# layouts matched lost it: every model with complex RoPE (Llama's reference code,
+# torchtitan's) trained with q and k projections 4% to 73% off their update, at every stage
+# and at world size 1. So whatever compares two tensors as the same, or keys a compiled body
+# or a kept trace on a tensor's layout, counts the two bits (``reads_the_same``).
 
 
 def viewed(node: Node) -> Node:

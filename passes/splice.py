@@ -154,11 +154,11 @@ def _trace_key(fn: Callable, vals: Sequence) -> Optional[Hashable]:
 
 def static_layout(value: torch.Tensor) -> Optional[tuple]:
     """What of a tensor decides a trace on it: sizes, strides, offset, dtype, device,
-    requires_grad; None if a size is symbolic."""
+    requires_grad, the conjugate and negative bits; None if a size is symbolic."""
     sizes = (tuple(value.shape), value.stride(), value.storage_offset())
     if not all(type(n) is int for n in torch.utils._pytree.tree_leaves(sizes)):
         return None
-    return sizes, value.dtype, value.device, value.requires_grad
+    return sizes, value.dtype, value.device, value.requires_grad, value.is_conj(), value.is_neg()
 
 
 def _called_functions(func) -> tuple:

@@ -10,6 +10,7 @@ import torch
 
 from examples.gpt import GPT, GPTConfig
 import models
+from ranks import run_ranks
 from training import parity_errors, reference_run, zero_fx_run
 from zero_fx import zero_compile
 from zero_fx.compiler.lowered_schedule import planned_schedule
@@ -188,3 +189,89 @@ def test_a_mixture_of_experts_compiles_one_backward_body_for_all_blocks(fake_wor
     assert len(four) == len(two), ([r.nodes for r in two], [r.nodes for r in four])
     biggest = max(four, key=lambda r: r.nodes)
     assert len(biggest.runs_at) == 4, [(r.name, r.nodes, r.runs_at) for r in four]
+
+
+def test_a_copy_stays_on_its_side_of_a_write_in_place():
+    """[Note: copies and writes in place]: a copy that no op of its run reads is moved to the
+    run's edge, but not past an op of the run that overwrites what it copies: moved after
+    the ``div_``, the clone autograd saves of DeepSeek-V3's router weights copied the
+    divided weights (issue 64); moved before the ``mul_``, a copy of an input (through a
+    view) copied it unchanged."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from zero_fx.compiler.regions import compute_runs
+
+    def saved_before_divided(x, d):
+        w = (x.sigmoid() * 2).exp().tanh()
+        saved = w.clone()  # read by the backward only, after a collective
+        w.div_(d)
+        return (w + 1).sum(), saved
+
+    def copied_after_scaled(x, d):
+        flat = d.view(-1)
+        d.mul_(2)
+        y = (x.sigmoid() * d).exp().tanh()
+        return y.sum(), flat.clone()  # reads d through a view taken before the mul_
+
+    for program in (saved_before_divided, copied_after_scaled):
+        x, d = torch.randn(4, 3), torch.full((4, 1), 3.0)
+        gm = make_fx(program)(x.clone(), d.clone())
+        expected = program(x.clone(), d.clone())
+        assert len(compute_runs(gm)) == 1
+        gm.graph.lint()
+        gm.recompile()
+        for got, want in zip(gm(x.clone(), d.clone()), expected):
+            assert torch.equal(got, want), (program.__name__, gm.code)
+
+
+class InPlaceRouted(torch.nn.Module):
+    """The tail of DeepSeek-V3's router: the top-k of sigmoid scores, renormalised in place
+    (``topk_weights /= denominator``), so autograd saves a clone of them for the backward."""
+
+    def __init__(self, width: int = 16, experts: int = 4):
+        super().__init__()
+        self.router = torch.nn.Linear(width, experts, bias=False)
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        scores = self.router(x).sigmoid()
+        weights = scores.gather(-1, scores.topk(2, dim=-1)[1])
+        weights /= weights.sum(-1, keepdim=True)
+        return self.proj(x) * weights[..., :1]
+
+
+def _in_place_routed():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(InPlaceRouted(), torch.nn.Linear(16, 16))
+
+
+def _square_step(model, opt, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _in_place_routed_rank(rank: int, world_size: int, x: torch.Tensor) -> dict:
+    model = _in_place_routed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = zero_compile(_square_step, stage=3, backend=models.BACKEND)
+    step(model, opt, x.chunk(world_size)[rank])
+    return step.full_parameters()
+
+
+def test_a_weight_divided_in_place_trains_like_eager():
+    """Issue 64 without transformers: at stage 3 the last layer's gradient is reduced
+    between the router's forward and its backward, which cuts the forward's run there; the
+    router's update was 18% off (its loss right) while the clone of its weights left the
+    body."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    model = _in_place_routed()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _square_step(model, torch.optim.SGD(model.parameters(), lr=0.1), x)
+    for trained in run_ranks(2, _in_place_routed_rank, x):
+        for name, expected in model.named_parameters():
+            update = expected.detach() - initial[name]
+            error = ((trained[name] - expected.detach()).norm() / update.norm().clamp_min(1e-12)).item()
+            assert error < 1e-4, (name, error)

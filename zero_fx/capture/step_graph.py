@@ -22,7 +22,7 @@ from torch.fx import GraphModule
 from torch.fx.node import map_aggregate
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..passes.predicates import GRAD_SLOTS_META, PARAM_META
+from ..passes.predicates import CAPTURED_AT_META, GRAD_SLOTS_META, PARAM_META
 from ..passes.splice import outside_dynamo_tracing, trace_to_aten
 from .inline_checkpoints import inline_checkpoints
 from .kept_captures import capture_key, keep_capture, kept_capture
@@ -72,6 +72,8 @@ def capture_step_graph(
             "function decorated with @zero_compile"
         )
     gm.graph.eliminate_dead_code()
+    for position, node in enumerate(gm.graph.nodes):
+        node.meta[CAPTURED_AT_META] = position  # [Note: in-place writes keep their readers' sides]
     gm.graph.lint()
     gm.recompile()
     keep_capture(key, gm)

@@ -56,6 +56,18 @@ growing), the schedule must still be pinned around the calls, and torch 2.13's I
 on CPU corrupted its heap when a body returned a view or held a collective. A body
 compiled on its own returns views through AOTAutograd's alias handling, and lives or
 dies by the caller's references like any value of the graph.
+
+[Note: copies and writes in place]
+Moving a copy to the edge of its run (``_separate_edges``) is right by data flow alone only
+when nothing in the run writes in place. The captured graph keeps the model's in-place ops,
+and autograd saves a clone of what one overwrites: DeepSeek-V3's router divides its top-k
+weights in place (``topk_weights /= denominator``), so the graph reads ``c = clone(w);
+div_(w, d)``, and the backward reads ``c`` for the gradient of ``d``. At stage 3 the
+reduce-scatter of the head's gradient falls between the router's forward and its
+backward, so nothing in the forward's run reads ``c``: it was moved after the body, past
+the ``div_``, and copied the divided weights. The loss stayed right, the router's gradient
+was 7% off (issue 64). So a copy that reads, through views, a tensor that the run writes
+in place after it (or before it) stays in the body.
 """
 
 from __future__ import annotations
@@ -71,7 +83,9 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx._lazy_graph_module import _make_graph_module
 
-from ..passes.predicates import GATHERED_META, Phase, is_collective, is_view, is_wait, phase_of
+from ..passes.check_invariants import check_in_place_order
+from ..passes.predicates import (GATHERED_META, Phase, is_collective, is_view, is_wait, phase_of,
+                                 reads_the_same, storage_base, written_in_place)
 from ..plan.layout import block_of
 from .packed_results import REGION_META, pack, pass_results_whole, unpack
 
@@ -197,10 +211,15 @@ def _separate_edges(run: list[Node]) -> list[Node]:
     before the body (a gather's copy-out) or that the body does not read (a gradient
     bucket's concatenation). The graph is reordered to run those before and after the
     body, which it makes contiguous; data flow allows it, as none of them reads the body
-    or is read by it, respectively."""
+    or is read by it, respectively. A copy that reads a tensor the body changes in place
+    stays in the body, where it reads it between the same writes ([Note: copies and
+    writes in place])."""
+    position = {node: i for i, node in enumerate(run)}
+    writes = _writes_in_place(run)
     before, inside = [], {}
     for node in run:
-        if not computes(node) and not any(a in inside for a in node.all_input_nodes):
+        if (not computes(node) and not any(a in inside for a in node.all_input_nodes)
+                and not _written_around(node, writes, position, later=False)):
             before.append(node)
         else:
             inside[node] = None
@@ -216,7 +235,8 @@ def _separate_edges(run: list[Node]) -> list[Node]:
     after = []
     for node in reversed(list(inside)):  # a getitem stays with the tuple it takes apart
         if (not computes(node) and node.target is not operator.getitem
-                and not any(user in inside for user in node.users)):
+                and not any(user in inside for user in node.users)
+                and not _written_around(node, writes, position, later=True)):
             del inside[node]
             after.append(node)
     body = list(inside)
@@ -226,6 +246,25 @@ def _separate_edges(run: list[Node]) -> list[Node]:
     return body
 
 
+def _writes_in_place(run: Sequence[Node]) -> list[tuple[int, set[Node]]]:
+    """For each op of ``run`` that changes a tensor in place (``div_``, ``index_add_``):
+    its position and the storage bases of the tensors it changes."""
+    return [(i, {storage_base(w) for w in written}) for i, node in enumerate(run)
+            if (written := written_in_place(node))]
+
+
+def _written_around(node: Node, writes, position: dict, *, later: bool) -> bool:
+    """Whether a copy moved out of the body would read a tensor that the body changes in
+    place after it (``later``, moved after the body) or before it (moved before): it would
+    read the value after, or before, that write instead of the one it read
+    ([Note: copies and writes in place]). Views are free to move: they read when read."""
+    if not writes or _pure_view(node) or node.target is operator.getitem:
+        return False
+    read = {storage_base(a) for a in node.all_input_nodes}
+    at = position[node]
+    return any((i > at if later else i < at) and read & changed for i, changed in writes)
+
+
 def compile_regions(gm: GraphModule, compile_body: BodyCompiler) -> tuple[GraphModule, RegionReport]:
     """``gm`` with each run of compute replaced by a call of its compiled body; ``gm`` is
     changed in place and returned."""
@@ -233,7 +272,9 @@ def compile_regions(gm: GraphModule, compile_body: BodyCompiler) -> tuple[GraphM
     drop_identity_views(gm)
     sink_views(gm)
     groups: dict[str, list[list[Node]]] = {}
-    for run in compute_runs(gm):
+    runs = compute_runs(gm)
+    check_in_place_order(gm, "regional compilation moved it")
+    for run in runs:
         groups.setdefault(signature(run)[0], []).append(run)
     regions = []
     for number, runs in enumerate(groups.values()):
@@ -266,7 +307,8 @@ def compile_regions(gm: GraphModule, compile_body: BodyCompiler) -> tuple[GraphM
 
 def drop_identity_views(gm: GraphModule) -> None:
     """Replace each view that is its own base again by that base: the same storage, sizes,
-    strides and offset (``t(t(w))`` of a matrix, a ``detach``, a view to the same shape).
+    strides, offset and conjugate and negative bits (``t(t(w))`` of a matrix, a ``detach``,
+    a view to the same shape; not ``_conj``: [Note: views that read differently]).
     Each is an op the outer graph would run for nothing ([Note: one op per bucket] in
     passes/collective_code.py counts why that matters)."""
     for node in list(gm.graph.nodes):
@@ -275,7 +317,7 @@ def drop_identity_views(gm: GraphModule) -> None:
         value, base = node.meta.get("val"), node
         while _pure_view(base) and base.all_input_nodes:
             base = base.all_input_nodes[0]
-            if _same_tensor(value, base.meta.get("val")):
+            if reads_the_same(value, base.meta.get("val")):  # [Note: views that read differently]
                 node.replace_all_uses_with(base)
                 break
     for node in reversed(list(gm.graph.nodes)):
@@ -319,12 +361,6 @@ def _pure_view(node: Node) -> bool:
     return node.op == "call_function" and node.target is not operator.getitem and is_view(node)
 
 
-def _same_tensor(a, b) -> bool:
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-            and a.shape == b.shape and a.stride() == b.stride()
-            and a.storage_offset() == b.storage_offset())
-
-
 def signature(run: Sequence[Node]) -> tuple[str, list[Node], list[Node]]:
     """``(signature, inputs, outputs)`` of a run: runs with equal signatures compute the
     same function of their inputs, in the same order of inputs and outputs."""
@@ -355,12 +391,15 @@ def signature(run: Sequence[Node]) -> tuple[str, list[Node], list[Node]]:
 
 
 def _value_signature(value) -> object:
-    """What a compiled body assumes of a value: shape, dtype, strides, device, and whether
-    its start is 16-byte aligned (what Inductor specializes on), not its offset: one
-    block's slice of a tensor over all blocks starts elsewhere than the next block's."""
+    """What a compiled body assumes of a value: shape, dtype, strides, device, whether its
+    start is 16-byte aligned (what Inductor specializes on), not its offset (one block's
+    slice of a tensor over all blocks starts elsewhere than the next block's), and the
+    conjugate and negative bits ([Note: views that read differently] in
+    passes/predicates.py)."""
     if isinstance(value, torch.Tensor):
         return ("T", tuple(value.shape), value.dtype, tuple(value.stride()),
-                value.device.type, value.storage_offset() * value.element_size() % 16 == 0)
+                value.device.type, value.storage_offset() * value.element_size() % 16 == 0,
+                value.is_conj(), value.is_neg())
     if isinstance(value, (tuple, list)):
         return tuple(_value_signature(v) for v in value)
     return type(value).__name__
