@@ -171,7 +171,9 @@ def all_reduce_bucket(*grads: torch.Tensor, world_size: int, group_name: str,
     grads = [cast(g, dtype) for g in grads]
     if world_size == 1:
         return grads
-    buffer = grads[0] if len(grads) == 1 else torch._chunk_cat(grads, 0, 1)  # (1, numel)
+    # (1, numel); _chunk_cat takes no 0-dim tensor (a learnt temperature, CLIP's logit_scale)
+    buffer = grads[0] if len(grads) == 1 else torch._chunk_cat(
+        [g.reshape(1) if g.dim() == 0 else g for g in grads], 0, 1)
     summed = _c10d.wait_tensor(_c10d.all_reduce(buffer, "avg", group_name) if averages else
                                _c10d.all_reduce(_average(buffer, world_size), "sum", group_name))
     if len(grads) == 1:
