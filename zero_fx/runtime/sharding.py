@@ -69,6 +69,20 @@ class Sharded:
         return optimizer_state_tensors(self.state.optimizer)
 
 
+def check_real_parameters(model: torch.nn.Module, stage: int) -> None:
+    """Stages 1-3 move parameters and gradients through all-gathers and reduce-scatters of
+    flat real buffers (gloo has no complex all-gather): a complex parameter is refused
+    before anything is sharded. Complex activations (a rotary embedding in complex
+    arithmetic) are not parameters and train at every stage."""
+    complex_names = [name for name, p in model.named_parameters() if p.is_complex()]
+    if stage >= 1 and complex_names:
+        raise ValueError(
+            f"parameter {complex_names[0]!r} is complex ({len(complex_names)} complex "
+            f"parameter(s) in all); zero_fx shards only real parameters at stages 1-3. Hold it "
+            f"as real pairs (nn.Parameter(torch.view_as_real(c)), and torch.view_as_complex(p) "
+            f"where the model reads it), or train at stage=0")
+
+
 def find_model_and_optimizer(args, kwargs, model: Optional[torch.nn.Module],
                              optimizer: Optional[torch.optim.Optimizer]):
     """The model and optimizer the step shards: those named to ``zero_compile``, else the one
@@ -94,6 +108,7 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     experts = split_experts(model, moe_blocks, world, config.expert_parallel,
                             config.expert_capacity_factor)
     check_devices_match_backend(model.parameters())
+    check_real_parameters(model, config.stage)
     device = training_device(model.parameters())
     check_current_cuda_device(device)
     # gloo moving CPU tensors, whatever the group's name: [Note: gloo's coalesced all-gather
