@@ -584,6 +584,26 @@ def test_the_probe_keeps_the_global_rng_and_the_model(kind):
     assert routed_experts.route_experts_with_fixed_shapes(model).blocks == found
 
 
+def test_a_rewrite_whose_gradients_differ_is_refused_naming_the_block(monkeypatch):
+    """[Note: a rewrite proves itself]: a planted defect in the fixed-shape forward, the
+    routing weights detached (the same output, no gradient to the router), is refused
+    before capture with an error naming the block and the gradient that differs; the same
+    model is rewritten without it."""
+    mix = routed_experts._mix_experts
+
+    def detached_weights(block, routed, hidden, chosen, weights, out_dtype):
+        return mix(block, routed, hidden, chosen, weights.detach(), out_dtype)
+
+    monkeypatch.setattr(routed_experts, "_mix_experts", detached_weights)
+    with pytest.raises(zero_fx.CaptureError) as refused:
+        routed_experts.route_experts_with_fixed_shapes(build_moe("mixtral"))
+    message = str(refused.value)
+    assert "'model.layers.0.block_sparse_moe' (MixtralSparseMoeBlock" in message, message
+    assert "the gradient of gate.weight is" in message and "% off" in message, message
+    monkeypatch.setattr(routed_experts, "_mix_experts", mix)
+    assert len(routed_experts.route_experts_with_fixed_shapes(build_moe("mixtral")).blocks) == 2
+
+
 def test_a_bf16_rewritten_forward_runs_grouped_mm_and_equals_the_original():
     original = build_moe("mixtral").to(torch.bfloat16)
     routed = copy.deepcopy(original)
