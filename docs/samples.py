@@ -34,7 +34,9 @@ The samples (``SAMPLES``):
 - ``plan``: ``python -m zero_fx.plan`` (``PLAN_COMMAND``), its standard output.
 - ``plan-moe``: the same for a mixture-of-experts model (``PLAN_MOE_COMMAND``).
 - ``estimate``: ``python -m zero_fx.estimate`` (``ESTIMATE_COMMAND``), its standard output.
-  Both show the command as the block's first line (``$ python -m ...``).
+- ``verify``: ``torchrun --standalone --nproc_per_node 2 examples/verify_step.py``
+  (``VERIFY_COMMAND``), its standard output: ``zero_fx.verify`` on the README's model.
+  Each shows the command as the block's first line (``$ python -m ...``).
 - ``performance``: a table made from the peer benchmark's results, bench/results/*.json
   (``python -m bench.peers``): per peer, median step time and peak memory per rank for each
   model, with the ratio to FSDP2 eager, then the machine, each model's run, the date each
@@ -99,6 +101,9 @@ PLAN_COMMAND = ("python", "-m", "zero_fx.plan", "--model", "llama3-8b", "--world
 PLAN_MOE_COMMAND = ("python", "-m", "zero_fx.plan", "--model", "mixtral-8x7b", "--world", "8",
                     "--dtype", "bf16")
 """The ``plan-moe`` sample's command: the experts line and states of a mixture of experts."""
+
+VERIFY_COMMAND = ("torchrun", "--standalone", "--nproc_per_node", "2", "examples/verify_step.py")
+"""The ``verify`` sample's command: ``zero_fx.verify`` on the README's model at 2 ranks."""
 
 ESTIMATE_COMMAND = ("python", "-m", "zero_fx.estimate", "--model", "llama3-8b", "--world", "8")
 """The ``estimate`` sample's command, as shown; ``python`` runs as this interpreter."""
@@ -208,7 +213,9 @@ def _gpt_step_samples() -> tuple[tuple[str, str], ...]:
 
 def _command_output(command: tuple[str, ...]) -> str:
     """``$ command`` and what it prints on stdout, run from the repository root."""
-    argv = [sys.executable, *command[1:]] if command[0] == "python" else list(command)
+    argv = ([sys.executable, *command[1:]] if command[0] == "python" else
+            [sys.executable, "-m", "torch.distributed.run", *command[1:]]
+            if command[0] == "torchrun" else list(command))
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
     if done.returncode:
         raise RuntimeError(f"{' '.join(command)} exited {done.returncode}:\n"
@@ -226,6 +233,10 @@ def plan_moe_sample() -> str:
 
 def estimate_sample() -> str:
     return _command_output(ESTIMATE_COMMAND)
+
+
+def verify_sample() -> str:
+    return _command_output(VERIFY_COMMAND)
 
 
 def _committed_date(path: str) -> str:
@@ -356,6 +367,7 @@ SAMPLES = {s.name: s for s in (
     Sample("plan", plan_sample, " ".join(PLAN_COMMAND)),
     Sample("plan-moe", plan_moe_sample, " ".join(PLAN_MOE_COMMAND)),
     Sample("estimate", estimate_sample, " ".join(ESTIMATE_COMMAND)),
+    Sample("verify", verify_sample, " ".join(VERIFY_COMMAND)),
     Sample("performance", performance_sample,
            f"step time and peak memory per rank from {PEER_RESULTS}"),
     Sample("performance-latest", lambda: performance_sample(LATEST_RESULTS),
@@ -403,7 +415,7 @@ def produce_many(names) -> dict:
 
     names = list(dict.fromkeys(names))
     commands = [n for n in names if SAMPLES[n].produce in (plan_sample, plan_moe_sample,
-                                                                  estimate_sample)]
+                                                                  estimate_sample, verify_sample)]
     with ThreadPoolExecutor(max_workers=max(len(commands), 1)) as pool:
         running = {n: pool.submit(attempt, n) for n in commands}
         here = {n: attempt(n) for n in names if n not in running}

@@ -22,6 +22,7 @@ from .plan.offline import rewritten_step_on_fake
 from .runtime.failures import CollectiveFailedError
 from .runtime.init_distributed import Distributed, init_distributed
 from .runtime.rank_agreement import RanksDisagreeError
+from .verification import Verification, verify
 
 __all__ = [
     "after",
@@ -52,6 +53,8 @@ __all__ = [
     "rewritten_step_on_fake",
     "set_logs",
     "ShardPlan",
+    "Verification",
+    "verify",
     "zero_compile",
     "ZeroConfig",
 ]
