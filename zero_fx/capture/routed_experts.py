@@ -488,8 +488,9 @@ def _reproduces(name: str, block: nn.Module, original: Callable, routed: _Routed
 # every parameter (``torch.autograd.grad``: no ``.grad`` is touched). Outputs that differ
 # mean "not this form" (the next is tried); outputs that agree with gradients that differ
 # mean our rewrite is wrong for this block, and capture stops with a ``CaptureError``
-# naming it. The check runs once per block, on the first call, in eager: on a tiny
-# Mixtral's two blocks it costs milliseconds (the docs' moe page gives the measured cost).
+# naming it. The check runs once per block, on the first call, in eager (docs/moe.md has
+# its measured cost: 22 ms on the tests' Mixtral, 1.0 s on a 4-layer Mixtral of width 512,
+# against 13 ms and 0.23 s forward alone) and holds two fp32 gradients of one block.
 
 
 def _output_and_grads(forward: Callable, x: torch.Tensor, named: list) -> tuple:
