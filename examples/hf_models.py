@@ -1,4 +1,4 @@
-"""HuggingFace ``transformers`` GPT-2, Llama, Mixtral and Qwen3-MoE built from a config with random weights
+"""HuggingFace ``transformers`` GPT-2, Llama, Mixtral, Qwen3-MoE and DeepSeek-V3 built from a config with random weights
 (no hub access), ready for ``@zero_compile``.
 
 Two settings make them capture as one graph (README, "Models that do not capture"):
@@ -97,3 +97,23 @@ def tiny_qwen3_moe(vocab_size: int = 64, seq: int = 16, experts: int = 8,
     default)."""
     return causal_lm(qwen3_moe_config(vocab_size, seq, layers=layers, width=32, heads=4,
                                       kv_heads=2, ffn=32, experts=experts))
+
+
+def deepseek_v3_config(vocab_size: int, seq: int, layers: int, width: int, heads: int,
+                       experts: int = 4, top_k: int = 2):
+    """DeepSeek-V3: multi-head latent attention, dense first layer, then routed experts (a
+    sigmoid router with a correction bias, group-limited top-k, its weights renormalised in
+    place) beside one shared expert."""
+    require_transformers()
+    return transformers.DeepseekV3Config(
+        vocab_size=vocab_size, max_position_embeddings=seq, hidden_size=width,
+        intermediate_size=2 * width, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=heads, n_routed_experts=experts, num_experts_per_tok=top_k,
+        n_shared_experts=1, moe_intermediate_size=width // 2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=width // 2,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, attention_dropout=0.0)
+
+
+def tiny_deepseek_v3(vocab_size: int = 64, seq: int = 16) -> nn.Module:
+    """Two layers (the first dense), width 32, 4 routed experts and a shared one, top-2."""
+    return causal_lm(deepseek_v3_config(vocab_size, seq, layers=2, width=32, heads=4))

@@ -139,6 +139,7 @@ def reference_run(model_name: str, optimizer: str = "sgd", max_grad_norm=None,
     """Plain PyTorch on one process and the whole global batch, clipping with
     ``clip_grad_norm_``."""
     model = build(model_name)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = make_optimizer(model, optimizer)
     scheduler = schedule(opt, scheduled)
     losses, norms = [], []
@@ -153,4 +154,4 @@ def reference_run(model_name: str, optimizer: str = "sgd", max_grad_norm=None,
         losses.append(loss.item())
         _after_step(opt, scheduler, step)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "norms": norms}
+    return {"losses": losses, "params": params, "norms": norms, "initial": initial}

@@ -11,8 +11,10 @@ from examples.gpt import GPT, GPTConfig
 VOCAB = 64
 SEQ = 16
 FEATURES = 12
-HF_MODELS = ("hf_gpt2", "hf_llama")
+HF_MODELS = ("hf_gpt2", "hf_llama", "hf_deepseek_v3")
 """HuggingFace transformers models (tests using them skip when it is not installed)."""
+REGRESSION_MODELS = ("mlp", "scaled_mlp", "complex_rotation")
+"""Models of ``FEATURES`` inputs and 7 outputs, trained on a mean squared error."""
 BACKEND = "eager"
 """The backend the suite trains with where what a test checks is not the lowering: the step
 by regions, as every backend runs it by default, each run of compute as traced
@@ -87,6 +89,102 @@ class TensorParallelGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class ComplexRopeAttention(nn.Module):
+    """Attention as Meta's Llama reference code writes it: q and k rotated in complex
+    arithmetic (``view_as_complex`` of pairs times ``freqs_cis``, then ``view_as_real``), whose
+    backward multiplies by the conjugate of ``freqs_cis``."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, width // heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(width, width, bias=False) for _ in range(4))
+
+    def forward(self, x, freqs_cis):
+        B, T, _ = x.shape
+        q, k, v = (w(x).view(B, T, self.heads, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        q, k = apply_rotary_emb(q, k, freqs_cis[:T])
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    freqs = torch.outer(torch.arange(end, dtype=torch.float32), freqs)
+    return torch.polar(torch.ones_like(freqs), freqs)  # complex64
+
+
+def apply_rotary_emb(xq, xk, freqs_cis):
+    """Meta's llama/model.py, as written there."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+class ComplexRopeBlock(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(width), nn.RMSNorm(width)
+        self.attention = ComplexRopeAttention(width, heads)
+        self.w1, self.w3 = nn.Linear(width, 2 * width, bias=False), nn.Linear(width, 2 * width, bias=False)
+        self.w2 = nn.Linear(2 * width, width, bias=False)
+
+    def forward(self, x, freqs_cis):
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        f = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(f)) * self.w3(f))
+
+
+class ComplexRopeLlama(nn.Module):
+    """A small Llama with complex rotary embeddings (``freqs_cis`` a complex buffer, as in
+    torchtitan's llama3)."""
+
+    def __init__(self, width: int = 32, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, width)
+        self.layers = nn.ModuleList(ComplexRopeBlock(width, heads) for _ in range(layers))
+        self.norm = nn.RMSNorm(width)
+        self.output = nn.Linear(width, VOCAB, bias=False)
+        self.register_buffer("freqs_cis", precompute_freqs_cis(width // heads, SEQ), persistent=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h))
+
+
+class ComplexRotation(nn.Module):
+    """The smallest complex-arithmetic model: a linear layer's output taken as complex pairs,
+    rotated by a complex buffer, taken back as real numbers."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(FEATURES, FEATURES)
+        angles = torch.arange(FEATURES // 2, dtype=torch.float32)
+        self.register_buffer("rotation", torch.polar(torch.ones_like(angles), angles))
+
+    def forward(self, x):
+        h = self.lin(x)
+        rotated = torch.view_as_complex(h.reshape(*h.shape[:-1], -1, 2)) * self.rotation
+        return torch.view_as_real(rotated).flatten(-2)[..., :7]
+
+
+class ScaledMLP(nn.Module):
+    """The MLP with a learnt 0-dim temperature (CLIP's ``logit_scale``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP()
+        self.logit_scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return self.mlp(x) * self.logit_scale.exp()
+
+
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if name == "mlp":
@@ -96,16 +194,23 @@ def build(name: str, seed: int = 0) -> nn.Module:
                              bias=False, dropout=0.1 if name == "gpt_dropout" else 0.0))
     if name == "tp_gpt":
         return TensorParallelGPT()
+    if name == "complex_llama":
+        return ComplexRopeLlama()
+    if name == "scaled_mlp":
+        return ScaledMLP()
+    if name == "complex_rotation":
+        return ComplexRotation()
     if name in HF_MODELS:
         from examples import hf_models
-        return {"hf_gpt2": hf_models.tiny_gpt2, "hf_llama": hf_models.tiny_llama}[name](VOCAB, SEQ)
+        return {"hf_gpt2": hf_models.tiny_gpt2, "hf_llama": hf_models.tiny_llama,
+                "hf_deepseek_v3": hf_models.tiny_deepseek_v3}[name](VOCAB, SEQ)
     raise ValueError(name)
 
 
 def global_batch(name: str, step: int, size: int = 8):
     """The global batch of one step: the same on every rank (each takes its slice)."""
     g = torch.Generator().manual_seed(1000 + step)
-    if name == "mlp":
+    if name in REGRESSION_MODELS:
         return torch.randn(size, FEATURES, generator=g), torch.randn(size, 7, generator=g)
     x = torch.randint(0, VOCAB, (size, SEQ), generator=g)
     return x, torch.roll(x, -1, dims=1)
@@ -115,7 +220,7 @@ def loss_fn(name: str, model: nn.Module, x, y):
     if name in HF_MODELS:  # the model shifts the labels itself
         return model(input_ids=x, labels=x).loss
     out = model(x)
-    if name == "mlp":
+    if name in REGRESSION_MODELS:
         return F.mse_loss(out, y)
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
