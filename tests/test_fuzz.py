@@ -8,7 +8,9 @@ selective policy), so recompute is explored across stages, world sizes and tied 
 Hypothesis explores: each run draws new examples (a failure prints the seed and the
 example, and the .hypothesis database replays it first next time). CI time is bounded by
 ``max_examples``, not by a fixed list; ``ZERO_FX_FUZZ_EXAMPLES=200`` explores longer.
-Examples found by exploring and fixed are pinned below as ``@example``.
+Examples found by exploring and fixed are pinned below as ``@example``. Each parameter is
+compared with its update too (``UPDATE_BOUND``), and a third family draws ops whose
+arithmetic a rewrite can lose (complex views, conjugate bits, writes in place).
 
 The ranks of each world size stay up from one example to the next (ranks.StandingRanks): a
 fresh rank spends most of an example on its first compile, which they pay once."""
@@ -291,10 +293,12 @@ def test_random_hf_models_with_padding_match_single_process_training(spec):
 
 # -- ops whose arithmetic a rewrite can lose ------------------------------------------------------
 # Each block reads the features through a linear layer, then through one op of a kind the
-# passes must carry exactly: complex views (the conjugate in a complex product's backward),
-# conjugate and negative bits, writes in place around what autograd saves, scatters,
-# multi-output views ([Note: views that read differently] in passes/predicates.py, [Note:
-# in-place writes keep their readers' sides] in passes/check_invariants.py).
+# passes (recompute's copies into the backward among them, drawn as above) and regional
+# compilation must carry exactly: complex views (the conjugate in a complex product's
+# backward), conjugate and negative bits, writes in place around what autograd saves,
+# scatters, multi-output views ([Note: views that read differently] in
+# passes/predicates.py, [Note: in-place writes keep their readers' sides] in
+# passes/check_invariants.py).
 
 OPS_WIDTH = 8
 
@@ -372,6 +376,7 @@ class OpsSpec:
     world_size: int
     stage: int
     bucket_bytes: int | None
+    recompute: str | None = None
 
 
 def build_ops(spec: OpsSpec):
@@ -390,7 +395,7 @@ def ops_rank(rank: int, world_size: int, spec: OpsSpec):
     model, opt = build_ops(spec)
 
     @zero_compile(stage=spec.stage, backend=models.BACKEND, bucket_bytes=spec.bucket_bytes,
-                  resident_max_numel=0)
+                  resident_max_numel=0, recompute=RECOMPUTE[spec.recompute])
     def train_step(model, opt, x, y):
         loss = F.mse_loss(model(x), y)
         loss.backward()
@@ -411,6 +416,7 @@ ops_specs = st.builds(
     world_size=st.sampled_from([1, 2, 2, 4]),
     stage=st.integers(0, 3),
     bucket_bytes=st.sampled_from([None, 0]),
+    recompute=RECOMPUTE_NAMES,
 )
 
 
