@@ -169,3 +169,15 @@ def test_verify_passes_a_correct_step_and_fails_a_planted_error():
     bad = run_ranks(2, _verify_rank, PLANTED_PASS)[0]
     assert not bad.ok and bad.worst[0] == PLANTED and 0.02 < bad.worst[1] < 0.08, str(bad)
     assert f"FAILED: the worst, {bad.worst[1]:.1e} ({PLANTED})" in str(bad)
+
+
+def test_verify_follows_accumulation_and_clipping():
+    """The eager copy steps its optimizer on every K-th call with the mean of the K
+    gradients, clipped to the global norm, as zero_fx's options say (one rank)."""
+    report = _verify_rank(0, 1, (("accumulation_steps", 2), ("max_grad_norm", 0.05)))
+    assert report.ok and report.worst[1] < 1e-5, str(report)
+    step = zero_compile(models.training_step("mlp"), accumulation_steps=2)
+    model = models.build("mlp")
+    with pytest.raises(ValueError, match="multiple of accumulation_steps"):
+        zero_fx.verify(step, model, models.make_optimizer(model, "sgd"),
+                       *models.global_batch("mlp", 0), steps=3)

@@ -139,8 +139,10 @@ def verify(step: CompiledStep, *args: Any, steps: int = 1, tolerance: float = TO
         raise RuntimeError("verify copies the model and optimizer as they are before the step's "
                            "first call, and this step has already run (stage 3 holds no values "
                            "in the model's parameters): call verify first")
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
+    accumulation = step.config.accumulation_steps
+    if steps < 1 or steps % accumulation:
+        raise ValueError(f"steps must be a positive multiple of accumulation_steps "
+                         f"({accumulation}), or no optimizer step would be compared; got {steps}")
     model, optimizer = find_model_and_optimizer(args, kwargs, None, None)
     _check_copyable(model)
     config, options_off = _exact(step.config)
