@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from training import check_updates
 from zero_fx import CaptureError, MixedPrecision, zero_compile
 
 
@@ -37,6 +38,16 @@ def test_bare_decorator_and_backends_match_eager_pytorch(backend):
     full = step.full_parameters()
     for name, p in ref.named_parameters():
         assert torch.allclose(full[name], p, rtol=1e-6, atol=1e-7), name
+    assert_updates_like(full, ref)
+
+
+def assert_updates_like(params: dict, ref: nn.Module, tolerance: float = 1e-5) -> None:
+    """Each parameter's update error (training.check_updates) against ``ref``'s, both from
+    ``tiny()``'s initial values (measured 0: one rank runs eager's ops)."""
+    initial = dict(tiny().named_parameters())
+    check_updates([{"params": params}],
+                  {"params": {n: p.detach() for n, p in ref.named_parameters()},
+                   "initial": initial}, tolerance)
 
 
 def test_callable_backend_receives_the_rewritten_graph():
@@ -256,6 +267,7 @@ def test_below_stage3_the_model_stays_usable_outside_the_step(stage):
     with torch.no_grad():
         assert torch.allclose(model(x), ref(x), rtol=1e-5, atol=1e-6)
     assert all(p.grad is None for p in model.parameters())
+    assert_updates_like({n: p.detach() for n, p in model.named_parameters()}, ref)
 
 
 def test_stage0_leaves_the_optimizer_on_the_model():

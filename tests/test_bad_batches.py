@@ -6,13 +6,16 @@ import torch
 
 import models
 from ranks import run_ranks
-from training import relative_error
+from training import check_updates, relative_error
 from zero_fx import MixedPrecision, zero_compile
 
 
-def _eager(batches):
-    """Single-process training on each global batch; the losses and the parameters after."""
+def _eager(batches, initial=None):
+    """Single-process training on each global batch; the losses and the parameters after
+    (and, into ``initial``, those before)."""
     model = models.build("gpt", seed=1)
+    if initial is not None:
+        initial.update({n: p.detach().clone() for n, p in model.named_parameters()})
     opt = models.make_optimizer(model)
     losses = []
     for x, y in batches:
@@ -51,7 +54,8 @@ def test_an_unusual_batch_trains_as_eager_does(case):
     """An empty batch: the loss is NaN (a mean over no tokens) and the update is AdamW's with
     zero gradients, as in eager. int32 token ids: the embedding takes them, as in eager
     (one recompilation)."""
-    expected_losses, expected_params = _eager(batches(case))
+    initial = {}
+    expected_losses, expected_params = _eager(batches(case), initial)
     results = run_ranks(2, bad_batch_rank, case)
     mean_losses = torch.tensor([losses for losses, _, _ in results]).mean(0)
     torch.testing.assert_close(mean_losses, torch.tensor(expected_losses), rtol=1e-6, atol=0,
@@ -61,6 +65,13 @@ def test_an_unusual_batch_trains_as_eager_does(case):
             assert relative_error(params[name], value) < 1e-5, name  # near-zero elements noisy)
         if case == "int32 ids":
             assert compilations == 2  # the new dtype recompiles once
+    check_updates([{"params": params} for _, params, _ in results],
+                  {"params": expected_params, "initial": initial}, UPDATE_TOLERANCE)
+
+
+UPDATE_TOLERANCE = 1e-3
+"""Each parameter's update error (training.check_updates) against eager: measured 5.0e-6
+(blocks.0.mlp.2.weight) in both cases, the suite's bound."""
 
 
 def test_int32_targets_raise_what_eager_raises():

@@ -10,6 +10,7 @@ import pytest
 import models
 import cores
 from torchrun import torchrun_command as launch
+from training import check_updates
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -161,6 +162,7 @@ def test_finetune_llama_loads_into_shards_and_saves_what_transformers_reloads(tm
     assert "loaded 21 tensors" in out and len(losses(out)) == 3
     assert "its logits on held-out examples differ from the trained model's by at most 0\n" in out
 
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     for step in range(3):  # the reference: the same steps on the whole batch, one process
         tokens, mask, labels = global_batch(step, 8)
@@ -174,6 +176,9 @@ def test_finetune_llama_loads_into_shards_and_saves_what_transformers_reloads(tm
                       - model(input_ids=tokens, attention_mask=mask).logits).abs().max().item()
     print(f"reloaded against one process: logits differ by {difference:.3g}")
     assert difference < 1e-5  # measured 1.0e-6: the order of a sum over 2 ranks
+    expected = {n: p.detach() for n, p in model.named_parameters()}
+    check_updates([{"params": dict(reloaded.named_parameters())}],
+                  {"params": expected, "initial": initial}, 1e-3)  # measured 7.5e-6 (v_proj)
 
 
 def test_lora_trains_the_adapters_leaves_the_frozen_base_alone_and_saves_them_alone(tmp_path):

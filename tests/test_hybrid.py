@@ -11,7 +11,8 @@ import feature_runs
 import models
 import training
 from ranks import in_turn, mesh_errors, run_ranks, with_mesh
-from training import SMALL_BUCKETS, parity_errors, reference_run, relative_error, zero_fx_run
+from training import (SMALL_BUCKETS, UPDATE_TOLERANCE, check_updates, parity_errors,
+                      reference_run, relative_error, zero_fx_run)
 from zero_fx import MixedPrecision, zero_compile
 from zero_fx.analysis.traffic import REPLICATE_GROUP, SHARD_GROUP
 
@@ -125,6 +126,8 @@ def test_clipping_on_a_mesh_clips_by_the_global_norm(stage):
     unclipped = hybrid_run(stage)[0]
     error = max(relative_error(hybrid["params"][n], p) for n, p in flat["params"].items())
     assert error < TOLERANCE
+    check_updates([hybrid], {"params": flat["params"], "initial": reference_run("gpt")["initial"]},
+                  UPDATE_TOLERANCE)  # measured 1.3e-6 (blocks.1.ln1.weight)
     assert max(relative_error(unclipped["params"][n], p) for n, p in flat["params"].items()) > 100 * TOLERANCE
 
 
@@ -147,10 +150,13 @@ def whole_model_views_rank(rank, world_size, mesh):
 
 def test_whole_model_views_on_a_mesh_are_those_of_flat_sharding():
     flat, hybrid = four_ranks()[("views", None)], four_ranks()[("views", (2, 2))]
+    initial = models.build("gpt").state_dict()
     for rank in range(4):
         assert relative_error(hybrid[rank]["out"], flat[rank]["out"]) < TOLERANCE
         for name, value in flat[rank]["state"].items():
             assert relative_error(hybrid[rank]["state"][name], value) < TOLERANCE, name
+        check_updates([{"params": hybrid[rank]["state"]}],  # measured 1.5e-6 (blocks.0.ln2.weight)
+                      {"params": flat[rank]["state"], "initial": initial}, UPDATE_TOLERANCE)
     assert "hybrid sharding: 2 replicas of these 2 ranks" in hybrid[0]["explain"]
     assert "across replicas" in hybrid[0]["explain"] and "across replicas" not in flat[0]["explain"]
 
@@ -168,8 +174,9 @@ def test_accumulation_on_a_mesh_equals_one_large_batch(stage):
 def test_bf16_on_a_mesh_trains_like_fp32_as_flat_bf16_does():
     """bf16 compute and reductions on a 2 x 2 mesh, fp32 masters: measured 1.9e-5 (loss) and
     3.0e-3 (worst master) from fp32 single-process training, flat bf16 at 4 ranks 1.2e-5 and
-    3.0e-3; the bounds are test_mixed_precision's."""
+    3.0e-3; worst update error 1.3e-2 (blocks.1.ln2.weight), as flat bf16 at 2 ranks. The
+    bounds are test_mixed_precision's."""
     results = four_ranks()[("features", 3, BF16 + HYBRID, 1)]
-    errors = parity_errors(results, feature_runs.reference_run("gpt"))
+    errors = parity_errors(results, feature_runs.reference_run("gpt"), update_tolerance=4e-2)
     assert errors.pop("loss") < 5e-5
     assert max(errors.values()) < 9e-3, max(errors, key=errors.get)

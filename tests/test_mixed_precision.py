@@ -7,6 +7,12 @@ bf16 1.5e-5 / 2.9e-3 at every stage (1.9e-5 / 3.0e-3 with accumulation);
 fp16 1.3e-6 / 3.3e-4. The bounds sit at about 3x that: bf16 5e-5 / 9e-3,
 fp16 4e-6 / 1e-3. SGD, not AdamW: AdamW's update of an element with a
 near-zero gradient is its sign, which 16-bit noise flips.
+
+Each parameter's update error (training.update_error, ``‖p − p_ref‖ / ‖p_ref − p_0‖``),
+measured (2026-11-28): bf16 1.27e-2 at every stage (blocks.1.ln2.weight), 1.34e-2 with
+accumulation, 8.5e-3 lowered by Inductor; fp16 2.0e-3 (blocks.0.ln2.weight). The norms'
+weights move least relative to their gradients' 16-bit rounding. Bounds about 3x: bf16
+4e-2, fp16 6e-3.
 """
 
 import functools
@@ -25,8 +31,8 @@ from zero_fx.analysis.host_syncs import counting_host_syncs
 BF16 = (("mixed_precision", MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32)),)
 FP16 = (("mixed_precision", MixedPrecision(param_dtype=torch.float16, output_dtype=torch.float32)),)
 UNSCHEDULED = (("bucket_bytes", 0), ("persistence_threshold", 0))
-BF16_TOLERANCES = (5e-5, 9e-3)  # loss, worst master (module docstring)
-FP16_TOLERANCES = (4e-6, 1e-3)
+BF16_TOLERANCES = (5e-5, 9e-3, 4e-2)  # loss, worst master, worst update (module docstring)
+FP16_TOLERANCES = (4e-6, 1e-3, 6e-3)
 FP32_REDUCE = (("mixed_precision", MixedPrecision(
     param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)),)
 
@@ -64,8 +70,8 @@ def zero_fx_run(world_size, model_name, stage, options=(), micro_batches=1):
                                     micro_batches=micro_batches)
 
 
-def assert_close_to_fp32(results, loss_tolerance, param_tolerance):
-    errors = parity_errors(results, reference_run("gpt"))
+def assert_close_to_fp32(results, loss_tolerance, param_tolerance, update_tolerance):
+    errors = parity_errors(results, reference_run("gpt"), update_tolerance)
     assert errors.pop("loss") < loss_tolerance
     worst = max(errors, key=errors.get)
     assert errors[worst] < param_tolerance, f"{worst}: relative error {errors[worst]:.2e}"

@@ -37,7 +37,7 @@ transformers = pytest.importorskip("transformers")
 import models  # noqa: E402
 from examples import hf_models  # noqa: E402
 from ranks import run_ranks  # noqa: E402
-from training import relative_error  # noqa: E402
+from training import relative_error, update_errors  # noqa: E402
 
 import zero_fx  # noqa: E402
 from zero_fx import MixedPrecision, zero_compile  # noqa: E402
@@ -48,9 +48,10 @@ STEPS = 3
 STAGES = (0, 1, 2, 3)
 PARITY = 1e-5
 UPDATE_PARITY = 1e-4
-"""Bound on the relative error of each parameter's change over the run (final - initial):
-three steps move a weight by a fraction of a percent, so the bound on the parameter itself
-passes a gradient 1% off; its change shows it. Measured: at most 1e-5 (fp32)."""
+"""Bound on each parameter's update error (training.update_error: ``‖p − p_ref‖ / ‖p_ref −
+p_0‖``): three steps move a weight by a fraction of a percent, so the bound on the parameter
+itself passes a gradient 1% off; its change shows it. Measured (fp32, 2026-11-28): at most
+8.5e-6 at 2 and 4 ranks (qwen3_moe's experts), 1.3e-5 in the world-size-1 blocks (olmoe)."""
 MOE_MODELS = {"mixtral": hf_models.tiny_mixtral, "qwen3_moe": hf_models.tiny_qwen3_moe}
 FP32_WORLD = 2
 """The world size of every fp32 (model, stage) parity case. World size
@@ -67,6 +68,13 @@ take about a third less than with two (blocks sharing compiled bodies are
 tests/test_regions.py's). The other tests build two."""
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32)
 BF16_TOLERANCES = (5e-5, 9e-3)  # loss, worst master: tests/test_mixed_precision.py's
+BF16_UPDATE_TOLERANCE = 0.15
+"""Bound on each parameter's update error in bf16 against the fp32 reference: measured
+5.6e-2, the router (block_sparse_moe.gate.weight), in both cases (2026-11-28). bf16's, not
+zero_fx's: the same steps in eager (fp32 masters, a bf16 copy computing, SGD on the masters)
+are 5.6e-2 off fp32 on the gate too, and zero_fx's bf16 run is 1.7e-3 off that (worst
+5.1e-3, input_layernorm.weight). A router a few percent off hides here; the fp32 cases'
+UPDATE_PARITY is what catches it."""
 BF16_CASES = [("mixtral", 3, "bf16"), ("mixtral", 3, "bf16-ep2")]  # at world size 2
 
 
@@ -173,6 +181,7 @@ def reference_run(name: str, world_size: int, aux_loss: bool = True) -> dict:
     model = build_moe(name, layers=LAYERS)
     if not aux_loss:
         model.router_aux_loss_coef = 0.0
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = models.make_optimizer(model, "sgd")
     losses = []
     for i in range(STEPS):
@@ -181,7 +190,20 @@ def reference_run(name: str, world_size: int, aux_loss: bool = True) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "initial": initial,
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def update_errors_against(results: list, reference: dict) -> dict:
+    """training.update_errors of every parameter (not the buffers), per rank."""
+    params = {n: reference["state"][n] for n in reference["initial"]}
+    return update_errors([{"params": r["state"]} for r in results],
+                         {"params": params, "initial": reference["initial"]})
+
+
+def assert_updates_within(errors: dict, bound: float) -> None:
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= bound, f"{worst}: update error {errors[worst]:.2e} (bound {bound:.0e})"
 
 
 def errors_against(results: list, reference: dict) -> dict:
@@ -244,14 +266,10 @@ def assert_trains_like_eager(name: str, results: list, world_size: int) -> None:
         n for n, m in build_moe(name, layers=LAYERS).named_modules()
         if type(m).__name__.endswith("SparseMoeBlock")]
     assert all(b.num_experts == 8 and b.top_k == 2 for b in result["moe_blocks"])
-    initial = dict(build_moe(name, layers=LAYERS).named_parameters())
-    still = [n for n, p in initial.items() if torch.equal(result["state"][n], p)]
+    reference = reference_run(name, world_size)
+    still = [n for n, p in reference["initial"].items() if torch.equal(result["state"][n], p)]
     assert not still, f"parameters that did not move: {still}"  # every expert trained
-    expected = reference_run(name, world_size)["state"]
-    updates = {f"{n}@rank{rank}": relative_error(r["state"][n] - p, expected[n] - p)
-               for n, p in initial.items() for rank, r in enumerate(results)}
-    worst = max(updates, key=updates.get)
-    assert updates[worst] <= UPDATE_PARITY, f"{worst}: update's relative error {updates[worst]:.2e}"
+    assert_updates_within(update_errors_against(results, reference), UPDATE_PARITY)
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)
@@ -275,11 +293,13 @@ def test_moe_bf16_trains_like_fp32(case):
     within the dense bf16 tests' bounds; also with expert parallelism (the rows exchanged
     in bf16)."""
     results = moe_run(2, case)
-    errors = errors_against(results, reference_run("mixtral", 2))
+    reference = reference_run("mixtral", 2)
+    errors = errors_against(results, reference)
     loss_tolerance, param_tolerance = BF16_TOLERANCES
     assert errors.pop("loss") < loss_tolerance
     worst = max(errors, key=errors.get)
     assert errors[worst] < param_tolerance, f"{worst}: relative error {errors[worst]:.2e}"
+    assert_updates_within(update_errors_against(results, reference), BF16_UPDATE_TOLERANCE)
     assert results[0]["model_dtypes"] == {torch.bfloat16}
     assert {v.dtype for v in results[0]["state"].values()
             if v.is_floating_point()} == {torch.float32}
@@ -396,8 +416,10 @@ def step_on(loss_of):
 
 
 def train_eager_and_zero_fx(build, loss_of, batches, **options):
-    """The same model trained by plain eager PyTorch and by @zero_compile (world size 1)."""
+    """The same model trained by plain eager PyTorch and by @zero_compile (world size 1);
+    the parameters before the first step as training.update_errors reads them."""
     eager, compiled = build(), build()
+    initial = {n: p.detach().clone() for n, p in eager.named_parameters()}
     losses = {"eager": [], "zero_fx": []}
     step_fn = step_on(loss_of)
     opt = models.make_optimizer(eager, "sgd")
@@ -407,12 +429,19 @@ def train_eager_and_zero_fx(build, loss_of, batches, **options):
     opt = models.make_optimizer(compiled, "sgd")
     step = zero_compile(step_fn, backend=models.BACKEND, **options)
     losses["zero_fx"] = [step(compiled, opt, x).item() for x in batches]
-    return losses, dict(eager.named_parameters()), step
+    return losses, dict(eager.named_parameters()), step, initial
+
+
+def assert_updates_like_eager(step, eager: dict, initial: dict) -> None:
+    """Each parameter's update error against eager's within UPDATE_PARITY."""
+    reference = {"params": {n: p.detach() for n, p in eager.items()}, "initial": initial}
+    assert_updates_within(update_errors([{"params": step.full_parameters()}], reference),
+                          UPDATE_PARITY)
 
 
 @pytest.mark.parametrize("name", RECOGNISED)
 def test_recognised_hf_blocks_train_like_eager(name):
-    losses, eager, step = train_eager_and_zero_fx(
+    losses, eager, step, initial = train_eager_and_zero_fx(
         lambda: tiny_recognised(name), hf_loss, [tokens(i) for i in range(2)], stage=3)
     blocks, routing, shared = RECOGNISED[name]
     assert [(b.routing, b.shared_expert) for b in step.moe_blocks] == [(routing, shared)] * blocks
@@ -420,6 +449,7 @@ def test_recognised_hf_blocks_train_like_eager(name):
     trained = step.full_parameters()
     for key, expected in eager.items():
         assert relative_error(trained[key], expected.detach()) <= PARITY, key
+    assert_updates_like_eager(step, eager, initial)
 
 
 # -- a block of another shape ---------------------------------------------------------------
@@ -543,7 +573,7 @@ def test_an_unrecognised_moe_block_with_a_unique_loop_is_named_too():
 
 def test_the_same_block_with_softmax_routing_is_rewritten_and_trains_like_eager():
     """The refusal above is the routing's: softmax routing, the same code otherwise, captures."""
-    losses, eager, step = train_eager_and_zero_fx(
+    losses, eager, step, initial = train_eager_and_zero_fx(
         lambda: LoopedMoEModel("softmax"), regression_loss, [regression_batch(i) for i in range(2)],
         stage=3)
     assert [(b.name, b.routing) for b in step.moe_blocks] == [
@@ -552,6 +582,7 @@ def test_the_same_block_with_softmax_routing_is_rewritten_and_trains_like_eager(
     trained = step.full_parameters()
     for key, expected in eager.items():
         assert relative_error(trained[key], expected.detach()) <= PARITY, key
+    assert_updates_like_eager(step, eager, initial)
 
 
 # -- the probe and the rewritten forward -----------------------------------------------------

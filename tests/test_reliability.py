@@ -214,6 +214,7 @@ def test_a_new_batch_size_recompiles_once_and_stays_correct():
 
 def reference_run_with(sizes):
     model = models.build("gpt")
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = models.make_optimizer(model)
     losses = []
     for step in range(STEPS):
@@ -223,7 +224,8 @@ def reference_run_with(sizes):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "initial": initial}
 
 
 def dynamic_batch_rank(rank: int, world_size: int, backend: str, uneven: bool = False):

@@ -9,7 +9,11 @@ moves each element by its gradient so that a gradient of the wrong scale fails).
 model's dense bounds, about 3x what ZeRO alone measures on it at (4, 1) (loss 3.6e-5,
 worst master 3.8e-4): 1.1e-4 / 1.2e-3; measured at (2, 2) 6.6e-5 / 3.8e-4 (4.1e-5 before
 the q, k and v all-reduces became one: the loss of five bf16 steps moves that much with
-the order of a sum)."""
+the order of a sum).
+
+Each parameter's update error (training.update_error), measured 2026-11-28: fp32 at most
+1.2e-5 (blocks.0.ln1.weight, which SGD moves least), under the suite's 1e-3; bf16 1.5e-2
+(blocks.0.ln1.weight), bound 4e-2 (test_mixed_precision's, which measures 1.3e-2 there)."""
 
 import functools
 import os
@@ -22,12 +26,12 @@ import feature_runs
 import models
 import tensor_parallel_models as tp_models
 from ranks import in_turn, mesh_errors, run_ranks
-from training import parity_errors
+from training import UPDATE_TOLERANCE, check_updates, parity_errors
 from zero_fx import MixedPrecision, zero_compile
 from zero_fx.analysis.traffic import SHARD_GROUP, TP_GROUP
 
 TOLERANCE = 1e-5
-BF16_TOLERANCES = (1.1e-4, 1.2e-3)  # loss, worst master (module docstring)
+BF16_TOLERANCES = (1.1e-4, 1.2e-3, 4e-2)  # loss, worst master, worst update (module docstring)
 SPREAD = (("resident_max_numel", 0),)
 """Nothing resident: every parameter gathered per block, in the forward and the backward."""
 RECOMPUTE = SPREAD + (("recompute", "blocks"),)
@@ -109,8 +113,9 @@ def reference(name="tp_gpt", max_grad_norm=None):
     return feature_runs.reference_run(name, tp_models.OPTIMIZER, max_grad_norm)
 
 
-def assert_parity(results, expected, tolerance=TOLERANCE, loss_tolerance=None):
-    errors = parity_errors(results, expected)
+def assert_parity(results, expected, tolerance=TOLERANCE, loss_tolerance=None,
+                  update_tolerance=UPDATE_TOLERANCE):
+    errors = parity_errors(results, expected, update_tolerance)
     loss = errors.pop("loss")
     worst = max(errors, key=errors.get)
     assert loss < (loss_tolerance or tolerance), f"loss: relative error {loss:.2e}"
@@ -148,8 +153,9 @@ def test_recomputed_blocks_repeat_their_tensor_parallel_collectives():
 
 def test_bf16_within_the_dense_bounds():
     results = run(options=BF16)
-    loss, master = BF16_TOLERANCES
-    assert_parity(results, reference(), tolerance=master, loss_tolerance=loss)
+    loss, master, update = BF16_TOLERANCES
+    assert_parity(results, reference(), tolerance=master, loss_tolerance=loss,
+                  update_tolerance=update)
 
 
 def test_stage_1_clipping_counts_the_norm_over_both_dimensions_once():
@@ -180,6 +186,8 @@ def test_two_by_two_equals_flat_four():
         for name, value in b["params"].items():
             error = ((a["params"][name] - value).norm() / value.norm()).item()
             assert error < TOLERANCE, f"{name}: {error:.2e}"
+    check_updates(split, {"params": flat[0]["params"], "initial": reference()["initial"]},
+                  UPDATE_TOLERANCE)  # measured 1.2e-5 (blocks.0.ln1.weight)
 
 
 def test_replicate_shard_tp_mesh():
