@@ -154,8 +154,9 @@ def is_view(node: Node) -> bool:
 
 def storage_base(node: Node) -> Node:
     """The node whose storage ``node`` reads: followed back through views, the getitems of a
-    view that returns several (``split``, ``unbind``) and ``_unsafe_view`` (which aliases
-    its input though its schema does not say so)."""
+    view that returns several (``split``, ``unbind``), ``_unsafe_view`` (which aliases its
+    input though its schema does not say so) and an in-place op's result (``div_`` returns
+    the tensor it changed)."""
     while True:
         if node.op == "call_function" and node.target is operator.getitem:
             parent = node.args[0] if node.args and isinstance(node.args[0], Node) else None
@@ -165,8 +166,17 @@ def storage_base(node: Node) -> Node:
         elif node.op == "call_function" and node.all_input_nodes and (
                 is_view(node) or node.target == torch.ops.aten._unsafe_view.default):
             node = node.all_input_nodes[0]
+        elif _returns_what_it_writes(node):
+            node = written_in_place(node)[0]
         else:
             return node
+
+
+def _returns_what_it_writes(node: Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(node.op == "call_function" and schema is not None and len(schema.returns) == 1
+                and schema.returns[0].alias_info is not None
+                and schema.returns[0].alias_info.is_write and written_in_place(node))
 
 
 def written_in_place(node: Node) -> list[Node]:

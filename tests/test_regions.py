@@ -195,7 +195,7 @@ def test_a_copy_stays_on_its_side_of_a_write_in_place():
     """[Note: copies and writes in place]: a copy that no op of its run reads is moved to the
     run's edge, but not past an op of the run that overwrites what it copies: moved after
     the ``div_``, the clone autograd saves of DeepSeek-V3's router weights copied the
-    divided weights (issue 64); moved before the ``mul_``, a copy of an input (through a
+    divided weights; moved before the ``mul_``, a copy of an input (through a
     view) copied it unchanged."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -262,7 +262,7 @@ def _in_place_routed_rank(rank: int, world_size: int, x: torch.Tensor) -> dict:
 
 
 def test_a_weight_divided_in_place_trains_like_eager():
-    """Issue 64 without transformers: at stage 3 the last layer's gradient is reduced
+    """DeepSeek-V3's router without transformers: at stage 3 the last layer's gradient is reduced
     between the router's forward and its backward, which cuts the forward's run there; the
     router's update was 18% off (its loss right) while the clone of its weights left the
     body."""

@@ -66,8 +66,10 @@ div_(w, d)``, and the backward reads ``c`` for the gradient of ``d``. At stage 3
 reduce-scatter of the head's gradient falls between the router's forward and its
 backward, so nothing in the forward's run reads ``c``: it was moved after the body, past
 the ``div_``, and copied the divided weights. The loss stayed right, the router's gradient
-was 7% off (issue 64). So a copy that reads, through views, a tensor that the run writes
-in place after it (or before it) stays in the body.
+was 7% off (transformers 5's Mixtral router does the same: 42% off). So a copy that reads,
+through views, a tensor that the run writes in place after it (or before it) stays in the
+body; and whatever moves a read across a write anyway is caught ([Note: in-place writes
+keep their readers' sides] in passes/check_invariants.py).
 """
 
 from __future__ import annotations
