@@ -91,9 +91,16 @@ def loss_of(model, x, y):
 
 def fuzz_rank(rank: int, world_size: int, spec: Spec):
     model, opt = build(spec)
+    return train_on_slices(model, opt, [batch(spec, s) for s in range(STEPS)], rank, world_size,
+                           stage=spec.stage, bucket_bytes=spec.bucket_bytes,
+                           recompute=RECOMPUTE[spec.recompute])
 
-    @zero_compile(stage=spec.stage, backend=models.BACKEND, bucket_bytes=spec.bucket_bytes,
-                  persistence_threshold=0, recompute=RECOMPUTE[spec.recompute])
+
+def train_on_slices(model, opt, batches, rank: int, world_size: int, **options):
+    """``@zero_compile(stage=..., **options)`` steps on this rank's slice of each batch
+    (nothing resident): the losses and the trained parameters."""
+
+    @zero_compile(backend=models.BACKEND, resident_max_numel=0, **options)
     def train_step(model, opt, x, y):
         loss = loss_of(model, x, y)
         loss.backward()
@@ -103,15 +110,19 @@ def fuzz_rank(rank: int, world_size: int, spec: Spec):
 
     per_rank = GLOBAL_BATCH // world_size
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
-    losses = [train_step(model, opt, *(t[mine] for t in batch(spec, s))).item() for s in range(STEPS)]
+    losses = [train_step(model, opt, *(t[mine] for t in b)).item() for b in batches]
     return losses, train_step.full_parameters()
 
 
 def reference(spec: Spec):
-    model, opt = build(spec)
+    return train_whole(*build(spec), [batch(spec, s) for s in range(STEPS)])
+
+
+def train_whole(model, opt, batches):
+    """Single-process training on each whole batch: the losses and the parameters."""
     losses = []
-    for s in range(STEPS):
-        loss = loss_of(model, *batch(spec, s))
+    for x, y in batches:
+        loss = loss_of(model, x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -393,21 +404,9 @@ def ops_batch(step: int):
 
 def ops_rank(rank: int, world_size: int, spec: OpsSpec):
     model, opt = build_ops(spec)
-
-    @zero_compile(stage=spec.stage, backend=models.BACKEND, bucket_bytes=spec.bucket_bytes,
-                  resident_max_numel=0, recompute=RECOMPUTE[spec.recompute])
-    def train_step(model, opt, x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    per_rank = GLOBAL_BATCH // world_size
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)
-    for s in range(STEPS):
-        train_step(model, opt, *(t[mine] for t in ops_batch(s)))
-    return train_step.full_parameters()
+    return train_on_slices(model, opt, [ops_batch(s) for s in range(STEPS)], rank, world_size,
+                           stage=spec.stage, bucket_bytes=spec.bucket_bytes,
+                           recompute=RECOMPUTE[spec.recompute])[1]
 
 
 ops_specs = st.builds(
@@ -430,11 +429,6 @@ def test_random_ops_update_like_single_process_training(spec):
     parameter against its own norm, passed a router 7% off)."""
     model, opt = build_ops(spec)
     initial = initial_parameters(model)
-    for s in range(STEPS):
-        x, y = ops_batch(s)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    expected = {n: p.detach() for n, p in model.named_parameters()}
+    _, expected = train_whole(model, opt, [ops_batch(s) for s in range(STEPS)])
     for rank, params in enumerate(run_ranks(spec.world_size, ops_rank, spec)):
         assert_updates_match(params, expected, initial, f"{spec}: rank {rank}")
