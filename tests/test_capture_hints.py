@@ -53,12 +53,30 @@ def test_the_error_names_the_fix(step_fn, advice):
     assert advice in message
 
 
-def test_a_logging_hf_model_says_what_to_set():
+def _logged_during_two_calls(rank, world_size):
+    """An HF model whose loss warns from inside the step (``loss_type`` unset, as from
+    ``from_config``): what its logger received over two calls."""
+    import logging
+
+    model = models.build("hf_gpt2")
+    model.loss_type = None
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("transformers").addHandler(handler)
+    step = zero_compile(models.training_step("hf_gpt2"), stage=3, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for call in range(2):
+        step(model, opt, *models.global_batch("hf_gpt2", call))
+    return [record.getMessage() for record in records]
+
+
+def test_a_hf_model_that_logs_in_its_loss_trains_and_logs_once():
+    """Its ``logger.warning_once`` runs after the graph ([Note: host effects after the
+    graph]), once: the first call's, deduplicated by transformers as in eager."""
     pytest.importorskip("transformers")
-    # loss_type None, as a model from from_config / from_pretrained comes: its loss logs
-    message = run_ranks(1, _capture_error, models.training_step("hf_gpt2"), "hf_gpt2", None)[0]
-    assert "logging.Logger" in message
-    assert 'model.loss_type = "ForCausalLM"' in message
+    messages = run_ranks(1, _logged_during_two_calls)[0]
+    assert len([m for m in messages if "loss_type=None" in m]) == 1, messages
 
 
 def routes_to_experts(model, opt, x, y):

@@ -26,6 +26,7 @@ from ..passes.predicates import CAPTURED_AT_META, GRAD_SLOTS_META, PARAM_META
 from ..passes.splice import outside_dynamo_tracing, trace_to_aten
 from .inline_checkpoints import inline_checkpoints
 from .kept_captures import capture_key, keep_capture, kept_capture
+from .scalar_outputs import items_as_tensors
 from ..plan.tensor_parallel import local_tensor
 from .tensor_parallel import (has_dtensors, mark_tensor_parallel, over_local_tensors,
                               sum_partials_before_reducing)
@@ -49,6 +50,7 @@ def capture_step_graph(
     ``param_names[i]`` is the plan name of graph input ``i`` if it is a model
     parameter, else None.
     """
+    items_as_tensors(dynamo_gm)  # [Note: .item() as a graph output]
     key = None if has_dynamic_shapes(dynamo_gm) else capture_key(dynamo_gm, example_inputs,
                                                                   param_names)
     if (kept := kept_capture(key)) is not None:  # [Note: kept captures]
