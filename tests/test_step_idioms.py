@@ -22,10 +22,13 @@ from zero_fx import zero_compile
 
 STEPS = 4
 MODEL = "gpt"
-TOLERANCE = {"autocast": 2e-2}
-"""Relative bound on losses and parameters; 1e-5 unless named here."""
-UPDATE_TOLERANCE = {"autocast": 4e-2}
-"""Bound on each parameter's update error; 1e-3 unless named here."""
+TOLERANCE = {"autocast": 4e-2}
+"""Relative bound on losses and parameters; 1e-5 unless named here. bf16 autocast on 2 ranks
+measured 1.7e-2 (parameters): eager itself, run on the two halves of the batch with their
+gradients averaged, is 2.0e-2 off eager on the whole batch (bf16 products of other lengths)."""
+UPDATE_TOLERANCE = {"autocast": 6e-2}
+"""Bound on each parameter's update error; 1e-3 unless named here (bf16 autocast on 2 ranks
+measured 2.6e-2, as eager on the two halves)."""
 
 
 def _loss_of(result) -> float:
