@@ -40,7 +40,10 @@ the call's list of optimizer calls, and runs the events after the graph in that 
   factors and interval (``torch._amp_update_scale_``), so ``get_scale()`` and
   ``state_dict()`` tell the truth; ``scheduler.step()`` is the scheduler's own step, after
   the update if the step calls it after ``opt.step()`` (no "before optimizer.step()"
-  warning: the update calls the optimizer's ``step`` as the scheduler wrapped it).
+  warning: the update calls the optimizer's ``step`` as the scheduler wrapped it). A
+  tensor given to it (``ReduceLROnPlateau``'s metric) is averaged over the data-parallel
+  ranks first: each rank's loss is its slice's, and ranks deciding apart would step the
+  shards of one model with different learning rates.
 - With ``accumulation_steps=K`` the companions act with the optimizer, on every K-th call
   (so a scheduler steps once per optimizer step, as in the eager loop that accumulates);
   on the other calls they do nothing, and a clip's returned norm is NaN.
@@ -57,6 +60,8 @@ from torch._dynamo.comptime import comptime
 
 from ..capture.step_calls import traced_step
 from ..capture.step_graph import CaptureError
+
+_c10d = torch.ops._c10d_functional
 
 SCALE = "scaler.scale"
 UNSCALE = "scaler.unscale_"
@@ -256,7 +261,24 @@ def run_window(calls: list, update) -> None:
                 torch._foreach_clamp_min_(grads, -call[2])
                 torch._foreach_clamp_max_(grads, call[2])
         elif kind == SCHEDULER_STEP:
-            call[1].step(*call[2], **call[3])
+            args = [_mean_over_ranks(update, a) if isinstance(a, torch.Tensor) else a
+                    for a in call[2]]
+            kwargs = {k: _mean_over_ranks(update, v) if isinstance(v, torch.Tensor) else v
+                      for k, v in call[3].items()}
+            call[1].step(*args, **kwargs)
+
+
+def _mean_over_ranks(update, value: torch.Tensor) -> torch.Tensor:
+    """A tensor given to ``scheduler.step`` (``ReduceLROnPlateau``'s metric, the loss):
+    its mean over the data-parallel ranks, the global batch's for a mean loss, so every
+    rank's scheduler decides alike (a rank's own would set different learning rates on
+    the shards of one model)."""
+    plan = update.state.plan
+    for group, size in ((plan.group_name, plan.world_size),
+                        (plan.replicate_group_name, plan.replicas)):
+        if size > 1:
+            value = _c10d.wait_tensor(_c10d.all_reduce(value.float(), "sum", group)) / size
+    return value
 
 
 def outside_window(calls: list) -> None:
