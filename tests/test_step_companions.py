@@ -240,3 +240,4 @@ def test_a_disabled_gradscaler_passes_through():
     assert ours == pytest.approx(eager, rel=TOLERANCE)
     for name, p in eager_params.items():
         assert torch.allclose(our_params[name], p, rtol=TOLERANCE, atol=1e-7)
+

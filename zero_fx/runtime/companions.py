@@ -43,7 +43,9 @@ the call's list of optimizer calls, and runs the events after the graph in that 
   warning: the update calls the optimizer's ``step`` as the scheduler wrapped it). A
   tensor given to it (``ReduceLROnPlateau``'s metric) is averaged over the data-parallel
   ranks first: each rank's loss is its slice's, and ranks deciding apart would step the
-  shards of one model with different learning rates.
+  shards of one model with different learning rates. With ``offload_step="overlap"`` the
+  scheduler waits for the update's host thread (which reads the learning rate), so the
+  update no longer overlaps the next call.
 - With ``accumulation_steps=K`` the companions act with the optimizer, on every K-th call
   (so a scheduler steps once per optimizer step, as in the eager loop that accumulates);
   on the other calls they do nothing, and a clip's returned norm is NaN.
@@ -261,6 +263,7 @@ def run_window(calls: list, update) -> None:
                 torch._foreach_clamp_min_(grads, -call[2])
                 torch._foreach_clamp_max_(grads, call[2])
         elif kind == SCHEDULER_STEP:
+            update.settle()  # offload_step="overlap": the optimizer reads lr on its thread
             args = [_mean_over_ranks(update, a) if isinstance(a, torch.Tensor) else a
                     for a in call[2]]
             kwargs = {k: _mean_over_ranks(update, v) if isinstance(v, torch.Tensor) else v
