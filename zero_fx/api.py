@@ -277,7 +277,7 @@ class CompiledStep:
         """The rewritten graph of each compilation, for inspection."""
         self.compilations: list[Compilation] = []
         """Each compilation so far: its wall time and why it happened."""
-        self._deferred = DeferredOptimizerCalls()
+        self._deferred = DeferredOptimizerCalls(getattr(fn, "__globals__", None))
         self._observers: list[TorchDispatchMode] = []
         # Dynamo caches compiled frames per code object: each compiled step gets
         # its own copy of `_traced_step`, or steps would share (and exhaust)

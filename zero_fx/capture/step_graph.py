@@ -175,9 +175,11 @@ def _gradients_as_outputs(gm: GraphModule) -> dict[int, str]:
                 f"the step reads or changes the gradient of {name} between loss.backward() and "
                 f"opt.step() ({readers[0].target}); zero_fx reduces (and shards) gradients across "
                 "ranks where the backward produces them, so code there would see unreduced "
-                "values. To clip, use "
-                "zero_compile(max_grad_norm=...) instead of clip_grad_norm_ (the norm is "
-                "step.last_grad_norm); to accumulate, zero_compile(accumulation_steps=...)")
+                "values. To clip, call torch.nn.utils.clip_grad_norm_ / clip_grad_value_ "
+                "(by that name, or a name the step's own module imports) on model.parameters(), "
+                "which zero_fx runs on the reduced gradients, or use "
+                "zero_compile(max_grad_norm=...) (the norm is step.last_grad_norm); to "
+                "accumulate, zero_compile(accumulation_steps=...)")
         if name in slots.values():
             raise CaptureError(f"parameter {name} received two gradient outputs; zero_fx "
                                "supports one loss.backward() per step")

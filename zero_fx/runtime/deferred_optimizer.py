@@ -1,11 +1,14 @@
 """``opt.step()`` and ``opt.zero_grad()`` inside the captured step only record that they
-ran; after the compiled graph, the update runs on the shards (``OptimizerUpdate``)."""
+ran; after the compiled graph, the update runs on the shards (``OptimizerUpdate``), with the
+optimizer's companions (schedulers, GradScaler, clipping: companions.py) in the step's order."""
 
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 from ..capture.step_calls import check_step_calls, traced_step, traced_zero_grad
+from .companions import Recorders, check_companions, outside_window, recording, run_window
 from .failures import (FenceFailed, failed_after_update, failed_before_update, fence_failed,
                        is_communication_failure)
 from .step_runner import entered
@@ -15,8 +18,13 @@ from .update import OptimizerUpdate
 class DeferredOptimizerCalls:
     """The optimizer calls of one call of the step, and the update they stand for."""
 
-    def __init__(self):
-        self.calls: list[str] = []
+    def __init__(self, step_globals: Optional[dict] = None):
+        self.calls: list = []
+        """The step's optimizer calls in order: "step", "zero_grad", and the companions'
+        events ([Note: the optimizer's companions] in companions.py)."""
+        self._recorders = Recorders(self.calls)
+        self._step_globals = step_globals
+        """The step's module globals: a clipping function imported there is swapped too."""
         self.broken = ""
         """Why the step refuses calls (an update failed half-way, so ranks may differ);
         "" if it does not."""
@@ -28,7 +36,8 @@ class DeferredOptimizerCalls:
         saved = {k: optimizer.__dict__[k] for k in ("step", "zero_grad") if k in optimizer.__dict__}
         optimizer.step, optimizer.zero_grad = self._record_step, self._record_zero_grad
         try:
-            yield
+            with recording(self._recorders, self._step_globals):
+                yield
         finally:
             del optimizer.step, optimizer.zero_grad
             optimizer.__dict__.update(saved)
@@ -47,7 +56,8 @@ class DeferredOptimizerCalls:
     def run(self, update: OptimizerUpdate, rank: int, observers: list) -> None:
         """Check the step made the calls zero_fx needs, then accumulate the gradient shards
         and, at the end of an accumulation window, update the shards."""
-        check_step_calls(self.calls)
+        check_step_calls([c for c in self.calls if isinstance(c, str)])
+        check_companions(self.calls, update)
         with entered(observers):
             try:
                 ready = update.accumulate()
@@ -56,9 +66,11 @@ class DeferredOptimizerCalls:
                     raise
                 update.discard()
                 raise self.error_before_update(update, rank, err) from err
-            if ready:
+            if not ready:
+                outside_window(self.calls)
+            else:
                 try:
-                    update.apply()
+                    run_window(self.calls, update)  # update.apply() at opt.step()
                 except RuntimeError as err:
                     if not is_communication_failure(err):
                         raise

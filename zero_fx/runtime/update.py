@@ -55,6 +55,7 @@ uninitialised (``torch.optim.sgd._fused_sgd`` allocates them with
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
@@ -98,6 +99,8 @@ class OptimizerUpdate:
         self.last_grad_norm: Optional[torch.Tensor] = None
         """The global gradient norm of the latest optimizer step, before clipping (computed
         when clipping or loss scaling, else None)."""
+        self.scaler_skips = 0
+        """Optimizer steps a ``GradScaler`` in the step skipped (runtime/companions.py)."""
         self._found_inf: Optional[torch.Tensor] = None
         """For an optimizer that skips on the device: this window's overflow flag."""
         self.completion = completion_check(state.world, state.device)
@@ -107,7 +110,8 @@ class OptimizerUpdate:
     @property
     def optimizer_steps(self) -> int:
         """Optimizer steps taken (skipped ones not counted)."""
-        return self.windows - (self.scaler.skipped_steps if self.scaler is not None else 0)
+        return self.windows - self.scaler_skips - (
+            self.scaler.skipped_steps if self.scaler is not None else 0)
 
     def accumulate(self) -> bool:
         """Take this call's gradients; True if this call ends an accumulation window and the
@@ -201,6 +205,12 @@ class OptimizerUpdate:
         self.state.zero_grad()
         self.state.refresh_parameters(fresh=fresh)
 
+    def skip(self) -> None:
+        """The window's optimizer step skipped (a ``GradScaler`` found inf or NaN): its
+        gradients cleared, nothing stepped."""
+        self.scaler_skips += 1
+        self.state.zero_grad()
+
     def settle(self) -> None:
         """Wait for an update still running on the host thread (raising its error), then
         clear the gradients and refresh the parameters from it; a no-op when none runs."""
@@ -222,9 +232,9 @@ class OptimizerUpdate:
         if self.completion is not None:
             self.completion.settle(everything=everything)
 
-    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The 2-norm of the whole gradient from this rank's part of it ([Note: clipping and
-        overflow]); float32, a scalar, the same on every rank."""
+    def grad_norm(self, grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+        """The ``norm_type``-norm (2 or inf) of the whole gradient from this rank's part of it
+        ([Note: clipping and overflow]); float32, a scalar, the same on every rank."""
         plan = self.state.plan
         parallel = plan.tensor_parallel
         if parallel is not None and parallel.rank != 0:
@@ -233,16 +243,28 @@ class OptimizerUpdate:
             grads = [shard.grad for name, shard in self.state.shards.items()
                      if shard.grad is not None and name not in parallel.replicated]
         if grads:
-            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+            norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
         else:
             norms = [torch.zeros((), device=self.state.device)]
         # clip_grad_norm_'s, of this part; reduced on the device (offloaded grads: the host's)
-        norm = torch.linalg.vector_norm(torch.stack(norms)).to(self.state.device)
-        groups = [] if plan.replicated or plan.world_size == 1 else [plan.group_name]
-        groups += [parallel.group_name] if parallel is not None else []
-        if not groups:
+        norm = torch.linalg.vector_norm(torch.stack(norms), norm_type).to(self.state.device)
+        if norm_type == math.inf:
+            return self.across_ranks(norm, "max")
+        if not self._reduce_groups():
             return norm
-        squares = norm.square()
-        for group in groups:
-            squares = _c10d.wait_tensor(_c10d.all_reduce(squares, "sum", group))
-        return squares.sqrt()
+        return self.across_ranks(norm.square(), "sum").sqrt()
+
+    def _reduce_groups(self) -> list[str]:
+        """The groups whose ranks hold different parts of the gradient."""
+        plan = self.state.plan
+        groups = [] if plan.replicated or plan.world_size == 1 else [plan.group_name]
+        if plan.tensor_parallel is not None:
+            groups.append(plan.tensor_parallel.group_name)
+        return groups
+
+    def across_ranks(self, value: torch.Tensor, op: str) -> torch.Tensor:
+        """``value`` (a scalar on the device) reduced with ``op`` ("sum", "max") over every
+        rank holding a part of the gradient: the same on every rank."""
+        for group in self._reduce_groups():
+            value = _c10d.wait_tensor(_c10d.all_reduce(value, op, group))
+        return value
