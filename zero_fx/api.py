@@ -156,6 +156,10 @@ def zero_compile(
             where two buckets of state fit). ``offload_step="overlap"``: the host's
             optimizer step overlaps the next call, whose parameters are one step stale.
             docs/offload.md.
+        on_graph_break: a step dynamo cannot trace as one graph (a branch on a tensor's
+            value, a call it cannot trace): ``"eager"`` (default) runs it as plain PyTorch
+            on the sharded state, warning once and naming the line in ``explain()``;
+            ``"error"`` raises ``CaptureError`` naming the line.
         debug: ``zero_fx.DebugOptions(dump_dir=..., disable_passes=..., check_ranks=...,
             pin_schedule=...)``: graph dumps (default: the ``ZERO_FX_DUMP`` environment
             variable), passes to skip, the ranks' agreement check before each call's
