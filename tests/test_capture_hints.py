@@ -1,4 +1,5 @@
-"""Steps that cannot be one graph fail with a CaptureError that says what to change."""
+"""Steps that cannot be one graph fail, with on_graph_break="error", with a CaptureError that
+says what to change (by default they run eagerly: tests/test_graph_breaks.py)."""
 
 import types
 
@@ -34,7 +35,7 @@ def _capture_error(rank, world_size, step_fn, model_name="mlp", loss_type="uncha
     if loss_type != "unchanged":
         model.loss_type = loss_type
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = zero_compile(step_fn, stage=3, backend="aot_eager")
+    step = zero_compile(step_fn, stage=3, backend="aot_eager", on_graph_break="error")
     x, y = models.global_batch(model_name, 0)
     try:
         step(model, opt, x, y)
@@ -129,7 +130,7 @@ def _unrecognised_moe_capture_error(rank, world_size):
     torch.manual_seed(0)
     model = SigmoidRoutedMoE()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = zero_compile(routes_to_experts, stage=3, backend="aot_eager")
+    step = zero_compile(routes_to_experts, stage=3, backend="aot_eager", on_graph_break="error")
     x, y = models.global_batch("gpt", 0)
     try:
         step(model, opt, x, y)
@@ -185,7 +186,7 @@ def test_a_fixed_shape_routing_layer_captures_and_trains_like_eager():
     reference.load_state_dict(model.state_dict())
     initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
     opt, reference_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
-    step = zero_compile(step_fn, stage=3, backend="aot_eager")
+    step = zero_compile(step_fn, stage=3, backend="aot_eager", on_graph_break="error")
     for i in range(3):
         x, y = models.global_batch("gpt", i)
         assert torch.allclose(step(model, opt, x, y), step_fn(reference, reference_opt, x, y),

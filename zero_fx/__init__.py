@@ -8,6 +8,7 @@
 from . import estimate as _estimate_command_line  # noqa: F401  (before the function below)
 from .analysis.cost_model import PRESETS, Estimate, Hardware, estimate
 from .api import CompiledStep, explain, zero_compile
+from .capture.graph_breaks import GraphBreakWarning
 from .capture.step_graph import CaptureError
 from .checkpoint.files import CheckpointError, checkpoint_exists
 from .compiler.backend import Compilation
@@ -28,6 +29,7 @@ __all__ = [
     "after",
     "before",
     "CaptureError",
+    "GraphBreakWarning",
     "CheckpointError",
     "checkpoint_exists",
     "CollectiveFailedError",

@@ -8,8 +8,9 @@ import difflib
 import functools
 import logging
 import types
+import warnings
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch.fx import GraphModule
@@ -21,6 +22,7 @@ from .analysis.collective_counter import CollectiveCounter
 from .analysis.cost_model import Estimate, estimate
 from .analysis.traffic import TrafficReport, traffic_report
 from .capture import host_effects
+from .capture.graph_breaks import GraphBreakWarning, break_error, graph_break_of
 from .capture.hints import capture_failed, capture_hint
 from .capture.routed_experts import (ExpertsRewrite, RoutedExperts,
                                      route_experts_with_fixed_shapes, unrecognised_experts_error)
@@ -31,11 +33,12 @@ from .compiler.backend import Compilation, StepCompiler
 from .config import (DEPRECATED_OPTIONS, DebugOptions, ZeroConfig, describe_backend,
                      old_names_in_errors, translate_deprecated)
 from .formatting import ranks_phrase
-from .inspection.explain import Explanation, explain_graph
+from .inspection.explain import Explanation, GraphBreakExplanation, explain_graph
 from .materialize import PretrainedWeights
 from .passes.check_invariants import InvariantError
 from .plan import ShardPlan
 from .runtime.deferred_optimizer import DeferredOptimizerCalls
+from .runtime.eager_fallback import EagerFallback, why_not_eager
 from .runtime.failures import is_communication_failure
 from .runtime.sharded_state import ShardedState
 from .runtime.sharding import Sharded, find_model_and_optimizer, shard
@@ -154,6 +157,10 @@ def zero_compile(
             where two buckets of state fit). ``offload_step="overlap"``: the host's
             optimizer step overlaps the next call, whose parameters are one step stale.
             docs/offload.md.
+        on_graph_break: a step dynamo cannot trace as one graph (a branch on a tensor's
+            value, a call it cannot trace): ``"eager"`` (default) runs it as plain PyTorch
+            on the sharded state, warning once and naming the line in ``explain()``;
+            ``"error"`` raises ``CaptureError`` naming the line.
         debug: ``zero_fx.DebugOptions(dump_dir=..., disable_passes=..., check_ranks=...,
             pin_schedule=...)``: graph dumps (default: the ``ZERO_FX_DUMP`` environment
             variable), passes to skip, the ranks' agreement check before each call's
@@ -244,10 +251,14 @@ DYNAMO_CONFIG = dict(
     trace_autograd_ops=True,
     side_effect_replay_policy="silent",
     capture_scalar_outputs=True,
+    allow_rnn=True,
 )
 """Dynamo's settings while it traces a step. ``trace_autograd_ops``: ``loss.backward()``
 lands in the same graph as the forward. ``capture_scalar_outputs``: ``.item()`` is a value
-of the graph ([Note: .item() as a graph output] in capture/scalar_outputs.py). ``side_effect_replay_policy``: dynamo otherwise
+of the graph ([Note: .item() as a graph output] in capture/scalar_outputs.py).
+``allow_rnn``: ``nn.LSTM``/``nn.GRU``/``nn.RNN`` are traced into the one graph (dynamo
+otherwise breaks the graph at them; [Note: RNNs in the step] in capture/step_graph.py).
+``side_effect_replay_policy``: dynamo otherwise
 records the user's stack at every side effect it replays, for its info log (each
 parameter's ``.grad`` the backward sets): 2.3 of 12.7 s of its trace of a 48-block GPT-2."""
 
@@ -278,6 +289,8 @@ class CompiledStep:
         self.compilations: list[Compilation] = []
         """Each compilation so far: its wall time and why it happened."""
         self._deferred = DeferredOptimizerCalls(getattr(fn, "__globals__", None))
+        self._fallback: Optional[EagerFallback] = None
+        """Set at the step's first graph break: runs every later call eagerly."""
         self._observers: list[TorchDispatchMode] = []
         # Dynamo caches compiled frames per code object: each compiled step gets
         # its own copy of `_traced_step`, or steps would share (and exhaust)
@@ -305,26 +318,10 @@ class CompiledStep:
             raise RuntimeError("the step was called inside `with step.gathered_parameters():`; "
                                "train outside that block (it is for evaluation)")
         self.state.check_unchanged()
-        with self._deferred.deferring(optimizer), torch._dynamo.config.patch(**DYNAMO_CONFIG), \
-                host_effects.recording():
+        host_effects.discard_recorded()
+        with self._deferred.deferring(optimizer):
             try:
-                out = self._compiled(*args, **kwargs)
-            except torch._dynamo.exc.BackendCompilerFailed as err:
-                # our own errors while compiling (bad input, a user pass) are the user's to read
-                inner = getattr(err, "inner_exception", None)
-                if isinstance(inner, InvariantError):
-                    # an AssertionError dynamo wrapped: the user's to read, with its own
-                    # traceback (the pass that broke the graph) and the check's as its cause
-                    raise inner.with_traceback(inner.__traceback__) from inner.__cause__
-                if isinstance(inner, (CaptureError, ValueError, TypeError)):
-                    raise inner from None
-                if capture_hint(str(inner)):
-                    raise self._capture_failed(inner) from err
-                raise
-            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
-                    GuardOnDataDependentSymNode) as err:
-                # the last: a Python branch or loop on a value (`for e in t.unique().tolist()`)
-                raise self._capture_failed(err) from err
+                out = self._run(args, kwargs)
             except RuntimeError as err:
                 if is_communication_failure(err):
                     raise self._deferred.error_before_update(
@@ -337,6 +334,50 @@ class CompiledStep:
             raise
         host_effects.run_recorded()  # [Note: host effects after the graph]
         return out
+
+    def _run(self, args: tuple, kwargs: dict):
+        """The compiled step; after a graph break, the step run eagerly ([Note: eager sharded
+        execution] in runtime/eager_fallback.py)."""
+        if self._fallback is None:
+            with torch._dynamo.config.patch(**DYNAMO_CONFIG), host_effects.recording():
+                try:
+                    return self._compiled(*args, **kwargs)
+                except torch._dynamo.exc.BackendCompilerFailed as err:
+                    # our own errors while compiling (bad input, a user pass) are the user's to read
+                    inner = getattr(err, "inner_exception", None)
+                    if isinstance(inner, InvariantError):
+                        # an AssertionError dynamo wrapped: the user's to read, with its own
+                        # traceback (the pass that broke the graph) and the check's as its cause
+                        raise inner.with_traceback(inner.__traceback__) from inner.__cause__
+                    if isinstance(inner, (CaptureError, ValueError, TypeError)):
+                        raise inner from None
+                    if capture_hint(str(inner)):
+                        raise self._capture_failed(inner) from err
+                    raise
+                except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
+                        GuardOnDataDependentSymNode) as err:
+                    # the last: a Python branch or loop on a value (`for e in t.unique().tolist()`)
+                    self._fallback = self._graph_broke(err)
+        return self._fallback(self._fn, args, kwargs, self._observers)
+
+    def _graph_broke(self, err: BaseException) -> EagerFallback:
+        """Dynamo could not trace the step as one graph: the eager run that replaces it, or
+        the error (``on_graph_break="error"``, or a failure that is not a graph break)."""
+        graph_break = graph_break_of(err)
+        if graph_break is None:
+            raise self._capture_failed(err) from err
+        if self.config.on_graph_break == "error":
+            raise break_error(self._capture_failed(err), graph_break) from err
+        refused = why_not_eager(self.state)
+        if refused is not None:
+            raise CaptureError(f"{break_error(self._capture_failed(err), graph_break)}\n"
+                               f"It cannot run eagerly either: {refused}") from err
+        fallback = EagerFallback(self.state, graph_break)
+        warnings.warn(f"zero_fx: {self.__name__} breaks the graph ({graph_break}); it runs "
+                      f"eagerly on the sharded state from now on, uncompiled and without overlap "
+                      f"(step.explain() says what that costs; on_graph_break=\"error\" raises "
+                      f"instead)", GraphBreakWarning, stacklevel=4)
+        return fallback
 
     def _capture_failed(self, err: BaseException) -> CaptureError:
         """PyTorch could not capture the step: with the mixture-of-experts blocks the rewrite
@@ -428,19 +469,24 @@ class CompiledStep:
             raise RuntimeError("the step has not been compiled yet; call it once first")
         return estimate(self.graphs[-1], self.plan, hardware)
 
-    def explain(self, hardware="cpu-gloo") -> Explanation:
+    def explain(self, hardware="cpu-gloo") -> Union[Explanation, GraphBreakExplanation]:
         """What zero_fx did to this step (latest compilation): the plan, every collective
         with where it is issued and waited, each gathered parameter's lifetime, the
         estimated memory over the step and what is alive at its peak, and the
         compilations so far with their reasons. Print it. Times: the cost model on
-        ``hardware`` (a preset name or a ``Hardware``)."""
-        if not self.graphs:
+        ``hardware`` (a preset name or a ``Hardware``). A step that broke the graph and runs
+        eagerly: where it broke, why, and what running eagerly costs."""
+        if not self.graphs and self._fallback is None:
             raise RuntimeError("the step has not been compiled yet; call it once first")
         plan = self.plan
         of_group = " of its shard group" if plan.replicas > 1 else ""
         title = (f"zero_fx explain: {self.__name__}, stage {plan.stage} over "
                  f"{ranks_phrase(plan.world_size, plan.replicas)} (this is rank {plan.rank}"
                  f"{of_group}), backend {describe_backend(self.config.backend)}")
+        if self._fallback is not None:
+            fallback = self._fallback
+            return GraphBreakExplanation(title, plan, fallback.graph_break, fallback.costs(),
+                                         fallback.calls)
         return explain_graph(self.graphs[-1], self.plan, hardware=hardware, title=title,
                              compilations=self.compilations, moe_blocks=self.moe_blocks,
                              offload_choice=self._sharded.offload_choice)
@@ -555,7 +601,8 @@ class CompiledStep:
 
 
 
-def explain(step: "CompiledStep", hardware="cpu-gloo") -> Explanation:
+def explain(step: "CompiledStep", hardware="cpu-gloo"
+            ) -> Union[Explanation, GraphBreakExplanation]:
     """``step.explain(hardware)``: what zero_fx did to a compiled step."""
     if not isinstance(step, CompiledStep):
         raise TypeError(f"explain takes a step decorated with @zero_compile, got "

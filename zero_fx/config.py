@@ -166,6 +166,12 @@ class ZeroConfig:
     zero_fx/compiler/regions.py); "eager": the same outer graph, each run as traced. False
     compiles (or runs) the whole step as one program (see ``DebugOptions.pin_schedule``).
     Dynamic shapes always compile the whole step."""
+    on_graph_break: str = "eager"
+    """What a step dynamo cannot trace as one graph does (a branch on a tensor's value, a
+    call it cannot trace): ``"eager"`` runs it as plain PyTorch on the sharded state, with
+    a warning and ``explain()`` naming the break ([Note: eager sharded execution] in
+    zero_fx/runtime/eager_fallback.py); ``"error"`` raises ``CaptureError`` naming the
+    line, for one graph or nothing."""
     max_gathered_bytes: Optional[int] = None
     """Stage 3: the most bytes of gathered (full) parameters alive at once; prefetching
     stops where it would exceed it. ``None``: bounded by ``prefetch_buckets`` only."""
@@ -292,6 +298,9 @@ class ZeroConfig:
         if not isinstance(self.debug, DebugOptions):
             raise TypeError(f"debug must be a zero_fx.DebugOptions(...), got "
                             f"{type(self.debug).__name__}")
+        if self.on_graph_break not in ("eager", "error"):
+            raise ValueError(f'on_graph_break must be "eager" (run a step that breaks the graph '
+                             f'eagerly) or "error" (raise CaptureError); got {self.on_graph_break!r}')
         object.__setattr__(self, "passes", tuple(self.passes))
         pass_names(disable=self.debug.disable_passes, extra=self.passes)  # raises on a bad name or entry
         for name in ("bucket_bytes", "max_gathered_bytes"):

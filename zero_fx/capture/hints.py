@@ -1,8 +1,10 @@
 """What to do about the capture failures users meet most, keyed by what PyTorch says.
 
-zero_fx needs the whole step as one graph (see docs/architecture.md), so a graph break is
-an error, never a silent fallback to several graphs. PyTorch's own messages name the
-construct but not the way out for a training step; these hints do. Each pattern was
+zero_fx shards and schedules the whole step as one graph (see docs/architecture.md), so a
+graph break either runs the step eagerly, with a warning (runtime/eager_fallback.py), or,
+with ``on_graph_break="error"``, is an error; never a silent fallback to several graphs.
+PyTorch's own messages name the construct but not the way out for a training step; these
+hints do. Each pattern was
 met on a real model (HuggingFace GPT-2 and Llama, and Mixtral before zero_fx rewrote its
 experts: docs/moe.md; docs/huggingface.md, "Models that do not capture").
 """

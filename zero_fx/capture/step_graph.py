@@ -85,7 +85,19 @@ def capture_step_graph(
 def _trace(dynamo_gm: GraphModule, example_inputs: Sequence) -> GraphModule:
     """``make_fx`` of dynamo's graph on fakes: forward and backward as aten ops (over the
     local tensors of a tensor-parallel model's DTensors: [Note: capturing a tensor-parallel
-    step] in tensor_parallel.py)."""
+    step] in tensor_parallel.py).
+
+    [Note: RNNs in the step]
+    Dynamo traces ``nn.LSTM``/``nn.GRU`` with ``allow_rnn`` (api.DYNAMO_CONFIG), and make_fx
+    decomposes ``aten.lstm``. On the CPU, with oneDNN enabled, the decomposition picks
+    ``aten.mkldnn_rnn_layer`` and its backward (the input does not require grad below
+    autograd, where make_fx traces), whose ``workspace`` output then arrives undefined at
+    the backward once AOTAutograd traces the rewritten graph again (aot_eager, Inductor:
+    "Expected a proper Tensor but got None ... 'workspace'"; the graph as traced runs). With
+    oneDNN off while tracing, the decomposition is the plain cell (matmuls, sigmoid, tanh),
+    which every backend compiles. Only the trace is affected: the compiled kernels' own
+    choice of oneDNN at run time is not.
+    """
     step = dynamo_gm
     if has_dtensors(example_inputs):
         if has_dynamic_shapes(dynamo_gm):
@@ -100,11 +112,13 @@ def _trace(dynamo_gm: GraphModule, example_inputs: Sequence) -> GraphModule:
         # sources: whatever the trace, our passes or lowering assume about a
         # size becomes one of dynamo's guards, checked on every call.
         fakes = fakes_like_dynamo(example_inputs)
-        with torch._guards.TracingContext.get().fake_mode:
+        with torch._guards.TracingContext.get().fake_mode, torch.backends.mkldnn.flags(
+                enabled=False):
             return trace_to_aten(step)(*fakes)
     # A fresh fake mode with static shapes, outside dynamo's tracing context:
     # anything our passes compute on shapes must not become a dynamo guard.
-    with outside_dynamo_tracing():
+    # [Note: RNNs in the step]: no oneDNN RNN layers in the graph
+    with outside_dynamo_tracing(), torch.backends.mkldnn.flags(enabled=False):
         fake_mode = FakeTensorMode()
         fakes = static_fakes(example_inputs, fake_mode)
         with fake_mode:

@@ -18,6 +18,7 @@ from torch.fx import GraphModule
 from ..analysis.cost_model import CollectiveTiming, Estimate, replay
 from ..analysis.memory_timeline import MemoryTimeline, tensor_bytes
 from ..analysis.traffic import ACROSS_NODES, NODE_GROUP, REPLICATE_GROUP
+from ..capture.graph_breaks import GraphBreak
 from ..capture.routed_experts import RoutedExperts
 from ..formatting import format_bytes, format_seconds, short_dtype
 from ..passes.host_copies import is_device_copy, is_device_copy_wait, is_host_copy, reduction_read_by
@@ -488,3 +489,32 @@ def _bucket(names: tuple[str, ...]) -> str:
         return ", ".join(names)
     return f"{names[0]} … {names[-1]} ({len(names)})"
 
+
+
+@dataclass(frozen=True)
+class GraphBreakExplanation:
+    """``explain()`` of a step that broke the graph and runs eagerly ([Note: eager sharded
+    execution] in zero_fx/runtime/eager_fallback.py): where it broke, why, and the cost."""
+
+    title: str
+    plan: object
+    graph_break: GraphBreak
+    costs: str
+    """What running eagerly costs, one item a line."""
+    eager_calls: int
+
+    def __str__(self) -> str:
+        brk = self.graph_break
+        lines = [self.title, "",
+                 f"The step breaks the graph: it runs eagerly on the sharded state "
+                 f"({self.eager_calls} call(s) so far), not compiled.",
+                 f"  where: {brk.where or 'dynamo named no line of your code'}"
+                 + (f"    {brk.code}" if brk.code else ""),
+                 f"  why:   {brk.reason}"]
+        if len(brk.stack) > 1:
+            lines.append("  stack: " + "\n         ".join(brk.stack))
+        lines += ["  costs: " + "\n         ".join(self.costs.splitlines()),
+                  "  fix:   make the code at that line traceable (torch.where instead of a "
+                  "branch on a value; move the call out of the step) for one compiled graph; "
+                  "on_graph_break=\"error\" raises instead of running eagerly"]
+        return "\n".join(lines)
