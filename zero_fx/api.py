@@ -372,7 +372,7 @@ class CompiledStep:
         if refused is not None:
             raise CaptureError(f"{break_error(self._capture_failed(err), graph_break)}\n"
                                f"It cannot run eagerly either: {refused}") from err
-        fallback = EagerFallback(self.state, graph_break)
+        fallback = EagerFallback(self.state, graph_break, self._sharded.agreement)
         warnings.warn(f"zero_fx: {self.__name__} breaks the graph ({graph_break}); it runs "
                       f"eagerly on the sharded state from now on, uncompiled and without overlap "
                       f"(step.explain() says what that costs; on_graph_break=\"error\" raises "

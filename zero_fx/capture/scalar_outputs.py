@@ -20,6 +20,8 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
+from .errors import CaptureError
+
 _ARITHMETIC = frozenset({operator.add, operator.sub, operator.mul, operator.truediv,
                          operator.floordiv, operator.mod, operator.pow, operator.neg,
                          operator.pos, operator.abs})
@@ -50,6 +52,7 @@ def items_as_tensors(gm: GraphModule) -> int:
         readers = _scalar_readers(node)
         if readers is None:
             continue
+        _check_written(node)
         node.op, node.target = "call_function", item_as_tensor
         for reader in readers:
             if reader.target is torch.scalar_tensor:
@@ -59,6 +62,19 @@ def items_as_tensors(gm: GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return rewritten
+
+
+def _check_written(item: Node) -> None:
+    """``.item()`` of a tensor the graph never writes is a value that arrives after it: the
+    norm ``clip_grad_norm_`` returns inside a step (runtime/companions.py)."""
+    source = item.args[0]
+    if isinstance(source, Node) and source.target in (torch.empty, torch.empty_like):
+        raise CaptureError(
+            "the step reads .item() of the norm clip_grad_norm_ returned; zero_fx computes that "
+            "norm after the graph, from the reduced gradients, so inside the step it has no "
+            "value yet. Log or return the tensor itself (`logger.info('%.3f', norm)`, "
+            "`return {'grad_norm': norm}`): it holds the norm when the step returns, and a "
+            "logged line is formatted then.")
 
 
 def _is_item(node: Node) -> bool:

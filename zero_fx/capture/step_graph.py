@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..passes.predicates import CAPTURED_AT_META, GRAD_SLOTS_META, PARAM_META
 from ..passes.splice import outside_dynamo_tracing, trace_to_aten
+from .errors import CaptureError
 from .inline_checkpoints import inline_checkpoints
 from .kept_captures import capture_key, keep_capture, kept_capture
 from .scalar_outputs import items_as_tensors
@@ -36,10 +37,6 @@ aten = torch.ops.aten
 CHECKPOINTED_META = "zero_checkpointed"
 """GraphModule meta key: how many ``torch.utils.checkpoint`` regions the model had
 ([Note: torch.utils.checkpoint in a captured step] in inline_checkpoints.py)."""
-
-
-class CaptureError(RuntimeError):
-    """The training step does not have the shape zero_fx can shard."""
 
 
 def capture_step_graph(

@@ -52,6 +52,7 @@ from ..capture.graph_breaks import GraphBreak
 from ..formatting import format_bytes
 from ..passes.host_copies import wait_for_host_copies
 from ..passes.reduce_grads import reduction
+from .rank_agreement import CallSignature, RankAgreement
 from .sharded_state import ShardedState
 from .step_runner import entered
 
@@ -69,17 +70,29 @@ def why_not_eager(state: ShardedState) -> Optional[str]:
     return None
 
 
+EAGER_FINGERPRINT = 0x7A65726F5F657667
+"""A rank running its step eagerly, as ``RankAgreement`` compares it: no graph's fingerprint
+(a 64-bit hash) is likely to equal it."""
+
+
 class EagerFallback:
     """Runs the user's step eagerly on ``state``; made once, at the step's first break."""
 
-    def __init__(self, state: ShardedState, graph_break: GraphBreak):
+    def __init__(self, state: ShardedState, graph_break: GraphBreak,
+                 agreement: Optional[RankAgreement] = None):
         self.state = state
         self.graph_break = graph_break
+        self.agreement = agreement
+        """Checks every rank runs eagerly too before the first collective: a break on some
+        ranks only (a branch on the rank around code dynamo refuses) would otherwise hang,
+        the other ranks running their graph ([Note: checking that ranks agree])."""
         self.calls = 0
         """Calls run eagerly so far."""
 
     def __call__(self, fn: Callable, args: tuple, kwargs: dict, observers: list):
         state = self.state
+        if self.agreement is not None:
+            self.agreement.check(self.signature)
         for param in state.params.values():
             param.grad = None
         with entered(observers):
@@ -89,6 +102,13 @@ class EagerFallback:
         self.calls += 1
         # as the compiled step's: the backward has run, what is returned is a value
         return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+
+    @property
+    def signature(self) -> CallSignature:
+        """What this rank tells the others it runs: the step, eagerly, and why."""
+        return CallSignature(fingerprint=EAGER_FINGERPRINT, inputs=(),
+                             collectives=(f"none in a graph: the step runs eagerly after a graph "
+                                          f"break ({self.graph_break})",))
 
     @contextlib.contextmanager
     def _whole_parameters(self) -> Iterator[None]:
