@@ -155,7 +155,33 @@ def cases_rank(rank, world_size):
     if world_size > 1:
         results["lstm stage 3"] = _train(rank, world_size, _recurrent, _sequence_batch,
                                          lstm_step, stage=3)
+        results["breaks on rank 0 only"] = _break_on_rank_zero_only(rank)
     return results
+
+
+def _break_on_rank_zero_only(rank):
+    """Rank 0 breaks the graph (its step branches on the loss), rank 1 captures it: the
+    error each rank raises (RanksDisagreeError, not a hang)."""
+    def step_fn(model, opt, x, y):
+        loss = ((model(x) - y) ** 2).mean()
+        if rank == 0 and loss > THRESHOLD:
+            loss = loss * 0.5
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    model = _mlp()
+    step = zero_compile(step_fn, stage=3, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = _regression_batch(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        try:
+            step(model, opt, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+        except Exception as err:
+            return f"{type(err).__name__}: {err}"
+    return "no error"
 
 
 def _check(results, reference):
@@ -232,3 +258,12 @@ def test_an_error_in_the_step_is_raised_not_hidden_by_the_fallback():
         warnings.simplefilter("ignore", GraphBreakWarning)
         with pytest.raises(CaptureError, match=r"opt.step\(\) 0 times"):
             step(model, torch.optim.AdamW(model.parameters()), *_regression_batch(0))
+
+
+def test_a_break_on_some_ranks_only_fails_every_rank_instead_of_hanging(two_ranks):
+    """The rank running eagerly tells the others before its first collective ([Note:
+    checking that ranks agree])."""
+    errors = [r["breaks on rank 0 only"] for r in two_ranks]
+    for error in errors:
+        assert error.startswith("RanksDisagreeError"), errors
+        assert "runs eagerly after a graph break" in error and "rank 1 differs" in error, error

@@ -207,6 +207,14 @@ def test_what_zero_fx_cannot_do_as_eager_is_refused_clearly():
         opt.zero_grad()
     assert "norm_type 2.0 or inf" in _refused(one_norm)
 
+    def reads_the_norm(model, opt, x, y):
+        F.mse_loss(model(x), y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        print("norm", norm.item())  # computed after the graph: no value inside it
+        opt.step()
+        opt.zero_grad()
+    assert "Log or return the tensor itself" in _refused(reads_the_norm)
+
     scaler = torch.amp.GradScaler("cpu")
 
     def scaled_twice(model, opt, x, y):

@@ -106,9 +106,9 @@ class EagerFallback:
     @property
     def signature(self) -> CallSignature:
         """What this rank tells the others it runs: the step, eagerly, and why."""
-        return CallSignature(fingerprint=EAGER_FINGERPRINT, inputs=(),
-                             collectives=(f"none in a graph: the step runs eagerly after a graph "
-                                          f"break ({self.graph_break})",))
+        eagerly = f"no graph: the step runs eagerly after a graph break ({self.graph_break})"
+        return CallSignature(fingerprint=EAGER_FINGERPRINT, inputs=(eagerly,),
+                             collectives=(eagerly,))
 
     @contextlib.contextmanager
     def _whole_parameters(self) -> Iterator[None]:
