@@ -30,6 +30,7 @@ from .capture.step_calls import trace_started
 from .capture.step_graph import CaptureError
 from .checkpoint import save_load as checkpoint
 from .compiler.backend import Compilation, StepCompiler
+from . import evaluation
 from .config import (DEPRECATED_OPTIONS, DebugOptions, ZeroConfig, describe_backend,
                      old_names_in_errors, translate_deprecated)
 from .formatting import ranks_phrase
@@ -181,12 +182,16 @@ def zero_compile(
     ``opt.zero_grad()`` (checked before anything compiles; ``CaptureError`` otherwise);
     the optimizer steps after the compiled graph, on the shards. Returned tensors are
     detached (the backward has already run). Outside the step, stage 3's parameters hold
-    no values: run the model in ``with step.gathered_parameters():``.
+    no values: run the model in ``with step.gathered_parameters():``, or decorate an
+    evaluation step: a function that takes the model and no optimizer runs forward only,
+    on the shards of the model's training step, with that step's options
+    ([Note: evaluation steps] in zero_fx/evaluation.py).
     """
     config = _config_from(config, options)
 
     def wrap(step_fn: Callable) -> "CompiledStep":
-        return CompiledStep(step_fn, config, model=model, optimizer=optimizer)
+        return CompiledStep(step_fn, config, model=model, optimizer=optimizer,
+                            given=frozenset(options))
 
     return wrap(fn) if fn is not None else wrap
 
@@ -273,9 +278,13 @@ class CompiledStep:
     together and answers the user."""
 
     def __init__(self, fn: Callable, config: ZeroConfig, *,
-                 model: Optional[torch.nn.Module], optimizer: Optional[torch.optim.Optimizer]):
+                 model: Optional[torch.nn.Module], optimizer: Optional[torch.optim.Optimizer],
+                 given: frozenset = frozenset()):
         functools.update_wrapper(self, fn)
         self.config = config
+        self._given = given
+        """The options given as keywords (an evaluation step's are checked against its
+        training step's: [Note: evaluation steps] in zero_fx/evaluation.py)."""
         self._fn = fn
         self._model = model
         self._optimizer = optimizer
@@ -305,6 +314,11 @@ class CompiledStep:
 
     # -- the call --------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if evaluation.takes_no_optimizer(args, kwargs, self._optimizer):
+            return self._evaluate(args, kwargs)
+        if self._compiler is not None and self._compiler.forward_only:
+            raise ValueError(f"{self.__name__} was first called without an optimizer, as an "
+                             "evaluation step; decorate a separate function to train")
         model, optimizer = find_model_and_optimizer(args, kwargs, self._model, self._optimizer)
         if self.state is None:
             self._shard(model, optimizer)
@@ -335,30 +349,71 @@ class CompiledStep:
         host_effects.run_recorded()  # [Note: host effects after the graph]
         return out
 
+    def _evaluate(self, args: tuple, kwargs: dict):
+        """A step without an optimizer: forward only, on the shards of the training step of
+        its model ([Note: evaluation steps] in zero_fx/evaluation.py)."""
+        if self.state is None:
+            model, sharded = evaluation.training_sharding(args, kwargs, self._model, self.__name__)
+            if sharded is None:  # before training: the model is whole, as built
+                return evaluation.run_before_training(self._fn, args, kwargs,
+                                                      self.__name__)
+            self.config = evaluation.evaluation_config(self.config, self._given, sharded,
+                                                       self.__name__)
+            self._sharded, self.state = sharded, sharded.state
+            self._experts = route_experts_with_fixed_shapes(model)  # the training step's
+            self._compiler = StepCompiler(self.__name__, self.config, sharded, graphs=self.graphs,
+                                          compilations=self.compilations,
+                                          observers=self._observers, explain=self.explain,
+                                          forward_only=True)
+        elif not self._compiler.forward_only:
+            raise ValueError(f"{self.__name__} was first called with an optimizer, as a training "
+                             "step; decorate a separate function to evaluate")
+        elif evaluation.find_model(args, kwargs, self._model) is not self.state.model:
+            raise ValueError(f"{self.__name__} was first called with another model; decorate a "
+                             "separate function for each model")
+        self._sharded.update.settle()  # the latest update ([Note: the delayed update])
+        self.state.check_unchanged()
+        host_effects.discard_recorded()
+        out = self._run_compiled(args, kwargs)
+        host_effects.run_recorded()
+        return out
+
     def _run(self, args: tuple, kwargs: dict):
         """The compiled step; after a graph break, the step run eagerly ([Note: eager sharded
         execution] in runtime/eager_fallback.py)."""
         if self._fallback is None:
-            with torch._dynamo.config.patch(**DYNAMO_CONFIG), host_effects.recording():
-                try:
-                    return self._compiled(*args, **kwargs)
-                except torch._dynamo.exc.BackendCompilerFailed as err:
-                    # our own errors while compiling (bad input, a user pass) are the user's to read
-                    inner = getattr(err, "inner_exception", None)
-                    if isinstance(inner, InvariantError):
-                        # an AssertionError dynamo wrapped: the user's to read, with its own
-                        # traceback (the pass that broke the graph) and the check's as its cause
-                        raise inner.with_traceback(inner.__traceback__) from inner.__cause__
-                    if isinstance(inner, (CaptureError, ValueError, TypeError)):
-                        raise inner from None
-                    if capture_hint(str(inner)):
-                        raise self._capture_failed(inner) from err
-                    raise
-                except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
-                        GuardOnDataDependentSymNode) as err:
-                    # the last: a Python branch or loop on a value (`for e in t.unique().tolist()`)
-                    self._fallback = self._graph_broke(err)
+            out = self._run_compiled(args, kwargs, on_break=self._start_eager_fallback)
+            if self._fallback is None:
+                return out
         return self._fallback(self._fn, args, kwargs, self._observers)
+
+    def _start_eager_fallback(self, err: BaseException) -> None:
+        self._fallback = self._graph_broke(err)
+
+    def _run_compiled(self, args: tuple, kwargs: dict, on_break: Optional[Callable] = None):
+        """The compiled step, called; our errors while compiling raised as themselves; a
+        graph break handed to ``on_break`` (None: raised as a CaptureError)."""
+        with torch._dynamo.config.patch(**DYNAMO_CONFIG), host_effects.recording():
+            try:
+                return self._compiled(*args, **kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as err:
+                # our own errors while compiling (bad input, a user pass) are the user's to read
+                inner = getattr(err, "inner_exception", None)
+                if isinstance(inner, InvariantError):
+                    # an AssertionError dynamo wrapped: the user's to read, with its own
+                    # traceback (the pass that broke the graph) and the check's as its cause
+                    raise inner.with_traceback(inner.__traceback__) from inner.__cause__
+                if isinstance(inner, (CaptureError, ValueError, TypeError)):
+                    raise inner from None
+                if capture_hint(str(inner)):
+                    raise self._capture_failed(inner) from err
+                raise
+            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
+                    GuardOnDataDependentSymNode) as err:
+                # the last: a Python branch or loop on a value (`for e in t.unique().tolist()`)
+                if on_break is None:
+                    raise self._capture_failed(err) from err
+                on_break(err)
 
     def _graph_broke(self, err: BaseException) -> EagerFallback:
         """Dynamo could not trace the step as one graph: the eager run that replaces it, or
@@ -497,10 +552,15 @@ class CompiledStep:
         return self._sharded_state().full_parameters()
 
     def gathered_parameters(self) -> "contextlib.AbstractContextManager[None]":
-        """``with step.gathered_parameters(): model(x)``: run the model outside the step
-        (evaluation, generation). In stage 3 the parameters are all-gathered (compute dtype)
-        for the block and freed after it, changes discarded; enter it on every rank. Stages
-        0-2 keep whole parameters and need nothing.
+        """``with step.gathered_parameters(): model(x)``: run the model outside the step.
+        In stage 3 the parameters are all-gathered (compute dtype) for the block and freed
+        after it, changes discarded; enter it on every rank. Stages 0-2 keep whole
+        parameters and need nothing.
+
+        To evaluate or generate without holding the whole model, decorate the evaluation
+        with ``zero_compile`` too, taking the model and no optimizer: it runs on this step's
+        shards, gathering block by block as training does ([Note: evaluation steps] in
+        zero_fx/evaluation.py).
 
         Cost: in stage 3 every rank holds the whole model on its device for the block (the
         bytes of every parameter in the compute dtype, logged at INFO on entry), on top of

@@ -39,13 +39,21 @@ CHECKPOINTED_META = "zero_checkpointed"
 ([Note: torch.utils.checkpoint in a captured step] in inline_checkpoints.py)."""
 
 
+BACKWARD_WITHOUT_OPTIMIZER = (
+    "{step} calls loss.backward() but takes no optimizer: a step without one is an evaluation "
+    "step, forward only. To train, pass the optimizer as an argument (or name it with "
+    "@zero_compile(optimizer=...)); to evaluate, drop the backward")
+
+
 def capture_step_graph(
-    dynamo_gm: GraphModule, example_inputs: Sequence, param_names: Sequence[Optional[str]]
+    dynamo_gm: GraphModule, example_inputs: Sequence, param_names: Sequence[Optional[str]],
+    forward_only: bool = False,
 ) -> GraphModule:
     """One functional aten graph of the step, parameters tagged, gradients as outputs.
 
     ``param_names[i]`` is the plan name of graph input ``i`` if it is a model
-    parameter, else None.
+    parameter, else None. ``forward_only``: an evaluation step, which must compute no
+    gradient ([Note: evaluation steps] in zero_fx/evaluation.py).
     """
     items_as_tensors(dynamo_gm)  # [Note: .item() as a graph output]
     key = None if has_dynamic_shapes(dynamo_gm) else capture_key(dynamo_gm, example_inputs,
@@ -65,7 +73,9 @@ def capture_step_graph(
         _name_readably(node, name.replace(".", "_") if name else _user_name(source))
     _fold_static_sizes(gm)
     gm.meta[GRAD_SLOTS_META] = _gradients_as_outputs(gm)
-    if not gm.meta[GRAD_SLOTS_META]:
+    if forward_only and gm.meta[GRAD_SLOTS_META]:
+        raise CaptureError(BACKWARD_WITHOUT_OPTIMIZER.format(step="the step"))
+    if not gm.meta[GRAD_SLOTS_META] and not forward_only:
         raise CaptureError(
             "the step computed no parameter gradient: call loss.backward() inside the "
             "function decorated with @zero_compile"

@@ -59,8 +59,12 @@ class StepCompiler:
     """Compiles one step's graphs; ``graphs`` and ``compilations`` are the step's own lists."""
 
     def __init__(self, step_name: str, config: ZeroConfig, sharded: Sharded, *,
-                 graphs: list, compilations: list, observers: list, explain: Callable):
+                 graphs: list, compilations: list, observers: list, explain: Callable,
+                 forward_only: bool = False):
         self.step_name = step_name
+        self.forward_only = forward_only
+        """An evaluation step: no backward, no optimizer ([Note: evaluation steps] in
+        zero_fx/evaluation.py)."""
         self.config = config
         self.sharded = sharded
         self.graphs = graphs
@@ -76,7 +80,8 @@ class StepCompiler:
     def __call__(self, dynamo_gm: GraphModule, example_inputs: list) -> StepRunner:
         # The step's shape first: nothing is captured, rewritten or lowered for a step that
         # would fail after its first call ([Note: checking the step's calls before compiling]).
-        check_step_calls()
+        if not self.forward_only:
+            check_step_calls()
         start = time.perf_counter()
         reason = self._why_compiling()
         plan, state = self.sharded.plan, self.sharded.state
@@ -84,7 +89,7 @@ class StepCompiler:
                  for t in example_inputs]
         with CompileProgress(self.step_name) as progress:
             with progress.phase("capturing the step as one graph"):
-                gm = capture_step_graph(dynamo_gm, example_inputs, names)
+                gm = capture_step_graph(dynamo_gm, example_inputs, names, self.forward_only)
             dump = (GraphDump(self.config.debug.dump_dir, self.step_name, plan.rank,
                               len(self.compilations), plan) if self.config.debug.dump_dir else None)
             with progress.phase(f"rewriting its {len(gm.graph.nodes)} nodes with zero_fx's passes"):
@@ -176,7 +181,7 @@ class StepCompiler:
         """The graph's inputs after the step's own: the loss scale, if ``scale_loss`` added it."""
         takes_scale = any(n.meta.get(LOSS_SCALE_META) for n in gm.graph.find_nodes(op="placeholder"))
         scaler = self.sharded.scaler
-        if scaler is not None and not takes_scale:
+        if scaler is not None and not takes_scale and not self.forward_only:
             raise CaptureError("fp16 loss scaling needs a scalar loss: call loss.backward() on a "
                                "0-dimensional loss, without gradient=")
         return [scaler.scale] if takes_scale else []

@@ -449,8 +449,10 @@ class ShardedState:
         raise RuntimeError(
             f"the model's parameters are sharded over {self.plan.world_size} rank(s) by its "
             "@zero_compile step (stage 3) and hold no values outside it. To run the model "
-            "(evaluation, generation), enter `with train_step.gathered_parameters():` on every "
-            "rank; for the values, call train_step.full_parameters()")
+            "(evaluation, generation), call it inside a function decorated with @zero_compile "
+            "that takes the model and no optimizer (it gathers block by block), or enter `with "
+            "train_step.gathered_parameters():` on every rank (the whole model); for the "
+            "values, call train_step.full_parameters()")
 
     def _refuse_sharded_state_dict(self, module, prefix, keep_vars) -> None:
         if self.gathered or torch.compiler.is_compiling():

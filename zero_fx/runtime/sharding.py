@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -49,6 +50,10 @@ class Sharded:
     offload_choice: Optional[OffloadChoice] = None
     """With offload: the mode (``"auto"``'s choice) and where the update runs, and from what
     ([Note: choosing what to offload])."""
+    config: Optional[ZeroConfig] = None
+    """The options of the step that sharded the model (an evaluation step runs with them)."""
+    step_name: str = ""
+    """The name of that step."""
 
     def offload_more(self, mode: str) -> None:
         """``offload="auto"`` at the first compilation: move the state to the host for
@@ -94,6 +99,15 @@ def find_model_and_optimizer(args, kwargs, model: Optional[torch.nn.Module],
     if optimizer is None:
         optimizer = _the_one(leaves, torch.optim.Optimizer, "optimizer", "optimizer=")
     return model, optimizer
+
+
+def find_model(args, kwargs, model: Optional[torch.nn.Module]) -> torch.nn.Module:
+    """The model of a step without an optimizer (an evaluation step): the one named to
+    ``zero_compile``, else the one among the call's arguments."""
+    if model is not None:
+        return model
+    leaves = tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, torch.nn.Module))
+    return _the_one(leaves, torch.nn.Module, "model", "model=")
 
 
 def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig,
@@ -160,7 +174,21 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
                              delayed=config.offload_step == "overlap")
     agreement = RankAgreement(world.ranks if config.debug.check_ranks and not world.simulated else 1)
     _log_plan(plan, world)
-    return Sharded(plan, state, update, scaler, agreement, choice)
+    sharded = Sharded(plan, state, update, scaler, agreement, choice, config, step_name)
+    _SHARDED[model] = weakref.ref(sharded)
+    return sharded
+
+
+_SHARDED: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+"""Each sharded model -> its step's ``Sharded``, both weakly: the step owns its state, and a
+forward-only step of the same model finds it here ([Note: evaluation steps] in
+zero_fx/evaluation.py)."""
+
+
+def sharded_of(model: torch.nn.Module) -> Optional[Sharded]:
+    """What the training step that sharded ``model`` set up; None if no living step did."""
+    ref = _SHARDED.get(model)
+    return ref() if ref is not None else None
 
 
 def _log_plan(plan: ShardPlan, world) -> None:
@@ -179,12 +207,19 @@ _OWNER_ATTRIBUTE = "_zero_fx_sharded_by"
 (An attribute, not a weak dictionary: looking a tensor up there compares tensors.)"""
 
 
+def sharding_owner(model: torch.nn.Module) -> Optional[str]:
+    """The name of the step that sharded ``model``; None if none did."""
+    return next((getattr(p, _OWNER_ATTRIBUTE) for p in model.parameters()
+                 if hasattr(p, _OWNER_ATTRIBUTE)), None)
+
+
 def claim(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_name: Optional[str]) -> None:
     """One model and one optimizer belong to one compiled step: a second step would shard
     what is already sharded (in stage 3, parameters whose storage is gone). None: release them."""
     if step_name is None:
         for obj in (optimizer, *model.parameters()):
             obj.__dict__.pop(_OWNER_ATTRIBUTE, None)
+        _SHARDED.pop(model, None)
         return
     for name, param in model.named_parameters():
         owner = getattr(param, _OWNER_ATTRIBUTE, None)
