@@ -23,6 +23,7 @@ from torch.fx.node import map_aggregate
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..passes.predicates import CAPTURED_AT_META, GRAD_SLOTS_META, PARAM_META
+from .accumulated_gradients import sum_accumulated_gradients
 from ..passes.splice import outside_dynamo_tracing, trace_to_aten
 from .inline_checkpoints import inline_checkpoints
 from .kept_captures import capture_key, keep_capture, kept_capture
@@ -65,6 +66,7 @@ def capture_step_graph(
             node.meta[PARAM_META] = name
         _name_readably(node, name.replace(".", "_") if name else _user_name(source))
     _fold_static_sizes(gm)
+    sum_accumulated_gradients(gm, CaptureError)  # [Note: several backward calls in one step]
     gm.meta[GRAD_SLOTS_META] = _gradients_as_outputs(gm)
     if not gm.meta[GRAD_SLOTS_META]:
         raise CaptureError(
