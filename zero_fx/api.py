@@ -23,6 +23,7 @@ from .analysis.traffic import TrafficReport, traffic_report
 from .capture.hints import capture_failed, capture_hint
 from .capture.routed_experts import (ExpertsRewrite, RoutedExperts,
                                      route_experts_with_fixed_shapes, unrecognised_experts_error)
+from .capture.dynamic_shapes import ChangingSizes
 from .capture.step_calls import trace_started
 from .capture.step_graph import CaptureError
 from .checkpoint import save_load as checkpoint
@@ -276,6 +277,7 @@ class CompiledStep:
         """Each compilation so far: its wall time and why it happened."""
         self._deferred = DeferredOptimizerCalls()
         self._observers: list[TorchDispatchMode] = []
+        self._sizes = ChangingSizes(config.dynamic_shapes)  # [Note: one dynamic graph for every length]
         # Dynamo caches compiled frames per code object: each compiled step gets
         # its own copy of `_traced_step`, or steps would share (and exhaust)
         # one cache and recompile whenever another step ran in between.
@@ -302,6 +304,7 @@ class CompiledStep:
             raise RuntimeError("the step was called inside `with step.gathered_parameters():`; "
                                "train outside that block (it is for evaluation)")
         self.state.check_unchanged()
+        args, kwargs = self._sizes.marked(args, kwargs)
         with self._deferred.deferring(optimizer), torch._dynamo.config.patch(**DYNAMO_CONFIG):
             try:
                 out = self._compiled(*args, **kwargs)
