@@ -59,7 +59,8 @@ class ChangingSizes:
 
     def marked(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``args`` and ``kwargs`` with the dimensions that changed marked dynamic; a marked
-        view that does not start its storage is a copy ([Note: a marked view is copied])."""
+        tensor that is not contiguous from the start of its storage is a contiguous copy
+        ([Note: a marked view is copied])."""
         if not self.enabled:
             return args, kwargs
         leaves, spec = tree_flatten((args, kwargs))
@@ -85,19 +86,22 @@ class ChangingSizes:
                     and dim not in getattr(leaf, "_dynamo_dynamic_indices", ())]
             if not dims:
                 continue
-            if leaf.storage_offset() != 0 and not leaf.requires_grad:
-                leaf = leaves[position] = leaf.clone()  # [Note: a marked view is copied]
+            if (leaf.storage_offset() != 0 or not leaf.is_contiguous()) and not leaf.requires_grad:
+                # [Note: a marked view is copied]
+                leaf = leaves[position] = leaf.clone(memory_format=torch.contiguous_format)
                 copied = True
             torch._dynamo.maybe_mark_dynamic(leaf, dims)
         return tree_unflatten(leaves, spec) if copied else (args, kwargs)
 
 
 # [Note: a marked view is copied]
-# Dynamo gives a tensor with a symbolic size a symbolic storage offset too, except an offset of
-# 0 or 1, which it specialises. Each rank's slice of a global batch, x[rank * n:(rank + 1) * n],
-# starts its storage on rank 0 only: rank 0 then traced a graph without the offset's symbol
-# and rank 1 one with it, and the ranks' agreement check refused the step. A tensor marked
-# here whose storage_offset() is not 0 is handed to the step as a copy (the batch, not a
-# parameter: a few kilobytes of token ids), so every rank traces the same graph. The step
-# then sees the copy, not the caller's tensor: a step that wrote into its input in place
-# would write into the copy.
+# Dynamo gives a tensor with a symbolic size a symbolic storage offset, except an offset of 0
+# or 1, which it specialises, and symbolic strides where they do not follow from the sizes.
+# Each rank's slice of a global batch, x[rank * n:(rank + 1) * n], starts its storage on rank
+# 0 only: rank 0 traced a graph without the offset's symbol and rank 1 one with it, and the
+# ranks' agreement check refused the step. A batch cut to its length, x[:, :t], keeps the
+# whole batch's row stride, a symbol of its own where a contiguous tensor has none. A tensor marked here that is not
+# contiguous from the start of its storage is handed to the step as a contiguous copy (the
+# batch, not a parameter: a few kilobytes of token ids), so every rank traces the same graph.
+# The step then sees the copy, not the caller's tensor: a step that wrote into its input in
+# place would write into the copy. A tensor that requires a gradient is left as it is.

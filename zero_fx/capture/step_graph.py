@@ -135,9 +135,12 @@ def fakes_like_dynamo(values: Sequence) -> list:
 
 
 def has_dynamic_shapes(dynamo_gm: GraphModule) -> bool:
-    """Some input of dynamo's graph has a symbolic size (``torch._dynamo.mark_dynamic``)."""
+    """Some value of dynamo's graph has a symbolic size: an input's (``torch._dynamo.
+    mark_dynamic``, or a size that changed: [Note: one dynamic graph for every length] in
+    dynamic_shapes.py), or one the data decides (``x[mask]``), which only dynamo's fake mode
+    can trace."""
     for node in dynamo_gm.graph.nodes:
-        value = node.meta.get("example_value") if node.op == "placeholder" else None
+        value = node.meta.get("example_value")
         shape = value.shape if isinstance(value, torch.Tensor) else (value,)
         if any(isinstance(size, torch.SymInt) for size in shape):
             return True
