@@ -95,6 +95,10 @@ def zero_compile(
             step's graph, with its collectives, as Python; False: one whole-step
             program (Inductor, pinned). Applies to "inductor" and "aot_eager", and to
             "eager", which then runs each run of compute as traced.
+        dynamic_shapes: "auto" (default): a call whose input sizes differ from the first
+            call's compiles one graph with those sizes symbolic, reused for every later
+            size (at most two compilations for changing lengths); "static": one graph per
+            shape.
         bucket_bytes: byte cap of one fused collective; None: the stage's default
             (25 MiB; one repeated block per bucket in stage 3), 0: one per parameter.
         prefetch_buckets: stage 3: each all-gather is issued this many buckets ahead of
@@ -170,7 +174,8 @@ def zero_compile(
     Inspect a compiled step with ``step.explain()``, ``step.traffic()``,
     ``step.estimate()`` and ``step.graphs``.
 
-    The step must call ``loss.backward()`` once, ``opt.step()`` once and
+    The step must call ``loss.backward()`` (more than once sums the gradients, as eager
+    does, reduced once after the last), ``opt.step()`` once and
     ``opt.zero_grad()`` (checked before anything compiles; ``CaptureError`` otherwise);
     the optimizer steps after the compiled graph, on the shards. Returned tensors are
     detached (the backward has already run). Outside the step, stage 3's parameters hold

@@ -58,9 +58,8 @@ class ChangingSizes:
         """(argument position in the flattened arguments, dimension) that have differed."""
 
     def marked(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """``args`` and ``kwargs`` with the dimensions that changed marked dynamic; a marked
-        tensor that is not contiguous from the start of its storage is a contiguous copy
-        ([Note: a marked view is copied])."""
+        """``args`` and ``kwargs`` with the dimensions that changed marked dynamic, on tensors
+        of their own (``_handed_to_the_step``): the caller's tensors stay unmarked."""
         if not self.enabled:
             return args, kwargs
         leaves, spec = tree_flatten((args, kwargs))
@@ -76,22 +75,38 @@ class ChangingSizes:
                 continue
             self.changed.update((position, dim) for dim, (a, b) in enumerate(zip(size, first))
                                 if a != b)
-        copied = False
+        handed: dict[int, torch.Tensor] = {}  # the caller's tensor (by id) -> what the step gets
         for position in sorted({position for position, _ in self.changed}):
             leaf = leaves[position]
             dims = [dim for p, dim in self.changed if p == position and sizes[position] is not None
-                    and dim < len(sizes[position])
-                    # a dimension the user marked dynamic is already; marking it again would add
-                    # an attribute its graph was not compiled with, and compile it again
-                    and dim not in getattr(leaf, "_dynamo_dynamic_indices", ())]
-            if not dims:
+                    and dim < len(sizes[position])]
+            if not dims or leaf.requires_grad or _marked_by_user(leaf):
                 continue
-            if (leaf.storage_offset() != 0 or not leaf.is_contiguous()) and not leaf.requires_grad:
-                # [Note: a marked view is copied]
-                leaf = leaves[position] = leaf.clone(memory_format=torch.contiguous_format)
-                copied = True
-            torch._dynamo.maybe_mark_dynamic(leaf, dims)
-        return tree_unflatten(leaves, spec) if copied else (args, kwargs)
+            if id(leaf) not in handed:
+                handed[id(leaf)] = _handed_to_the_step(leaf)
+            leaves[position] = handed[id(leaf)]
+            torch._dynamo.maybe_mark_dynamic(leaves[position], dims)
+        return tree_unflatten(leaves, spec) if handed else (args, kwargs)
+
+
+USER_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_static_indices",
+              "_dynamo_unbacked_indices", "_dynamo_strict_unbacked_indices")
+"""The attributes ``torch._dynamo.mark_dynamic`` and its kin set on a tensor."""
+
+
+def _marked_by_user(tensor: torch.Tensor) -> bool:
+    """The caller marked some dimension of ``tensor`` (``mark_dynamic``, ``mark_static``): its
+    marks decide, and ours would change the attributes its graph was compiled with."""
+    return any(hasattr(tensor, attr) for attr in USER_MARKS)
+
+
+def _handed_to_the_step(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``tensor``'s values to mark: its alias (``detach()``: the marks are
+    attributes of the tensor object, and the caller's own tensor passed to another compiled
+    function would carry them there), or a contiguous copy ([Note: a marked view is copied])."""
+    if tensor.storage_offset() != 0 or not tensor.is_contiguous():
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor.detach()
 
 
 # [Note: a marked view is copied]
@@ -100,8 +115,9 @@ class ChangingSizes:
 # Each rank's slice of a global batch, x[rank * n:(rank + 1) * n], starts its storage on rank
 # 0 only: rank 0 traced a graph without the offset's symbol and rank 1 one with it, and the
 # ranks' agreement check refused the step. A batch cut to its length, x[:, :t], keeps the
-# whole batch's row stride, a symbol of its own where a contiguous tensor has none. A tensor marked here that is not
-# contiguous from the start of its storage is handed to the step as a contiguous copy (the
-# batch, not a parameter: a few kilobytes of token ids), so every rank traces the same graph.
-# The step then sees the copy, not the caller's tensor: a step that wrote into its input in
-# place would write into the copy. A tensor that requires a gradient is left as it is.
+# whole batch's row stride, a symbol of its own where a contiguous tensor has none. A tensor
+# marked here that is not contiguous from the start of its storage is handed to the step as
+# a contiguous copy (the batch, not a parameter: a few kilobytes of token ids), so every rank
+# traces the same graph. The step then sees the copy, not the caller's tensor: a step that
+# wrote into its input in place would write into the copy. A tensor that requires a gradient,
+# or that the caller marked itself, is neither copied nor marked.
