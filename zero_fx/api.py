@@ -26,6 +26,7 @@ from .capture.graph_breaks import GraphBreakWarning, break_error, graph_break_of
 from .capture.hints import capture_failed, capture_hint
 from .capture.routed_experts import (ExpertsRewrite, RoutedExperts,
                                      route_experts_with_fixed_shapes, unrecognised_experts_error)
+from .capture.dynamic_shapes import ChangingSizes
 from .capture.step_calls import trace_started
 from .capture.step_graph import CaptureError
 from .checkpoint import save_load as checkpoint
@@ -99,6 +100,10 @@ def zero_compile(
             step's graph, with its collectives, as Python; False: one whole-step
             program (Inductor, pinned). Applies to "inductor" and "aot_eager", and to
             "eager", which then runs each run of compute as traced.
+        dynamic_shapes: "auto" (default): a call whose input sizes differ from the first
+            call's compiles one graph with those sizes symbolic, reused for every later
+            size (at most two compilations for changing lengths); "static": one graph per
+            shape.
         bucket_bytes: byte cap of one fused collective; None: the stage's default
             (25 MiB; one repeated block per bucket in stage 3), 0: one per parameter.
         prefetch_buckets: stage 3: each all-gather is issued this many buckets ahead of
@@ -178,7 +183,8 @@ def zero_compile(
     Inspect a compiled step with ``step.explain()``, ``step.traffic()``,
     ``step.estimate()`` and ``step.graphs``.
 
-    The step must call ``loss.backward()`` once, ``opt.step()`` once and
+    The step must call ``loss.backward()`` (more than once sums the gradients, as eager
+    does, reduced once after the last), ``opt.step()`` once and
     ``opt.zero_grad()`` (checked before anything compiles; ``CaptureError`` otherwise);
     the optimizer steps after the compiled graph, on the shards. Returned tensors are
     detached (the backward has already run). Outside the step, stage 3's parameters hold
@@ -301,6 +307,7 @@ class CompiledStep:
         self._fallback: Optional[EagerFallback] = None
         """Set at the step's first graph break: runs every later call eagerly."""
         self._observers: list[TorchDispatchMode] = []
+        self._sizes = ChangingSizes(config.dynamic_shapes)  # [Note: one dynamic graph for every length]
         # Dynamo caches compiled frames per code object: each compiled step gets
         # its own copy of `_traced_step`, or steps would share (and exhaust)
         # one cache and recompile whenever another step ran in between.
@@ -332,6 +339,7 @@ class CompiledStep:
             raise RuntimeError("the step was called inside `with step.gathered_parameters():`; "
                                "train outside that block (it is for evaluation)")
         self.state.check_unchanged()
+        args, kwargs = self._sizes.marked(args, kwargs)  # [Note: one dynamic graph for every length]
         host_effects.discard_recorded()
         with self._deferred.deferring(optimizer):
             try:
@@ -373,6 +381,7 @@ class CompiledStep:
                              "separate function for each model")
         self._sharded.update.settle()  # the latest update ([Note: the delayed update])
         self.state.check_unchanged()
+        args, kwargs = self._sizes.marked(args, kwargs)
         host_effects.discard_recorded()
         out = self._run_compiled(args, kwargs)
         host_effects.run_recorded()

@@ -89,6 +89,8 @@ DEFAULT_BUCKET_BYTES = {0: 25 * MiB, 1: 25 * MiB, 2: 25 * MiB, 3: BLOCKS}
 are working memory (with prefetch, two are alive at once on top of the shards): one
 repeated block of the model per bucket ([Note: buckets by block] in plan/layout.py)."""
 RECOMPUTE_MODES = (None, "blocks", "auto")
+DYNAMIC_SHAPES = ("auto", "static")
+"""The values of ``ZeroConfig.dynamic_shapes``."""
 DEFAULT_ACTIVATION_BUDGET = 0.5
 """``recompute="auto"`` without an activation budget: keep half the activations."""
 DEFAULT_RESIDENT_MAX_NUMEL = 1 << 14
@@ -172,6 +174,15 @@ class ZeroConfig:
     a warning and ``explain()`` naming the break ([Note: eager sharded execution] in
     zero_fx/runtime/eager_fallback.py); ``"error"`` raises ``CaptureError`` naming the
     line, for one graph or nothing."""
+    dynamic_shapes: str = "auto"
+    """What a call with new input sizes (another sequence length or batch size) compiles.
+    ``"auto"``: the first call compiles for its sizes; a call whose sizes differ compiles one
+    graph with those sizes symbolic (dynamo's automatic dynamic shapes), which every later
+    size then reuses: at most two compilations ([Note: one dynamic graph for every length]
+    in zero_fx/capture/dynamic_shapes.py). ``"static"``: one graph per distinct shape, each
+    specialised to its sizes (for steps whose lengths you bucket to a few values yourself).
+    Sizes marked with ``torch._dynamo.mark_dynamic`` are symbolic from the first call either
+    way."""
     max_gathered_bytes: Optional[int] = None
     """Stage 3: the most bytes of gathered (full) parameters alive at once; prefetching
     stops where it would exceed it. ``None``: bounded by ``prefetch_buckets`` only."""
@@ -328,6 +339,9 @@ class ZeroConfig:
         if self.recompute not in RECOMPUTE_MODES and not callable(self.recompute):
             raise ValueError(f"recompute must be None, 'blocks', 'auto' or a policy "
                              f"fn(node) -> 'save' | 'recompute'; got {self.recompute!r}")
+        if self.dynamic_shapes not in DYNAMIC_SHAPES:
+            raise ValueError(f"dynamic_shapes must be 'auto' (one dynamic graph once sizes "
+                             f"change) or 'static' (one graph per shape); got {self.dynamic_shapes!r}")
         self._check_activation_budget()
         check_mesh(self.mesh, self.stage)
         check_expert_parallel(self.expert_parallel, self.stage, self.mesh,

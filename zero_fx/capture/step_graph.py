@@ -23,6 +23,7 @@ from torch.fx.node import map_aggregate
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..passes.predicates import CAPTURED_AT_META, GRAD_SLOTS_META, PARAM_META
+from .accumulated_gradients import sum_accumulated_gradients
 from ..passes.splice import outside_dynamo_tracing, trace_to_aten
 from .errors import CaptureError
 from .inline_checkpoints import inline_checkpoints
@@ -72,6 +73,7 @@ def capture_step_graph(
             node.meta[PARAM_META] = name
         _name_readably(node, name.replace(".", "_") if name else _user_name(source))
     _fold_static_sizes(gm)
+    sum_accumulated_gradients(gm, CaptureError)  # [Note: several backward calls in one step]
     gm.meta[GRAD_SLOTS_META] = _gradients_as_outputs(gm)
     if forward_only and gm.meta[GRAD_SLOTS_META]:
         raise CaptureError(BACKWARD_WITHOUT_OPTIMIZER.format(step="the step"))
@@ -156,9 +158,12 @@ def fakes_like_dynamo(values: Sequence) -> list:
 
 
 def has_dynamic_shapes(dynamo_gm: GraphModule) -> bool:
-    """Some input of dynamo's graph has a symbolic size (``torch._dynamo.mark_dynamic``)."""
+    """Some value of dynamo's graph has a symbolic size: an input's (``torch._dynamo.
+    mark_dynamic``, or a size that changed: [Note: one dynamic graph for every length] in
+    dynamic_shapes.py), or one the data decides (``x[mask]``), which only dynamo's fake mode
+    can trace."""
     for node in dynamo_gm.graph.nodes:
-        value = node.meta.get("example_value") if node.op == "placeholder" else None
+        value = node.meta.get("example_value")
         shape = value.shape if isinstance(value, torch.Tensor) else (value,)
         if any(isinstance(size, torch.SymInt) for size in shape):
             return True

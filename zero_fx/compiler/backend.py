@@ -134,7 +134,8 @@ class StepCompiler:
                 "zero_fx: %s is compiling for the %dth time (this time: %s). Every new input shape "
                 "compiles once (each takes seconds to minutes, and dynamo gives up at "
                 "torch._dynamo.config.recompile_limit); pad or bucket batches to a few fixed "
-                "shapes. step.explain() lists every compilation and its reason.",
+                "shapes, or leave dynamic_shapes='auto' (one dynamic graph for sizes that change). "
+                "step.explain() lists every compilation and its reason.",
                 self.step_name, RECOMPILES_WARNED_AT, reason)
         return reason
 
