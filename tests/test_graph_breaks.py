@@ -7,6 +7,7 @@ case."""
 
 import copy
 import inspect
+import os
 import warnings
 
 import pytest
@@ -104,6 +105,8 @@ def _train(rank, world_size, make_model, batch, body, steps=STEPS, **options):
             losses.append(step(model, opt, x[mine], y[mine]).item())
     return {"losses": losses, "params": step.full_parameters(), "explain": str(step.explain()),
             "breaks": sum(issubclass(w.category, GraphBreakWarning) for w in caught),
+            "warned_at": {os.path.basename(w.filename) for w in caught
+                          if issubclass(w.category, GraphBreakWarning)},
             "compilations": len(step.compilations)}
 
 
@@ -202,6 +205,7 @@ def _check_world(world_size, ranks):
         _check(results, reference)
         for r in results:
             assert r["breaks"] == 1, (name, r["breaks"])  # the warning, once per step
+            assert r["warned_at"] == {"test_graph_breaks.py"}  # at the caller's line
             assert f"test_graph_breaks.py:{BREAK_LINE}" in r["explain"], r["explain"]
             assert "if loss > THRESHOLD" in r["explain"]
             assert r["compilations"] == 0

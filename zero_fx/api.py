@@ -440,7 +440,7 @@ class CompiledStep:
         warnings.warn(f"zero_fx: {self.__name__} breaks the graph ({graph_break}); it runs "
                       f"eagerly on the sharded state from now on, uncompiled and without overlap "
                       f"(step.explain() says what that costs; on_graph_break=\"error\" raises "
-                      f"instead)", GraphBreakWarning, stacklevel=4)
+                      f"instead)", GraphBreakWarning, stacklevel=6)
         return fallback
 
     def _capture_failed(self, err: BaseException) -> CaptureError:
