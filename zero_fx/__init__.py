@@ -1,5 +1,9 @@
 """zero_fx: compiler-based ZeRO for PyTorch."""
 
+from .compat import check_torch as _check_torch
+
+_check_torch()  # outside the supported range: an error naming it, before anything else runs
+
 # The command line ``python -m zero_fx.estimate`` is a module named like the function
 # ``zero_fx.estimate``. Importing a submodule sets the package's attribute of its name, so a
 # later ``import zero_fx.estimate`` would replace the function by the module. Imported here

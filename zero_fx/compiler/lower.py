@@ -18,7 +18,8 @@ from ..passes.splice import outside_dynamo_tracing
 from .lowered_memory import LoweredMemory, lowered_memory
 from .lowered_schedule import (OrderCheck, inductor_keeps_as_kernel, lowered_schedule, order_as_graph,
                                planned_schedule)
-from .pin_schedule import PinSchedule, after_user_passes, tag_schedule
+from ..compat import one_post_grad_pass
+from .pin_schedule import PinSchedule, tag_schedule
 from .regions import RegionReport, compile_regions
 from .realize_readers import StoreReleasedReaders, tag_released_gathers
 
@@ -116,7 +117,9 @@ def _inductor(gm: GraphModule, fakes, pin_schedule: bool, resident: Collection[s
     if pin_schedule:
         tag_schedule(gm)
         ours.append(PinSchedule())
-    patches = {"post_grad_custom_pre_pass": after_user_passes(config.post_grad_custom_pre_pass, ours)}
+    # the user's passes, then ours, as one pass: [Note: Inductor's post-grad pre-pass]
+    patches = {"post_grad_custom_pre_pass": one_post_grad_pass(config.post_grad_custom_pre_pass,
+                                                               ours)}
     # AOTAutograd's own cache, on a hit, skips inner_compile (no source to read); with it
     # off, Inductor's FX graph cache still hits and its compiled graph carries the source.
     with config.patch(patches), torch._functorch.config.patch(enable_autograd_cache=False):

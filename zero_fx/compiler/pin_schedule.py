@@ -75,7 +75,7 @@ pass they differ.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import Graph, GraphModule, Node
@@ -154,11 +154,3 @@ def _copy_in(node: Node) -> Optional[Node]:
 def _is_event(node: Node) -> bool:
     return node.op == "call_function" and (
         is_collective(node) or is_wait(node) or is_anchor_compute(node))
-
-
-def after_user_passes(existing, ours: Iterable[CustomGraphPass]) -> tuple:
-    """The post-grad pre-passes to run: the user's (``existing``, Inductor's config value),
-    then ``ours``."""
-    from torch._inductor.custom_graph_pass import get_custom_graph_passes
-    return (*get_custom_graph_passes(existing), *ours)
-

@@ -1,0 +1,80 @@
+"""Every difference between the torch releases zero_fx supports, in one place.
+
+zero_fx runs on torch ``SUPPORTED_TORCH`` (and transformers ``SUPPORTED_TRANSFORMERS`` for
+the Hugging Face models). This module is the only one that reads a version string: the
+range check at import. Each difference below is probed (does the API take this?), not
+dated, and carries a note: what changed, in which release, how zero_fx handles both.
+
+[Note: Inductor's post-grad pre-pass]
+``torch._inductor.config.post_grad_custom_pre_pass`` takes one ``CustomGraphPass`` in torch
+2.11 and a pass or a sequence of them from 2.12 on (``get_custom_graph_passes``). zero_fx
+runs its own passes after the user's, so it hands Inductor one pass that runs them all in
+order (``one_post_grad_pass``), which both releases take; its ``uuid`` combines theirs, so
+Inductor's FX graph cache keys on every one of them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Optional
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+SUPPORTED_TORCH = ((2, 11), (2, 16))
+"""torch releases zero_fx supports: from the first (inclusive) to the second (exclusive)."""
+SUPPORTED_TORCH_TEXT = "torch>=2.11,<2.16"
+SUPPORTED_TRANSFORMERS_TEXT = "transformers>=4.57,<6"
+
+
+class UnsupportedTorchError(ImportError):
+    """zero_fx was imported with a torch outside the range it supports."""
+
+
+def release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string: ``"2.13.0+cpu"`` -> ``(2, 13)``."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"not a version: {version!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def check_torch(version: Optional[str] = None) -> None:
+    """Raise ``UnsupportedTorchError`` naming the supported range unless ``version`` (default:
+    the installed torch's) is in it: a clear error at import, not a failure deep in a pass."""
+    version = torch.__version__ if version is None else version
+    low, high = SUPPORTED_TORCH
+    if not low <= release(version) < high:
+        raise UnsupportedTorchError(
+            f"zero_fx supports {SUPPORTED_TORCH_TEXT}; this environment has torch {version}. "
+            f"Install a supported torch (pip install \"{SUPPORTED_TORCH_TEXT}\"), or a zero_fx "
+            f"release made for torch {version}.")
+
+
+class _PassesInOrder(CustomGraphPass):
+    """Several post-grad passes as the one pass Inductor takes ([Note: Inductor's post-grad
+    pre-pass])."""
+
+    def __init__(self, passes: Iterable[Any]):
+        self.passes = tuple(passes)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for graph_pass in self.passes:
+            graph_pass(graph)
+
+    def uuid(self) -> Optional[Any]:
+        uuids = tuple(p.uuid() if hasattr(p, "uuid") else None for p in self.passes)
+        return None if any(u is None for u in uuids) else uuids
+
+
+def one_post_grad_pass(existing: Any, ours: Iterable[CustomGraphPass]) -> CustomGraphPass:
+    """The user's post-grad pre-pass(es) (``existing``, Inductor's config value: None, a pass,
+    or a sequence of them), then ``ours``, as one pass ([Note: Inductor's post-grad
+    pre-pass])."""
+    if existing is None:
+        users = ()
+    elif isinstance(existing, (list, tuple)):
+        users = tuple(existing)
+    else:
+        users = (existing,)
+    return _PassesInOrder((*users, *ours))
