@@ -107,6 +107,11 @@ def get_args():
     assert memory.peak_bytes == 256 + 56 + 32 + 8
     assert [(b.name, b.bytes, b.source) for b in memory.alive_at_peak] == [
         ("buf0", 256, ""), ("buf6", 56, "gelu"), ("buf8", 32, ""), ("buf9", 8, "")]
+    # torch 2.15 writes the same assert as assert_tensor_metadata, with the dtype
+    newer = GENERATED.replace("assert_size_stride(buf0, (64, ), (1, ), ",
+                              "assert_tensor_metadata(buf0, (64, ), (1, ), torch.float32, ")
+    assert newer != GENERATED
+    assert lowered_memory(newer).peak_bytes == lowered_memory(GENERATED).peak_bytes == 256
     assert lowered_memory("// a C++ wrapper") is None
     assert lowered_memory("def call(self, args):\n    buf0 = empty_strided_cpu((s0, 4), (4, 1), "
                           "torch.float32)\n") is None
@@ -185,7 +190,11 @@ def test_a_matmul_inductor_decomposes_is_no_anchor():
         a.meta["val"], b.meta["val"] = torch.empty(a_shape), torch.empty(b_shape)
         return inductor_keeps_as_kernel(graph.call_function(torch.ops.aten.bmm.default, (a, b)))
 
-    assert not kept((1, 32, 1), (1, 1, 256))  # outer product: a broadcast multiply
+    # an outer product: a broadcast multiply where the release's Inductor decomposes it (2.13,
+    # 2.15), a kernel where it does not (2.11): read as the release lowers it
+    from torch._inductor.decomposition import decompositions
+    outer = decompositions[torch.ops.aten.bmm.default](torch.ones(1, 32, 1), torch.ones(1, 1, 256))
+    assert kept((1, 32, 1), (1, 1, 256)) == (outer is NotImplemented)
     assert kept((4, 16, 32), (4, 32, 16))
 
 

@@ -11,6 +11,26 @@ dated, and carries a note: what changed, in which release, how zero_fx handles b
 runs its own passes after the user's, so it hands Inductor one pass that runs them all in
 order (``one_post_grad_pass``), which both releases take; its ``uuid`` combines theirs, so
 Inductor's FX graph cache keys on every one of them.
+
+[Note: what differs between torch releases]
+Each difference met between 2.11, 2.13 and 2.15, and where it is handled (every fix holds on
+all three, so none reads a version):
+
+- Inductor's post-grad pre-pass: one pass in 2.11, a pass or a sequence from 2.12
+  (``one_post_grad_pass`` below, [Note: Inductor's post-grad pre-pass]).
+- A symbolic size through ``F.linear`` on a 3-D input: 2.11's C++ ``linear`` reads it as an
+  int unless the Python dispatcher is on, which pins a "dynamic" graph to one length. The
+  dynamic capture enters the Python dispatcher, as ``make_fx``'s symbolic tracing does
+  (capture/step_graph.py, ``_trace``).
+- A ``control_deps`` dependency on an op that returns several tensors (attention): 2.11's
+  Inductor drops it silently, 2.15 flattens it. ``PinSchedule`` depends on one of its
+  tensors instead (compiler/pin_schedule.py, ``_one_tensor_of``).
+- The size assert in Inductor's generated code: ``assert_size_stride`` in 2.11 and 2.13,
+  ``assert_tensor_metadata`` in 2.15; the lowered-memory reader takes both
+  (compiler/lowered_memory.py, ``_ASSERT``).
+- An outer-product ``bmm`` (``[B,M,1] x [B,1,N]``): 2.13 and 2.15 decompose it into a
+  multiply, 2.11 keeps the kernel. ``inductor_keeps_as_kernel`` asks the release's own
+  decomposition table, so each release is read as it lowers.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import torch
 from torch.fx import GraphModule
 from torch.fx.node import map_aggregate
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..passes.predicates import CAPTURED_AT_META, GRAD_SLOTS_META, PARAM_META
@@ -120,9 +121,12 @@ def _trace(dynamo_gm: GraphModule, example_inputs: Sequence) -> GraphModule:
         # Traced on fakes of dynamo's own fake mode, whose symbolic sizes have
         # sources: whatever the trace, our passes or lowering assume about a
         # size becomes one of dynamo's guards, checked on every call.
+        # The Python dispatcher, as make_fx's symbolic tracing enters it: without it torch
+        # 2.11's C++ linear reads a symbolic size as an int, and the graph fits one length
+        # ([Note: what differs between torch releases] in zero_fx/compat.py).
         fakes = fakes_like_dynamo(example_inputs)
         with torch._guards.TracingContext.get().fake_mode, torch.backends.mkldnn.flags(
-                enabled=False):
+                enabled=False), enable_python_dispatcher():
             return trace_to_aten(step)(*fakes)
     # A fresh fake mode with static shapes, outside dynamo's tracing context:
     # anything our passes compute on shapes must not become a dynamo guard.

@@ -75,7 +75,10 @@ pass they differ.
 
 from __future__ import annotations
 
+import operator
 from typing import Optional, Sequence
+
+import torch
 
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import Graph, GraphModule, Node
@@ -122,10 +125,24 @@ def ordering_dependencies(nodes: Sequence[Node]) -> dict[Node, OrderedSet[Node]]
     for before, node in zip(events, events[1:]):
         copy_in = _copy_in(node)
         if copy_in is not None:  # [Note: a gather's copy-in is pinned with it]
-            dependencies[copy_in] = OrderedSet([before])
+            dependencies[copy_in] = OrderedSet([_one_tensor_of(before, copy_in, index)])
         if not _reads_result_of(node, before, index):  # [Note: no edge the data implies]
-            dependencies[node] = OrderedSet([before])
+            dependencies[node] = OrderedSet([_one_tensor_of(before, node, index)])
     return dependencies
+
+
+def _one_tensor_of(event: Node, dependent: Node, index: dict[Node, int]) -> Node:
+    """``event``, or for an op that returns several tensors (attention's output and its
+    statistics) one of its ``getitem`` users ahead of ``dependent``: torch 2.11's Inductor
+    drops a dependency on a tuple without a word, later releases flatten it; a dependency on
+    one of its tensors holds on both."""
+    if not isinstance(event.meta.get("val"), (tuple, list)):
+        return event
+    for user in event.users:
+        if (user.target is operator.getitem and isinstance(user.meta.get("val"), torch.Tensor)
+                and index.get(user, len(index)) < index[dependent]):
+            return user
+    return event
 
 
 def _reads_result_of(node: Node, earlier: Node, index: dict[Node, int]) -> bool:
