@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - the message is the point
 
 def require_transformers() -> None:
     if transformers is None:
-        raise SystemExit("this needs HuggingFace transformers: pip install \"transformers==4.57.6\" (or, in a clone, pip install -e \".[examples]\")")
+        raise SystemExit("this needs HuggingFace transformers: pip install \"transformers>=4.57,<6\" (or, in a clone, pip install -e \".[examples]\")")
 
 
 def gpt2_config(vocab_size: int, seq: int, layers: int, width: int, heads: int):

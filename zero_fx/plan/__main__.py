@@ -15,7 +15,7 @@ planner counts] in zero_fx/plan/planner.py).
 
 --model takes the same names as python -m zero_fx.estimate; their shapes ship with
 zero_fx (zero_fx/plan/models.py). A named model is built with HuggingFace transformers
-when it is installed (pip install transformers==4.57.6), else as zero_fx's own torch
+when it is installed (pip install 'transformers>=4.57,<6'), else as zero_fx's own torch
 module of the same shapes and parameter count (gpt-1b always: transformers has no GPT-2
 without biases). A config.json needs transformers. --dtype takes either spelling:
 fp32|float32, bf16|bfloat16, fp16|float16.

@@ -7,7 +7,7 @@ hub access, no checkout of the repository), an old name in ``ALIASES``, or
 planner also takes a path to a HuggingFace ``config.json`` (or its folder).
 
 The planner builds a named model with HuggingFace transformers when it is installed
-(the module names of the HF model; ``pip install transformers==4.57.6``), else as the
+(the module names of the HF model; ``pip install 'transformers>=4.57,<6'``), else as the
 package's own torch module of the same shapes and parameter count; the estimate always
 builds the torch module (it traces a forward that returns logits). A config.json needs
 transformers.
@@ -26,12 +26,13 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from ..compat import SUPPORTED_TRANSFORMERS_TEXT
 from . import torch_models
 from .torch_models import MLA, Experts, GPTConfig, LlamaConfig, ModelConfig
 
-TRANSFORMERS_PIN = "transformers==4.57.6"
-"""The version pyproject.toml's [hf] extra pins (capture depends on the model code's details)."""
-TRANSFORMERS_MISSING = f"pip install {TRANSFORMERS_PIN}"
+TRANSFORMERS_PIN = SUPPORTED_TRANSFORMERS_TEXT
+"""The transformers releases pyproject.toml's [hf] extra takes (zero_fx/compat.py)."""
+TRANSFORMERS_MISSING = f"pip install '{TRANSFORMERS_PIN}'"
 
 _GPT2 = dict(vocab_size=50257, block_size=1024)
 _LLAMA2 = dict(vocab_size=32000, max_positions=4096, rope_theta=10000.0)
