@@ -34,15 +34,15 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..passes.predicates import PARAM_META
+from .errors import CaptureError
 
 aten = torch.ops.aten
 
 
-def sum_accumulated_gradients(gm: GraphModule, error: type[Exception]) -> int:
-    """Rewrite every ``add_(grad copy of p, grad copy of p)`` into one grad copy of the sum.
+def sum_accumulated_gradients(gm: GraphModule) -> int:
+    """Rewrite every ``add_(grad copy of p, grad copy of p)`` into one grad copy of the sum;
+    ``CaptureError`` for a gradient read between two backward calls.
 
-    ``error``: the exception class to raise for a gradient read between two backward calls
-    (``CaptureError``; passed in because it is defined by the module that calls this one).
     Returns how many additions were rewritten (0: the step called ``backward()`` once).
     """
     rewritten = 0
@@ -54,7 +54,7 @@ def sum_accumulated_gradients(gm: GraphModule, error: type[Exception]) -> int:
         if name is None:
             continue
         if _gradient_copy_of(second) != name:
-            raise error(f"the step changes the gradient of {name} in place between two "
+            raise CaptureError(f"the step changes the gradient of {name} in place between two "
                         "backward() calls; zero_fx sums the gradients of several backward() "
                         "calls itself and reduces the sum after the last: leave p.grad alone "
                         "inside the step")
@@ -64,12 +64,12 @@ def sum_accumulated_gradients(gm: GraphModule, error: type[Exception]) -> int:
         for dead in (node, second, second.args[0], first):
             gm.graph.erase_node(dead)
         rewritten += 1
-    _check_one_copy_each(gm, error)
+    _check_one_copy_each(gm)
     return rewritten
 
 
-def _check_one_copy_each(gm: GraphModule, error: type[Exception]) -> None:
-    """Raise ``error`` for a parameter left with two gradient copies: something other than
+def _check_one_copy_each(gm: GraphModule) -> None:
+    """Raise ``CaptureError`` for a parameter left with two gradient copies: something other than
     the next backward's ``add_`` read or changed the first (``p.grad.mul_(0.5)`` between two
     calls), and its gradient output would not be the sum autograd computes."""
     copies: dict[str, list[Node]] = {}
@@ -80,7 +80,7 @@ def _check_one_copy_each(gm: GraphModule, error: type[Exception]) -> None:
     for name, nodes in copies.items():
         readers = [user for node in nodes for user in node.users if user.op != "output"]
         if len(nodes) > 1 and readers:
-            raise error(
+            raise CaptureError(
                 f"the step reads or changes the gradient of {name} between two backward() calls "
                 f"({readers[0].target}); zero_fx sums the gradients of several backward() calls "
                 "itself and reduces (and shards) the sum across ranks after the last, so code "

@@ -74,7 +74,7 @@ def capture_step_graph(
             node.meta[PARAM_META] = name
         _name_readably(node, name.replace(".", "_") if name else _user_name(source))
     _fold_static_sizes(gm)
-    sum_accumulated_gradients(gm, CaptureError)  # [Note: several backward calls in one step]
+    sum_accumulated_gradients(gm)  # [Note: several backward calls in one step]
     gm.meta[GRAD_SLOTS_META] = _gradients_as_outputs(gm)
     if forward_only and gm.meta[GRAD_SLOTS_META]:
         raise CaptureError(BACKWARD_WITHOUT_OPTIMIZER.format(step="the step"))
@@ -211,8 +211,9 @@ def _gradients_as_outputs(gm: GraphModule) -> dict[int, str]:
                 "zero_compile(max_grad_norm=...) (the norm is step.last_grad_norm); to "
                 "accumulate, zero_compile(accumulation_steps=...)")
         if name in slots.values():
-            raise CaptureError(f"parameter {name} received two gradient outputs; zero_fx "
-                               "supports one loss.backward() per step")
+            raise CaptureError(f"parameter {name} received two gradient outputs that capture "
+                               "could not sum into one; zero_fx reduces one gradient per "
+                               "parameter")
         slots[index] = name
         outs[index] = grad
         output.args = (tuple(outs),)
