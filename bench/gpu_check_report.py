@@ -44,6 +44,14 @@ def figures(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def verdict(status: int, counts: dict) -> str:
+    """"passed" only when pytest exited 0 and every test that ran passed; "skipped" when none
+    ran (no GPU); "failed" otherwise (a failure, an error, an interrupted or crashed run)."""
+    if counts.get("failed") or counts.get("error") or status not in (0, 5):
+        return "failed"
+    return "passed" if counts.get("passed") else "skipped"
+
+
 def device() -> dict:
     if not torch.cuda.is_available():
         return {"name": None, "note": "torch sees no CUDA device: the tier was skipped"}
@@ -58,20 +66,22 @@ def main(argv=None) -> int:
     p.add_argument("--figures", required=True)
     p.add_argument("--status", type=int, required=True, help="pytest's exit status")
     p.add_argument("--seconds", type=float, required=True)
+    p.add_argument("--commit", default="unknown", help="the git commit the tier ran at")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     tests = outcomes(args.junit)
     counts: dict[str, int] = {}
     for t in tests:
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
-    summary = {"torch": torch.__version__, "cuda": torch.version.cuda,
+    summary = {"verdict": verdict(args.status, counts), "commit": args.commit,
+               "torch": torch.__version__, "cuda": torch.version.cuda,
                "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
                "device": device(), "machine": machine(), "pytest_status": args.status,
                "seconds": args.seconds, "within_limit": args.seconds <= LIMIT_S,
                "counts": counts, "tests": tests, "figures": figures(args.figures)}
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
-    print(f"{args.out}: {counts or 'no tests ran'} in {args.seconds:.0f} s "
+    print(f"{args.out}: {summary['verdict']}: {counts or 'no tests ran'} in {args.seconds:.0f} s "
           f"({'within' if summary['within_limit'] else 'OVER'} the {LIMIT_S} s limit)")
     return 0
 

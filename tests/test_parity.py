@@ -54,6 +54,14 @@ def test_parity_inductor_gpt(stage, world_size):
 
 
 @pytest.mark.inductor
+def test_parity_inductor_whole_program_stage_3():
+    """Stage 3 lowered as one Inductor program for the whole step (``regional=False``), the
+    path that hands Inductor zero_fx's post-grad passes ([Note: Inductor's post-grad
+    pre-pass] in zero_fx/compat.py): the version matrix runs it on every supported torch."""
+    assert_parity(2, "gpt", "inductor", stage=3, options=(("regional", False),))
+
+
+@pytest.mark.inductor
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_parity_inductor_below_stage_3(stage):
     """Each stage's collectives and optimizer update lowered by Inductor, on the small MLP

@@ -1,0 +1,96 @@
+"""The version matrix (bench/version_matrix.py) and the GPU tier's summary: what they select and
+how they report, without building a venv or touching a GPU."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench import version_matrix as matrix
+from bench.gpu_check_report import verdict
+
+
+COLLECT = """
+import json, sys
+import pytest
+from bench.version_matrix import CHECKS
+
+class Collected:
+    def pytest_collection_finish(self, session):
+        self.ids = [item.nodeid for item in session.items]
+
+found = {}
+for check in CHECKS:
+    for part, selection in (("tests", check.tests), ("smoke", check.smoke)):
+        if selection:
+            plugin = Collected()
+            status = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *selection],
+                                 plugins=[plugin])
+            found[f"{check.name} {part}"] = [int(status), getattr(plugin, "ids", [])]
+print("COLLECTED " + json.dumps(found))
+"""
+
+
+def test_every_check_selects_tests_that_exist_here():
+    """A renamed test would leave its check running nothing on every torch: each check's
+    selection, and its smoke part, must collect tests in this tree (one process collects
+    them all)."""
+    done = subprocess.run([sys.executable, "-c", COLLECT], cwd=matrix.REPO, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.split("COLLECTED ", 1)[1])
+    assert len(found) == len(matrix.CHECKS) + sum(bool(c.smoke) for c in matrix.CHECKS)
+    for part, (status, ids) in found.items():
+        assert status == 0 and ids, f"{part}: pytest exit {status}, {len(ids)} tests"
+        name = part.split()[0]
+        assert set(ids) <= set(found[f"{name} tests"][1]), f"{part} runs more than the check"
+    assert len(found["parity tests"][1]) == 12  # stages 0-3: mlp and gpt with AdamW, gpt with SGD
+
+
+def test_the_smoke_runs_the_oldest_and_newest_supported_torch():
+    from zero_fx.compat import SUPPORTED_TORCH, release
+    by_name = {e.name: e for e in matrix.ENVIRONMENTS}
+    oldest, newest = (release(by_name[n].torch) for n in matrix.SMOKE_ENVIRONMENTS)
+    low, high = SUPPORTED_TORCH
+    assert oldest == low and newest == (high[0], high[1] - 1)
+    releases = {release(e.torch) for e in matrix.ENVIRONMENTS}
+    assert releases == {(2, minor) for minor in range(low[1], high[1])}, "a release untested"
+
+
+def test_cells_say_what_passed_and_what_did_not():
+    passed = {"status": 0, "counts": {"passed": 8}, "ok": True, "seconds": 3, "tests": []}
+    failed = {"status": 1, "counts": {"passed": 7, "failed": 1}, "ok": False, "seconds": 3,
+              "tests": [{"test": "tests/test_x.py::test_y", "outcome": "failed",
+                         "why": "AssertionError: 0.07"}]}
+    assert matrix.cell(passed) == "8 passed"
+    assert matrix.cell(failed) == "**1 failed, 7 passed**"
+    assert matrix.cell({"status": 4, "counts": {}, "ok": False, "seconds": 1}).startswith(
+        "**no tests ran**")
+    assert matrix.cell({"status": None, "counts": {}, "ok": False, "seconds": 1200}) == \
+        "**timed out** after 1200 s"
+    env = matrix.ENVIRONMENTS[0]
+    install = {"torch": "2.11.0", "transformers": "4.57.6", "kept": True, "before": {}}
+    text = matrix.table([env], {env.name: {"install": install, "parity": failed}},
+                        [c for c in matrix.CHECKS if c.name == "parity"])
+    assert "torch 2.11.0, transformers 4.57.6" in text and "kept both" in text
+    assert "- torch-2.11, parity: `tests/test_x.py::test_y` failed: AssertionError" in text
+
+
+def test_the_doc_has_the_tables_markers_once():
+    doc = matrix.DOC.read_text()
+    assert doc.count(matrix.START) == 1 and doc.count(matrix.END) == 1
+    assert doc.index(matrix.START) < doc.index(matrix.END)
+
+
+@pytest.mark.parametrize("status, counts, expected", [
+    (0, {"passed": 23}, "passed"),
+    (0, {"passed": 22, "skipped": 1}, "passed"),
+    (1, {"passed": 22, "failed": 1}, "failed"),
+    (1, {"passed": 22, "error": 1}, "failed"),
+    (2, {"passed": 5}, "failed"),  # interrupted at the time limit
+    (0, {"skipped": 23}, "skipped"),  # no GPU
+    (5, {}, "skipped"),
+])
+def test_the_gpu_summary_says_failed_when_any_test_failed(status, counts, expected):
+    assert verdict(status, counts) == expected
