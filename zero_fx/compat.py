@@ -31,6 +31,18 @@ all three, so none reads a version):
 - An outer-product ``bmm`` (``[B,M,1] x [B,1,N]``): 2.13 and 2.15 decompose it into a
   multiply, 2.11 keeps the kernel. ``inductor_keeps_as_kernel`` asks the release's own
   decomposition table, so each release is read as it lowers.
+
+[Note: what differs between transformers 4 and 5]
+Met by the version matrix (bench/version_matrix.py) on transformers 4.57.6 and 5.24:
+
+- ``no_init_weights``, the context that builds a model without initialising its weights,
+  moved from ``transformers.modeling_utils`` (4.x) to ``transformers.initialization`` (5.x).
+  The planner builds models on the meta device inside it; ``hf_no_init_weights`` below finds
+  it where the installed release keeps it.
+- The mixture-of-experts families hold their experts as fused 3-D parameters in 5.x, and
+  the suite's Mixtral and Qwen3-MoE steps break the graph at a lock in transformers'
+  ``utils/output_capturing.py`` (``with _hook_installation_lock:``), which Dynamo cannot
+  trace: docs/moe.md says how each family stands under each release.
 """
 
 from __future__ import annotations
@@ -85,6 +97,16 @@ class _PassesInOrder(CustomGraphPass):
     def uuid(self) -> Optional[Any]:
         uuids = tuple(p.uuid() if hasattr(p, "uuid") else None for p in self.passes)
         return None if any(u is None for u in uuids) else uuids
+
+
+def hf_no_init_weights():
+    """transformers' ``no_init_weights()`` context, from where the installed release keeps it
+    ([Note: what differs between transformers 4 and 5])."""
+    try:
+        from transformers.initialization import no_init_weights  # 5.x
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights  # 4.x
+    return no_init_weights()
 
 
 def one_post_grad_pass(existing: Any, ours: Iterable[CustomGraphPass]) -> CustomGraphPass:

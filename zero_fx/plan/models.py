@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from ..compat import SUPPORTED_TRANSFORMERS_TEXT
+from ..compat import SUPPORTED_TRANSFORMERS_TEXT, hf_no_init_weights
 from . import torch_models
 from .torch_models import MLA, Experts, GPTConfig, LlamaConfig, ModelConfig
 
@@ -174,7 +174,7 @@ def _hf_source(config: dict, description: str) -> ModelSource:
             cfg.first_k_dense_replace = dense_layers
         # shapes only: HuggingFace's weight init visits every module (DeepSeek-V3's 45k
         # experts' linears: about 40 s on meta), and the planner reads no values
-        with transformers.modeling_utils.no_init_weights():
+        with hf_no_init_weights():
             model = transformers.AutoModelForCausalLM.from_config(cfg)
         model.tie_weights()  # the init it skipped also ties the embedding and the head
         model.loss_type = "ForCausalLM"
