@@ -8,6 +8,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 from torch.fx import Node
+from torch.utils._sympy.numbers import int_oo
 
 _c10d = torch.ops._c10d_functional
 
@@ -250,8 +251,17 @@ def tensor_bytes(val) -> int:
 
 def hint(size) -> int:
     """An int, or a symbolic size's value when it was traced ([Note: dynamic shapes] in
-    zero_fx/capture/step_graph.py)."""
-    return size if isinstance(size, int) else int(size.node.hint)
+    zero_fx/capture/step_graph.py). A size the data decides (an unbacked symbol: the rows
+    routed to one expert by ``nonzero``) has no traced value: it counts at its upper bound
+    where the trace knows one (as many rows as there are), else at its lower bound."""
+    if isinstance(size, int):
+        return size
+    if size.node.hint is not None:
+        return int(size.node.hint)
+    bound = size.node.shape_env.bound_sympy(size.node.expr)
+    if bound.upper not in (int_oo, -int_oo) and bound.upper.is_number:
+        return int(bound.upper)
+    return max(int(bound.lower), 0) if bound.lower.is_number and bound.lower != -int_oo else 0
 
 
 def is_impure(node: Node) -> bool:

@@ -452,6 +452,27 @@ def test_recognised_hf_blocks_train_like_eager(name):
     assert_updates_like_eager(step, eager, initial)
 
 
+def tiny_granitemoe():
+    """GraniteMoE routes each expert's rows with ``nonzero``: sizes the data decides."""
+    config = transformers.GraniteMoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=models.SEQ, attention_dropout=0.0)
+    torch.manual_seed(0)
+    return hf_models.causal_lm(config)
+
+
+def test_a_block_that_routes_rows_by_nonzero_trains_at_stage_3():
+    """Stage 3 counted the bytes of every value at its traced size, and a size the data
+    decides has none: GraniteMoE (and JetMoE) crashed with ``int(None)``
+    (predicates.hint)."""
+    losses, eager, step, initial = train_eager_and_zero_fx(
+        tiny_granitemoe, hf_loss, [tokens(i) for i in range(2)], stage=3)
+    assert len(step.compilations) == 1  # captured, not trained eagerly after a graph break
+    assert relative_error(torch.tensor(losses["zero_fx"]), torch.tensor(losses["eager"])) <= PARITY
+    assert_updates_like_eager(step, eager, initial)
+
+
 # -- a block of another shape ---------------------------------------------------------------
 
 class Expert(nn.Module):

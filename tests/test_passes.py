@@ -556,3 +556,20 @@ class TestTrafficReport:
         after = [c for c in traffic_report(gm, plan).collectives if c.phase == "after step"]
         assert [(c.bucket, c.numel, c.issued_at) for c in after] == [
             (("w",), 16, None), (("b",), 6, None), (("v",), 10, None)]
+
+
+def test_a_size_the_data_decides_counts_at_its_upper_bound():
+    """Rows chosen by ``nonzero`` (how GraniteMoE and JetMoE route tokens to experts) have an
+    unbacked size with no traced value; stage 3's byte counts crashed on it (``int(None)``).
+    It counts at its bound: at most every element of the 6x4 input."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from zero_fx.passes.predicates import hint, tensor_bytes
+    shape_env = ShapeEnv()
+    with FakeTensorMode(shape_env=shape_env):
+        rows = torch.nonzero(torch.empty(6, 4))
+        unbounded = shape_env.create_unbacked_symint()
+    assert rows.shape[0].node.hint is None
+    assert hint(rows.shape[0]) == 24 and tensor_bytes(rows) == 24 * 2 * 8
+    assert hint(unbounded) == 0
