@@ -187,3 +187,39 @@ def test_a_fixed_shape_routing_layer_captures_and_trains_like_eager():
     expected = {n: p.detach() for n, p in reference.named_parameters()}
     check_updates([{"params": step.full_parameters()}], {"params": expected, "initial": initial},
                   1e-5)  # each parameter's update error: measured 0 (one rank, eager's ops)
+
+
+class SlicedExperts(torch.nn.Module):
+    """Experts as one 3-D parameter, each run on rows sliced at offsets the data decides
+    (HuggingFace Aria's sequential GEMM)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(2, 8, 8))
+
+    def forward(self, x, counts):
+        ends = torch.cumsum(counts, 0)
+        out = torch.zeros_like(x)
+        start = torch.zeros((), dtype=torch.long)
+        for e in range(2):
+            out[start:ends[e]] = x[start:ends[e]] @ self.weight[e]
+            start = ends[e]
+        return out
+
+
+def test_a_size_the_data_decides_in_the_backward_is_a_capture_error_with_advice():
+    """PyTorch's tracer fails inside (InternalTorchDynamoError, PendingUnbackedSymbolNotFound)
+    on such slices: a CaptureError that says what it is and what to do, not the tracer's
+    internals."""
+    def step(model, opt, x, counts):
+        loss = model(x, counts).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    model = SlicedExperts()
+    compiled = zero_compile(step, stage=0, backend="aot_eager")
+    with pytest.raises(CaptureError, match="A size the data decides reaches the backward"):
+        compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(6, 8),
+                 torch.tensor([2, 4]))

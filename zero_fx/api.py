@@ -421,6 +421,12 @@ class CompiledStep:
                 if capture_hint(str(inner)):
                     raise self._capture_failed(inner) from err
                 raise
+            except torch._dynamo.exc.InternalTorchDynamoError as err:
+                # PyTorch's tracer failing inside: the failures met on real models (a size the
+                # data decides reaching the backward) said as capture errors; others as they are
+                if not capture_hint(str(err)):
+                    raise
+                raise self._capture_failed(err) from err
             except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
                     GuardOnDataDependentSymNode) as err:
                 # the last: a Python branch or loop on a value (`for e in t.unique().tolist()`)

@@ -35,6 +35,14 @@ _HINTS = (
      "output by the router's weight (zero where the token did not pick it), or give each expert "
      "a fixed capacity of tokens (scatter into a [experts, capacity, hidden] buffer, dropping "
      "the overflow)."),
+    (("PendingUnbackedSymbolNotFound", "Pending unbacked symbols"),
+     "A size the data decides reaches the backward: rows sliced at offsets read from a tensor "
+     "(`x[start:end]` with `end = counts.cumsum(0)[e]`), as mixture-of-experts layers that hold "
+     "their experts as one 3-D parameter do (HuggingFace Aria's sequential GEMM). PyTorch's "
+     "tracer cannot carry such sizes through the backward, and zero_fx does not rewrite these "
+     "layers yet (docs/moe.md). Give each expert a fixed-size slice: sort the rows by expert and "
+     "run every expert on a fixed capacity, or run every expert on every row weighted by its "
+     "routing weight."),
     (("aten.nonzero", "DynamicOutputShapeException", "DataDependentOutputException"),
      "An op's output shape depends on the values (boolean-mask indexing `x[mask]`, `nonzero`, "
      "`unique`, `masked_select`). Use a fixed-shape form: `torch.where`, `masked_fill`, or "
