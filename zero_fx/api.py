@@ -29,6 +29,7 @@ from .capture.routed_experts import (ExpertsRewrite, RoutedExperts,
 from .capture.dynamic_shapes import ChangingSizes
 from .capture.step_calls import trace_started
 from .capture.step_graph import CaptureError
+from .compat import hf_install_output_hooks
 from .checkpoint import save_load as checkpoint
 from .compiler.backend import Compilation, StepCompiler
 from . import evaluation
@@ -372,6 +373,7 @@ class CompiledStep:
             self.config = evaluation.evaluation_config(self.config, self._given, sharded,
                                                        self.__name__)
             self._sharded, self.state = sharded, sharded.state
+            hf_install_output_hooks(model)
             self._experts = route_experts_with_fixed_shapes(model)  # the training step's
             self._compiler = StepCompiler(self.__name__, self.config, sharded, graphs=self.graphs,
                                           compilations=self.compilations,
@@ -469,6 +471,7 @@ class CompiledStep:
 
     def _shard(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                pretrained: Optional[PretrainedWeights] = None) -> None:
+        hf_install_output_hooks(model)  # before the capture, which cannot take their lock
         self._experts = route_experts_with_fixed_shapes(model)
         self._sharded = shard(model, optimizer, self.config, self.__name__, pretrained,
                               moe_blocks=self._experts.blocks)

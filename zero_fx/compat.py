@@ -39,10 +39,13 @@ Met by the version matrix (bench/version_matrix.py) on transformers 4.57.6 and 5
   moved from ``transformers.modeling_utils`` (4.x) to ``transformers.initialization`` (5.x).
   The planner builds models on the meta device inside it; ``hf_no_init_weights`` below finds
   it where the installed release keeps it.
-- The mixture-of-experts families hold their experts as fused 3-D parameters in 5.x, and
-  the suite's Mixtral and Qwen3-MoE steps break the graph at a lock in transformers'
-  ``utils/output_capturing.py`` (``with _hook_installation_lock:``), which Dynamo cannot
-  trace: docs/moe.md says how each family stands under each release.
+- 5.x records outputs a model is asked for (the router's logits of Mixtral and Qwen3-MoE,
+  for their load-balancing loss) with forward hooks it installs on the first forward that
+  asks, under a ``threading.Lock`` Dynamo cannot trace: the step broke the graph there.
+  ``hf_install_output_hooks`` installs them before the first capture (4.x has no such
+  hooks), so the traced forward finds them in place.
+- The mixture-of-experts families hold their experts as fused 3-D parameters in 5.x:
+  docs/moe.md says how each family stands under each release.
 """
 
 from __future__ import annotations
@@ -107,6 +110,21 @@ def hf_no_init_weights():
     except ImportError:
         from transformers.modeling_utils import no_init_weights  # 4.x
     return no_init_weights()
+
+
+def hf_install_output_hooks(model: torch.nn.Module) -> None:
+    """Install transformers 5's output-capturing hooks on every HF model in ``model`` that
+    records outputs, as its first forward would ([Note: what differs between transformers 4
+    and 5]); nothing under 4.x, or for a model that is not a transformers one. The hooks
+    record only while a forward asks for outputs, so installing them changes no result."""
+    try:
+        from transformers.utils.output_capturing import (_CAN_RECORD_REGISTRY,
+                                                         maybe_install_capturing_hooks)
+    except ImportError:  # transformers 4, or none
+        return
+    for module in model.modules():
+        if _CAN_RECORD_REGISTRY.get(module):
+            maybe_install_capturing_hooks(module)
 
 
 def one_post_grad_pass(existing: Any, ours: Iterable[CustomGraphPass]) -> CustomGraphPass:
