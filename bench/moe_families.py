@@ -175,9 +175,22 @@ def under_zero_fx(model_type: str, stages: list, world: int) -> list[dict]:
     return queue.get()
 
 
+CAPTURE_PREFIX = "CaptureError: zero_fx captures the whole step as one graph, and PyTorch could not: "
+NOISE = ("Consider annotating your code using torch._check*(). ",)
+
+
+def reason(error: str) -> str:
+    """An error's first line, without what every capture error starts with."""
+    if error.startswith(CAPTURE_PREFIX):
+        error = "CaptureError: " + error[len(CAPTURE_PREFIX):]
+    for noise in NOISE:
+        error = error.replace(noise, "")
+    return error[:110]
+
+
 def verdict(result: dict) -> str:
     if "error" in result:
-        return f"refused: {result['error'][:120]}"
+        return f"refused: {reason(result['error'])}"
     if result["graph_break"]:
         return "graph break: trains eagerly"
     name, error = result["worst"]
@@ -194,7 +207,15 @@ def main(argv=None) -> int:
     p.add_argument("--stages", nargs="+", type=int, default=[0, 3])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--list", action="store_true")
+    p.add_argument("--table", action="store_true",
+                   help="print the table of this release's saved results, run nothing")
     args = p.parse_args(argv)
+    if args.table:
+        path = os.path.join(OUT, f"moe_families-transformers-{transformers.__version__}.json")
+        with open(path) as f:
+            saved = json.load(f)
+        print(table(saved["families"], saved["stages"], saved["world"]))
+        return 0
     found = families()
     if args.list:
         for model_type, class_name in found.items():
@@ -214,23 +235,39 @@ def main(argv=None) -> int:
                 print(f"        stage {result['stage']}: {verdict(result)}", flush=True)
         rows[model_type] = row
         write(rows, args)  # after each family: a long survey stopped early keeps what it found
-    print(f"\n| family | eager | " + " | ".join(f"stage {s}, {args.world} ranks" for s in args.stages)
-          + " |\n|---|---|" + "---|" * len(args.stages))
-    for model_type, row in rows.items():
-        cells = [verdict(row[f"stage {s}"]) if f"stage {s}" in row else "" for s in args.stages]
-        print(f"| {model_type} | {'trains' if row['eager']['trains'] else row['eager']['why'][:80]} | "
-              + " | ".join(cells) + " |")
-    print(f"wrote {write(rows, args)}")
+    path = write(rows, args)
+    print(table(rows, args.stages, args.world))
+    print(f"wrote {path}")
     return 0
 
 
+def table(rows: dict, stages: list, world: int) -> str:
+    lines = ["| family | eager, tiny config | "
+             + " | ".join(f"stage {s}, {world} ranks" for s in stages) + " |",
+             "|---|---|" + "---|" * len(stages)]
+    for model_type, row in sorted(rows.items()):
+        eager = "trains" if row["eager"]["trains"] else f"does not: {row['eager']['why'][:70]}"
+        cells = [verdict(row[f"stage {s}"]) if f"stage {s}" in row else "" for s in stages]
+        lines.append(f"| {model_type} | {eager} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write(rows: dict, args) -> str:
+    """The rows into this transformers release's JSON, beside the families an earlier run
+    there found (a run of a few families updates theirs)."""
     import transformers
     path = os.path.join(OUT, f"moe_families-transformers-{transformers.__version__}.json")
     os.makedirs(OUT, exist_ok=True)
+    families = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            earlier = json.load(f)
+        if earlier.get("stages") == args.stages and earlier.get("world") == args.world:
+            families = earlier["families"]
+    families.update(rows)
     with open(path, "w") as f:
         json.dump({"transformers": transformers.__version__, "torch": torch.__version__,
-                   "stages": args.stages, "world": args.world, "families": rows}, f, indent=1)
+                   "stages": args.stages, "world": args.world, "families": families}, f, indent=1)
     return path
 
 
