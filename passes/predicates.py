@@ -259,7 +259,7 @@ def hint(size) -> int:
     if size.node.hint is not None:
         return int(size.node.hint)
     bound = size.node.shape_env.bound_sympy(size.node.expr)
-    if bound.upper not in (int_oo, -int_oo) and bound.upper.is_number:
+    if bound.upper.is_number and bound.upper != int_oo:
         return int(bound.upper)
     return max(int(bound.lower), 0) if bound.lower.is_number and bound.lower != -int_oo else 0
 

@@ -373,7 +373,6 @@ class CompiledStep:
             self.config = evaluation.evaluation_config(self.config, self._given, sharded,
                                                        self.__name__)
             self._sharded, self.state = sharded, sharded.state
-            hf_install_output_hooks(model)
             self._experts = route_experts_with_fixed_shapes(model)  # the training step's
             self._compiler = StepCompiler(self.__name__, self.config, sharded, graphs=self.graphs,
                                           compilations=self.compilations,

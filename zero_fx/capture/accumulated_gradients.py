@@ -55,9 +55,9 @@ def sum_accumulated_gradients(gm: GraphModule) -> int:
             continue
         if _gradient_copy_of(second) != name:
             raise CaptureError(f"the step changes the gradient of {name} in place between two "
-                        "backward() calls; zero_fx sums the gradients of several backward() "
-                        "calls itself and reduces the sum after the last: leave p.grad alone "
-                        "inside the step")
+                               "backward() calls; zero_fx sums the gradients of several "
+                               "backward() calls itself and reduces the sum after the last: "
+                               "leave p.grad alone inside the step")
         if any(user is not node for user in (*first.users, *second.users)):
             continue  # read between the calls: refused below
         node.replace_all_uses_with(_copy_of_sum(gm, node, first, second))
@@ -69,8 +69,8 @@ def sum_accumulated_gradients(gm: GraphModule) -> int:
 
 
 def _check_one_copy_each(gm: GraphModule) -> None:
-    """Raise ``CaptureError`` for a parameter left with two gradient copies: something other than
-    the next backward's ``add_`` read or changed the first (``p.grad.mul_(0.5)`` between two
+    """Raise ``CaptureError`` for a parameter left with two gradient copies: something other
+    than the next backward's ``add_`` read or changed the first (``p.grad.mul_(0.5)`` between two
     calls), and its gradient output would not be the sum autograd computes."""
     copies: dict[str, list[Node]] = {}
     for node in gm.graph.find_nodes(op="call_function", target=aten.copy_.default):

@@ -30,9 +30,8 @@ from ..compat import SUPPORTED_TRANSFORMERS_TEXT, hf_no_init_weights
 from . import torch_models
 from .torch_models import MLA, Experts, GPTConfig, LlamaConfig, ModelConfig
 
-TRANSFORMERS_PIN = SUPPORTED_TRANSFORMERS_TEXT
-"""The transformers releases pyproject.toml's [hf] extra takes (zero_fx/compat.py)."""
-TRANSFORMERS_MISSING = f"pip install '{TRANSFORMERS_PIN}'"
+TRANSFORMERS_MISSING = f"pip install '{SUPPORTED_TRANSFORMERS_TEXT}'"
+"""The install hint: the transformers releases pyproject.toml's [hf] extra takes."""
 
 _GPT2 = dict(vocab_size=50257, block_size=1024)
 _LLAMA2 = dict(vocab_size=32000, max_positions=4096, rope_theta=10000.0)
