@@ -4,6 +4,7 @@ tier and the figures its tests recorded (tests/gpu_figures.py)."""
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import xml.etree.ElementTree as ET
@@ -35,6 +36,11 @@ def outcomes(junit_path: str) -> list[dict]:
         cases.append({"test": f"{module}.py::{case.get('name')}", "outcome": outcome,
                       "seconds": round(float(case.get("time", 0.0)), 2), "why": why})
     return cases
+
+
+def count_outcomes(tests: list[dict]) -> dict[str, int]:
+    """How many of ``outcomes()``'s tests passed, failed, errored, were skipped."""
+    return dict(collections.Counter(t["outcome"] for t in tests))
 
 
 def figures(path: str) -> list[dict]:
@@ -70,9 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     tests = outcomes(args.junit)
-    counts: dict[str, int] = {}
-    for t in tests:
-        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    counts = count_outcomes(tests)
     summary = {"verdict": verdict(args.status, counts), "commit": args.commit,
                "torch": torch.__version__, "cuda": torch.version.cuda,
                "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .runs import OUT, free_port, join_spawned_group
+from .runs import OUT, free_port, join_spawned_group, write_json
 
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 TINY = {
@@ -211,10 +211,11 @@ def main(argv=None) -> int:
                    help="print the table of this release's saved results, run nothing")
     args = p.parse_args(argv)
     if args.table:
-        path = os.path.join(OUT, f"moe_families-transformers-{transformers.__version__}.json")
-        with open(path) as f:
-            saved = json.load(f)
-        print(table(saved["families"], saved["stages"], saved["world"]))
+        found = saved()
+        if not found:
+            raise SystemExit(f"no saved results for transformers {transformers.__version__}: "
+                             f"run python -m bench.moe_families first")
+        print(table(found["families"], found["stages"], found["world"]))
         return 0
     found = families()
     if args.list:
@@ -252,23 +253,31 @@ def table(rows: dict, stages: list, world: int) -> str:
     return "\n".join(lines)
 
 
+def _results_name() -> str:
+    """This transformers release's results: bench/out/<name>.json."""
+    import transformers
+    return f"moe_families-transformers-{transformers.__version__}"
+
+
+def saved() -> dict:
+    """This release's saved results, or {} before the first run."""
+    path = os.path.join(OUT, f"{_results_name()}.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def write(rows: dict, args) -> str:
     """The rows into this transformers release's JSON, beside the families an earlier run
     there found (a run of a few families updates theirs)."""
     import transformers
-    path = os.path.join(OUT, f"moe_families-transformers-{transformers.__version__}.json")
-    os.makedirs(OUT, exist_ok=True)
-    families = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            earlier = json.load(f)
-        if earlier.get("stages") == args.stages and earlier.get("world") == args.world:
-            families = earlier["families"]
-    families.update(rows)
-    with open(path, "w") as f:
-        json.dump({"transformers": transformers.__version__, "torch": torch.__version__,
-                   "stages": args.stages, "world": args.world, "families": families}, f, indent=1)
-    return path
+    earlier = saved()
+    same_run = earlier.get("stages") == args.stages and earlier.get("world") == args.world
+    families = {**(earlier["families"] if same_run else {}), **rows}
+    return write_json(_results_name(), {
+        "transformers": transformers.__version__, "torch": torch.__version__,
+        "stages": args.stages, "world": args.world, "families": families})
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ import time
 import tomllib
 from pathlib import Path
 
-from .gpu_check_report import outcomes
+from .gpu_check_report import count_outcomes, outcomes
+from .runs import OUT, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "testing.md"
@@ -190,9 +191,7 @@ def run_check(python: str, env: Environment, check: Check, smoke: bool, logs: Pa
     (logs / f"{env.name}-{check.name}.log").write_text(
         " ".join(map(str, command)) + "\n" + (output if isinstance(output, str) else ""))
     tests = outcomes(str(junit))
-    counts: dict[str, int] = {}
-    for t in tests:
-        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    counts = count_outcomes(tests)
     ok = status == 0 and counts.get("passed", 0) > 0
     return {"status": status, "counts": counts, "seconds": seconds, "ok": ok,
             "tests": [t for t in tests if t["outcome"] not in ("passed", "skipped")]}
@@ -274,7 +273,7 @@ def main(argv=None) -> int:
     envs = [by_name[n] for n in names]
     checks = [c for c in CHECKS if (args.checks is None or c.name in args.checks)
               and (c.smoke or not args.smoke)]
-    logs = REPO / "bench" / "out" / "version_matrix"
+    logs = Path(OUT) / "version_matrix"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
 
@@ -306,10 +305,9 @@ def main(argv=None) -> int:
     text = table(envs, results, checks)
     print(text)
     when, at = datetime.date.today().isoformat(), commit()
-    name = "version_matrix_smoke.json" if args.smoke else "version_matrix.json"
-    with open(REPO / "bench" / "out" / name, "w") as f:
-        json.dump({"date": when, "commit": at, "seconds": round(seconds), "smoke": args.smoke,
-                   "results": results}, f, indent=1)
+    write_json("version_matrix_smoke" if args.smoke else "version_matrix",
+               {"date": when, "commit": at, "seconds": round(seconds), "smoke": args.smoke,
+                "results": results})
     complete = not (args.only or args.checks or args.smoke)
     if complete:
         write_doc(text, when, at, seconds)
