@@ -52,12 +52,14 @@ def outside_dynamo_tracing():
         yield
 
 
-def trace_to_aten(fn: Callable, tracing_mode: str = "real") -> Callable[..., GraphModule]:
+def trace_to_aten(fn: Callable, tracing_mode: str = "real",
+                  decompositions: Optional[Mapping] = None) -> Callable[..., GraphModule]:
     """``make_fx(fn)`` without its torch-function metadata mode, which records on each node
     the torch function that made it (``meta["torch_fn"]``, read by nothing of ours nor by
     our lowering) and costs about a third of a trace: capturing a 48-block GPT-2 step took
     7.0-7.8 s with it, 4.9-5.6 s without."""
-    return make_fx(fn, tracing_mode=tracing_mode, _disable_torch_fn_metadata_mode=True)
+    return make_fx(fn, decomposition_table=decompositions, tracing_mode=tracing_mode,
+                   _disable_torch_fn_metadata_mode=True)
 
 
 def splice(

@@ -13,7 +13,13 @@ SEQ = 16
 FEATURES = 12
 HF_MODELS = ("hf_gpt2", "hf_llama", "hf_deepseek_v3")
 """HuggingFace transformers models (tests using them skip when it is not installed)."""
-REGRESSION_MODELS = ("mlp", "scaled_mlp", "complex_rotation")
+TRANSPOSED_GRADIENT_ACTIVATIONS = {
+    "softplus": F.softplus, "elu": F.elu, "hardswish": F.hardswish,
+    "hardsigmoid": F.hardsigmoid, "hardtanh": F.hardtanh,
+    "logit": lambda t: torch.logit(torch.sigmoid(t), eps=1e-3),
+}
+REGRESSION_MODELS = ("mlp", "scaled_mlp", "complex_rotation",
+                     *(f"transposed_{name}" for name in TRANSPOSED_GRADIENT_ACTIVATIONS))
 """Models of ``FEATURES`` inputs and 7 outputs, trained on a mean squared error."""
 BACKEND = "eager"
 """The backend the suite trains with where what a test checks is not the lowering: the step
@@ -173,6 +179,24 @@ class ComplexRotation(nn.Module):
         return torch.view_as_real(rotated).flatten(-2)[..., :7]
 
 
+class TransposedGradient(nn.Module):
+    """A pointwise activation whose gradient comes back transposed, after a reshape of a linear
+    layer's output: Qwen3-Next's ``softplus(a + dt_bias)`` in miniature ([Note: a gradient's
+    layout as traced and as run] in zero_fx/capture/layout_decompositions.py)."""
+
+    def __init__(self, activation: str):
+        super().__init__()
+        self.activation = TRANSPOSED_GRADIENT_ACTIVATIONS[activation]
+        self.lin = nn.Linear(FEATURES, FEATURES)
+        self.mix = nn.Parameter(torch.randn(3, 2))
+        self.head = nn.Linear(8, 7)
+
+    def forward(self, x):
+        gated = self.activation(self.lin(x).view(-1, 3, 4))   # (N, 3, 4), contiguous
+        mixed = gated.transpose(1, 2) @ self.mix                # its gradient: (N, 3, 4) transposed
+        return self.head(mixed.flatten(1))
+
+
 class ScaledMLP(nn.Module):
     """The MLP with a learnt 0-dim temperature (CLIP's ``logit_scale``)."""
 
@@ -200,6 +224,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
         return ScaledMLP()
     if name == "complex_rotation":
         return ComplexRotation()
+    if name.startswith("transposed_"):
+        return TransposedGradient(name.removeprefix("transposed_"))
     if name in HF_MODELS:
         from examples import hf_models
         return {"hf_gpt2": hf_models.tiny_gpt2, "hf_llama": hf_models.tiny_llama,

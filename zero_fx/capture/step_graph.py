@@ -28,6 +28,7 @@ from .accumulated_gradients import sum_accumulated_gradients
 from ..passes.splice import outside_dynamo_tracing, trace_to_aten
 from .errors import CaptureError
 from .inline_checkpoints import inline_checkpoints
+from .layout_decompositions import layout_safe_decompositions
 from .kept_captures import capture_key, keep_capture, kept_capture
 from .scalar_outputs import items_as_tensors
 from ..plan.tensor_parallel import local_tensor
@@ -127,7 +128,7 @@ def _trace(dynamo_gm: GraphModule, example_inputs: Sequence) -> GraphModule:
         fakes = fakes_like_dynamo(example_inputs)
         with torch._guards.TracingContext.get().fake_mode, torch.backends.mkldnn.flags(
                 enabled=False), enable_python_dispatcher():
-            return trace_to_aten(step)(*fakes)
+            return trace_to_aten(step, decompositions=layout_safe_decompositions())(*fakes)
     # A fresh fake mode with static shapes, outside dynamo's tracing context:
     # anything our passes compute on shapes must not become a dynamo guard.
     # [Note: RNNs in the step]: no oneDNN RNN layers in the graph
@@ -135,7 +136,7 @@ def _trace(dynamo_gm: GraphModule, example_inputs: Sequence) -> GraphModule:
         fake_mode = FakeTensorMode()
         fakes = static_fakes(example_inputs, fake_mode)
         with fake_mode:
-            return trace_to_aten(step)(*fakes)
+            return trace_to_aten(step, decompositions=layout_safe_decompositions())(*fakes)
 
 
 def static_fakes(values: Sequence, fake_mode: FakeTensorMode) -> list:
