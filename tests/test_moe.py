@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import tempfile
 import time
 import traceback
 
@@ -38,6 +39,8 @@ import models  # noqa: E402
 from examples import hf_models  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 from training import relative_error, update_errors  # noqa: E402
+from test_checkpoint import assert_same_states  # noqa: E402
+from zero_fx.checkpoint.save_load import load_full  # noqa: E402
 
 import zero_fx  # noqa: E402
 from zero_fx import MixedPrecision, zero_compile  # noqa: E402
@@ -97,6 +100,7 @@ train_step = models.language_model_step
 # -- the distributed runs ---------------------------------------------------------------------
 
 EP_CASES = [("mixtral", 3, "ep2"), ("qwen3_moe", 3, "ep2-capacity")]  # at world size 4
+EP_CHECKPOINT_CASE = ("mixtral", 3, "ep2-checkpoint")  # at world size 4
 """Expert parallelism 2 ([Note: expert parallelism] in zero_fx/plan/expert_parallel.py);
 Qwen3-MoE's with ``expert_capacity_factor`` E / k = 4, the least that never drops a row
 ([Note: expert capacity] in zero_fx/capture/expert_exchange.py): the capacity's code path,
@@ -107,16 +111,18 @@ NO_DROP_CAPACITY = 8 / 2
 def cases(world_size: int) -> list:
     if world_size == FP32_WORLD:
         return [(name, stage, "fp32") for name in MOE_MODELS for stage in STAGES] + BF16_CASES
-    return EP_CASES
+    return EP_CASES + [EP_CHECKPOINT_CASE]
 
 
-def moe_rank(rank: int, world_size: int, case_list: list, steps: int) -> dict:
+def moe_rank(rank: int, world_size: int, case_list: list, steps: int, folder: str) -> dict:
     """Every case in turn on this rank's slice of each global batch."""
     results = {}
     for name, stage, precision in case_list:
         try:
-            results[name, stage, precision] = moe_case(rank, world_size, name, stage, precision,
-                                                       steps)
+            results[name, stage, precision] = (
+                ep_checkpoint_case(rank, world_size, name, folder)
+                if precision == "ep2-checkpoint"
+                else moe_case(rank, world_size, name, stage, precision, steps))
         except Exception:  # one case's failure fails its own test, not every case's
             results[name, stage, precision] = CaseFailed(traceback.format_exc())
     return results
@@ -156,10 +162,47 @@ def moe_case(rank: int, world_size: int, name: str, stage: int, variant: str,
     }
 
 
+def ep_checkpoint_case(rank: int, world_size: int, name: str, folder: str) -> dict:
+    """[Note: checkpoints under expert parallelism]: 2 steps at expert parallelism 2, saved
+    ("ep2"), then a third; a fresh model and step at expert parallelism 2, and one without,
+    each load that checkpoint, save it again ("ep2-again", "ep1") and take the third step."""
+    runs = {}
+    for run, degree in (("ep2", 2), ("ep2-again", 2), ("ep1", 1)):
+        model = build_moe(name, layers=LAYERS, seed=0 if run == "ep2" else 1)
+        opt = models.make_optimizer(model)  # AdamW: state of two tensors per parameter
+        step = zero_compile(train_step, stage=3, backend=models.BACKEND,
+                            expert_parallel=degree)
+        if run == "ep2":
+            for i in range(2):
+                step(model, opt, tokens(i).chunk(world_size)[rank])
+        else:
+            step.load_checkpoint(f"{folder}/ep2", model, opt)
+        step.save_checkpoint(f"{folder}/{run}")
+        loss = step(model, opt, tokens(2).chunk(world_size)[rank]).item()
+        runs[run] = {"loss": loss, "state": step.full_state_dict(cpu_offload=False)}
+    return runs
+
+
+def ep_checkpoint_at_one_rank(rank: int, world_size: int, name: str, folder: str) -> dict:
+    """The expert-parallel checkpoint loaded by one process and saved again ("one")."""
+    model = build_moe(name, layers=LAYERS, seed=1)
+    opt = models.make_optimizer(model)  # AdamW: state of two tensors per parameter
+    step = zero_compile(train_step, stage=3, backend=models.BACKEND)
+    step.load_checkpoint(f"{folder}/ep2", model, opt)
+    step.save_checkpoint(f"{folder}/one")
+    return {"state": step.full_state_dict(cpu_offload=False)}
+
+
+@functools.lru_cache(maxsize=None)
+def checkpoint_folder() -> str:
+    """Where the world-4 launch's expert-parallel checkpoints go."""
+    return tempfile.mkdtemp(prefix="zero_fx-moe-")
+
+
 @functools.lru_cache(maxsize=None)
 def _moe_run(world_size: int):
     try:
-        return run_ranks(world_size, moe_rank, cases(world_size), STEPS)
+        return run_ranks(world_size, moe_rank, cases(world_size), STEPS, checkpoint_folder())
     except Exception as err:  # cached too: a failed launch is not repeated by every test
         return err
 
@@ -252,6 +295,33 @@ def test_expert_parallel_trains_as_single_process(case):
     assert ("takes at most 4x an even spread's rows" in results[0]["explain"]) == (
         variant == "ep2-capacity")
     assert "this rank runs experts 4-7" in results[1]["explain"]
+
+
+def test_expert_parallel_checkpoints_load_at_another_degree_and_at_one_rank():
+    """Saved at expert parallelism 2 on 4 ranks, loaded at 2 again, at 1 (every rank holds
+    every expert) and by one process, each saved again: bitwise the same parameters and
+    optimizer state. The step after the load at 2 is bitwise the uninterrupted run's; at 1
+    (the experts' gradients reduced over other groups) its update is within parity."""
+    name = EP_CHECKPOINT_CASE[0]
+    results = moe_run(4, EP_CHECKPOINT_CASE)
+    folder = checkpoint_folder()
+    one = run_ranks(1, ep_checkpoint_at_one_rank, name, folder)[0]
+    assert_same_states([f"{folder}/{run}" for run in ("ep2", "ep2-again", "ep1", "one")])
+    saved = load_full(f"{folder}/ep2")
+    params = [k for k in one["state"] if f"model.{k}" in saved]
+    assert any(".experts." in k for k in params)
+    for key in params:
+        assert torch.equal(one["state"][key], saved[f"model.{key}"]), key
+    for r in results:
+        uninterrupted, again, without = r["ep2"], r["ep2-again"], r["ep1"]
+        assert again["loss"] == uninterrupted["loss"]
+        assert all(torch.equal(again["state"][k], v) for k, v in uninterrupted["state"].items())
+        assert abs(without["loss"] - uninterrupted["loss"]) <= PARITY * uninterrupted["loss"]
+    initial = {k: saved[f"model.{k}"] for k in params}
+    uninterrupted = {k: results[0]["ep2"]["state"][k] for k in params}
+    assert_updates_within(update_errors([{"params": r["ep1"]["state"]} for r in results],
+                                        {"params": uninterrupted, "initial": initial}),
+                          UPDATE_PARITY)
 
 
 def assert_trains_like_eager(name: str, results: list, world_size: int) -> None:

@@ -29,6 +29,18 @@ anything (any shard group); a run that splits it otherwise (another "tp" degree,
 none: a flat world, one rank) reads the whole ``[tp, piece numel]`` entry on every rank,
 puts the pieces back together along the split dimension and cuts its own piece and
 shard: one whole parameter (and state tensor) at a time in host memory on each rank.
+
+[Note: checkpoints under expert parallelism]
+A routed expert under expert parallelism lives on the ranks of one expert-data-parallel
+group only (the ``W/P`` ranks at its place: [Note: expert parallelism] in
+zero_fx/plan/expert_parallel.py), sharded over them as any parameter is over the world.
+It is saved under the same key and logical shape as without expert parallelism (flat,
+unpadded), by those ranks alone: a ``DTensor`` sharded on dimension 0 over a mesh of that
+group, and no entry at all on the ranks that do not hold it, parameter and optimizer state
+alike. DCP's metadata then holds the whole expert, pieced from the group's chunks, and
+any run reads it back as it reads any parameter: at another degree (each rank asks for
+its range over its own group), without expert parallelism (over the world), at one rank
+(whole). Nothing is gathered, and a rank writes only what it holds.
 """
 
 from __future__ import annotations
@@ -58,7 +70,6 @@ log = logging.getLogger("zero_fx")
 
 def save(state: ShardedState, path: str, counters: dict, extra: Any = None) -> None:
     """Write ``state`` (and the runtime's ``counters``, ``extra``) to ``path``; a collective."""
-    _refuse_expert_parallel(state, "save_checkpoint")
     path = os.fspath(path)
     world = state.world
     _on_rank_0(world, path, prepare_save, path)
@@ -86,7 +97,6 @@ def save(state: ShardedState, path: str, counters: dict, extra: Any = None) -> N
 def load(state: ShardedState, path: str) -> tuple[dict, Any]:
     """Read ``path`` into ``state`` (any world size or stage it was saved at); return the
     saved runtime counters and ``extra``. A collective."""
-    _refuse_expert_parallel(state, "load_checkpoint")
     path = _readable(os.fspath(path))
     manifest = read_manifest(path)
     _check_files_on_all_ranks(state, path, manifest)
@@ -121,14 +131,18 @@ def load(state: ShardedState, path: str) -> tuple[dict, Any]:
 def _tensors(state: ShardedState, mesh) -> dict[str, Any]:
     """Every tensor entry, each a view of the tensor it is saved from or loaded into."""
     entries: dict[str, Any] = {}
+    expert_mesh = _expert_mesh(state) if state.plan.expert_parallel is not None else None
     for layout in state.plan.params:
+        if not state.plan.holds(layout.name):  # [Note: checkpoints under expert parallelism]
+            continue
         shard = state.shards[layout.name]
-        entries[f"model.{layout.name}"] = _logical(shard, layout, state, mesh)
+        its_mesh = expert_mesh if state.plan.is_expert(layout.name) else mesh
+        entries[f"model.{layout.name}"] = _logical(shard, layout, state, its_mesh)
         for key, value in state.optimizer.state.get(shard, {}).items():
             if not isinstance(value, torch.Tensor):
                 continue
             per_element = value.ndim > 0 and value.numel() == shard.numel()
-            entries[f"optim.{layout.name}.{key}"] = (_logical(value, layout, state, mesh)
+            entries[f"optim.{layout.name}.{key}"] = (_logical(value, layout, state, its_mesh)
                                                      if per_element else value)
     for name, buffer in persistent_buffers(state.model).items():
         entries[f"buffers.{name}"] = buffer
@@ -143,7 +157,7 @@ def _logical(tensor: torch.Tensor, layout, state: ShardedState, mesh):
     flat = tensor.detach().view(-1)
     if state.plan.replicated or mesh is None:
         return flat[:layout.numel]
-    start, stop = layout.owned_range(state.world.rank)
+    start, stop = layout.owned_range(state.plan.shard_rank(layout.name))
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     split = tensor_parallel_split(state.plan, layout.name) is not None
@@ -399,6 +413,19 @@ def _mesh(state: ShardedState):
     return init_device_mesh(_device(state).type, (state.world.size,))
 
 
+def _expert_mesh(state: ShardedState):
+    """The mesh a held routed expert is laid out on under expert parallelism: its
+    expert-data-parallel group's; None where that group is this rank alone (it holds the
+    expert whole). [Note: checkpoints under expert parallelism]"""
+    parallel = state.plan.expert_parallel
+    if parallel.data_size == 1:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = dist.distributed_c10d._resolve_process_group(parallel.data_group_name)
+    return DeviceMesh.from_group(group, _device(state).type)  # no collective: the group exists
+
+
 @contextlib.contextmanager
 def _single_process_quietly():
     """DCP warns that it "assumes the intent" of a single process even when told so."""
@@ -445,19 +472,6 @@ def _readable(path: str) -> str:
         log.warning("zero_fx: a save into %s was interrupted after moving the previous checkpoint "
                     "aside; loading it from %s (the next save puts it back)", path, found)
     return found
-
-
-def _refuse_expert_parallel(state: ShardedState, what: str) -> None:
-    """Sharded checkpoints describe each parameter as one run of shards over every rank; a
-    routed expert under expert parallelism lives on some ranks only, which they do not
-    describe yet."""
-    if state.plan.expert_parallel is not None:
-        raise NotImplementedError(
-            f"{what} with expert_parallel={state.plan.expert_parallel.degree}: sharded "
-            "checkpoints do not hold experts split over ranks yet. Save the whole state "
-            "instead (step.full_state_dict(), on every rank; torch.save it on rank 0), and "
-            "to resume, load it into the model with model.load_state_dict before the step's "
-            "first call")
 
 
 def load_full(path: str) -> dict[str, torch.Tensor]:
