@@ -137,9 +137,13 @@ def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_s
     """
     ranks = mean_over or world_size * replicas
     grads = [cast(g, dtype) for g in grads]
-    if world_size == 1:
+    if world_size == 1:  # the whole gradient is this rank's shard (a routed expert's, say)
         flat = [torch.nn.functional.pad(g.reshape(-1), (0, p)) if p else g.reshape(-1)
                 for g, p in zip(grads, paddings)]
+        if replicas > 1:  # still summed across the replicas, in one collective
+            summed = _c10d.wait_tensor(_c10d.all_reduce(
+                torch.cat(flat) if len(flat) > 1 else flat[0], "sum", replicate_group_name))
+            flat = list(summed.split([f.numel() for f in flat]))
         flat = flat if ranks == 1 else [_average(f, ranks) for f in flat]
         return [copy_to_host(f) for f in flat] if to_host else flat
     rows = [g if g.dim() == 1 or (g.dim() > 1 and g.shape[0] % world_size == 0) else g.reshape(-1)

@@ -26,7 +26,7 @@ EXPERTS = "model.layers.0.mlp.experts"
 
 
 @pytest.mark.parametrize("options, words", [
-    (dict(stage=2, expert_parallel=2), "needs stage=3"),
+    (dict(stage=0, expert_parallel=2), "needs stage 1, 2 or 3"),
     (dict(stage=3, expert_parallel=0), "int >= 1"),
     (dict(stage=3, expert_parallel=True), "int >= 1"),
 ])

@@ -37,7 +37,7 @@ transformers = pytest.importorskip("transformers")
 
 import models  # noqa: E402
 from examples import hf_models  # noqa: E402
-from ranks import run_ranks  # noqa: E402
+from ranks import run_ranks, with_mesh  # noqa: E402
 from training import relative_error, update_errors  # noqa: E402
 from test_checkpoint import assert_same_states  # noqa: E402
 from zero_fx.checkpoint.save_load import load_full  # noqa: E402
@@ -99,12 +99,15 @@ train_step = models.language_model_step
 
 # -- the distributed runs ---------------------------------------------------------------------
 
-EP_CASES = [("mixtral", 3, "ep2"), ("qwen3_moe", 3, "ep2-capacity")]  # at world size 4
+EP_CASES = [("mixtral", 3, "ep2"), ("qwen3_moe", 3, "ep2-capacity"), ("mixtral", 2, "ep2"),
+            ("mixtral", 3, "ep2-hybrid"), ("qwen3_moe", 1, "ep2-hybrid")]  # at world size 4
 EP_CHECKPOINT_CASE = ("mixtral", 3, "ep2-checkpoint")  # at world size 4
 """Expert parallelism 2 ([Note: expert parallelism] in zero_fx/plan/expert_parallel.py);
 Qwen3-MoE's with ``expert_capacity_factor`` E / k = 4, the least that never drops a row
 ([Note: expert capacity] in zero_fx/capture/expert_exchange.py): the capacity's code path,
-which must then give the same numbers."""
+which must then give the same numbers. Stages 1 and 2 ([Note: expert parallelism at stages 1
+and 2] in zero_fx/runtime/sharded_state.py), and a 2 x 2 hybrid mesh ("ep2-hybrid": experts
+split inside each replica's shard group, their gradients summed across the replicas)."""
 NO_DROP_CAPACITY = 8 / 2
 
 
@@ -144,7 +147,8 @@ def moe_case(rank: int, world_size: int, name: str, stage: int, variant: str,
     step = zero_compile(train_step, stage=stage, backend=models.BACKEND,
                         mixed_precision=BF16 if variant.startswith("bf16") else None,
                         expert_parallel=2 if "ep2" in variant else 1,
-                        expert_capacity_factor=NO_DROP_CAPACITY if variant == "ep2-capacity" else None)
+                        expert_capacity_factor=NO_DROP_CAPACITY if variant == "ep2-capacity" else None,
+                        **with_mesh({"mesh": (2, 2) if variant.endswith("hybrid") else None}))
     losses = [step(model, opt, tokens(i).chunk(world_size)[rank]).item() for i in range(steps - 1)]
     with step.counting_collectives() as counted:
         losses.append(step(model, opt, tokens(steps - 1).chunk(world_size)[rank]).item())

@@ -145,11 +145,12 @@ def zero_compile(
             shards), mesh_dim_names=("replicate", "shard"))``: hybrid sharding, sharded
             within each shard group (a node) and replicated across them, the gradient
             shards all-reduced across replicas. 1-D or None: flat.
-        expert_parallel: stage 3, mixture-of-experts models: split each block's routed
-            experts over this many consecutive ranks (a divisor of the world size and of
-            the experts per block); tokens travel to their experts' ranks by all-to-all
-            and back, and each expert is sharded over the ranks holding it. 1 (default):
-            every rank runs every expert.
+        expert_parallel: stages 1-3, mixture-of-experts models: split each block's routed
+            experts over this many consecutive ranks (a divisor of the world size, of the
+            shard group's on a hybrid mesh, and of the experts per block); tokens travel to
+            their experts' ranks by all-to-all and back, and each expert is sharded over the
+            ranks holding it (stage 3; stages 1-2 keep it whole there). 1 (default): every
+            rank runs every expert.
         expert_capacity_factor: with ``expert_parallel``: each expert takes at most this
             many times an even spread's rows, dropping the rest (zero output, GShard's
             capacity factor), which bounds the received rows' buffer to about this many

@@ -579,14 +579,14 @@ def check_expert_parallel(degree, stage: int, mesh, capacity_factor=None) -> Non
                              "leave the factor out")
     if degree == 1:
         return
-    if stage != 3:
-        raise ValueError(f"expert_parallel={degree} needs stage=3: it splits the experts' "
-                         f"parameters over ranks, and stages 0-2 keep every parameter whole on "
-                         f"every rank (got stage={stage})")
-    if mesh is not None and mesh.ndim > 1:
-        raise ValueError(f"expert_parallel={degree} with a hybrid mesh is not supported yet: "
-                         "use a flat world (mesh=None) with expert parallelism, or the mesh "
-                         "without it")
+    if stage == 0:
+        raise ValueError(f"expert_parallel={degree} needs stage 1, 2 or 3: it splits the "
+                         f"experts and their optimizer state over ranks, and stage 0 keeps "
+                         f"every parameter and its state whole on every rank")
+    if mesh is not None and mesh.ndim > 1 and tuple(mesh.mesh_dim_names) != ("replicate", "shard"):
+        raise ValueError(f"expert_parallel={degree} on a mesh of dimensions "
+                         f"{mesh.mesh_dim_names}: expert parallelism takes a flat world or a "
+                         "('replicate', 'shard') mesh, not tensor parallelism")
 
 
 OFFLOAD_MODES = (None, "optimizer", "parameters", "auto")

@@ -260,7 +260,12 @@ def traffic_report(gm: GraphModule, plan, expert_prefixes: tuple[str, ...] = ())
                                           plan.reduce_dtype, list(grad_slots(gm).values()),
                                           group=REPLICATE_GROUP)
     if plan.world_size > 1 and plan.gathers_after_step:
-        trainable = [layout.name for layout in plan.params if layout.requires_grad]
+        # under expert parallelism a rank gathers its own experts only, over the ranks
+        # holding them, and nothing where it holds them alone ([Note: expert parallelism at
+        # stages 1 and 2] in zero_fx/runtime/sharded_state.py)
+        trainable = [layout.name for layout in plan.params
+                     if layout.requires_grad and plan.holds(layout.name)
+                     and plan.collective_group(layout.name)[0] > 1]
         collectives += _outside_graph(plan, "all_gather", "after step", plan.compute_dtype,
                                       trainable)
     parallel = getattr(plan, "expert_parallel", None)

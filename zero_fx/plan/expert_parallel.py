@@ -22,7 +22,12 @@ place (``i``, ``i + P``, ...) hold the same experts: their expert-data-parallel 
   it; the reduce-scatter over the ``D`` ranks holding it adds the other groups', so it is
   divided by ``W``, not ``D`` (DeepSpeed divides expert gradients the same way).
 
-Only stage 3 splits experts: stages 0-2 keep every parameter whole on every rank.
+Stages 1 and 2 split the experts the same way, each rank keeping its own whole
+([Note: expert parallelism at stages 1 and 2] in zero_fx/runtime/sharded_state.py); stage 0
+keeps every parameter and its optimizer state whole on every rank, so it has none. On a
+hybrid mesh ``("replicate", "shard")`` the groups are made inside each replica's shard
+group, so an expert's replicas sit at the same place and its gradient, reduced over its
+expert-data-parallel group, is then summed across the replicas like every other shard's.
 """
 
 from __future__ import annotations

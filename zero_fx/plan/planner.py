@@ -549,9 +549,8 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
         raise ValueError(f"{world_size} ranks do not split evenly over {nodes} nodes")
     degrees = tuple(dict.fromkeys(expert_parallel))
     if degrees and stage != 3:
-        raise ValueError(f"expert parallelism needs stage 3 (it splits the experts' sharded "
-                         f"weights over ranks; stages 0-2 keep every parameter whole on every "
-                         f"rank), got stage {stage}")
+        raise ValueError(f"planning expert parallelism needs stage 3: the planner estimates it "
+                         f"there only (training runs it at stages 1 and 2 too), got stage {stage}")
     if degrees and seq is None:
         raise ValueError("expert parallelism is planned from the step's working set: give seq "
                          "(--seq) too")

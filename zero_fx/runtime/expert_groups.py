@@ -34,19 +34,20 @@ def split_experts(model: torch.nn.Module, blocks: Sequence[RoutedExperts], world
     if world.size % degree:
         raise ValueError(f"expert_parallel={degree} must divide the {world.size} ranks: each "
                          f"group of {degree} consecutive ranks splits the experts")
-    ranks = dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(
-        world.group_name))
-    size = len(ranks) // degree
+    size = world.size // degree
     timeout = world_timeout()
     mine_parallel = mine_data = None
-    for first in range(0, len(ranks), degree):  # groups of consecutive ranks exchange tokens
-        group = dist.new_group(ranks[first:first + degree], timeout=timeout)
-        if world.rank // degree == first // degree:
-            mine_parallel = group
-    for place in range(degree):  # the ranks at one place hold the same experts
-        group = dist.new_group(ranks[place::degree], timeout=timeout)
-        if world.rank % degree == place:
-            mine_data = group
+    # every rank makes every group, in one order (new_group is a collective of the default
+    # group); on a hybrid mesh, those of each replica's shard group
+    for ranks in _shard_groups(world):
+        for first in range(0, len(ranks), degree):  # consecutive ranks exchange tokens
+            group = dist.new_group(ranks[first:first + degree], timeout=timeout)
+            if world.global_rank in ranks[first:first + degree]:
+                mine_parallel = group
+        for place in range(degree):  # the ranks at one place hold the same experts
+            group = dist.new_group(ranks[place::degree], timeout=timeout)
+            if world.global_rank in ranks[place::degree]:
+                mine_data = group
     parallel = ExpertParallel(
         degree=degree, rank=world.rank % degree, group_name=mine_parallel.group_name,
         data_size=size, data_rank=world.rank // degree, data_group_name=mine_data.group_name,
@@ -56,3 +57,14 @@ def split_experts(model: torch.nn.Module, blocks: Sequence[RoutedExperts], world
     hold_local_experts(model, list(blocks), degree, parallel.rank, parallel.group_name,
                        capacity_factor)
     return parallel
+
+
+def _shard_groups(world: World) -> list[list[int]]:
+    """The global ranks of every shard group: the world's, or on a hybrid mesh
+    ``("replicate", "shard")`` one per replica, each sharding the model the same way (the
+    replicas' experts then line up: each expert's replicas all-reduce over "replicate")."""
+    mesh = world.mesh
+    if mesh is None or mesh.ndim == 1:
+        return [dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(
+            world.group_name))]
+    return mesh.mesh.tolist()  # ("replicate", "shard"): config.check_expert_parallel

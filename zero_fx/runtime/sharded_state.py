@@ -43,6 +43,15 @@ class ShardedState:
     gradients. Gathering inside the next step's graph instead would free each
     parameter after its last backward use and blur stages 1 and 2 together.
 
+    [Note: expert parallelism at stages 1 and 2]
+    Under expert parallelism a rank runs only its own experts ([Note: expert parallelism]
+    in zero_fx/plan/expert_parallel.py), so in stages 1-2 it keeps only those whole: the
+    other ranks' experts are freed as in stage 3 (the graph never reads them), the update
+    is gathered into this rank's experts over its expert-data-parallel group (the ranks
+    holding the same experts), and whole values of every expert (``full_parameters``,
+    checkpoints) come from the masters, as in stage 3. ``model.state_dict()`` is refused:
+    it would hold empty tensors for the experts of other ranks.
+
     [Note: freed parameters]
     In stage 3 the model keeps its ``nn.Parameter`` objects, with their shapes
     and dtypes, but their storage is resized to zero bytes: dynamo still traces
@@ -116,6 +125,12 @@ class ShardedState:
         if plan.params_sharded:
             model.register_forward_pre_hook(self._refuse_sharded_forward)
             model.register_state_dict_pre_hook(self._refuse_sharded_state_dict)
+        elif plan.expert_parallel is not None:  # [Note: expert parallelism at stages 1 and 2]
+            with torch.no_grad():
+                for name in plan.expert_parallel.slices:
+                    if not plan.holds(name):
+                        local_tensor(self.params[name]).untyped_storage().resize_(0)
+            model.register_state_dict_pre_hook(self._refuse_sharded_state_dict)
         for module in model.modules():
             if any(True for _ in module.parameters()):
                 module._apply = RefuseConversion(module)
@@ -162,7 +177,8 @@ class ShardedState:
         gather: stage 3, or stages 1-2 under mixed precision (the model's whole parameters
         then hold the compute dtype)."""
         return not self.plan.replicated and (self.plan.params_sharded
-                                             or self.plan.compute_dtype is not None)
+                                             or self.plan.compute_dtype is not None
+                                             or self.plan.expert_parallel is not None)
 
     def _check_optimizer_params(self) -> None:
         foreign = [
@@ -317,7 +333,7 @@ class ShardedState:
         are not that (a collective: call it on every rank)."""
         if self.plan.replicated:
             return {name: shard.detach().clone() for name, shard in self.shards.items()}
-        if not self.plan.params_sharded and self.plan.compute_dtype is None:
+        if not self.masters_sharded:
             return {name: self._whole(name, self.local(name).detach().clone())
                     for name in self.params}
         return {name: self._whole(name, self._gather([name], [shard.detach()])[0].clone())
@@ -457,6 +473,12 @@ class ShardedState:
     def _refuse_sharded_state_dict(self, module, prefix, keep_vars) -> None:
         if self.gathered or torch.compiler.is_compiling():
             return
+        if not self.plan.params_sharded:  # [Note: expert parallelism at stages 1 and 2]
+            raise RuntimeError(
+                f"with expert_parallel={self.plan.expert_parallel.degree} each rank keeps only "
+                "its own experts whole, so model.state_dict() would save empty tensors for the "
+                "others; use train_step.full_state_dict() (on every rank) for every parameter "
+                "whole, or train_step.save_checkpoint(path)")
         raise RuntimeError(
             "the model's parameters are sharded by its @zero_compile step (stage 3) and hold no "
             "values, so model.state_dict() would save empty tensors; take it inside `with "
@@ -468,8 +490,14 @@ class ShardedState:
         parameters, one collective per bucket in plan order; a freed (stage 3) parameter gets
         its storage back first."""
         for bucket in self.plan.buckets(names):
-            fulls = self._gather(bucket, [self.shards[name].detach() for name in bucket],
-                                 dtype=self.plan.compute_dtype)
+            if self.plan.is_expert(bucket[0]) and not self.plan.params_sharded:
+                bucket = [name for name in bucket if self.plan.holds(name)]
+                if not bucket:
+                    continue
+                fulls = self._gather_among_holders(bucket)
+            else:
+                fulls = self._gather(bucket, [self.shards[name].detach() for name in bucket],
+                                     dtype=self.plan.compute_dtype)
             for name, full in zip(bucket, fulls):
                 param = self.local(name)
                 if param.untyped_storage().nbytes() == 0:
@@ -485,6 +513,16 @@ class ShardedState:
         return gather_bucket(*shards, numels=[l.numel for l in layouts],
                              shapes=[l.shape for l in layouts], world_size=self.world.size,
                              group_name=self.world.group_name, dtype=dtype)
+
+    def _gather_among_holders(self, names: list[str]) -> list[torch.Tensor]:
+        """Stages 1-2 under expert parallelism: this rank's experts ``names`` whole, gathered
+        over the ranks that hold them ([Note: expert parallelism at stages 1 and 2])."""
+        parallel = self.plan.expert_parallel
+        layouts = [self.plan.layout(name) for name in names]
+        return gather_bucket(*[self.shards[name].detach().to(self.device) for name in names],
+                             numels=[l.numel for l in layouts], shapes=[l.shape for l in layouts],
+                             world_size=parallel.data_size, group_name=parallel.data_group_name,
+                             dtype=self.plan.compute_dtype)
 
     def _gather_expert(self, name: str, shard: torch.Tensor,
                        dtype: Optional[torch.dtype] = None) -> torch.Tensor:
