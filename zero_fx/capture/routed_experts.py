@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .expert_exchange import dispatch_and_combine
+from .fused_experts import route_fused_experts_with_fixed_shapes
 from .grouped_mm import grouped_linear
 from .step_graph import CaptureError
 
@@ -143,6 +144,8 @@ def route_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True) -
             found.append(_install(name, block, shape, confirm))
         except _NotRewritten as why:
             unrecognised.append(str(why))
+    # experts held as 3-D parameters and looped over: [Note: fused experts that loop]
+    unrecognised += route_fused_experts_with_fixed_shapes(model, confirm=confirm)[1]
     if found:
         log.info("zero_fx: %d mixture-of-experts block(s) routed with fixed shapes (%s, %d "
                  "experts, top-%d)", len(found), found[0].routing, found[0].num_experts,

@@ -1,0 +1,146 @@
+"""Experts held as stacked 3-D parameters and looped over in Python: the same in fixed shapes.
+
+[Note: fused experts that loop]
+transformers 5 holds a block's experts as two 3-D parameters, ``gate_up_proj`` (E, 2I, H)
+and ``down_proj`` (E, H, I), in a module called as ``experts(hidden_states, top_k_index,
+top_k_weights)``. Most families decorate that module with transformers'
+``use_experts_implementation``, which runs it as one grouped matmul in fixed shapes, and it
+captures as it is. A few write their own loop over the experts the tokens chose
+(LongCat-Flash: ``for expert_idx_tensor in expert_hit: ... int(expert_idx_tensor.item())``),
+a count and sizes the data decides, which one graph cannot hold.
+
+zero_fx gives such a module (3-D ``gate_up_proj`` and ``down_proj``, not decorated) the
+fixed-shape forward of [Note: routed experts with fixed shapes] (routed_experts.py): the T*k
+(token, expert) pairs sorted by expert, each row through its expert as two grouped matmuls
+(``F.linear`` by each expert's slice, the gate and up halves, ``act_fn(gate) * up``), scaled
+by its weight and added back to its token. Experts past ``down_proj``'s count (LongCat's
+"zero-computation experts", ``nn.Identity``) pass their row through. Before it is
+installed the module's own forward and this one run on one random input and routing, and
+it is kept only if both the output and every gradient agree ([Note: a rewrite proves
+itself]); otherwise the module is left as it is, and the capture error says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .grouped_mm import grouped_linear
+
+log = logging.getLogger("zero_fx")
+
+Tensor = torch.Tensor
+
+
+class FixedShapeFusedExperts:
+    """The fixed-shape forward of one looping fused-experts module (the note)."""
+
+    def __init__(self, module: nn.Module):
+        self._module = module
+
+    def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        return fused_experts_forward(self._module, hidden_states, top_k_index, top_k_weights)
+
+    def __deepcopy__(self, memo):
+        return type(self)(memo.get(id(self._module), self._module))
+
+
+def fused_experts_forward(module: nn.Module, hidden: Tensor, top_k_index: Tensor,
+                          top_k_weights: Tensor) -> Tensor:
+    gate_up, down = module.gate_up_proj, module.down_proj
+    routed = down.shape[0]
+    tokens, k = top_k_index.shape
+    expert_of_pair = top_k_index.reshape(-1)
+    order = torch.argsort(expert_of_pair, stable=True)
+    expert_of_row = expert_of_pair[order]
+    token_of_row = torch.div(order, k, rounding_mode="floor")
+    rows = hidden[token_of_row]
+    counts = torch.bincount(expert_of_row, minlength=gate_up.shape[0])[:routed]
+    offs = torch.cumsum(counts, 0).to(torch.int32)  # identity experts' rows come last
+    group_of_row = expert_of_row.clamp(max=routed - 1)
+    gate, up = grouped_linear(rows, gate_up[:routed], None, offs, group_of_row).chunk(2, dim=-1)
+    out = grouped_linear(module.act_fn(gate) * up, down, None, offs, group_of_row)
+    out = torch.where((expert_of_row < routed).unsqueeze(-1), out, rows)
+    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    return torch.zeros_like(hidden).index_add(0, token_of_row, out.to(hidden.dtype))
+
+
+def looping_fused_experts(module: nn.Module) -> bool:
+    """A module of the note's shape: 3-D ``gate_up_proj`` and ``down_proj``, an ``act_fn``,
+    and not dispatched by transformers' experts interface (which sets ``has_gate``)."""
+    gate_up, down = (getattr(module, n, None) for n in ("gate_up_proj", "down_proj"))
+    return (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)
+            and gate_up.dim() == 3 and down.dim() == 3 and callable(getattr(module, "act_fn", None))
+            and not hasattr(module, "has_gate")
+            and gate_up.shape[0] >= down.shape[0] and gate_up.shape[1] == 2 * down.shape[2]
+            and gate_up.shape[2] == down.shape[1])
+
+
+def route_fused_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True
+                                          ) -> tuple[list[str], list[str]]:
+    """Install the note's forward on every looping fused-experts module of ``model`` that it
+    reproduces; (names rewritten, reasons for those left as they are)."""
+    rewritten, left = [], []
+    for name, module in model.named_modules():
+        if isinstance(module.__dict__.get("forward"), FixedShapeFusedExperts):
+            rewritten.append(name)
+            continue
+        if not looping_fused_experts(module):
+            continue
+        why = None if not confirm else _differs(module)
+        if why is None:
+            module.forward = FixedShapeFusedExperts(module)
+            rewritten.append(name)
+        else:
+            left.append(f"module {name!r} ({type(module).__name__}) holds its experts as 3-D "
+                        f"gate_up_proj and down_proj, but zero_fx's fixed-shape forward for "
+                        f"them {why}")
+    if rewritten:
+        log.info("zero_fx: %d fused-experts module(s) routed with fixed shapes ([Note: fused "
+                 "experts that loop])", len(rewritten))
+    return rewritten, left
+
+
+def _differs(module: nn.Module) -> Optional[str]:
+    """None if the fixed-shape forward computes what ``module``'s own does, forward and
+    backward, on a random input and routing; else what differs."""
+    original = type(module).forward
+    total = module.gate_up_proj.shape[0]
+    hidden_size = module.gate_up_proj.shape[2]
+    top_k = min(2, total)
+    device = module.gate_up_proj.device
+    if module.gate_up_proj.is_meta or device.type == "meta":
+        return None  # nothing to run: the planner's fakes (the arithmetic is not planned)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        tokens = 4 * total
+        hidden = torch.randn(tokens, hidden_size, device=device, dtype=module.gate_up_proj.dtype)
+        index = torch.rand(tokens, total, device=device).argsort(-1)[:, :top_k]
+        weights = torch.rand(tokens, top_k, device=device, dtype=hidden.dtype)
+        params = [p for p in module.parameters() if p.requires_grad]
+        results = []
+        for forward in (lambda *a: original(module, *a), lambda *a: fused_experts_forward(module, *a)):
+            x, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+            try:
+                with torch.enable_grad():
+                    out = forward(x, index, w)
+                    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
+                                            dtype=out.dtype).to(device)
+                    grads = torch.autograd.grad(out, [x, w, *params], cotangent, allow_unused=True)
+            except Exception as err:  # noqa: BLE001 - a module this forward cannot run
+                return f"fails on a random input ({type(err).__name__}: {err})"
+            results.append((out.detach(), grads))
+    (expected, expected_grads), (got, got_grads) = results
+    if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item()):
+        return "does not reproduce its output on a random input"
+    names = ["the input", "the routing weights",
+             *(n for n, p in module.named_parameters() if p.requires_grad)]
+    for name, e, g in zip(names, expected_grads, got_grads):
+        e = torch.zeros(()) if e is None else e
+        g = torch.zeros(()) if g is None else g
+        if not torch.allclose(g, e, rtol=1e-4, atol=1e-5 * e.abs().max().item() + 1e-12):
+            return f"reproduces its output but not the gradient of {name}"
+    return None
