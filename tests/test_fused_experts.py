@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from test_api import standard_step
 from training import update_errors
 
 from zero_fx import zero_compile
@@ -85,14 +86,6 @@ def test_a_layout_it_does_not_compute_is_left_with_the_reason():
     assert "does not reproduce its output" in left[0] and "'experts'" in left[0]
 
 
-def _step(model, opt, x, y):
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
-
-
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_looping_fused_experts_model_trains_like_eager(stage):
     """Captured in one graph (the loop would not: a count the data decides), each update
@@ -101,12 +94,12 @@ def test_a_looping_fused_experts_model_trains_like_eager(stage):
     eager = copy.deepcopy(model)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager))
-    step = zero_compile(_step, stage=stage, backend="aot_eager", on_graph_break="error")
+    step = zero_compile(standard_step, stage=stage, backend="aot_eager", on_graph_break="error")
     for i in range(3):
         g = torch.Generator().manual_seed(i)
         x, y = torch.randn(16, HIDDEN, generator=g), torch.randn(16, 7, generator=g)
         step(model, opt, x, y)
-        _step(eager, eager_opt, x, y)
+        standard_step(eager, eager_opt, x, y)
     errors = update_errors([{"params": step.full_parameters()}],
                            {"params": dict(eager.named_parameters()), "initial": initial})
     assert max(errors.values()) < 1e-5, max(errors, key=errors.get)
