@@ -105,3 +105,20 @@ def test_a_looping_fused_experts_model_trains_like_eager(stage):
     assert max(errors.values()) < 1e-5, max(errors, key=errors.get)
 
 
+
+
+def test_the_planner_counts_experts_held_as_3d_parameters():
+    """transformers 5's layout: the plan's mixture-of-experts line counts them (top-k read
+    from the block), and expert parallelism, which does not split them yet, says so."""
+    from zero_fx.plan.planner import _check_degrees, expert_blocks
+
+    model = LoopingMoE()
+    model.num_experts_per_tok = TOP_K
+    found = expert_blocks(model)
+    experts = sum(p.numel() for p in model.experts.parameters())
+    assert (found.blocks, found.stacked, found.shapes) == (1, 1, [(ROUTED, TOP_K, False)])
+    assert found.expert_parameters == experts
+    total = sum(p.numel() for p in model.parameters())
+    assert found.active_parameters == total - round(experts * (1 - TOP_K / ROUTED))
+    with pytest.raises(ValueError, match="3-D parameters"):
+        _check_degrees([2], 4, found)

@@ -255,6 +255,9 @@ class ExpertBlocks:
     sent to (each block's experts times 1 - top_k / experts)."""
     routed: list[tuple[str, int, int, int]] = field(default_factory=list)
     """Each block: (its experts' module name, routed experts E, top-k, hidden size)."""
+    stacked: int = 0
+    """Of ``blocks``, those holding their experts as 3-D parameters (transformers 5's
+    ``gate_up_proj``, ``down_proj``), which expert parallelism does not split yet."""
 
     def is_expert(self, name: str) -> bool:
         """Whether parameter ``name`` is a routed expert's, in this model or in one of fewer
@@ -289,10 +292,43 @@ def expert_blocks(model: torch.nn.Module) -> Optional[ExpertBlocks]:
         shape = (moe.num_experts, top_k, moe.shared_expert is not None)
         if shape not in shapes:
             shapes.append(shape)
+    stacked = 0
+    modules = dict(model.named_modules())
+    for path, module in modules.items():  # experts as 3-D parameters: transformers 5
+        found = _stacked_experts(module, modules.get(path.rpartition(".")[0]))
+        if found is None:
+            continue
+        num_experts, top_k, shared = found
+        numel = sum(p.numel() for p in module.parameters())
+        blocks, stacked = blocks + 1, stacked + 1
+        experts_total += numel
+        inactive += numel * (1 - top_k / num_experts)
+        if (num_experts, top_k, shared) not in shapes:
+            shapes.append((num_experts, top_k, shared))
     if not blocks:
         return None
     total = sum(p.numel() for p in model.parameters())
-    return ExpertBlocks(blocks, shapes, experts_total, total - round(inactive), routed)
+    return ExpertBlocks(blocks, shapes, experts_total, total - round(inactive), routed, stacked)
+
+
+def _stacked_experts(module: torch.nn.Module, block: Optional[torch.nn.Module]
+                     ) -> Optional[tuple[int, int, bool]]:
+    """(routed experts, top-k, shared expert) of an experts module holding 3-D
+    ``gate_up_proj`` and ``down_proj`` (its top-k read from its config or its block, as
+    transformers 5 keeps it), or None."""
+    from ..capture.routed_experts import TOP_K_NAMES, _shared_expert
+
+    weights = [getattr(module, n, None) for n in ("gate_up_proj", "down_proj")]
+    if block is None or not all(isinstance(w, torch.nn.Parameter) and w.dim() == 3
+                                for w in weights):
+        return None
+    places = [getattr(module, "config", None), block, *block.children()]
+    top_k = next((k for place in places for name in TOP_K_NAMES
+                  if isinstance(k := getattr(place, name, None), int)), None)
+    if top_k is None:
+        return None
+    num_experts = weights[1].shape[0]
+    return num_experts, min(top_k, num_experts), _shared_expert(block) is not None
 
 
 @dataclass
@@ -636,6 +672,10 @@ def _check_degrees(degrees: Sequence[int], world_size: int,
     if experts is None:
         raise ValueError("expert parallelism splits mixture-of-experts blocks, and this model "
                          "has none")
+    if experts.stacked:
+        raise ValueError(f"{experts.stacked} of the model's {experts.blocks} mixture-of-experts "
+                         "blocks hold their experts as 3-D parameters (gate_up_proj, down_proj: "
+                         "transformers 5), which expert parallelism does not split yet")
     counts = sorted({e for _, e, _, _ in experts.routed})
     for p in degrees:
         if p < 1 or world_size % p or any(e % p for e in counts):
