@@ -122,3 +122,32 @@ def test_the_planner_counts_experts_held_as_3d_parameters():
     assert found.active_parameters == total - round(experts * (1 - TOP_K / ROUTED))
     with pytest.raises(ValueError, match="3-D parameters"):
         _check_degrees([2], 4, found)
+
+
+def test_gpt_oss_experts_of_transformers_4_get_the_grouped_form():
+    """GPT-OSS's experts under transformers 4 (transposed, interleaved, biased, a clamped
+    GLU, dense routing weights; a loop on the CPU): rewritten, and the same output and
+    gradients as their own loop. (transformers 5 runs them through its experts interface.)"""
+    modeling = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    config = modeling.GptOssConfig(hidden_size=HIDDEN, intermediate_size=FFN,
+                                   num_local_experts=ROUTED, num_experts_per_tok=TOP_K)
+    torch.manual_seed(0)
+    experts = modeling.GptOssExperts(config)
+    if hasattr(experts, "has_gate"):
+        pytest.skip("this transformers dispatches GPT-OSS's experts itself")
+    for p in experts.parameters():
+        nn.init.normal_(p, std=0.3)
+    model = nn.ModuleDict({"experts": experts})
+    reference = copy.deepcopy(model)
+    rewritten, left = route_fused_experts_with_fixed_shapes(model)
+    assert rewritten == ["experts"], left
+    assert experts.forward.form.name.startswith("GPT-OSS")
+    x = torch.randn(2, 8, HIDDEN)
+    weights, index = torch.randn(16, ROUTED).softmax(-1).topk(TOP_K, dim=-1)
+    dense = torch.zeros(16, ROUTED).scatter(1, index, weights)
+    outs = [m["experts"](x, router_indices=index, routing_weights=dense) for m in (model, reference)]
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    for out in outs:
+        out.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-5), name

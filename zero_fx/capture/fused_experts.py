@@ -18,12 +18,19 @@ by its weight and added back to its token. Experts past ``down_proj``'s count (L
 installed the module's own forward and this one run on one random input and routing, and
 it is kept only if both the output and every gradient agree ([Note: a rewrite proves
 itself]); otherwise the module is left as it is, and the capture error says why.
+
+GPT-OSS under transformers 4 holds its experts the other way round, ``gate_up_proj`` (E, H,
+2I) and ``down_proj`` (E, I, H), with biases, gate and up interleaved, its own clamped GLU
+(``alpha``, ``limit``), called with a dense (tokens, E) matrix of routing weights; on the
+CPU and in training it loops over the experts hit. Its form is the same grouped
+computation in that layout, checked the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -38,28 +45,34 @@ Tensor = torch.Tensor
 class FixedShapeFusedExperts:
     """The fixed-shape forward of one looping fused-experts module (the note)."""
 
-    def __init__(self, module: nn.Module):
-        self._module = module
+    def __init__(self, module: nn.Module, form: "_Form"):
+        self._module, self.form = module, form
 
-    def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        return fused_experts_forward(self._module, hidden_states, top_k_index, top_k_weights)
+    def __call__(self, *args, **kwargs) -> Tensor:
+        return self.form.forward(self._module, *args, **kwargs)
 
     def __deepcopy__(self, memo):
-        return type(self)(memo.get(id(self._module), self._module))
+        return type(self)(memo.get(id(self._module), self._module), self.form)
 
 
-def fused_experts_forward(module: nn.Module, hidden: Tensor, top_k_index: Tensor,
-                          top_k_weights: Tensor) -> Tensor:
-    gate_up, down = module.gate_up_proj, module.down_proj
-    routed = down.shape[0]
-    tokens, k = top_k_index.shape
-    expert_of_pair = top_k_index.reshape(-1)
+def _sorted_pairs(expert_of_pair: Tensor, k: int, groups: int):
+    """The (token, expert) pairs sorted by expert: (order, expert of each row, token of each
+    row, int32 end offsets of the first ``groups`` experts' rows; later ones come last)."""
     order = torch.argsort(expert_of_pair, stable=True)
     expert_of_row = expert_of_pair[order]
-    token_of_row = torch.div(order, k, rounding_mode="floor")
+    counts = torch.bincount(expert_of_row, minlength=groups)[:groups]
+    return (order, expert_of_row, torch.div(order, k, rounding_mode="floor"),
+            torch.cumsum(counts, 0).to(torch.int32))
+
+
+def concatenated_forward(module: nn.Module, hidden: Tensor, top_k_index: Tensor,
+                         top_k_weights: Tensor) -> Tensor:
+    """transformers 5's layout (the note): identity experts past ``down_proj``'s count."""
+    gate_up, down = module.gate_up_proj, module.down_proj
+    routed = down.shape[0]
+    order, expert_of_row, token_of_row, offs = _sorted_pairs(
+        top_k_index.reshape(-1), top_k_index.shape[1], routed)
     rows = hidden[token_of_row]
-    counts = torch.bincount(expert_of_row, minlength=gate_up.shape[0])[:routed]
-    offs = torch.cumsum(counts, 0).to(torch.int32)  # identity experts' rows come last
     group_of_row = expert_of_row.clamp(max=routed - 1)
     gate, up = grouped_linear(rows, gate_up[:routed], None, offs, group_of_row).chunk(2, dim=-1)
     out = grouped_linear(module.act_fn(gate) * up, down, None, offs, group_of_row)
@@ -68,15 +81,80 @@ def fused_experts_forward(module: nn.Module, hidden: Tensor, top_k_index: Tensor
     return torch.zeros_like(hidden).index_add(0, token_of_row, out.to(hidden.dtype))
 
 
-def looping_fused_experts(module: nn.Module) -> bool:
-    """A module of the note's shape: 3-D ``gate_up_proj`` and ``down_proj``, an ``act_fn``,
-    and not dispatched by transformers' experts interface (which sets ``has_gate``)."""
+def gpt_oss_forward(module: nn.Module, hidden_states: Tensor, router_indices: Tensor,
+                    routing_weights: Tensor) -> Tensor:
+    """GPT-OSS's layout (the note); an index equal to the expert count is a masked pair."""
+    experts = module.gate_up_proj.shape[0]
+    hidden = hidden_states.reshape(-1, module.gate_up_proj.shape[1])
+    order, expert_of_row, token_of_row, offs = _sorted_pairs(
+        router_indices.reshape(-1), router_indices.shape[1], experts)
+    group_of_row = expert_of_row.clamp(max=experts - 1)
+    gate_up = grouped_linear(hidden[token_of_row], module.gate_up_proj.transpose(1, 2),
+                             module.gate_up_proj_bias, offs, group_of_row)
+    gate = gate_up[..., ::2].clamp(max=module.limit)
+    up = gate_up[..., 1::2].clamp(min=-module.limit, max=module.limit)
+    glu = gate * torch.sigmoid(gate * module.alpha)
+    out = grouped_linear((up + 1) * glu, module.down_proj.transpose(1, 2), module.down_proj_bias,
+                         offs, group_of_row)
+    weight = torch.where(expert_of_row < experts, routing_weights[token_of_row, group_of_row], 0)
+    out = out * weight.unsqueeze(-1)
+    return torch.zeros_like(hidden).index_add(0, token_of_row, out.to(hidden.dtype)).view(
+        hidden_states.shape[0], -1, hidden.shape[-1])
+
+
+def _concatenated_shape(module: nn.Module) -> bool:
+    gate_up, down = module.gate_up_proj, module.down_proj
+    return (callable(getattr(module, "act_fn", None)) and gate_up.shape[0] >= down.shape[0]
+            and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1])
+
+
+def _gpt_oss_shape(module: nn.Module) -> bool:
+    gate_up, down = module.gate_up_proj, module.down_proj
+    biases = [getattr(module, n, None) for n in ("gate_up_proj_bias", "down_proj_bias")]
+    return (all(isinstance(b, nn.Parameter) and b.dim() == 2 for b in biases)
+            and all(isinstance(getattr(module, n, None), float) for n in ("alpha", "limit"))
+            and gate_up.shape[0] == down.shape[0] and gate_up.shape[2] == 2 * down.shape[1]
+            and gate_up.shape[1] == down.shape[2])
+
+
+def _concatenated_probe(module: nn.Module, hidden: Tensor, index: Tensor, weights: Tensor):
+    return hidden, index, weights
+
+
+def _gpt_oss_probe(module: nn.Module, hidden: Tensor, index: Tensor, weights: Tensor):
+    dense = torch.zeros(hidden.shape[0], module.gate_up_proj.shape[0], dtype=weights.dtype,
+                        device=weights.device).scatter(1, index, weights)
+    return hidden.view(2, -1, hidden.shape[-1]), index, dense
+
+
+@dataclasses.dataclass(frozen=True)
+class _Form:
+    name: str
+    matches: Callable[[nn.Module], bool]
+    forward: Callable[..., Tensor]
+    probe: Callable[..., tuple]
+    """(module, hidden (T, H), top-k index (T, k), top-k weights (T, k)) -> the forward's
+    arguments, for the check before installing."""
+    hidden_dim: int
+    """The dimension of ``gate_up_proj`` that is the hidden size."""
+
+
+FORMS = (
+    _Form("concatenated [gate; up], identity experts last", _concatenated_shape,
+          concatenated_forward, _concatenated_probe, hidden_dim=2),
+    _Form("GPT-OSS: transposed, interleaved, biased", _gpt_oss_shape, gpt_oss_forward,
+          _gpt_oss_probe, hidden_dim=1),
+)
+
+
+def looping_fused_experts(module: nn.Module) -> Optional[_Form]:
+    """The form of a module of the note's shapes: 3-D ``gate_up_proj`` and ``down_proj``,
+    not dispatched by transformers' experts interface (which sets ``has_gate``); else None."""
     gate_up, down = (getattr(module, n, None) for n in ("gate_up_proj", "down_proj"))
-    return (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)
-            and gate_up.dim() == 3 and down.dim() == 3 and callable(getattr(module, "act_fn", None))
-            and not hasattr(module, "has_gate")
-            and gate_up.shape[0] >= down.shape[0] and gate_up.shape[1] == 2 * down.shape[2]
-            and gate_up.shape[2] == down.shape[1])
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)
+            and gate_up.dim() == 3 and down.dim() == 3 and not hasattr(module, "has_gate")):
+        return None
+    return next((form for form in FORMS if form.matches(module)), None)
 
 
 def route_fused_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True
@@ -88,11 +166,12 @@ def route_fused_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = T
         if isinstance(module.__dict__.get("forward"), FixedShapeFusedExperts):
             rewritten.append(name)
             continue
-        if not looping_fused_experts(module):
+        form = looping_fused_experts(module)
+        if form is None:
             continue
-        why = None if not confirm else _differs(module)
+        why = None if not confirm else _differs(module, form)
         if why is None:
-            module.forward = FixedShapeFusedExperts(module)
+            module.forward = FixedShapeFusedExperts(module, form)
             rewritten.append(name)
         else:
             left.append(f"module {name!r} ({type(module).__name__}) holds its experts as 3-D "
@@ -104,12 +183,12 @@ def route_fused_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = T
     return rewritten, left
 
 
-def _differs(module: nn.Module) -> Optional[str]:
-    """None if the fixed-shape forward computes what ``module``'s own does, forward and
-    backward, on a random input and routing; else what differs."""
+def _differs(module: nn.Module, form: _Form) -> Optional[str]:
+    """None if ``form`` computes what ``module``'s own forward does, forward and backward,
+    on a random input and routing; else what differs."""
     original = type(module).forward
     total = module.gate_up_proj.shape[0]
-    hidden_size = module.gate_up_proj.shape[2]
+    hidden_size = module.gate_up_proj.shape[form.hidden_dim]
     top_k = min(2, total)
     device = module.gate_up_proj.device
     if module.gate_up_proj.is_meta or device.type == "meta":
@@ -122,11 +201,11 @@ def _differs(module: nn.Module) -> Optional[str]:
         weights = torch.rand(tokens, top_k, device=device, dtype=hidden.dtype)
         params = [p for p in module.parameters() if p.requires_grad]
         results = []
-        for forward in (lambda *a: original(module, *a), lambda *a: fused_experts_forward(module, *a)):
+        for forward in (lambda *a: original(module, *a), lambda *a: form.forward(module, *a)):
             x, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
             try:
                 with torch.enable_grad():
-                    out = forward(x, index, w)
+                    out = forward(*form.probe(module, x, index, w))
                     cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
                                             dtype=out.dtype).to(device)
                     grads = torch.autograd.grad(out, [x, w, *params], cotangent, allow_unused=True)
