@@ -42,7 +42,7 @@ TINY = {
     "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 128, "max_position_embeddings": 64,
     "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_topk": 2, "n_group": 1, "topk_group": 1,
-    "first_k_dense_replace": 0, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
+    "first_k_dense_replace": 0, "num_layers": 2, "zero_expert_num": 2, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 8, "v_head_dim": 8, "attention_dropout": 0.0, "hidden_dropout": 0.0,
     "output_router_logits": True, "router_aux_loss_coef": 0.02, "use_cache": False,
 }

@@ -151,3 +151,82 @@ def test_gpt_oss_experts_of_transformers_4_get_the_grouped_form():
         out.square().sum().backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-5), name
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(HIDDEN, FFN, bias=False), nn.Linear(HIDDEN, FFN, bias=False)
+        self.down_proj = nn.Linear(FFN, HIDDEN, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ClassifierRouter(nn.Module):
+    top_k = TOP_K
+
+    def __init__(self):
+        super().__init__()
+        self.classifier = nn.Linear(HIDDEN, ROUTED + IDENTITY, bias=False)
+
+    def forward(self, hidden):
+        scores = self.classifier(hidden.view(-1, HIDDEN)).softmax(-1)
+        index = scores.topk(TOP_K, dim=-1)[1]
+        return index, scores.gather(1, index)
+
+
+class ListWithIdentityExperts(nn.Module):
+    """transformers 4's LongCat-Flash block in miniature: routed experts then identity
+    ("zero-computation") experts in one list, a router module returning (indices, weights)
+    from its classifier, a loop skipping the experts no token chose."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList([MLP() for _ in range(ROUTED)] + [nn.Identity()] * IDENTITY)
+        self.router = ClassifierRouter()
+
+    def forward(self, hidden_states):
+        index, weights = self.router(hidden_states)
+        hidden = hidden_states.view(-1, HIDDEN)
+        out = torch.zeros_like(hidden)
+        mask = F.one_hot(index, num_classes=len(self.experts)).permute(2, 0, 1)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(mask[e])
+            if token.numel() > 0:
+                out.index_add_(0, token, expert(hidden[token]) * weights[token, slot, None])
+        return out.view(hidden_states.shape)
+
+
+class IdentityExpertsModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.moe = ListWithIdentityExperts()
+        self.head = nn.Linear(HIDDEN, 7)
+
+    def forward(self, x):
+        return self.head(x + self.moe(x))
+
+
+def test_identity_experts_after_the_routed_ones_train_like_eager():
+    """Rows routed to an identity expert pass through; captured in one graph, the updates
+    within 1e-5 of eager's (the loop's) at stage 3; expert parallelism is refused for them."""
+    model = IdentityExpertsModel()
+    eager = copy.deepcopy(model)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager))
+    step = zero_compile(standard_step, stage=3, backend="aot_eager", on_graph_break="error")
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(16, HIDDEN, generator=g), torch.randn(16, 7, generator=g)
+        step(model, opt, x, y)
+        standard_step(eager, eager_opt, x, y)
+    (block,) = step.moe_blocks
+    assert (block.num_experts, block.identity_experts) == (ROUTED, IDENTITY)
+    errors = update_errors([{"params": step.full_parameters()}],
+                           {"params": dict(eager.named_parameters()), "initial": initial})
+    assert max(errors.values()) < 1e-5, max(errors, key=errors.get)
+    from zero_fx.runtime.expert_groups import split_experts
+    with pytest.raises(ValueError, match="identity experts"):
+        split_experts(model, [block], None, 2)

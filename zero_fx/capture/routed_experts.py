@@ -83,6 +83,9 @@ class RoutedExperts:
     """Elements of all routed experts' parameters."""
     shared_expert: Optional[str]
     """The shared expert's module name, if the block has one."""
+    identity_experts: int = 0
+    """``nn.Identity`` experts after the ``num_experts`` routed ones (LongCat-Flash's
+    "zero-computation experts"): a row routed to one passes through as it is."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +127,8 @@ def moe_shape(block: nn.Module) -> Optional[MoeShape]:
     if parts is None:
         return None
     experts, router = (getattr(block, name) for name in parts)
-    return MoeShape(parts[0], parts[1], len(experts), _top_k(block, router), _shared_expert(block))
+    return MoeShape(parts[0], parts[1], routed_count(experts), _top_k(block, router),
+                    _shared_expert(block))
 
 
 def route_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True) -> ExpertsRewrite:
@@ -193,8 +197,8 @@ def unrecognised_experts_error(rewrite: ExpertsRewrite, error: CaptureError) -> 
 def _moe_parts(block: nn.Module) -> Optional[tuple[str, str]]:
     """(experts child, router child) of a block shaped like a mixture of experts, else None."""
     for experts_name, experts in block.named_children():
-        if not (isinstance(experts, nn.ModuleList) and len(experts) >= 2
-                and _same_structure(experts)):
+        if not (isinstance(experts, nn.ModuleList) and routed_count(experts) >= 2
+                and _same_structure(experts[:routed_count(experts)])):
             continue
         for router_name, router in block.named_children():
             if router is not experts and _routes_over(router, len(experts)):
@@ -202,16 +206,29 @@ def _moe_parts(block: nn.Module) -> Optional[tuple[str, str]]:
     return None
 
 
-def _same_structure(modules: nn.ModuleList) -> bool:
+def routed_count(experts: nn.ModuleList) -> int:
+    """The experts before the trailing ``nn.Identity`` ones (all of them, usually)."""
+    count = len(experts)
+    while count and isinstance(experts[count - 1], nn.Identity):
+        count -= 1
+    return count
+
+
+def _same_structure(modules) -> bool:
     shapes = [[(n, p.shape) for n, p in m.named_parameters()] for m in modules]
     return bool(shapes[0]) and all(s == shapes[0] for s in shapes)
 
 
 def _routes_over(router: nn.Module, num_experts: int) -> bool:
+    """An nn.Linear of one output per expert, a module with such a ``weight``, or a module
+    whose scoring layer is one (LongCat-Flash's ``router.classifier``)."""
     if isinstance(router, nn.Linear):
         return router.out_features == num_experts
     weight = getattr(router, "weight", None)
-    return isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == num_experts
+    if isinstance(weight, torch.Tensor):
+        return weight.dim() == 2 and weight.shape[0] == num_experts
+    return any(isinstance(c, nn.Linear) and c.out_features == num_experts
+               for c in router.children())
 
 
 def _top_k(block: nn.Module, router: nn.Module) -> Optional[int]:
@@ -277,9 +294,9 @@ def _install(path: str, block: nn.Module, shape: MoeShape, confirm: bool) -> Rou
         if not confirm or _reproduces(name, block, original, routed, experts[0]):
             info = RoutedExperts(
                 name=name, experts=f"{path}.{experts_name}" if path else experts_name,
-                num_experts=len(experts), top_k=top_k, routing=form.routing,
+                num_experts=shape.num_experts, top_k=top_k, routing=form.routing,
                 expert_parameters=sum(p.numel() for p in experts.parameters()),
-                shared_expert=form.shared)
+                shared_expert=form.shared, identity_experts=len(experts) - shape.num_experts)
             routed.info = info
             block.forward = routed
             return info
@@ -358,17 +375,22 @@ def _router_module_forward(shared: Optional[str]) -> Callable:
 def _mix_experts(block, routed: _RoutedForward, hidden: torch.Tensor, chosen: torch.Tensor,
                  weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """sum over each token's k experts of weight * expert(token), in fixed shapes (the note)."""
-    experts = getattr(block, routed.experts)
+    every = getattr(block, routed.experts)
+    experts = every[:routed_count(every)]  # identity experts' rows pass through, below
     tokens, k = chosen.shape
     pairs = chosen.reshape(-1)
     order = torch.argsort(pairs, stable=True)
     token_of_row = torch.div(order, k, rounding_mode="floor")
     expert_of_row = pairs[order]
-    counts = torch.zeros(len(experts), dtype=torch.int64, device=pairs.device)
-    counts = counts.scatter_add(0, pairs, torch.ones_like(pairs))
+    counts = torch.zeros(len(every), dtype=torch.int64, device=pairs.device)
+    counts = counts.scatter_add(0, pairs, torch.ones_like(pairs))[:len(experts)]
     if routed.parallel is None:
-        offs = counts.cumsum(0).to(torch.int32)
-        rows = routed.grouped(hidden[token_of_row], offs, expert_of_row, experts)
+        offs = counts.cumsum(0).to(torch.int32)  # identity experts' rows come last
+        rows = routed.grouped(hidden[token_of_row], offs,
+                              expert_of_row.clamp(max=len(experts) - 1), experts)
+        if len(every) > len(experts):
+            rows = torch.where((expert_of_row < len(experts)).unsqueeze(-1), rows,
+                               hidden[token_of_row].to(rows.dtype))
     else:  # [Note: exchanging rows in fixed shapes]
         held = routed.parallel
         local = experts[held.first:held.first + len(experts) // held.degree]

@@ -26,6 +26,12 @@ def split_experts(model: torch.nn.Module, blocks: Sequence[RoutedExperts], world
                          "block to split in this model (step.moe_blocks is empty; "
                          "zero_fx.set_logs('info') says which blocks were left alone and why): "
                          "use expert_parallel=1")
+    identity = [b for b in blocks if b.identity_experts]
+    if identity:
+        raise ValueError(f"expert_parallel={degree}: {identity[0].name} has "
+                         f"{identity[0].identity_experts} identity experts beside its "
+                         f"{identity[0].num_experts} routed ones, which expert parallelism does "
+                         "not split yet: use expert_parallel=1")
     uneven = [b for b in blocks if b.num_experts % degree]
     if uneven:
         raise ValueError(f"expert_parallel={degree} splits each block's experts evenly over "
