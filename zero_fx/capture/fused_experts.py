@@ -35,7 +35,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from .grouped_mm import grouped_linear
+from .grouped_mm import grouped_linear, sort_by_group
+from .rewrite_check import output_and_grads, worst_different_gradient
 
 log = logging.getLogger("zero_fx")
 
@@ -55,23 +56,14 @@ class FixedShapeFusedExperts:
         return type(self)(memo.get(id(self._module), self._module), self.form)
 
 
-def _sorted_pairs(expert_of_pair: Tensor, k: int, groups: int):
-    """The (token, expert) pairs sorted by expert: (order, expert of each row, token of each
-    row, int32 end offsets of the first ``groups`` experts' rows; later ones come last)."""
-    order = torch.argsort(expert_of_pair, stable=True)
-    expert_of_row = expert_of_pair[order]
-    counts = torch.bincount(expert_of_row, minlength=groups)[:groups]
-    return (order, expert_of_row, torch.div(order, k, rounding_mode="floor"),
-            torch.cumsum(counts, 0).to(torch.int32))
-
-
 def concatenated_forward(module: nn.Module, hidden: Tensor, top_k_index: Tensor,
                          top_k_weights: Tensor) -> Tensor:
     """transformers 5's layout (the note): identity experts past ``down_proj``'s count."""
     gate_up, down = module.gate_up_proj, module.down_proj
     routed = down.shape[0]
-    order, expert_of_row, token_of_row, offs = _sorted_pairs(
-        top_k_index.reshape(-1), top_k_index.shape[1], routed)
+    order, expert_of_row, token_of_row, counts = sort_by_group(
+        top_k_index.reshape(-1), top_k_index.shape[1], gate_up.shape[0])
+    offs = counts[:routed].cumsum(0).to(torch.int32)  # identity experts' rows come last
     rows = hidden[token_of_row]
     group_of_row = expert_of_row.clamp(max=routed - 1)
     gate, up = grouped_linear(rows, gate_up[:routed], None, offs, group_of_row).chunk(2, dim=-1)
@@ -86,8 +78,9 @@ def gpt_oss_forward(module: nn.Module, hidden_states: Tensor, router_indices: Te
     """GPT-OSS's layout (the note); an index equal to the expert count is a masked pair."""
     experts = module.gate_up_proj.shape[0]
     hidden = hidden_states.reshape(-1, module.gate_up_proj.shape[1])
-    order, expert_of_row, token_of_row, offs = _sorted_pairs(
-        router_indices.reshape(-1), router_indices.shape[1], experts)
+    order, expert_of_row, token_of_row, counts = sort_by_group(  # index `experts`: masked
+        router_indices.reshape(-1), router_indices.shape[1], experts + 1)
+    offs = counts[:experts].cumsum(0).to(torch.int32)
     group_of_row = expert_of_row.clamp(max=experts - 1)
     gate_up = grouped_linear(hidden[token_of_row], module.gate_up_proj.transpose(1, 2),
                              module.gate_up_proj_bias, offs, group_of_row)
@@ -147,12 +140,17 @@ FORMS = (
 )
 
 
+def holds_stacked_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds its experts as 3-D ``gate_up_proj`` and ``down_proj``
+    parameters (the note; the planner counts such experts too)."""
+    weights = [getattr(module, n, None) for n in ("gate_up_proj", "down_proj")]
+    return all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights)
+
+
 def looping_fused_experts(module: nn.Module) -> Optional[_Form]:
-    """The form of a module of the note's shapes: 3-D ``gate_up_proj`` and ``down_proj``,
-    not dispatched by transformers' experts interface (which sets ``has_gate``); else None."""
-    gate_up, down = (getattr(module, n, None) for n in ("gate_up_proj", "down_proj"))
-    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)
-            and gate_up.dim() == 3 and down.dim() == 3 and not hasattr(module, "has_gate")):
+    """The form of a module of the note's shapes, not dispatched by transformers' experts
+    interface (which sets ``has_gate``); else None."""
+    if not holds_stacked_experts(module) or hasattr(module, "has_gate"):
         return None
     return next((form for form in FORMS if form.matches(module)), None)
 
@@ -185,41 +183,31 @@ def route_fused_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = T
 
 def _differs(module: nn.Module, form: _Form) -> Optional[str]:
     """None if ``form`` computes what ``module``'s own forward does, forward and backward,
-    on a random input and routing; else what differs."""
+    on a random input and routing ([Note: a rewrite proves itself]); else what differs."""
     original = type(module).forward
     total = module.gate_up_proj.shape[0]
-    hidden_size = module.gate_up_proj.shape[form.hidden_dim]
-    top_k = min(2, total)
     device = module.gate_up_proj.device
-    if module.gate_up_proj.is_meta or device.type == "meta":
+    if device.type == "meta":
         return None  # nothing to run: the planner's fakes (the arithmetic is not planned)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
-        tokens = 4 * total
-        hidden = torch.randn(tokens, hidden_size, device=device, dtype=module.gate_up_proj.dtype)
+        tokens, top_k = 4 * total, min(2, total)
+        hidden = torch.randn(tokens, module.gate_up_proj.shape[form.hidden_dim], device=device,
+                             dtype=module.gate_up_proj.dtype)
         index = torch.rand(tokens, total, device=device).argsort(-1)[:, :top_k]
-        weights = torch.rand(tokens, top_k, device=device, dtype=hidden.dtype)
-        params = [p for p in module.parameters() if p.requires_grad]
-        results = []
-        for forward in (lambda *a: original(module, *a), lambda *a: form.forward(module, *a)):
-            x, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
-            try:
-                with torch.enable_grad():
-                    out = forward(*form.probe(module, x, index, w))
-                    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
-                                            dtype=out.dtype).to(device)
-                    grads = torch.autograd.grad(out, [x, w, *params], cotangent, allow_unused=True)
-            except Exception as err:  # noqa: BLE001 - a module this forward cannot run
-                return f"fails on a random input ({type(err).__name__}: {err})"
-            results.append((out.detach(), grads))
-    (expected, expected_grads), (got, got_grads) = results
+        weights = torch.rand(tokens, top_k, device=device,
+                             dtype=hidden.dtype).requires_grad_()
+        named = [("the routing weights", weights),
+                 *((n, p) for n, p in module.named_parameters() if p.requires_grad)]
+        try:
+            expected, expected_grads = output_and_grads(
+                lambda x: original(module, *form.probe(module, x, index, weights)), hidden, named)
+            got, got_grads = output_and_grads(
+                lambda x: form.forward(module, *form.probe(module, x, index, weights)), hidden,
+                named)
+        except Exception as err:  # noqa: BLE001 - a module this forward cannot run
+            return f"fails on a random input ({type(err).__name__}: {err})"
     if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item()):
         return "does not reproduce its output on a random input"
-    names = ["the input", "the routing weights",
-             *(n for n, p in module.named_parameters() if p.requires_grad)]
-    for name, e, g in zip(names, expected_grads, got_grads):
-        e = torch.zeros(()) if e is None else e
-        g = torch.zeros(()) if g is None else g
-        if not torch.allclose(g, e, rtol=1e-4, atol=1e-5 * e.abs().max().item() + 1e-12):
-            return f"reproduces its output but not the gradient of {name}"
-    return None
+    differs = worst_different_gradient(expected_grads, got_grads)
+    return None if differs is None else f"reproduces its output but not its gradients: {differs}"

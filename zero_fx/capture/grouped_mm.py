@@ -77,6 +77,19 @@ def _backward(ctx, grad_out):
 grouped_mm.register_autograd(_backward, setup_context=_setup_context)
 
 
+def sort_by_group(group_of_pair: Tensor, per_token: int, groups: int
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(token, group) pairs, ``per_token`` per token in token order, sorted by group (stably,
+    so a group's rows keep their tokens' order): the order, each row's group, each row's
+    token, and each group's row count (``groups``: one per value a pair's group can take).
+    Every shape is fixed, whatever the routing."""
+    order = torch.argsort(group_of_pair, stable=True)
+    counts = torch.zeros(groups, dtype=torch.int64, device=group_of_pair.device).scatter_add(
+        0, group_of_pair, torch.ones_like(group_of_pair))
+    return (order, group_of_pair[order], torch.div(order, per_token, rounding_mode="floor"),
+            counts)
+
+
 def grouped_linear(x: Tensor, weight: Tensor, bias: Tensor | None, offs: Tensor,
                    group_of_row: Tensor) -> Tensor:
     """``nn.Linear`` per group: ``weight`` (groups, out, in) as stacked ``Linear.weight``s,

@@ -48,7 +48,8 @@ from torch import nn
 
 from .expert_exchange import dispatch_and_combine
 from .fused_experts import route_fused_experts_with_fixed_shapes
-from .grouped_mm import grouped_linear
+from .grouped_mm import grouped_linear, sort_by_group
+from .rewrite_check import output_and_grads, same_output, worst_different_gradient
 from .step_graph import CaptureError
 
 log = logging.getLogger("zero_fx")
@@ -197,8 +198,8 @@ def unrecognised_experts_error(rewrite: ExpertsRewrite, error: CaptureError) -> 
 def _moe_parts(block: nn.Module) -> Optional[tuple[str, str]]:
     """(experts child, router child) of a block shaped like a mixture of experts, else None."""
     for experts_name, experts in block.named_children():
-        if not (isinstance(experts, nn.ModuleList) and routed_count(experts) >= 2
-                and _same_structure(experts[:routed_count(experts)])):
+        if not (isinstance(experts, nn.ModuleList) and (routed := routed_count(experts)) >= 2
+                and _same_structure(experts[:routed])):
             continue
         for router_name, router in block.named_children():
             if router is not experts and _routes_over(router, len(experts)):
@@ -378,12 +379,8 @@ def _mix_experts(block, routed: _RoutedForward, hidden: torch.Tensor, chosen: to
     every = getattr(block, routed.experts)
     experts = every[:routed_count(every)]  # identity experts' rows pass through, below
     tokens, k = chosen.shape
-    pairs = chosen.reshape(-1)
-    order = torch.argsort(pairs, stable=True)
-    token_of_row = torch.div(order, k, rounding_mode="floor")
-    expert_of_row = pairs[order]
-    counts = torch.zeros(len(every), dtype=torch.int64, device=pairs.device)
-    counts = counts.scatter_add(0, pairs, torch.ones_like(pairs))[:len(experts)]
+    order, expert_of_row, token_of_row, counts = sort_by_group(chosen.reshape(-1), k, len(every))
+    counts = counts[:len(experts)]
     if routed.parallel is None:
         offs = counts.cumsum(0).to(torch.int32)  # identity experts' rows come last
         rows = routed.grouped(hidden[token_of_row], offs,
@@ -486,13 +483,13 @@ def _reproduces(name: str, block: nn.Module, original: Callable, routed: _Routed
         torch.manual_seed(0)
         x = torch.randn(2, tokens, hidden_size, device=device)
         try:
-            expected, expected_grads = _output_and_grads(lambda h: original(probe, h), x, named)
-            got, got_grads = _output_and_grads(routed_probe, x, named)
+            expected, expected_grads = output_and_grads(lambda h: original(probe, h), x, named)
+            got, got_grads = output_and_grads(routed_probe, x, named)
         except Exception:  # noqa: BLE001 - a block that fails on hidden states is not this form
             return False
-    if not _same_output(expected, got):
+    if not same_output(expected, got):
         return False
-    differs = _worst_different_gradient(expected_grads, got_grads)
+    differs = worst_different_gradient(expected_grads, got_grads)
     if differs is not None:
         raise CaptureError(
             f"zero_fx's fixed-shape forward for the mixture-of-experts block {name!r} "
@@ -516,41 +513,6 @@ def _reproduces(name: str, block: nn.Module, original: Callable, routed: _Routed
 # naming it. The check runs once per block, on the first call, in eager (docs/moe.md has
 # its measured cost: 22 ms on the tests' Mixtral, 1.0 s on a 4-layer Mixtral of width 512,
 # against 13 ms and 0.23 s forward alone) and holds two fp32 gradients of one block.
-
-
-def _output_and_grads(forward: Callable, x: torch.Tensor, named: list) -> tuple:
-    """``forward(x)``'s outputs (detached) and the gradients of ``x`` and of each of
-    ``named``'s parameters under one fixed random cotangent per floating output, as
-    ``[(name, gradient)]``."""
-    x = x.clone().requires_grad_(True)
-    with torch.enable_grad():
-        out = forward(x)
-    outs = (out,) if isinstance(out, torch.Tensor) else tuple(out) if isinstance(out, tuple) else ()
-    pairs = [(o, torch.randn(o.shape, generator=torch.Generator().manual_seed(i),
-                             dtype=o.dtype).to(o.device))
-             for i, o in enumerate(outs)
-             if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad]
-    detached = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
-    detached = detached[0] if isinstance(out, torch.Tensor) else detached
-    if not pairs:
-        return detached, []
-    inputs = [("the block's input", x), *named]
-    grads = torch.autograd.grad([o for o, _ in pairs], [t for _, t in inputs],
-                                [c for _, c in pairs], allow_unused=True)
-    return detached, [(n, torch.zeros_like(t) if g is None else g)
-                      for (n, t), g in zip(inputs, grads)]
-
-
-def _worst_different_gradient(expected: list, got: list) -> Optional[str]:
-    """Of the gradients that differ beyond the outputs' tolerance (relative to their own
-    scale), the one furthest off, in words; None if all agree."""
-    worst = None
-    for (name, e), (_, g) in zip(expected, got):
-        scale = e.abs().max().item()
-        if not torch.allclose(g.float(), e.float(), rtol=1e-4, atol=1e-5 * scale + 1e-12):
-            error = ((g.float() - e.float()).norm() / e.float().norm().clamp_min(1e-12)).item()
-            worst = max(worst or (error, name), (error, name))
-    return None if worst is None else f"{worst[1]} is {worst[0]:.1%} off"
 
 
 def _probe_copy(block: nn.Module) -> nn.Module:
@@ -601,16 +563,3 @@ def _buffers_kept(block: nn.Module):
         with torch.no_grad():
             for b, value in kept:
                 b.copy_(value)
-
-
-def _same_output(expected, got) -> bool:
-    if isinstance(expected, torch.Tensor):
-        expected, got = (expected,), (got,) if isinstance(got, torch.Tensor) else got
-    if not isinstance(got, tuple) or len(got) != len(expected):
-        return False
-    for e, g in zip(expected, got):
-        if not isinstance(e, torch.Tensor) or not isinstance(g, torch.Tensor):
-            return False
-        if e.shape != g.shape or not torch.allclose(g.float(), e.float(), rtol=1e-4, atol=1e-5):
-            return False
-    return True

@@ -316,18 +316,17 @@ def _stacked_experts(module: torch.nn.Module, block: Optional[torch.nn.Module]
     """(routed experts, top-k, shared expert) of an experts module holding 3-D
     ``gate_up_proj`` and ``down_proj`` (its top-k read from its config or its block, as
     transformers 5 keeps it), or None."""
+    from ..capture.fused_experts import holds_stacked_experts
     from ..capture.routed_experts import TOP_K_NAMES, _shared_expert
 
-    weights = [getattr(module, n, None) for n in ("gate_up_proj", "down_proj")]
-    if block is None or not all(isinstance(w, torch.nn.Parameter) and w.dim() == 3
-                                for w in weights):
+    if block is None or not holds_stacked_experts(module):
         return None
     places = [getattr(module, "config", None), block, *block.children()]
     top_k = next((k for place in places for name in TOP_K_NAMES
                   if isinstance(k := getattr(place, name, None), int)), None)
     if top_k is None:
         return None
-    num_experts = weights[1].shape[0]
+    num_experts = module.down_proj.shape[0]
     return num_experts, min(top_k, num_experts), _shared_expert(block) is not None
 
 

@@ -494,7 +494,8 @@ class ShardedState:
                 bucket = [name for name in bucket if self.plan.holds(name)]
                 if not bucket:
                     continue
-                fulls = self._gather_among_holders(bucket)
+                fulls = self._gather_over_group(  # [Note: expert parallelism at stages 1 and 2]
+                    bucket, [self.shards[name].detach() for name in bucket], self.plan.compute_dtype)
             else:
                 fulls = self._gather(bucket, [self.shards[name].detach() for name in bucket],
                                      dtype=self.plan.compute_dtype)
@@ -508,21 +509,18 @@ class ShardedState:
                 dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
         if self.plan.is_expert(names[0]):  # a bucket holds experts only, or none
             return [self._gather_expert(name, shard, dtype) for name, shard in zip(names, shards)]
+        return self._gather_over_group(names, shards, dtype)
+
+    def _gather_over_group(self, names: list[str], shards: list[torch.Tensor],
+                           dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
+        """``names`` whole, gathered over the ranks that shard them (``plan.collective_group``:
+        the shard group, or a routed expert's holders)."""
         layouts = [self.plan.layout(name) for name in names]
+        size, group = self.plan.collective_group(names[0])
         shards = [shard.to(self.device) for shard in shards]  # offloaded masters: a device copy
         return gather_bucket(*shards, numels=[l.numel for l in layouts],
-                             shapes=[l.shape for l in layouts], world_size=self.world.size,
-                             group_name=self.world.group_name, dtype=dtype)
-
-    def _gather_among_holders(self, names: list[str]) -> list[torch.Tensor]:
-        """Stages 1-2 under expert parallelism: this rank's experts ``names`` whole, gathered
-        over the ranks that hold them ([Note: expert parallelism at stages 1 and 2])."""
-        parallel = self.plan.expert_parallel
-        layouts = [self.plan.layout(name) for name in names]
-        return gather_bucket(*[self.shards[name].detach().to(self.device) for name in names],
-                             numels=[l.numel for l in layouts], shapes=[l.shape for l in layouts],
-                             world_size=parallel.data_size, group_name=parallel.data_group_name,
-                             dtype=self.plan.compute_dtype)
+                             shapes=[l.shape for l in layouts], world_size=size,
+                             group_name=group, dtype=dtype)
 
     def _gather_expert(self, name: str, shard: torch.Tensor,
                        dtype: Optional[torch.dtype] = None) -> torch.Tensor:
