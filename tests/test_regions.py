@@ -275,3 +275,40 @@ def test_a_weight_divided_in_place_trains_like_eager():
             update = expected.detach() - initial[name]
             error = ((trained[name] - expected.detach()).norm() / update.norm().clamp_min(1e-12)).item()
             assert error < 1e-4, (name, error)
+
+
+def _laid_out_otherwise(result):
+    """``result``'s values in column-major order where it has two dimensions to swap."""
+    if not isinstance(result, torch.Tensor) or result.dim() < 2 or min(result.shape[-2:]) < 2:
+        return result
+    return result.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def test_a_body_result_laid_out_otherwise_reaches_its_readers_as_traced(fake_world_of_two,
+                                                                       monkeypatch):
+    """[Note: a body's results keep their traced strides]: a compiled body may return a
+    result in other strides than the trace's (Inductor did, for the HF Llama's attention
+    values), and the body reading it was compiled for the trace's: Inductor asserts them."""
+    from zero_fx.compiler import lower
+
+    unexpected, relaid = [], []
+    compile_body = lower._compile_body
+
+    def compiling_one_that_lays_out_otherwise(backend, body, values):
+        compiled = compile_body(backend, body, values)
+        traced = [tuple(v.stride()) for v in values]
+
+        def run(*inputs):
+            unexpected.extend(tuple(i.shape) for i, s in zip(inputs, traced)
+                              if isinstance(i, torch.Tensor) and i.numel() > 1
+                              and tuple(i.stride()) != s)
+            results = [_laid_out_otherwise(r) for r in compiled(*inputs)]
+            relaid.extend(r for r in results if isinstance(r, torch.Tensor) and not r.is_contiguous())
+            return results
+        return run
+
+    monkeypatch.setattr(lower, "_compile_body", compiling_one_that_lays_out_otherwise)
+    step = _gpt_step(2)
+    assert relaid, "no body returned a result it could lay out otherwise: the test tests nothing"
+    assert not unexpected, f"bodies read inputs in other strides than traced: {unexpected[:5]}"
+    assert step.compilations[-1].regions.calls > 2

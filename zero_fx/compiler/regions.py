@@ -57,6 +57,18 @@ on CPU corrupted its heap when a body returned a view or held a collective. A bo
 compiled on its own returns views through AOTAutograd's alias handling, and lives or
 dies by the caller's references like any value of the graph.
 
+[Note: a body's results keep their traced strides]
+A body is compiled for the strides its inputs had in the trace, and Inductor asserts them
+on every call (``assert_size_stride``). A result of another body is such an input, and
+Inductor does not always return a result in its traced strides: on the HF Llama of the
+peer benchmark (stage 3, 2 ranks) the attention's values, a ``cat`` of transposed views,
+came back laid out as the views were where the trace had them contiguous, and the
+backward body reading them failed its assertion at the first step. So each compiled
+body's results are checked against their traced strides as they come back, and one in
+other strides is copied into them (six copies of 1.25 MiB a step there; none on the
+GPT example). A view a body returns keeps its strides by construction (AOTAutograd
+regenerates it from its base), so no alias is broken by a copy.
+
 [Note: copies and writes in place]
 Moving a copy to the edge of its run (``_separate_edges``) is right by data flow alone only
 when nothing in the run writes in place. The captured graph keeps the model's in-place ops,
@@ -79,7 +91,7 @@ import operator
 import time
 from fractions import Fraction
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -168,15 +180,41 @@ class RegionReport:
 class CompiledRegion(torch.nn.Module):
     """A compiled body as a submodule of the outer graph (its listing names it)."""
 
-    def __init__(self, compiled: Callable, region_name: str):
+    def __init__(self, compiled: Callable, region_name: str,
+                 strides: Sequence[Optional[tuple[int, ...]]] = ()):
         super().__init__()
         self.compiled = compiled
         self.region_name = region_name
+        self.strides = tuple(strides)
+        """Each result's strides as traced ([Note: a body's results keep their traced
+        strides]); None where a copy cannot or need not restore them."""
 
     def forward(self, *inputs, take=None, packs=None):
         """The body on its inputs; ``take`` and ``packs``: how the outer graph passes them and
         their results whole ([Note: results passed whole] in packed_results.py)."""
-        return pack(self.compiled(*unpack(inputs, take)), packs)
+        results = self.compiled(*unpack(inputs, take))
+        if self.strides:
+            results = [as_traced(r, s) for r, s in zip(results, self.strides)]
+        return pack(results, packs)
+
+
+def as_traced(result, strides: Optional[tuple[int, ...]]):
+    """``result`` in its traced ``strides`` ([Note: a body's results keep their traced
+    strides]): itself if it is in them already (or ``strides`` is None), else a copy."""
+    if strides is None or not isinstance(result, torch.Tensor) or result.stride() == strides:
+        return result
+    return torch.empty_strided(result.shape, strides, dtype=result.dtype,
+                               device=result.device).copy_(result)
+
+
+def traced_strides(value) -> Optional[tuple[int, ...]]:
+    """A traced result's strides, where its sizes and strides are plain numbers and it has
+    elements; else None."""
+    if not isinstance(value, torch.Tensor) or value.numel() == 0:
+        return None
+    if not all(isinstance(n, int) for n in (*value.shape, *value.stride())):
+        return None
+    return tuple(value.stride())
 
 
 def compute_runs(gm: GraphModule) -> list[list[Node]]:
@@ -289,7 +327,8 @@ def compile_regions(gm: GraphModule, compile_body: BodyCompiler) -> tuple[GraphM
         seconds = time.perf_counter() - start
         log.info("zero_fx: compiled %s (%d nodes, %s, runs %d time(s)) in %.1f s",
                  name, len(runs[0]), _phase(runs[0]), len(runs), seconds)
-        gm.add_submodule(name, CompiledRegion(compiled, name))
+        gm.add_submodule(name, CompiledRegion(compiled, name,
+                                              [traced_strides(o.meta.get("val")) for o in outputs]))
         places = []
         for run in runs:
             _, inputs, outputs = signature(run)  # its own inputs, renamed by earlier calls
