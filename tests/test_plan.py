@@ -81,3 +81,23 @@ def test_buckets_follow_blocks_and_residents_a_byte_cap():
         names[0:2], names[2:4], names[4:6], names[6:8]]
     with pytest.raises(ValueError, match="'blocks'"):
         make_plan(shapes, world_size=2, bucket_bytes="layers")
+
+
+def test_a_blocks_routed_experts_are_a_unit_of_their_own():
+    """[Note: buckets by block]: a mixture-of-experts block's experts (an HF Mixtral's expert
+    list) are gathered and reduced apart from the rest of their block."""
+    from examples.hf_models import causal_lm, mixtral_config
+    from zero_fx.plan.layout import plan_for_module
+
+    with torch.device("meta"):
+        model = causal_lm(mixtral_config(64, 16, layers=2, width=32, heads=4, kv_heads=2, ffn=64,
+                                         experts=4))
+    plan = plan_for_module(model, world_size=2, bucket_bytes=BLOCKS)
+    assert plan.expert_units == ("model.layers.0.block_sparse_moe.experts",
+                                 "model.layers.1.block_sparse_moe.experts")
+    names = [n for n, _ in model.named_parameters()]
+    buckets = plan.buckets(names)
+    for unit in plan.expert_units:
+        assert [n for n in names if n.startswith(unit + ".")] in buckets
+    attention = [n for n in names if n.startswith("model.layers.0.self_attn.")]
+    assert any(set(attention) <= set(bucket) for bucket in buckets)

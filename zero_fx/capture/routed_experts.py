@@ -132,6 +132,21 @@ def moe_shape(block: nn.Module) -> Optional[MoeShape]:
                     _shared_expert(block))
 
 
+def routed_expert_modules(model: nn.Module) -> tuple[str, ...]:
+    """The names of ``model``'s routed experts' modules (a block's expert list, or its
+    experts held as 3-D parameters), as the rewrite recognises them; structure only."""
+    from .fused_experts import holds_stacked_experts
+
+    names = []
+    for path, module in model.named_modules():
+        moe = moe_shape(module)
+        if moe is not None:
+            names.append(f"{path}.{moe.experts}" if path else moe.experts)
+        elif holds_stacked_experts(module) and path:
+            names.append(path)
+    return tuple(names)
+
+
 def route_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True) -> ExpertsRewrite:
     """Give every mixture-of-experts block of ``model`` a fixed-shape forward (see the note);
     what was rewritten and what was left as it is. ``confirm=False`` takes each block's
