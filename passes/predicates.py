@@ -106,15 +106,26 @@ def is_collective(node: Node) -> bool:
 
 def is_token_exchange(node: Node) -> bool:
     """An all-to-all of expert parallelism ([Note: exchanging rows in fixed shapes] in
-    zero_fx/capture/expert_exchange.py): it issues and waits for its collective itself, so
-    the passes that move collectives leave it where it is."""
+    zero_fx/capture/expert_exchange.py): it issues its collective and waits for it itself,
+    or (the dispatch) is waited for by its own ``exchange_rows_wait``, where the capture
+    put it; the passes that move collectives leave both where they are."""
     return node.op == "call_function" and is_token_exchange_op(node.target)
+
+
+TOKEN_EXCHANGES = ("exchange_counts", "exchange_rows", "exchange_rows_issue")
+"""Expert parallelism's ops that move data (``exchange_rows_wait`` waits and gathers)."""
 
 
 def is_token_exchange_op(op) -> bool:
     """``op`` (an OpOverload, or any callable) is one of expert parallelism's all-to-alls."""
     return getattr(op, "namespace", None) == "zero_fx" and \
-        getattr(op, "_opname", "") in ("exchange_counts", "exchange_rows")
+        getattr(op, "_opname", "") in TOKEN_EXCHANGES
+
+
+def token_exchange_wait(node: Node) -> Optional[Node]:
+    """The ``exchange_rows_wait`` of a dispatch issued by ``exchange_rows_issue``, else None."""
+    return next((u for u in node.users if getattr(u.target, "namespace", None) == "zero_fx"
+                 and getattr(u.target, "_opname", "") == "exchange_rows_wait"), None)
 
 
 def token_exchange_numel(rows_in, rows_out) -> int:

@@ -97,6 +97,34 @@ def test_a_step_on_a_fake_world_of_four(fake_world_of_four):
         assert all(p.untyped_storage().nbytes() for p in model.parameters())
 
 
+def _exchange_op(node) -> str:
+    return getattr(node.target, "_opname", "") if getattr(node.target, "namespace", "") == "zero_fx" else ""
+
+
+def test_the_shared_expert_runs_while_the_rows_travel(fake_world_of_four):
+    """[Note: the dispatch issued, then waited for] in zero_fx/capture/expert_exchange.py:
+    DeepSeek-V3's shared expert (three matmuls) sits between the dispatch's issue and its
+    wait in the captured graph; the traffic report has the dispatch waited for there."""
+    from examples.hf_models import tiny_deepseek_v3
+    from zero_fx import zero_compile
+
+    torch.manual_seed(0)
+    model = tiny_deepseek_v3(models.VOCAB, models.SEQ)
+    step = zero_compile(models.language_model_step, stage=3, backend="aot_eager",
+                        expert_parallel=2)
+    step(model, torch.optim.SGD(model.parameters(), lr=0.1), models.global_batch("hf_llama", 0)[0])
+    nodes = list(step.graphs[-1].graph.nodes)
+    issued = [i for i, n in enumerate(nodes) if _exchange_op(n) == "exchange_rows_issue"]
+    waited = [i for i, n in enumerate(nodes) if _exchange_op(n) == "exchange_rows_wait"]
+    assert len(issued) == len(waited) == 1  # one block with experts, its forward's dispatch
+    between = nodes[issued[0]:waited[0]]
+    matmuls = [n for n in between if n.op == "call_function" and "mm" in str(n.target)]
+    assert len(matmuls) == 3, [n.name for n in between]
+    dispatch = next(c for c in step.traffic().collectives
+                    if c.kind == "all_to_all" and c.node == nodes[issued[0]].name)
+    assert dispatch.waited_at > dispatch.issued_at
+
+
 # -- the exchange itself, on 2 gloo ranks ------------------------------------------------------
 
 ROUTES = ([0, 0, 0, 0], [0, 0, 1, 3])

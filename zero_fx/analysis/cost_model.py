@@ -330,7 +330,8 @@ def replay(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_pa
             exposed += shared
             issued[node] = (start, start + seconds, busy_compute, ops, shared)
             busy_comm += seconds
-        elif is_token_exchange(node):  # issues and waits itself: compute stands blocked
+        elif is_token_exchange(node):  # priced as blocking, the issued dispatch too (shared
+            # expert overlap not counted: [Note: the dispatch issued, then waited for])
             collective = in_graph[node.name]
             start = max(compute, comm_free[EXPERT_GROUP])
             seconds = collective_seconds(collective, plan, hw)

@@ -47,6 +47,7 @@ from ..passes.predicates import (
     phase_of,
     runs_across_replicas,
     token_exchange_numel,
+    token_exchange_wait,
 )
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -323,10 +324,11 @@ def _position(index: Optional[int]) -> str:
 def _describe(node: Node, position: dict[Node, int], plan) -> Collective:
     if is_token_exchange(node):  # [Note: exchanging rows in fixed shapes]
         rows = node.args[0].meta["val"]
+        wait = token_exchange_wait(node) or node
         return Collective(kind=ALL_TO_ALL, dtype=rows.dtype,
                           numel=token_exchange_numel(rows, node.meta["val"]), bucket=(),
                           phase=phase_of(node).value, issued_at=position[node],
-                          waited_at=position[node], node=node.name, group=EXPERT_GROUP)
+                          waited_at=position[wait], node=node.name, group=EXPERT_GROUP)
     if is_tensor_parallel_collective(node):  # [Note: capturing a tensor-parallel step]
         kind = tensor_parallel_kind(node.target)
         buffer = node.meta["val"] if kind == TP_PREFIX + "all_gather" else node.args[0].meta["val"]

@@ -34,7 +34,25 @@ so ``c >= E / k`` never drops.
 Both are custom ops: to the compiler a node with a static output shape that issues its
 collective and waits for it (the schedule does not move it: the rows it sends come from
 the router just before). ``exchange_rows``' gradient is the same exchange the other way
-round. Each op's ``tokens`` side (the rows a rank sends out in the dispatch, receives back
+round.
+
+[Note: the dispatch issued, then waited for]
+The dispatch (rows to their experts) is two ops, so that a block's own compute runs while
+the rows travel: ``exchange_rows_issue`` starts the all-to-all (``async_op=True``, its
+work registered with the buffer the rows arrive in, as functional collectives do) and
+returns that buffer; ``exchange_rows_wait`` waits for it and gathers the received rows
+in local-expert order, the gather that follows the dispatch anyway, so the wait adds no
+copy. Between them the capture puts the block's shared expert (Qwen2-MoE's gated one,
+DeepSeek's ``shared_experts``), which reads only the block's input: with expert
+parallelism the graph computes it while the rows are in flight, where without it the
+shared expert runs after the routed ones. The combine (rows back to their tokens) and
+the backward's exchanges still issue and wait in one op: after the combine nothing of
+the block is left to overlap with, and the backward's exchange reads the gradient the
+local experts just made. What the graph does here is what runs with the eager and
+aot_eager backends; under Inductor the order inside a compiled body is its scheduler's
+(the two ops and the shared expert's matmuls are kernels of their own, kept in graph
+order in the programs read so far, not pinned). The cost model still prices the dispatch
+as blocking. Each op's ``tokens`` side (the rows a rank sends out in the dispatch, receives back
 in the combine) is always ``T * k`` rows: what ``traffic()`` and ``counting_collectives()``
 count for it, so that both are the same on every rank and at every step.
 """
@@ -81,6 +99,15 @@ def exchange_rows(rows: Tensor, send: Tensor, receive: Tensor, out_rows: int,
                   group_name: str) -> Tensor:
     """Send ``rows``' first ``sum(send)`` rows, ``send[p]`` of them to peer ``p`` in order;
     return ``out_rows`` rows: ``receive[p]`` from each peer ``p`` in order, then zeros."""
+    send_splits, receive_splits = _checked_splits(rows, send, receive, out_rows)
+    out = rows.new_zeros(out_rows, *rows.shape[1:])
+    dist.all_to_all_single(out[:sum(receive_splits)], rows[:sum(send_splits)].contiguous(),
+                           receive_splits, send_splits, group=_group(group_name))
+    return out
+
+
+def _checked_splits(rows: Tensor, send: Tensor, receive: Tensor, out_rows: int
+                    ) -> tuple[list[int], list[int]]:
     send_splits, receive_splits = send.tolist(), receive.tolist()
     sent, received = sum(send_splits), sum(receive_splits)
     if received > out_rows or sent > rows.shape[0]:
@@ -88,15 +115,59 @@ def exchange_rows(rows: Tensor, send: Tensor, receive: Tensor, out_rows: int,
             f"expert parallelism: this rank would receive {received} rows into a buffer of "
             f"{out_rows} (or send {sent} of {rows.shape[0]}): the ranks of an expert-parallel "
             "group must run the same step on batches of the same shape")
-    out = rows.new_zeros(out_rows, *rows.shape[1:])
-    dist.all_to_all_single(out[:received], rows[:sent].contiguous(), receive_splits,
-                           send_splits, group=_group(group_name))
-    return out
+    return send_splits, receive_splits
 
 
 @exchange_rows.register_fake
 def _(rows: Tensor, send: Tensor, receive: Tensor, out_rows: int, group_name: str) -> Tensor:
     return rows.new_empty(out_rows, *rows.shape[1:])
+
+
+@torch.library.custom_op("zero_fx::exchange_rows_issue", mutates_args=())
+def exchange_rows_issue(rows: Tensor, send: Tensor, receive: Tensor, out_rows: int,
+                        group_name: str) -> Tensor:
+    """``exchange_rows`` issued, not waited for ([Note: the dispatch issued, then waited
+    for]): returns the buffer the rows arrive in, which ``exchange_rows_wait`` reads."""
+    send_splits, receive_splits = _checked_splits(rows, send, receive, out_rows)
+    out = rows.new_zeros(out_rows, *rows.shape[1:])
+    work = dist.all_to_all_single(out[:sum(receive_splits)], rows[:sum(send_splits)].contiguous(),
+                                  receive_splits, send_splits, group=_group(group_name),
+                                  async_op=True)
+    if work is not None:
+        torch._C._distributed_c10d._register_work(out, work)
+    return out
+
+
+@exchange_rows_issue.register_fake
+def _(rows: Tensor, send: Tensor, receive: Tensor, out_rows: int, group_name: str) -> Tensor:
+    return rows.new_empty(out_rows, *rows.shape[1:])
+
+
+@torch.library.custom_op("zero_fx::exchange_rows_wait", mutates_args=())
+def exchange_rows_wait(received: Tensor, order: Tensor) -> Tensor:
+    """Wait for ``exchange_rows_issue``'s rows to arrive in ``received``; its rows in
+    ``order`` (the gather that follows every dispatch, so the wait copies nothing more)."""
+    torch.ops._c10d_functional.wait_tensor(received)
+    return received.index_select(0, order)
+
+
+@exchange_rows_wait.register_fake
+def _(received: Tensor, order: Tensor) -> Tensor:
+    return received.new_empty(order.shape[0], *received.shape[1:])
+
+
+def _wait_setup_context(ctx, inputs, output):
+    received, order = inputs
+    ctx.save_for_backward(order)
+    ctx.rows = received.shape[0]
+
+
+def _wait_backward(ctx, grad):
+    (order,) = ctx.saved_tensors
+    return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_add(0, order, grad), None
+
+
+exchange_rows_wait.register_autograd(_wait_backward, setup_context=_wait_setup_context)
 
 
 def _setup_context(ctx, inputs, output):
@@ -112,6 +183,7 @@ def _backward(ctx, grad):
 
 
 exchange_rows.register_autograd(_backward, setup_context=_setup_context)
+exchange_rows_issue.register_autograd(_backward, setup_context=_setup_context)  # the same rows
 
 
 def expert_capacity(tokens: int, degree: int, experts: int, top_k: int,
@@ -135,13 +207,15 @@ def received_rows(tokens: int, degree: int, experts: int, top_k: int,
 
 def dispatch_and_combine(rows: Tensor, counts: Tensor, expert_of_row: Tensor, run_local_experts,
                          *, degree: int, top_k: int, group_name: str,
-                         capacity_factor: Optional[float] = None) -> Tensor:
+                         capacity_factor: Optional[float] = None, meanwhile=None):
     """``rows`` (T * k, hidden), sorted by expert (``expert_of_row``), ``counts`` (E,) rows
     per expert: send each row to the rank holding its expert, run ``run_local_experts(rows,
     offs, group_of_row)`` there on the received rows sorted by local expert, and bring the
     results back in ``rows``' order ([Note: exchanging rows in fixed shapes]). With
     ``capacity_factor``, each expert takes at most its share of the rows ([Note: expert
-    capacity]); a row it does not take comes back zero."""
+    capacity]); a row it does not take comes back zero. ``meanwhile()``, if given, runs
+    while the rows travel to their experts ([Note: the dispatch issued, then waited for]),
+    and the call returns ``(rows, its result)``."""
     local = counts.shape[0] // degree
     tokens = rows.shape[0] // top_k
     received_counts = exchange_counts(counts, group_name)          # (P * El,), peer-major
@@ -159,7 +233,7 @@ def dispatch_and_combine(rows: Tensor, counts: Tensor, expert_of_row: Tensor, ru
         rows = rows[compacted]                                     # taken rows first
     send = sent_counts.view(degree, local).sum(1)
     receive = received_counts.view(degree, local).sum(1)
-    received = exchange_rows(rows, send, receive, capacity, group_name)
+    in_flight = exchange_rows_issue(rows, send, receive, capacity, group_name)
     # the received rows are peer-major, each peer's sorted by expert: sort them by local
     # expert (stable: a peer's rows keep their order); the zero rows after the valid ones last
     ends = received_counts.cumsum(0)
@@ -168,9 +242,10 @@ def dispatch_and_combine(rows: Tensor, counts: Tensor, expert_of_row: Tensor, ru
     order = torch.argsort(local_expert, stable=True)
     offs = received_counts.view(degree, local).sum(0).cumsum(0).to(torch.int32)
     group_of_row = local_expert[order].clamp(max=local - 1)
-    out = run_local_experts(received[order], offs, group_of_row)
+    done_meanwhile = meanwhile() if meanwhile is not None else None
+    out = run_local_experts(exchange_rows_wait(in_flight, order), offs, group_of_row)
     back = torch.empty_like(out).index_copy(0, order, out)          # peer-major again
     returned = exchange_rows(back, receive, send, rows.shape[0], group_name)
-    if compacted is None:
-        return returned
-    return torch.empty_like(returned).index_copy(0, compacted, returned)  # dropped rows: zero
+    if compacted is not None:  # dropped rows: zero
+        returned = torch.empty_like(returned).index_copy(0, compacted, returned)
+    return returned if meanwhile is None else (returned, done_meanwhile)

@@ -338,15 +338,23 @@ def _shared_expert(block: nn.Module) -> Optional[str]:
     return None
 
 
-def _add_shared(block: nn.Module, shared: Optional[str], hidden: torch.Tensor,
-                out: torch.Tensor) -> torch.Tensor:
+def _shared_output(block: nn.Module, shared: Optional[str], hidden: torch.Tensor
+                   ) -> Optional[Callable[[], torch.Tensor]]:
+    """The shared expert's output on ``hidden`` (gated where the block gates it), to be
+    computed: ``_mix_experts`` runs it while the rows travel to their experts under expert
+    parallelism ([Note: the dispatch issued, then waited for] in expert_exchange.py)."""
     if shared is None:
-        return out
-    extra = getattr(block, shared)(hidden)
-    gate = getattr(block, "shared_expert_gate", None)
-    if gate is not None:
-        extra = torch.sigmoid(gate(hidden)) * extra
-    return out + extra
+        return None
+
+    def output() -> torch.Tensor:
+        extra = getattr(block, shared)(hidden)
+        gate = getattr(block, "shared_expert_gate", None)
+        return torch.sigmoid(gate(hidden)) * extra if gate is not None else extra
+    return output
+
+
+def _plus(out: torch.Tensor, extra: Optional[torch.Tensor]) -> torch.Tensor:
+    return out if extra is None else out + extra
 
 
 def _softmax_top_k_forward(normalise: bool, shared: Optional[str], with_logits: bool) -> Callable:
@@ -366,8 +374,9 @@ def _softmax_top_k_forward(normalise: bool, shared: Optional[str], with_logits: 
         weights, chosen = torch.topk(weights, routed.top_k, dim=-1)
         if normalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = _mix_experts(block, routed, hidden, chosen, weights.to(hidden.dtype), hidden.dtype)
-        out = _add_shared(block, shared, hidden, out)
+        out, extra = _mix_experts(block, routed, hidden, chosen, weights.to(hidden.dtype),
+                                  hidden.dtype, _shared_output(block, shared, hidden))
+        out = _plus(out, extra)
         return (out.reshape(shape), logits) if with_logits else out.reshape(shape)
 
     return forward
@@ -381,16 +390,21 @@ def _router_module_forward(shared: Optional[str]) -> Callable:
         shape = hidden_states.shape
         chosen, weights = getattr(block, routed.router)(hidden_states)
         hidden = hidden_states.reshape(-1, shape[-1])
-        out = _mix_experts(block, routed, hidden, chosen, weights, weights.dtype)
-        out = out.to(hidden_states.dtype).reshape(shape)
-        return _add_shared(block, shared, hidden_states, out)
+        out, extra = _mix_experts(block, routed, hidden, chosen, weights, weights.dtype,
+                                  _shared_output(block, shared, hidden_states))
+        return _plus(out.to(hidden_states.dtype).reshape(shape), extra)
 
     return forward
 
 
 def _mix_experts(block, routed: _RoutedForward, hidden: torch.Tensor, chosen: torch.Tensor,
-                 weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """sum over each token's k experts of weight * expert(token), in fixed shapes (the note)."""
+                 weights: torch.Tensor, out_dtype: torch.dtype,
+                 meanwhile: Optional[Callable[[], torch.Tensor]] = None
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """sum over each token's k experts of weight * expert(token), in fixed shapes (the note),
+    and ``meanwhile()`` (the shared expert): after the routed experts, or under expert
+    parallelism while the rows travel to theirs."""
+    done_meanwhile = None
     every = getattr(block, routed.experts)
     experts = every[:routed_count(every)]  # identity experts' rows pass through, below
     tokens, k = chosen.shape
@@ -406,14 +420,16 @@ def _mix_experts(block, routed: _RoutedForward, hidden: torch.Tensor, chosen: to
     else:  # [Note: exchanging rows in fixed shapes]
         held = routed.parallel
         local = experts[held.first:held.first + len(experts) // held.degree]
-        rows = dispatch_and_combine(
+        rows, done_meanwhile = dispatch_and_combine(
             hidden[token_of_row], counts, expert_of_row,
             lambda received, offs, group_of_row: routed.grouped(received, offs, group_of_row, local),
             degree=held.degree, top_k=k, group_name=held.group_name,
-            capacity_factor=held.capacity_factor)
+            capacity_factor=held.capacity_factor, meanwhile=meanwhile or (lambda: None))
+        meanwhile = None
     rows = rows * weights.reshape(-1)[order].unsqueeze(-1)
     out = torch.zeros(tokens, hidden.shape[-1], dtype=out_dtype, device=hidden.device)
-    return out.index_add(0, token_of_row, rows.to(out_dtype))
+    out = out.index_add(0, token_of_row, rows.to(out_dtype))
+    return out, (meanwhile() if meanwhile is not None else done_meanwhile)
 
 
 # -- the experts as one grouped computation --------------------------------------------------
