@@ -461,6 +461,9 @@ def tiny_recognised(name: str) -> nn.Module:
             intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64,
             num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=False,
             **common)
+    elif name == "phimoe":  # sparsemixer: top-2 by Gumbel sampling while training
+        config = transformers.PhimoeConfig(intermediate_size=32, num_local_experts=8,
+                                           num_experts_per_tok=2, **common)
     elif name == "olmoe":
         config = transformers.OlmoeConfig(intermediate_size=32, num_experts=8,
                                           num_experts_per_tok=2, **common)
@@ -480,7 +483,9 @@ RECOGNISED = {  # model: (blocks, routing, shared expert)
     "qwen2_moe": (1, "softmax, top-2", "shared_expert"),
     "olmoe": (1, "softmax, top-2", None),
     "deepseek_v3": (1, "the router module's (indices, weights)", "shared_experts"),
+    "phimoe": (1, "sparsemixer, top-2 (the model's own)", None),
 }
+"""PhiMoE's block under transformers 4 (5 runs it through its own experts interface)."""
 
 
 def step_on(loss_of):
@@ -502,11 +507,13 @@ def train_eager_and_zero_fx(build, loss_of, batches, **options):
     losses = {"eager": [], "zero_fx": []}
     step_fn = step_on(loss_of)
     opt = models.make_optimizer(eager, "sgd")
+    torch.manual_seed(1)  # the same random draws for both (PhiMoE's routing samples)
     for x in batches:
         losses["eager"].append(step_fn(eager, opt, x).item())
 
     opt = models.make_optimizer(compiled, "sgd")
     step = zero_compile(step_fn, backend=models.BACKEND, **options)
+    torch.manual_seed(1)
     losses["zero_fx"] = [step(compiled, opt, x).item() for x in batches]
     return losses, dict(eager.named_parameters()), step, initial
 
@@ -520,6 +527,8 @@ def assert_updates_like_eager(step, eager: dict, initial: dict) -> None:
 
 @pytest.mark.parametrize("name", RECOGNISED)
 def test_recognised_hf_blocks_train_like_eager(name):
+    if name == "phimoe" and int(transformers.__version__.split(".")[0]) >= 5:
+        pytest.skip("transformers 5 runs PhiMoE's experts through its own experts interface")
     losses, eager, step, initial = train_eager_and_zero_fx(
         lambda: tiny_recognised(name), hf_loss, [tokens(i) for i in range(2)], stage=3)
     blocks, routing, shared = RECOGNISED[name]

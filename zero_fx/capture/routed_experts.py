@@ -40,6 +40,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -325,9 +326,14 @@ def _forms(block: nn.Module, router: nn.Module, shape: MoeShape) -> list[_Form]:
     if isinstance(router, nn.Linear):
         normalise = getattr(block, "norm_topk_prob", None)
         choices = [normalise] if isinstance(normalise, bool) else [True, False]
-        return [_Form(f"softmax, top-{shape.top_k}{', renormalised' if n else ''}",
-                      _softmax_top_k_forward(n, shared, with_logits), shared)
-                for with_logits in (True, False) for n in choices]
+        forms = [_Form(f"softmax, top-{shape.top_k}{', renormalised' if n else ''}",
+                       _softmax_top_k_forward(n, shared, with_logits), shared)
+                 for with_logits in (True, False) for n in choices]
+        sparsemixer = getattr(sys.modules.get(type(block).__module__), "sparsemixer", None)
+        if callable(sparsemixer):  # PhiMoE under transformers 4
+            forms.insert(0, _Form("sparsemixer, top-2 (the model's own)",
+                                  _sparsemixer_forward(sparsemixer, shared), shared))
+        return forms
     return [_Form("the router module's (indices, weights)", _router_module_forward(shared), shared)]
 
 
@@ -378,6 +384,29 @@ def _softmax_top_k_forward(normalise: bool, shared: Optional[str], with_logits: 
                                   hidden.dtype, _shared_output(block, shared, hidden))
         out = _plus(out, extra)
         return (out.reshape(shape), logits) if with_logits else out.reshape(shape)
+
+    return forward
+
+
+def _sparsemixer_forward(sparsemixer: Callable, shared: Optional[str]) -> Callable:
+    """PhiMoE (transformers 4): a Linear router whose logits the model's own ``sparsemixer``
+    turns into top-2 (weights, indices): Gumbel-sampled while training, its routing gradient
+    a custom autograd function. Calling the model's function keeps both as they are (and its
+    random draws in the order eager makes them); returns (hidden, router logits)."""
+
+    def forward(block, routed: _RoutedForward, hidden_states):
+        shape = hidden_states.shape
+        jitter = getattr(block, "input_jitter_noise", 0)
+        if block.training and jitter:
+            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
+                1.0 - jitter, 1.0 + jitter)
+        hidden = hidden_states.reshape(-1, shape[-1])
+        logits = getattr(block, routed.router)(hidden)
+        weights, chosen = sparsemixer(logits, jitter_eps=getattr(block, "router_jitter_noise", 0.0),
+                                      training=block.training)
+        out, extra = _mix_experts(block, routed, hidden, chosen, weights.to(hidden.dtype),
+                                  hidden.dtype, _shared_output(block, shared, hidden))
+        return _plus(out, extra).reshape(shape), logits
 
     return forward
 
