@@ -12,9 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from test_api import standard_step
-from training import update_errors
+from training import assert_computes_the_same, regression_batches, update_errors_against_eager
 
-from zero_fx import zero_compile
 from zero_fx.capture.fused_experts import (FixedShapeFusedExperts,
                                            route_fused_experts_with_fixed_shapes)
 
@@ -68,13 +67,7 @@ def test_the_fixed_shape_forward_replaces_the_loop_and_computes_what_it_did():
     rewritten, left = route_fused_experts_with_fixed_shapes(model)
     assert rewritten == ["experts"] and not left
     assert isinstance(model.experts.__dict__["forward"], FixedShapeFusedExperts)
-    x = torch.randn(16, HIDDEN)
-    reference = LoopingMoE()  # the same weights, its own loop
-    for m in (model, reference):
-        m(x).square().sum().backward()
-    assert torch.allclose(model(x), reference(x), atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+    assert_computes_the_same(model, LoopingMoE(), torch.randn(16, HIDDEN))  # its own loop
 
 
 def test_a_layout_it_does_not_compute_is_left_with_the_reason():
@@ -90,18 +83,8 @@ def test_a_layout_it_does_not_compute_is_left_with_the_reason():
 def test_a_looping_fused_experts_model_trains_like_eager(stage):
     """Captured in one graph (the loop would not: a count the data decides), each update
     within 1e-5 of eager's at one rank (measured 2e-7)."""
-    model = LoopingMoE()
-    eager = copy.deepcopy(model)
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager))
-    step = zero_compile(standard_step, stage=stage, backend="aot_eager", on_graph_break="error")
-    for i in range(3):
-        g = torch.Generator().manual_seed(i)
-        x, y = torch.randn(16, HIDDEN, generator=g), torch.randn(16, 7, generator=g)
-        step(model, opt, x, y)
-        standard_step(eager, eager_opt, x, y)
-    errors = update_errors([{"params": step.full_parameters()}],
-                           {"params": dict(eager.named_parameters()), "initial": initial})
+    errors, _ = update_errors_against_eager(LoopingMoE(), standard_step, regression_batches(HIDDEN, 7),
+                                            stage=stage)
     assert max(errors.values()) < 1e-5, max(errors, key=errors.get)
 
 
@@ -213,19 +196,10 @@ def test_identity_experts_after_the_routed_ones_train_like_eager():
     """Rows routed to an identity expert pass through; captured in one graph, the updates
     within 1e-5 of eager's (the loop's) at stage 3; expert parallelism is refused for them."""
     model = IdentityExpertsModel()
-    eager = copy.deepcopy(model)
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager))
-    step = zero_compile(standard_step, stage=3, backend="aot_eager", on_graph_break="error")
-    for i in range(3):
-        g = torch.Generator().manual_seed(i)
-        x, y = torch.randn(16, HIDDEN, generator=g), torch.randn(16, 7, generator=g)
-        step(model, opt, x, y)
-        standard_step(eager, eager_opt, x, y)
+    errors, step = update_errors_against_eager(model, standard_step, regression_batches(HIDDEN, 7),
+                                               stage=3)
     (block,) = step.moe_blocks
     assert (block.num_experts, block.identity_experts) == (ROUTED, IDENTITY)
-    errors = update_errors([{"params": step.full_parameters()}],
-                           {"params": dict(eager.named_parameters()), "initial": initial})
     assert max(errors.values()) < 1e-5, max(errors, key=errors.get)
     from zero_fx.runtime.expert_groups import split_experts
     with pytest.raises(ValueError, match="identity experts"):

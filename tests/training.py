@@ -264,3 +264,38 @@ def rss_growth_run(world_size: int, stage: int, backend: str, width: int, depth:
     """Per rank: resident memory growth during a step (the ranks inherit os.environ)."""
     return run_ranks(world_size, rss_growth_during_step, stage, backend, width, depth, options,
                      fresh_interpreter=True)  # MALLOC_* are read when a process starts
+
+
+def update_errors_against_eager(model, step_fn, batches, **options) -> tuple:
+    """Each parameter's update error (``update_errors``), and the compiled step, after ``step_fn`` trains ``model``
+    under ``zero_compile(step_fn, backend="aot_eager", on_graph_break="error", **options)``
+    and a copy of it eagerly, SGD at 0.1, one step per ``batches`` item (the step's
+    arguments after the model and optimizer)."""
+    import copy
+
+    eager = copy.deepcopy(model)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager))
+    step = zero_compile(step_fn, backend="aot_eager", on_graph_break="error", **options)
+    for batch in batches:
+        step(model, opt, *batch)
+        step_fn(eager, eager_opt, *batch)
+    return update_errors([{"params": step.full_parameters()}],
+                         {"params": dict(eager.named_parameters()), "initial": initial}), step
+
+
+def regression_batches(width: int, outputs: int, steps: int = 3, rows: int = 16) -> list:
+    """``steps`` seeded (x, y) pairs of random regression data."""
+    generators = [torch.Generator().manual_seed(i) for i in range(steps)]
+    return [(torch.randn(rows, width, generator=g), torch.randn(rows, outputs, generator=g))
+            for g in generators]
+
+
+def assert_computes_the_same(model, reference, x) -> None:
+    """``model`` and ``reference`` (the same weights) give the same output on ``x`` and the
+    same gradients of every parameter under a squared-sum loss."""
+    for m in (model, reference):
+        m(x).square().sum().backward()
+    assert torch.allclose(model(x), reference(x), atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name

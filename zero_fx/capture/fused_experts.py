@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from .grouped_mm import grouped_linear, sort_by_group
-from .rewrite_check import output_and_grads, worst_different_gradient
+from .rewrite_check import what_differs
 
 log = logging.getLogger("zero_fx")
 
@@ -159,25 +159,37 @@ def route_fused_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = T
                                           ) -> tuple[list[str], list[str]]:
     """Install the note's forward on every looping fused-experts module of ``model`` that it
     reproduces; (names rewritten, reasons for those left as they are)."""
+    rewritten, left = install_where_reproduced(
+        model, FORMS, looping_fused_experts, _differs if confirm else None,
+        "holds its experts as 3-D gate_up_proj and down_proj, but zero_fx's fixed-shape "
+        "forward for them")
+    if rewritten:
+        log.info("zero_fx: %d fused-experts module(s) routed with fixed shapes ([Note: fused "
+                 "experts that loop])", len(rewritten))
+    return rewritten, left
+
+
+def install_where_reproduced(model: nn.Module, forms, form_of: Callable, differs: Optional[Callable],
+                             what: str) -> tuple[list[str], list[str]]:
+    """Give each module of ``model`` that ``form_of(module)`` finds a form for (one of
+    ``forms``) that form's forward, where ``differs(module, form)`` (if given) finds nothing
+    different ([Note: a rewrite proves itself]); (names rewritten, the others' reasons:
+    ``what`` the module is, then what differs)."""
     rewritten, left = [], []
     for name, module in model.named_modules():
-        if isinstance(module.__dict__.get("forward"), FixedShapeFusedExperts):
+        installed = module.__dict__.get("forward")
+        if isinstance(installed, FixedShapeFusedExperts) and installed.form in forms:
             rewritten.append(name)
             continue
-        form = looping_fused_experts(module)
+        form = form_of(module)
         if form is None:
             continue
-        why = None if not confirm else _differs(module, form)
+        why = None if differs is None else differs(module, form)
         if why is None:
             module.forward = FixedShapeFusedExperts(module, form)
             rewritten.append(name)
         else:
-            left.append(f"module {name!r} ({type(module).__name__}) holds its experts as 3-D "
-                        f"gate_up_proj and down_proj, but zero_fx's fixed-shape forward for "
-                        f"them {why}")
-    if rewritten:
-        log.info("zero_fx: %d fused-experts module(s) routed with fixed shapes ([Note: fused "
-                 "experts that loop])", len(rewritten))
+            left.append(f"module {name!r} ({type(module).__name__}) {what} {why}")
     return rewritten, left
 
 
@@ -199,15 +211,6 @@ def _differs(module: nn.Module, form: _Form) -> Optional[str]:
                              dtype=hidden.dtype).requires_grad_()
         named = [("the routing weights", weights),
                  *((n, p) for n, p in module.named_parameters() if p.requires_grad)]
-        try:
-            expected, expected_grads = output_and_grads(
-                lambda x: original(module, *form.probe(module, x, index, weights)), hidden, named)
-            got, got_grads = output_and_grads(
-                lambda x: form.forward(module, *form.probe(module, x, index, weights)), hidden,
-                named)
-        except Exception as err:  # noqa: BLE001 - a module this forward cannot run
-            return f"fails on a random input ({type(err).__name__}: {err})"
-    if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item()):
-        return "does not reproduce its output on a random input"
-    differs = worst_different_gradient(expected_grads, got_grads)
-    return None if differs is None else f"reproduces its output but not its gradients: {differs}"
+        return what_differs(
+            lambda x: original(module, *form.probe(module, x, index, weights)),
+            lambda x: form.forward(module, *form.probe(module, x, index, weights)), hidden, named)

@@ -1,6 +1,7 @@
 """The comparisons behind [Note: a rewrite proves itself] (routed_experts.py): a module's own
 forward against zero_fx's fixed-shape one, outputs and gradients, on one random input.
-Shared by the expert-list blocks (routed_experts.py) and the 3-D experts (fused_experts.py)."""
+Shared by the expert-list blocks (routed_experts.py), the 3-D experts (fused_experts.py) and
+the grouped-GEMM modules (grouped_gemm_modules.py)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,17 @@ def same_output(expected, got) -> bool:
         if e.shape != g.shape or not torch.allclose(g.float(), e.float(), rtol=1e-4, atol=1e-5):
             return False
     return True
+
+
+def what_differs(original: Callable, ours: Callable, x: torch.Tensor, named: list) -> Optional[str]:
+    """None if ``ours(x)`` gives ``original(x)``'s output (relative to its scale) and the same
+    gradients of ``x`` and ``named``; else what differs, in words (a module's rewrite)."""
+    try:
+        expected, expected_grads = output_and_grads(original, x, named)
+        got, got_grads = output_and_grads(ours, x, named)
+    except Exception as err:  # noqa: BLE001 - a module the rewrite cannot run
+        return f"fails on a random input ({type(err).__name__}: {err})"
+    if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item()):
+        return "does not reproduce its output on a random input"
+    differs = worst_different_gradient(expected_grads, got_grads)
+    return None if differs is None else f"reproduces its output but not its gradients: {differs}"

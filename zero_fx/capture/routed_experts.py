@@ -49,6 +49,7 @@ from torch import nn
 
 from .expert_exchange import dispatch_and_combine
 from .fused_experts import route_fused_experts_with_fixed_shapes
+from .grouped_gemm_modules import route_grouped_gemms_with_fixed_shapes
 from .grouped_mm import grouped_linear, sort_by_group
 from .rewrite_check import output_and_grads, same_output, worst_different_gradient
 from .step_graph import CaptureError
@@ -167,6 +168,8 @@ def route_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True) -
             unrecognised.append(str(why))
     # experts held as 3-D parameters and looped over: [Note: fused experts that loop]
     unrecognised += route_fused_experts_with_fixed_shapes(model, confirm=confirm)[1]
+    # a grouped GEMM called with row counts (Aria): [Note: grouped GEMM modules that loop]
+    unrecognised += route_grouped_gemms_with_fixed_shapes(model, confirm=confirm)[1]
     if found:
         log.info("zero_fx: %d mixture-of-experts block(s) routed with fixed shapes (%s, %d "
                  "experts, top-%d)", len(found), found[0].routing, found[0].num_experts,
