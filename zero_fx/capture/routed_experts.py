@@ -368,27 +368,17 @@ def _plus(out: torch.Tensor, extra: Optional[torch.Tensor]) -> torch.Tensor:
 
 def _softmax_top_k_forward(normalise: bool, shared: Optional[str], with_logits: bool) -> Callable:
     """Mixtral / Qwen-MoE / OLMoE: a Linear router, softmax in fp32, top-k, optionally
-    renormalised, the weights cast back; returns (hidden, router logits) as HuggingFace's
-    blocks do, or the hidden states alone."""
+    renormalised; returns (hidden, router logits) as HuggingFace's blocks do, or the hidden
+    states alone."""
 
-    def forward(block, routed: _RoutedForward, hidden_states):
-        shape = hidden_states.shape
-        jitter = getattr(block, "jitter_noise", 0)
-        if block.training and jitter:
-            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
-                1.0 - jitter, 1.0 + jitter)
-        hidden = hidden_states.reshape(-1, shape[-1])
-        logits = getattr(block, routed.router)(hidden)
+    def route(block, routed: _RoutedForward, logits):
         weights = F.softmax(logits, dim=1, dtype=torch.float)
         weights, chosen = torch.topk(weights, routed.top_k, dim=-1)
         if normalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out, extra = _mix_experts(block, routed, hidden, chosen, weights.to(hidden.dtype),
-                                  hidden.dtype, _shared_output(block, shared, hidden))
-        out = _plus(out, extra)
-        return (out.reshape(shape), logits) if with_logits else out.reshape(shape)
+        return weights, chosen
 
-    return forward
+    return _linear_router_forward(route, shared, with_logits, jitter="jitter_noise")
 
 
 def _sparsemixer_forward(sparsemixer: Callable, shared: Optional[str]) -> Callable:
@@ -397,19 +387,33 @@ def _sparsemixer_forward(sparsemixer: Callable, shared: Optional[str]) -> Callab
     a custom autograd function. Calling the model's function keeps both as they are (and its
     random draws in the order eager makes them); returns (hidden, router logits)."""
 
+    def route(block, routed: _RoutedForward, logits):
+        return sparsemixer(logits, jitter_eps=getattr(block, "router_jitter_noise", 0.0),
+                           training=block.training)
+
+    return _linear_router_forward(route, shared, True, jitter="input_jitter_noise")
+
+
+def _linear_router_forward(route: Callable, shared: Optional[str], with_logits: bool, *,
+                           jitter: str) -> Callable:
+    """A block with a Linear router: its input scaled by uniform noise of the block's
+    ``jitter`` attribute while training, the router's logits, ``route(block, routed,
+    logits) -> (weights, chosen)``, the experts mixed (weights cast to the input's dtype) and
+    the shared expert added."""
+
     def forward(block, routed: _RoutedForward, hidden_states):
         shape = hidden_states.shape
-        jitter = getattr(block, "input_jitter_noise", 0)
-        if block.training and jitter:
+        noise = getattr(block, jitter, 0)
+        if block.training and noise:
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
-                1.0 - jitter, 1.0 + jitter)
+                1.0 - noise, 1.0 + noise)
         hidden = hidden_states.reshape(-1, shape[-1])
         logits = getattr(block, routed.router)(hidden)
-        weights, chosen = sparsemixer(logits, jitter_eps=getattr(block, "router_jitter_noise", 0.0),
-                                      training=block.training)
+        weights, chosen = route(block, routed, logits)
         out, extra = _mix_experts(block, routed, hidden, chosen, weights.to(hidden.dtype),
                                   hidden.dtype, _shared_output(block, shared, hidden))
-        return _plus(out, extra).reshape(shape), logits
+        out = _plus(out, extra).reshape(shape)
+        return (out, logits) if with_logits else out
 
     return forward
 
