@@ -93,8 +93,8 @@ def test_a_blocks_routed_experts_are_a_unit_of_their_own():
         model = causal_lm(mixtral_config(64, 16, layers=2, width=32, heads=4, kv_heads=2, ffn=64,
                                          experts=4))
     plan = plan_for_module(model, world_size=2, bucket_bytes=BLOCKS)
-    assert plan.expert_units == ("model.layers.0.block_sparse_moe.experts",
-                                 "model.layers.1.block_sparse_moe.experts")
+    assert plan.expert_units == {"model.layers.0.block_sparse_moe.experts",
+                                 "model.layers.1.block_sparse_moe.experts"}
     names = [n for n, _ in model.named_parameters()]
     buckets = plan.buckets(names)
     for unit in plan.expert_units:

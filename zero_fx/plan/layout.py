@@ -164,7 +164,7 @@ class ShardPlan:
     ``"blocks"``, a policy ``fn(node) -> "save" | "recompute"`` or an ``ActivationBudget``."""
     expert_parallel: Optional[ExpertParallel] = None
     """Stage 3: routed experts split over ranks ([Note: expert parallelism])."""
-    expert_units: tuple[str, ...] = ()
+    expert_units: frozenset = frozenset()
     """The routed experts' modules (``model.layers.0.block_sparse_moe.experts``): in stage 3's
     buckets by block, each is a unit of its own ([Note: buckets by block])."""
     tensor_parallel: Optional[TensorParallel] = None
@@ -239,9 +239,10 @@ class ShardPlan:
     def bucket_unit(self, name: str) -> str:
         """The unit a parameter is bucketed with in buckets by block: its routed experts'
         module (``expert_units``), else its block ([Note: buckets by block])."""
-        for unit in self.expert_units:
-            if name.startswith(unit + "."):
-                return unit
+        parts = name.split(".")
+        for end in range(1, len(parts)):  # its enclosing modules' names, outermost first
+            if ".".join(parts[:end]) in self.expert_units:
+                return ".".join(parts[:end])
         return block_of(name)
 
     def unit_of(self, name: str) -> str:
@@ -436,7 +437,7 @@ def make_plan(
         quantize_gradients=quantize_gradients,
         quantize_block=quantize_block,
         secondary=secondary,
-        expert_units=tuple(expert_units),
+        expert_units=frozenset(expert_units),
     )
 
 
