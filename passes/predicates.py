@@ -118,14 +118,18 @@ TOKEN_EXCHANGES = ("exchange_counts", "exchange_rows", "exchange_rows_issue")
 
 def is_token_exchange_op(op) -> bool:
     """``op`` (an OpOverload, or any callable) is one of expert parallelism's all-to-alls."""
-    return getattr(op, "namespace", None) == "zero_fx" and \
-        getattr(op, "_opname", "") in TOKEN_EXCHANGES
+    return zero_fx_op_name(op) in TOKEN_EXCHANGES
 
 
 def token_exchange_wait(node: Node) -> Optional[Node]:
     """The ``exchange_rows_wait`` of a dispatch issued by ``exchange_rows_issue``, else None."""
-    return next((u for u in node.users if getattr(u.target, "namespace", None) == "zero_fx"
-                 and getattr(u.target, "_opname", "") == "exchange_rows_wait"), None)
+    return next((u for u in node.users if zero_fx_op_name(u.target) == "exchange_rows_wait"), None)
+
+
+def zero_fx_op_name(op) -> str:
+    """The name of ``op`` if it is one of zero_fx's custom ops (``zero_fx::exchange_rows``),
+    else ""."""
+    return getattr(op, "_opname", "") if getattr(op, "namespace", None) == "zero_fx" else ""
 
 
 def token_exchange_numel(rows_in, rows_out) -> int:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import models
 from zero_fx import ZeroConfig
 from zero_fx.capture.routed_experts import RoutedExperts
+from zero_fx.passes.predicates import zero_fx_op_name
 from zero_fx.plan.expert_parallel import ExpertParallel, expert_slices
 from zero_fx.plan.layout import make_plan
 from zero_fx.runtime.expert_groups import split_experts
@@ -97,10 +98,6 @@ def test_a_step_on_a_fake_world_of_four(fake_world_of_four):
         assert all(p.untyped_storage().nbytes() for p in model.parameters())
 
 
-def _exchange_op(node) -> str:
-    return getattr(node.target, "_opname", "") if getattr(node.target, "namespace", "") == "zero_fx" else ""
-
-
 def test_the_shared_expert_runs_while_the_rows_travel(fake_world_of_four):
     """[Note: the dispatch issued, then waited for] in zero_fx/capture/expert_exchange.py:
     DeepSeek-V3's shared expert (three matmuls) sits between the dispatch's issue and its
@@ -114,8 +111,8 @@ def test_the_shared_expert_runs_while_the_rows_travel(fake_world_of_four):
                         expert_parallel=2)
     step(model, torch.optim.SGD(model.parameters(), lr=0.1), models.global_batch("hf_llama", 0)[0])
     nodes = list(step.graphs[-1].graph.nodes)
-    issued = [i for i, n in enumerate(nodes) if _exchange_op(n) == "exchange_rows_issue"]
-    waited = [i for i, n in enumerate(nodes) if _exchange_op(n) == "exchange_rows_wait"]
+    issued = [i for i, n in enumerate(nodes) if zero_fx_op_name(n.target) == "exchange_rows_issue"]
+    waited = [i for i, n in enumerate(nodes) if zero_fx_op_name(n.target) == "exchange_rows_wait"]
     assert len(issued) == len(waited) == 1  # one block with experts, its forward's dispatch
     between = nodes[issued[0]:waited[0]]
     matmuls = [n for n in between if n.op == "call_function" and "mm" in str(n.target)]
