@@ -99,15 +99,13 @@ def exchange_rows(rows: Tensor, send: Tensor, receive: Tensor, out_rows: int,
                   group_name: str) -> Tensor:
     """Send ``rows``' first ``sum(send)`` rows, ``send[p]`` of them to peer ``p`` in order;
     return ``out_rows`` rows: ``receive[p]`` from each peer ``p`` in order, then zeros."""
-    send_splits, receive_splits = _checked_splits(rows, send, receive, out_rows)
-    out = rows.new_zeros(out_rows, *rows.shape[1:])
-    dist.all_to_all_single(out[:sum(receive_splits)], rows[:sum(send_splits)].contiguous(),
-                           receive_splits, send_splits, group=_group(group_name))
-    return out
+    return _send_rows(rows, send, receive, out_rows, group_name, async_op=False)[0]
 
 
-def _checked_splits(rows: Tensor, send: Tensor, receive: Tensor, out_rows: int
-                    ) -> tuple[list[int], list[int]]:
+def _send_rows(rows: Tensor, send: Tensor, receive: Tensor, out_rows: int, group_name: str,
+               async_op: bool):
+    """The buffer of ``out_rows`` rows the peers' rows arrive in, and the all-to-all's work
+    (None unless ``async_op``)."""
     send_splits, receive_splits = send.tolist(), receive.tolist()
     sent, received = sum(send_splits), sum(receive_splits)
     if received > out_rows or sent > rows.shape[0]:
@@ -115,11 +113,15 @@ def _checked_splits(rows: Tensor, send: Tensor, receive: Tensor, out_rows: int
             f"expert parallelism: this rank would receive {received} rows into a buffer of "
             f"{out_rows} (or send {sent} of {rows.shape[0]}): the ranks of an expert-parallel "
             "group must run the same step on batches of the same shape")
-    return send_splits, receive_splits
+    out = rows.new_zeros(out_rows, *rows.shape[1:])
+    work = dist.all_to_all_single(out[:received], rows[:sent].contiguous(), receive_splits,
+                                  send_splits, group=_group(group_name), async_op=async_op)
+    return out, work
 
 
 @exchange_rows.register_fake
-def _(rows: Tensor, send: Tensor, receive: Tensor, out_rows: int, group_name: str) -> Tensor:
+def _rows_received(rows: Tensor, send: Tensor, receive: Tensor, out_rows: int,
+                   group_name: str) -> Tensor:
     return rows.new_empty(out_rows, *rows.shape[1:])
 
 
@@ -128,19 +130,13 @@ def exchange_rows_issue(rows: Tensor, send: Tensor, receive: Tensor, out_rows: i
                         group_name: str) -> Tensor:
     """``exchange_rows`` issued, not waited for ([Note: the dispatch issued, then waited
     for]): returns the buffer the rows arrive in, which ``exchange_rows_wait`` reads."""
-    send_splits, receive_splits = _checked_splits(rows, send, receive, out_rows)
-    out = rows.new_zeros(out_rows, *rows.shape[1:])
-    work = dist.all_to_all_single(out[:sum(receive_splits)], rows[:sum(send_splits)].contiguous(),
-                                  receive_splits, send_splits, group=_group(group_name),
-                                  async_op=True)
+    out, work = _send_rows(rows, send, receive, out_rows, group_name, async_op=True)
     if work is not None:
         torch._C._distributed_c10d._register_work(out, work)
     return out
 
 
-@exchange_rows_issue.register_fake
-def _(rows: Tensor, send: Tensor, receive: Tensor, out_rows: int, group_name: str) -> Tensor:
-    return rows.new_empty(out_rows, *rows.shape[1:])
+exchange_rows_issue.register_fake(_rows_received)
 
 
 @torch.library.custom_op("zero_fx::exchange_rows_wait", mutates_args=())
