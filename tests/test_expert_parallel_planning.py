@@ -245,3 +245,26 @@ def test_expert_blocks_know_their_parameters_at_any_depth():
     assert sum(math.prod(p.shape) for n, p in model.named_parameters() if n in experts) == \
         blocks.expert_parameters
     assert blocks.is_expert(experts[0].replace(".0.", ".7.", 1))  # a deeper block's
+
+
+def test_experts_held_as_3d_parameters_are_planned_by_rows():
+    """transformers 5's layout (tests/stacked_experts.py): the 3-D experts are the block's
+    routed experts, which expert parallelism splits; a layout it does not split (biases)
+    is counted and refused, naming it."""
+    from stacked_experts import tiny_mixtral_stacked
+    from zero_fx.plan.planner import _check_degrees
+
+    with torch.device("meta"):
+        model = tiny_mixtral_stacked(64, 16, layers=2)
+    blocks = expert_blocks(model)
+    assert [(n.endswith(".experts"), e, k, h) for n, e, k, h in blocks.routed] == \
+        [(True, 8, 2, 32)] * 2
+    assert blocks.stacked == 0 and blocks.is_expert(f"{blocks.routed[0][0]}.gate_up_proj")
+    _check_degrees((2, 4), 8, blocks)
+    for name, module in model.named_modules():
+        if name.endswith(".experts"):
+            module.has_bias = True
+    blocks = expert_blocks(model)
+    assert blocks.stacked == 2 and blocks.routed == []
+    with pytest.raises(ValueError, match="2 of the model's 2 .* other than transformers 5's"):
+        _check_degrees((2,), 8, blocks)

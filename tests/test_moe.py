@@ -38,6 +38,7 @@ transformers = pytest.importorskip("transformers")
 import models  # noqa: E402
 from examples import hf_models  # noqa: E402
 from ranks import run_ranks, with_mesh  # noqa: E402
+from stacked_experts import tiny_mixtral_stacked  # noqa: E402
 from training import relative_error, update_errors  # noqa: E402
 from test_checkpoint import assert_same_states  # noqa: E402
 from zero_fx.checkpoint.save_load import load_full  # noqa: E402
@@ -85,6 +86,8 @@ def build_moe(name: str, seed: int = 0, layers: int = 2) -> nn.Module:
     torch.manual_seed(seed)
     if name == "qwen2_moe":  # expert parallelism's case with a (gated) shared expert
         return tiny_recognised(name)
+    if name == "mixtral_stacked":  # experts as 3-D parameters, as transformers 5 holds them
+        return tiny_mixtral_stacked(models.VOCAB, models.SEQ, layers=layers)
     return MOE_MODELS[name](models.VOCAB, models.SEQ, layers=layers)
 
 
@@ -103,8 +106,10 @@ train_step = models.language_model_step
 
 EP_CASES = [("mixtral", 3, "ep2"), ("qwen3_moe", 3, "ep2-capacity"), ("mixtral", 2, "ep2"),
             ("mixtral", 3, "ep2-hybrid"), ("qwen3_moe", 1, "ep2-hybrid"),
-            ("qwen2_moe", 3, "ep2")]  # at world size 4
-EP_CHECKPOINT_CASE = ("mixtral", 3, "ep2-checkpoint")  # at world size 4
+            ("qwen2_moe", 3, "ep2"), ("mixtral_stacked", 3, "ep2"),
+            ("mixtral_stacked", 2, "ep2")]  # at world size 4
+EP_CHECKPOINT_CASES = [("mixtral", 3, "ep2-checkpoint"),
+                       ("mixtral_stacked", 3, "ep2-checkpoint")]  # at world size 4
 """Expert parallelism 2 ([Note: expert parallelism] in zero_fx/plan/expert_parallel.py);
 Qwen3-MoE's with ``expert_capacity_factor`` E / k = 4, the least that never drops a row
 ([Note: expert capacity] in zero_fx/capture/expert_exchange.py): the capacity's code path,
@@ -112,14 +117,17 @@ which must then give the same numbers. Stages 1 and 2 ([Note: expert parallelism
 and 2] in zero_fx/runtime/sharded_state.py), and a 2 x 2 hybrid mesh ("ep2-hybrid": experts
 split inside each replica's shard group, their gradients summed across the replicas).
 Qwen2-MoE's gated shared expert runs while its block's rows travel to their experts ([Note:
-the dispatch issued, then waited for] in zero_fx/capture/expert_exchange.py)."""
+the dispatch issued, then waited for] in zero_fx/capture/expert_exchange.py). The tests'
+Mixtral with its experts as transformers 5 holds them, 3-D parameters each rank keeps its
+rows of (tests/stacked_experts.py; [Note: experts held as 3-D parameters, split by rows] in
+zero_fx/plan/expert_parallel.py), at stages 3 and 2, and its checkpoints."""
 NO_DROP_CAPACITY = 8 / 2
 
 
 def cases(world_size: int) -> list:
     if world_size == FP32_WORLD:
         return [(name, stage, "fp32") for name in MOE_MODELS for stage in STAGES] + BF16_CASES
-    return EP_CASES + [EP_CHECKPOINT_CASE]
+    return EP_CASES + EP_CHECKPOINT_CASES
 
 
 def moe_rank(rank: int, world_size: int, case_list: list, steps: int, folder: str) -> dict:
@@ -176,6 +184,7 @@ def ep_checkpoint_case(rank: int, world_size: int, name: str, folder: str) -> di
     ("ep2"), then a third; a fresh model and step at expert parallelism 2, and one without,
     each load that checkpoint, save it again ("ep2-again", "ep1") and take the third step."""
     runs = {}
+    folder = f"{folder}/{name}"
     for run, degree in (("ep2", 2), ("ep2-again", 2), ("ep1", 1)):
         model = build_moe(name, layers=LAYERS, seed=0 if run == "ep2" else 1)
         opt = models.make_optimizer(model)  # AdamW: state of two tensors per parameter
@@ -194,6 +203,7 @@ def ep_checkpoint_case(rank: int, world_size: int, name: str, folder: str) -> di
 
 def ep_checkpoint_at_one_rank(rank: int, world_size: int, name: str, folder: str) -> dict:
     """The expert-parallel checkpoint loaded by one process and saved again ("one")."""
+    folder = f"{folder}/{name}"
     model = build_moe(name, layers=LAYERS, seed=1)
     opt = models.make_optimizer(model)  # AdamW: state of two tensors per parameter
     step = zero_compile(train_step, stage=3, backend=models.BACKEND)
@@ -282,13 +292,17 @@ def test_expert_parallel_trains_as_single_process(case):
     counted as they ran."""
     name, _, variant = case
     results = moe_run(4, case)
-    assert_trains_like_eager(name, results, 4)
+    assert_trains_like_eager(name, results, 4, split=True)
     experts = {b.experts: b.num_experts for b in results[0]["moe_blocks"]}
     for rank, r in enumerate(results):
         mine = range((rank % 2) * 4, (rank % 2) * 4 + 4)  # ranks 0, 2: experts 0-3; 1, 3: 4-7
         for param, numel in r["held"].items():
             prefix = next((p for p in experts if param.startswith(p + ".")), None)
-            if prefix is not None:
+            stacked = any(b.stacked for b in results[0]["moe_blocks"])
+            if prefix is not None and stacked:  # its experts' rows, over their holders
+                holders = 1 if variant.endswith("hybrid") else 2  # in its shard group
+                assert numel == r["state"][param].numel() // (2 * holders), (rank, param, numel)
+            elif prefix is not None:
                 index = int(param[len(prefix) + 1:].split(".")[0])
                 assert (numel > 0) == (index in mine), (rank, param, numel)
         report = r["traffic"]
@@ -306,15 +320,16 @@ def test_expert_parallel_trains_as_single_process(case):
     assert "this rank runs experts 4-7" in results[1]["explain"]
 
 
-def test_expert_parallel_checkpoints_load_at_another_degree_and_at_one_rank():
+@pytest.mark.parametrize("case", EP_CHECKPOINT_CASES, ids=lambda case: case[0])
+def test_expert_parallel_checkpoints_load_at_another_degree_and_at_one_rank(case):
     """Saved at expert parallelism 2 on 4 ranks, loaded at 2 again, at 1 (every rank holds
     every expert) and by one process, each saved again: bitwise the same parameters and
     optimizer state. The step after the load at 2 is bitwise the uninterrupted run's; at 1
     (the experts' gradients reduced over other groups) its update is within parity."""
-    name = EP_CHECKPOINT_CASE[0]
-    results = moe_run(4, EP_CHECKPOINT_CASE)
-    folder = checkpoint_folder()
-    one = run_ranks(1, ep_checkpoint_at_one_rank, name, folder)[0]
+    name = case[0]
+    results = moe_run(4, case)
+    folder = f"{checkpoint_folder()}/{name}"
+    one = run_ranks(1, ep_checkpoint_at_one_rank, name, checkpoint_folder())[0]
     assert_same_states([f"{folder}/{run}" for run in ("ep2", "ep2-again", "ep1", "one")])
     saved = load_full(f"{folder}/ep2")
     params = [k for k in one["state"] if f"model.{k}" in saved]
@@ -333,17 +348,28 @@ def test_expert_parallel_checkpoints_load_at_another_degree_and_at_one_rank():
                           UPDATE_PARITY)
 
 
-def assert_trains_like_eager(name: str, results: list, world_size: int) -> None:
+def expected_blocks(name: str) -> list[tuple[str, bool]]:
+    """(name, stacked) of the blocks zero_fx rewrites in model ``name``: each MoE block, or
+    where it holds its experts as 3-D parameters (tests/stacked_experts.py, transformers 5),
+    its experts' module (rewritten for expert parallelism only)."""
+    blocks = [(n, m) for n, m in build_moe(name, layers=LAYERS).named_modules()
+              if type(m).__name__.endswith("MoeBlock")]
+    return [(n, False) if isinstance(getattr(m, "experts", None), nn.ModuleList)
+            else (f"{n}.experts", True) for n, m in blocks]
+
+
+def assert_trains_like_eager(name: str, results: list, world_size: int, split: bool = False
+                             ) -> None:
     """Loss, every parameter and buffer, and every parameter's update within the parity
-    bounds of single-process HF eager on the same global batch; every parameter moved."""
+    bounds of single-process HF eager on the same global batch; every parameter moved.
+    ``split``: the run split the experts (expert parallelism)."""
     errors = errors_against(results, reference_run(name, world_size))
     worst = max(errors, key=errors.get)
     assert errors[worst] <= PARITY, f"{worst}: relative error {errors[worst]:.2e}"
     result = results[0]
     assert result["compilations"] == 1
-    assert [b.name for b in result["moe_blocks"]] == [
-        n for n, m in build_moe(name, layers=LAYERS).named_modules()
-        if type(m).__name__.endswith("SparseMoeBlock")]
+    assert [(b.name, b.stacked) for b in result["moe_blocks"]] == [
+        (block, stacked) for block, stacked in expected_blocks(name) if split or not stacked]
     assert all(b.num_experts == 8 and b.top_k == 2 for b in result["moe_blocks"])
     reference = reference_run(name, world_size)
     still = [n for n, p in reference["initial"].items() if torch.equal(result["state"][n], p)]

@@ -472,7 +472,8 @@ class CompiledStep:
     def _shard(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                pretrained: Optional[PretrainedWeights] = None) -> None:
         hf_install_output_hooks(model)  # before the capture, which cannot take their lock
-        self._experts = route_experts_with_fixed_shapes(model)
+        self._experts = route_experts_with_fixed_shapes(
+            model, expert_parallel=self.config.expert_parallel > 1)
         self._sharded = shard(model, optimizer, self.config, self.__name__, pretrained,
                               moe_blocks=self._experts.blocks)
         self.state = self._sharded.state

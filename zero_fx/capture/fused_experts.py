@@ -19,6 +19,15 @@ installed the module's own forward and this one run on one random input and rout
 it is kept only if both the output and every gradient agree ([Note: a rewrite proves
 itself]); otherwise the module is left as it is, and the capture error says why.
 
+Expert parallelism needs the same forward on the modules transformers' interface runs
+(decorated, ``has_gate`` set): theirs runs every expert on the rank, ours sends each row to
+the rank holding its expert ([Note: exchanging rows in fixed shapes] in expert_exchange.py).
+So with ``expert_parallel`` above 1, a decorated module of the first layout (concatenated,
+not transposed, no bias, no norm after the experts: its own flags say so) is given it too,
+checked the same way, and each rank keeps its rows of the two parameters ([Note: experts held
+as 3-D parameters, split by rows] in zero_fx/plan/expert_parallel.py). Without expert
+parallelism a decorated module runs as transformers made it.
+
 GPT-OSS under transformers 4 holds its experts the other way round, ``gate_up_proj`` (E, H,
 2I) and ``down_proj`` (E, I, H), with biases, gate and up interleaved, its own clamped GLU
 (``alpha``, ``limit``), called with a dense (tokens, E) matrix of routing weights; on the
@@ -48,12 +57,19 @@ class FixedShapeFusedExperts:
 
     def __init__(self, module: nn.Module, form: "_Form"):
         self._module, self.form = module, form
+        self.parallel = None
+        """With expert parallelism, this rank's experts and the group it exchanges rows with
+        (``routed_experts.LocalExperts``); the module then holds only those experts' rows."""
 
     def __call__(self, *args, **kwargs) -> Tensor:
+        if self.parallel is not None:
+            return self.form.forward_parallel(self._module, self.parallel, *args, **kwargs)
         return self.form.forward(self._module, *args, **kwargs)
 
     def __deepcopy__(self, memo):
-        return type(self)(memo.get(id(self._module), self._module), self.form)
+        copied = type(self)(memo.get(id(self._module), self._module), self.form)
+        copied.parallel = self.parallel
+        return copied
 
 
 def concatenated_forward(module: nn.Module, hidden: Tensor, top_k_index: Tensor,
@@ -69,6 +85,29 @@ def concatenated_forward(module: nn.Module, hidden: Tensor, top_k_index: Tensor,
     gate, up = grouped_linear(rows, gate_up[:routed], None, offs, group_of_row).chunk(2, dim=-1)
     out = grouped_linear(module.act_fn(gate) * up, down, None, offs, group_of_row)
     out = torch.where((expert_of_row < routed).unsqueeze(-1), out, rows)
+    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    return torch.zeros_like(hidden).index_add(0, token_of_row, out.to(hidden.dtype))
+
+
+def concatenated_forward_parallel(module: nn.Module, held, hidden: Tensor, top_k_index: Tensor,
+                                  top_k_weights: Tensor) -> Tensor:
+    """``concatenated_forward`` under expert parallelism: the module holds its rank's rows of
+    the experts (``held``: ``routed_experts.LocalExperts``), each (token, expert) row is run
+    on the rank of its expert and comes back ([Note: exchanging rows in fixed shapes])."""
+    from .expert_exchange import dispatch_and_combine
+
+    gate_up, down = module.gate_up_proj, module.down_proj
+    top_k = top_k_index.shape[1]
+    order, expert_of_row, token_of_row, counts = sort_by_group(
+        top_k_index.reshape(-1), top_k, gate_up.shape[0] * held.degree)
+
+    def local_experts(rows: Tensor, offs: Tensor, group_of_row: Tensor) -> Tensor:
+        gate, up = grouped_linear(rows, gate_up, None, offs, group_of_row).chunk(2, dim=-1)
+        return grouped_linear(module.act_fn(gate) * up, down, None, offs, group_of_row)
+
+    out = dispatch_and_combine(hidden[token_of_row], counts, expert_of_row, local_experts,
+                               degree=held.degree, top_k=top_k, group_name=held.group_name,
+                               capacity_factor=held.capacity_factor)
     out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
     return torch.zeros_like(hidden).index_add(0, token_of_row, out.to(hidden.dtype))
 
@@ -130,11 +169,15 @@ class _Form:
     arguments, for the check before installing."""
     hidden_dim: int
     """The dimension of ``gate_up_proj`` that is the hidden size."""
+    forward_parallel: Optional[Callable[..., Tensor]] = None
+    """(module, ``LocalExperts``, the forward's arguments) -> its output under expert
+    parallelism; None: a form expert parallelism does not split."""
 
 
 FORMS = (
     _Form("concatenated [gate; up], identity experts last", _concatenated_shape,
-          concatenated_forward, _concatenated_probe, hidden_dim=2),
+          concatenated_forward, _concatenated_probe, hidden_dim=2,
+          forward_parallel=concatenated_forward_parallel),
     _Form("GPT-OSS: transposed, interleaved, biased", _gpt_oss_shape, gpt_oss_forward,
           _gpt_oss_probe, hidden_dim=1),
 )
@@ -155,12 +198,46 @@ def looping_fused_experts(module: nn.Module) -> Optional[_Form]:
     return next((form for form in FORMS if form.matches(module)), None)
 
 
-def route_fused_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True
+DECORATED_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False,
+                   "is_concatenated": True, "has_post_expert_norm": False}
+"""The flags of transformers' ``use_experts_implementation`` for the layout the first form
+computes (the note)."""
+
+
+def decorated_fused_experts(module: nn.Module) -> Optional[_Form]:
+    """The form of a module transformers' experts interface dispatches (the note), where its
+    flags and shapes are the first form's and it has no identity experts; else None."""
+    if not (holds_stacked_experts(module) and hasattr(module, "has_gate")):
+        return None
+    if any(getattr(module, flag, value) != value for flag, value in DECORATED_FLAGS.items()):
+        return None
+    form = FORMS[0]
+    same_count = module.gate_up_proj.shape[0] == module.down_proj.shape[0]
+    return form if form.matches(module) and same_count else None
+
+
+def splittable_fused_experts(module: nn.Module) -> Optional[_Form]:
+    """The form expert parallelism would give a module holding its experts as 3-D
+    parameters, looping or decorated (the note), or None: another layout, or identity
+    experts. Structure only: the planner asks it of fakes."""
+    form = looping_fused_experts(module) or decorated_fused_experts(module)
+    if form is None or form.forward_parallel is None:
+        return None
+    return form if module.gate_up_proj.shape[0] == module.down_proj.shape[0] else None
+
+
+def route_fused_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True,
+                                          decorated: bool = False
                                           ) -> tuple[list[str], list[str]]:
     """Install the note's forward on every looping fused-experts module of ``model`` that it
-    reproduces; (names rewritten, reasons for those left as they are)."""
+    reproduces, and with ``decorated`` (expert parallelism) on every decorated one of the
+    first layout; (names rewritten, reasons for those left as they are)."""
+    def form_of(module: nn.Module) -> Optional[_Form]:
+        return looping_fused_experts(module) or (
+            decorated_fused_experts(module) if decorated else None)
+
     rewritten, left = install_where_reproduced(
-        model, FORMS, looping_fused_experts, _differs if confirm else None,
+        model, FORMS, form_of, _differs if confirm else None,
         "holds its experts as 3-D gate_up_proj and down_proj, but zero_fx's fixed-shape "
         "forward for them")
     if rewritten:

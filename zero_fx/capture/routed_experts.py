@@ -89,6 +89,10 @@ class RoutedExperts:
     identity_experts: int = 0
     """``nn.Identity`` experts after the ``num_experts`` routed ones (LongCat-Flash's
     "zero-computation experts"): a row routed to one passes through as it is."""
+    stacked: bool = False
+    """The experts are one module holding them as 3-D parameters (``name`` and ``experts``
+    are that module's), called by its block with the routing ([Note: fused experts that
+    loop] in fused_experts.py); listed only for expert parallelism, which splits their rows."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,11 +153,14 @@ def routed_expert_modules(model: nn.Module) -> tuple[str, ...]:
     return tuple(names)
 
 
-def route_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True) -> ExpertsRewrite:
+def route_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True,
+                                    expert_parallel: bool = False) -> ExpertsRewrite:
     """Give every mixture-of-experts block of ``model`` a fixed-shape forward (see the note);
     what was rewritten and what was left as it is. ``confirm=False`` takes each block's
     first form without running it (the planner, on fake tensors: the forms differ in
-    arithmetic, not in shapes or memory)."""
+    arithmetic, not in shapes or memory). ``expert_parallel``: the step splits experts, so
+    experts held as 3-D parameters are rewritten too and listed ([Note: fused experts that
+    loop] in fused_experts.py)."""
     found, unrecognised = [], []
     for name, block in model.named_modules():
         if isinstance(block.__dict__.get("forward"), _RoutedForward):
@@ -167,7 +174,10 @@ def route_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True) -
         except _NotRewritten as why:
             unrecognised.append(str(why))
     # experts held as 3-D parameters and looped over: [Note: fused experts that loop]
-    unrecognised += route_fused_experts_with_fixed_shapes(model, confirm=confirm)[1]
+    fused, left = route_fused_experts_with_fixed_shapes(model, confirm=confirm,
+                                                         decorated=expert_parallel)
+    unrecognised += left
+    found += _stacked_experts(model, fused, expert_parallel)
     # a grouped GEMM called with row counts (Aria): [Note: grouped GEMM modules that loop]
     unrecognised += route_grouped_gemms_with_fixed_shapes(model, confirm=confirm)[1]
     if found:
@@ -177,6 +187,33 @@ def route_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True) -
     for why in unrecognised:
         log.info("zero_fx: %s; it is left as it is", why)
     return ExpertsRewrite(found, unrecognised)
+
+
+def _stacked_experts(model: nn.Module, names: list[str], expert_parallel: bool
+                     ) -> list[RoutedExperts]:
+    """The fused-experts modules ``names`` (rewritten) that expert parallelism can split, as
+    blocks: when it is asked for, or already split (an evaluation step of a training step's
+    model)."""
+    found = []
+    for name in names:
+        module = model.get_submodule(name)
+        installed = module.forward
+        if installed.form.forward_parallel is None or not (
+                expert_parallel or installed.parallel is not None):
+            continue
+        routed = module.down_proj.shape[0] * (installed.parallel.degree if installed.parallel
+                                              else 1)
+        top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
+        found.append(RoutedExperts(
+            name=name, experts=name, num_experts=routed,
+            top_k=top_k if isinstance(top_k, int) else 0,
+            routing="its block's own (indices and weights passed to the experts)",
+            expert_parameters=sum(p.numel() for p in module.parameters()) * (
+                installed.parallel.degree if installed.parallel else 1),
+            shared_expert=None,
+            identity_experts=module.gate_up_proj.shape[0] - module.down_proj.shape[0],
+            stacked=True))
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,10 +236,28 @@ def hold_local_experts(model: nn.Module, blocks: list[RoutedExperts], degree: in
     parallelism] in zero_fx/plan/expert_parallel.py); ``degree`` 1 undoes it. ``degree``
     divides every block's number of experts."""
     for info in blocks:
-        routed = model.get_submodule(info.experts.rpartition(".")[0]).forward
-        routed.parallel = (None if degree == 1 else
-                           LocalExperts(degree, rank * info.num_experts // degree, group_name,
-                                        capacity_factor))
+        held = (None if degree == 1 else
+                LocalExperts(degree, rank * info.num_experts // degree, group_name,
+                             capacity_factor))
+        if info.stacked:
+            _hold_rows(model.get_submodule(info.experts), held)
+        else:
+            model.get_submodule(info.experts.rpartition(".")[0]).forward.parallel = held
+
+
+def _hold_rows(module: nn.Module, held: Optional[LocalExperts]) -> None:
+    """A fused-experts module keeps only its rank's experts' rows of its 3-D parameters, the
+    same Parameter objects ([Note: experts held as 3-D parameters, split by rows] in
+    zero_fx/plan/expert_parallel.py); its forward then sends rows to their experts' ranks."""
+    if held is None or module.forward.parallel is not None:
+        raise ValueError(f"the experts of {type(module).__name__} are split once, at the first "
+                         "call, and not undone")
+    local = module.down_proj.shape[0] // held.degree
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            param = getattr(module, name)
+            param.data = param.data[held.first:held.first + local].clone()
+    module.forward.parallel = held
 
 
 def unrecognised_experts_error(rewrite: ExpertsRewrite, error: CaptureError) -> CaptureError:

@@ -41,6 +41,13 @@ alike. DCP's metadata then holds the whole expert, pieced from the group's chunk
 any run reads it back as it reads any parameter: at another degree (each rank asks for
 its range over its own group), without expert parallelism (over the world), at one rank
 (whole). Nothing is gathered, and a rank writes only what it holds.
+
+Experts held as 3-D parameters keep each place's rows on every rank ([Note: experts held as
+3-D parameters, split by rows] in zero_fx/plan/expert_parallel.py). Such a parameter is saved
+whole too, under its key and whole shape: a ``DTensor`` on a mesh of the expert-parallel group
+by the expert-data-parallel group, sharded on dimension 0 over both, so the flat elements of
+place ``i``'s rows are cut into its group's shards, as the plan cuts them. Read back the same
+way, or over the world, or whole.
 """
 
 from __future__ import annotations
@@ -131,12 +138,15 @@ def load(state: ShardedState, path: str) -> tuple[dict, Any]:
 def _tensors(state: ShardedState, mesh) -> dict[str, Any]:
     """Every tensor entry, each a view of the tensor it is saved from or loaded into."""
     entries: dict[str, Any] = {}
-    expert_mesh = _expert_mesh(state) if state.plan.expert_parallel is not None else None
+    parallel = state.plan.expert_parallel
+    expert_mesh = _expert_mesh(state) if parallel is not None else None
+    rows_mesh = _expert_rows_mesh(state) if parallel is not None and parallel.rows else None
     for layout in state.plan.params:
         if not state.plan.holds(layout.name):  # [Note: checkpoints under expert parallelism]
             continue
         shard = state.shards[layout.name]
-        its_mesh = expert_mesh if state.plan.is_expert(layout.name) else mesh
+        its_mesh = (rows_mesh if state.plan.is_expert_rows(layout.name) else expert_mesh
+                    if state.plan.is_expert(layout.name) else mesh)
         entries[f"model.{layout.name}"] = _logical(shard, layout, state, its_mesh)
         for key, value in state.optimizer.state.get(shard, {}).items():
             if not isinstance(value, torch.Tensor):
@@ -160,6 +170,10 @@ def _logical(tensor: torch.Tensor, layout, state: ShardedState, mesh):
     start, stop = layout.owned_range(state.plan.shard_rank(layout.name))
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    if state.plan.is_expert_rows(layout.name):  # rows of every expert, over (ep, edp)
+        return DTensor.from_local(flat[:stop - start], mesh, [Shard(0)] * mesh.ndim,
+                                  run_check=False, stride=(1,), shape=torch.Size(
+                                      [layout.numel * state.plan.expert_parallel.degree]))
     split = tensor_parallel_split(state.plan, layout.name) is not None
     names = mesh.mesh_dim_names or ("shard",)
     placements = [Replicate() if dim == "replicate" else Shard(1 if split else 0)
@@ -251,7 +265,7 @@ def _manifest(state: ShardedState) -> dict:
 def whole_shape(plan, name: str) -> list[int]:
     """Parameter ``name``'s whole shape (a tensor-parallel piece's whole parameter's)."""
     split = tensor_parallel_split(plan, name)
-    return split["shape"] if split is not None else list(plan.layout(name).shape)
+    return split["shape"] if split is not None else list(plan.whole_shape(name))
 
 
 def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -424,6 +438,24 @@ def _expert_mesh(state: ShardedState):
 
     group = dist.distributed_c10d._resolve_process_group(parallel.data_group_name)
     return DeviceMesh.from_group(group, _device(state).type)  # no collective: the group exists
+
+
+def _expert_rows_mesh(state: ShardedState):
+    """The mesh expert rows are laid out on: place by holder, the expert-parallel group by the
+    expert-data-parallel group ([Note: checkpoints under expert parallelism]); one-dimensional
+    where each place has one holder."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    parallel = state.plan.expert_parallel
+    resolve = dist.distributed_c10d._resolve_process_group
+    groups = [resolve(parallel.group_name)]
+    shard_ranks = torch.tensor(dist.get_process_group_ranks(resolve(state.plan.group_name)))
+    grid = shard_ranks.view(parallel.data_size, parallel.degree).T  # [place, holder]
+    if parallel.data_size == 1:
+        return DeviceMesh.from_group(groups[0], _device(state).type)
+    groups.append(resolve(parallel.data_group_name))
+    return DeviceMesh.from_group(groups, _device(state).type, mesh=grid,
+                                 mesh_dim_names=("expert", "expert_data"))
 
 
 @contextlib.contextmanager

@@ -28,6 +28,24 @@ keeps every parameter and its optimizer state whole on every rank, so it has non
 hybrid mesh ``("replicate", "shard")`` the groups are made inside each replica's shard
 group, so an expert's replicas sit at the same place and its gradient, reduced over its
 expert-data-parallel group, is then summed across the replicas like every other shard's.
+
+[Note: experts held as 3-D parameters, split by rows]
+transformers 5 holds a block's experts as two 3-D parameters (``gate_up_proj`` (E, 2I, H),
+``down_proj`` (E, H, I)), not one module per expert, so no parameter is one expert's. Expert
+parallelism then splits each such parameter by its first dimension: place ``i`` keeps rows
+``i * E / P`` to ``(i + 1) * E / P - 1`` as the parameter itself (its data replaced by those
+rows when the experts are split, before anything is planned; ``ExpertParallel.rows`` names
+them), and from there on it is a parameter like any other of shape ``(E / P, ...)``, held by
+every rank: planned, sharded over the expert-data-parallel group, gathered and reduced
+there, its gradient divided as an expert's, in stages 1-3. Only what needs the whole
+parameter knows the difference: ``full_state_dict()`` and ``full_parameters()`` put the
+``P`` places' rows back together, and a checkpoint saves the whole parameter's flat
+elements, each rank its range (place ``i``'s rows start at ``i`` times the rows' elements:
+[Note: checkpoints under expert parallelism] in zero_fx/checkpoint/save_load.py), so that
+it loads at any degree and in one process. The rows are cut from the model's values: a
+meta model, or one whose values pretrained weights would give, would be built at the whole
+shape, and is refused with what to do. DeepSpeed and torchtitan also keep a rank's experts
+as the parameter itself (local experts; a DTensor sharded on the experts' dimension).
 """
 
 from __future__ import annotations
@@ -57,10 +75,18 @@ class ExpertParallel:
     zero_fx/capture/expert_exchange.py); None: every row."""
     slices: Mapping[str, int] = field(default_factory=dict)
     """Each routed expert's parameter name -> the slice (expert-parallel place) that holds it."""
+    rows: frozenset = frozenset()
+    """Parameters holding every expert of a block as rows (3-D), of which this rank keeps its
+    place's rows ([Note: experts held as 3-D parameters, split by rows])."""
 
     def holds(self, name: str) -> bool:
         """Whether this rank holds (a shard of) parameter ``name``."""
         return self.slices.get(name, self.rank) == self.rank
+
+    def splits(self, name: str) -> bool:
+        """Whether parameter ``name`` is split by expert parallelism (an expert's, or rows of
+        every expert's): sharded and reduced over the expert-data-parallel group."""
+        return name in self.slices or name in self.rows
 
 
 def expert_slices(experts_modules: Mapping[str, int], parameter_names, degree: int

@@ -218,7 +218,21 @@ class ShardPlan:
 
     def is_expert(self, name: str) -> bool:
         """Whether ``name`` is a routed expert's parameter split by expert parallelism."""
-        return self.expert_parallel is not None and name in self.expert_parallel.slices
+        return self.expert_parallel is not None and self.expert_parallel.splits(name)
+
+    def is_expert_rows(self, name: str) -> bool:
+        """Whether ``name`` holds this rank's rows of every expert's 3-D parameter ([Note:
+        experts held as 3-D parameters, split by rows] in expert_parallel.py)."""
+        return self.expert_parallel is not None and name in self.expert_parallel.rows
+
+    def whole_shape(self, name: str) -> tuple[int, ...]:
+        """Parameter ``name``'s shape on a model that is not split by expert parallelism:
+        its layout's, or for expert rows every place's rows (tensor parallelism's pieces are
+        the checkpoint's to put together)."""
+        shape = self.layout(name).shape
+        if self.is_expert_rows(name):
+            return (shape[0] * self.expert_parallel.degree, *shape[1:])
+        return shape
 
     def shard_rank(self, name: str) -> int:
         """This rank's place among the ranks parameter ``name`` is sharded over."""
@@ -305,8 +319,10 @@ class ShardPlan:
         for name in names:
             layout = self.layout(name)
             size = layout.padded_numel * self.gather_dtype(layout).itemsize
-            same_dtype = buckets and self.layout(buckets[-1][0]).dtype == layout.dtype and (
-                self.is_expert(buckets[-1][0]) == self.is_expert(name))
+            last = buckets[-1][0] if buckets else None
+            same_dtype = buckets and self.layout(last).dtype == layout.dtype and (
+                self.is_expert(last) == self.is_expert(name)
+                and self.is_expert_rows(last) == self.is_expert_rows(name))
             fits = (self.bucket_unit(buckets[-1][-1]) == self.bucket_unit(name) if by_block
                     else filled + size <= cap) if buckets else False
             if same_dtype and fits:
@@ -375,13 +391,13 @@ def make_plan(
     layouts = []
     offset = 0
     seen = set()
-    experts = expert_parallel.slices if expert_parallel is not None else {}
     for name, shape, dtype, requires_grad in named_shapes:
         if name in seen:
             raise ValueError(f"parameter {name!r} appears twice in the plan")
         seen.add(name)
         numel = math.prod(shape)
-        ranks = expert_parallel.data_size if name in experts else world_size
+        split = expert_parallel is not None and expert_parallel.splits(name)
+        ranks = expert_parallel.data_size if split else world_size
         shard_numel = -(-numel // ranks)  # ceil
         held = expert_parallel is None or expert_parallel.holds(name)
         layouts.append(

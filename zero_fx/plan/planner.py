@@ -257,7 +257,8 @@ class ExpertBlocks:
     """Each block: (its experts' module name, routed experts E, top-k, hidden size)."""
     stacked: int = 0
     """Of ``blocks``, those holding their experts as 3-D parameters (transformers 5's
-    ``gate_up_proj``, ``down_proj``), which expert parallelism does not split yet."""
+    ``gate_up_proj``, ``down_proj``) in a layout expert parallelism does not split (it splits
+    transformers 5's concatenated one: [Note: fused experts that loop])."""
 
     def is_expert(self, name: str) -> bool:
         """Whether parameter ``name`` is a routed expert's, in this model or in one of fewer
@@ -273,6 +274,7 @@ def _any_index(name: str) -> str:
 def expert_blocks(model: torch.nn.Module) -> Optional[ExpertBlocks]:
     """The mixture-of-experts blocks of ``model`` as zero_fx's capture recognises them
     (zero_fx/capture/routed_experts.py), or None for a dense model."""
+    from ..capture.fused_experts import splittable_fused_experts
     from ..capture.routed_experts import moe_shape
 
     blocks, shapes, experts_total, inactive, routed = 0, [], 0, 0.0, []
@@ -300,7 +302,12 @@ def expert_blocks(model: torch.nn.Module) -> Optional[ExpertBlocks]:
             continue
         num_experts, top_k, shared = found
         numel = sum(p.numel() for p in module.parameters())
-        blocks, stacked = blocks + 1, stacked + 1
+        form = splittable_fused_experts(module)
+        if form is None:
+            stacked += 1
+        else:  # its rows split: [Note: experts held as 3-D parameters, split by rows]
+            routed.append((path, num_experts, top_k, module.gate_up_proj.shape[form.hidden_dim]))
+        blocks += 1
         experts_total += numel
         inactive += numel * (1 - top_k / num_experts)
         if (num_experts, top_k, shared) not in shapes:
@@ -321,7 +328,8 @@ def _stacked_experts(module: torch.nn.Module, block: Optional[torch.nn.Module]
 
     if block is None or not holds_stacked_experts(module):
         return None
-    places = [getattr(module, "config", None), block, *block.children()]
+    # the config last: transformers 4's configs also hold generation's `top_k` (50)
+    places = [block, *block.children(), getattr(module, "config", None)]
     top_k = next((k for place in places for name in TOP_K_NAMES
                   if isinstance(k := getattr(place, name, None), int)), None)
     if top_k is None:
@@ -673,8 +681,9 @@ def _check_degrees(degrees: Sequence[int], world_size: int,
                          "has none")
     if experts.stacked:
         raise ValueError(f"{experts.stacked} of the model's {experts.blocks} mixture-of-experts "
-                         "blocks hold their experts as 3-D parameters (gate_up_proj, down_proj: "
-                         "transformers 5), which expert parallelism does not split yet")
+                         "blocks hold their experts as 3-D parameters (gate_up_proj, down_proj) "
+                         "in a layout other than transformers 5's concatenated one, which "
+                         "expert parallelism does not split yet")
     counts = sorted({e for _, e, _, _ in experts.routed})
     for p in degrees:
         if p < 1 or world_size % p or any(e % p for e in counts):

@@ -8,24 +8,32 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..capture.fused_experts import holds_stacked_experts
 from ..capture.routed_experts import RoutedExperts, hold_local_experts
 from ..plan.expert_parallel import ExpertParallel, expert_slices
 from .process_group import World, world_timeout
 
 
 def split_experts(model: torch.nn.Module, blocks: Sequence[RoutedExperts], world: World,
-                  degree: int, capacity_factor: Optional[float] = None) -> Optional[ExpertParallel]:
+                  degree: int, capacity_factor: Optional[float] = None, *,
+                  loading: bool = False) -> Optional[ExpertParallel]:
     """Expert parallelism of ``degree`` over ``world``: make its groups (on every rank, in
     the same order), point each block's forward at this rank's experts (each taking at most
     ``capacity_factor`` times an even spread's rows: [Note: expert capacity]), and say which
-    rank holds which expert. None for ``degree`` 1."""
+    rank holds which expert. None for ``degree`` 1. ``loading``: the model's values are to be
+    read from pretrained weights."""
     if degree == 1:
         return None
     if not blocks:
+        stacked = next((n for n, m in model.named_modules() if holds_stacked_experts(m)), None)
+        layout = ("" if stacked is None else
+                  f"; {stacked} holds its experts as 3-D parameters in a layout expert "
+                  "parallelism does not split (it splits transformers 5's concatenated [gate; up] "
+                  "without biases, not transposed)")
         raise ValueError(f"expert_parallel={degree}, but zero_fx found no mixture-of-experts "
                          "block to split in this model (step.moe_blocks is empty; "
-                         "zero_fx.set_logs('info') says which blocks were left alone and why): "
-                         "use expert_parallel=1")
+                         f"zero_fx.set_logs('info') says which blocks were left alone and why"
+                         f"{layout}): use expert_parallel=1")
     identity = [b for b in blocks if b.identity_experts]
     if identity:
         raise ValueError(f"expert_parallel={degree}: {identity[0].name} has "
@@ -37,6 +45,14 @@ def split_experts(model: torch.nn.Module, blocks: Sequence[RoutedExperts], world
         raise ValueError(f"expert_parallel={degree} splits each block's experts evenly over "
                          f"{degree} ranks, but {uneven[0].name} has {uneven[0].num_experts} "
                          f"experts: choose a degree that divides {uneven[0].num_experts}")
+    stacked = [b for b in blocks if b.stacked]
+    unbuilt = [b for b in stacked if loading or any(
+        p.is_meta for p in model.get_submodule(b.experts).parameters())]
+    if unbuilt:  # [Note: experts held as 3-D parameters, split by rows]
+        raise ValueError(f"expert_parallel={degree}: {unbuilt[0].name} holds its experts as 3-D "
+                         "parameters, which each rank cuts to its own experts' rows, and they are "
+                         "on the meta device (or to be read from pretrained weights): build the "
+                         "model with values, or use expert_parallel=1")
     if world.size % degree:
         raise ValueError(f"expert_parallel={degree} must divide the {world.size} ranks: each "
                          f"group of {degree} consecutive ranks splits the experts")
@@ -58,8 +74,10 @@ def split_experts(model: torch.nn.Module, blocks: Sequence[RoutedExperts], world
         degree=degree, rank=world.rank % degree, group_name=mine_parallel.group_name,
         data_size=size, data_rank=world.rank // degree, data_group_name=mine_data.group_name,
         capacity_factor=capacity_factor,
-        slices=expert_slices({b.experts: b.num_experts for b in blocks},
-                             [n for n, _ in model.named_parameters()], degree))
+        slices=expert_slices({b.experts: b.num_experts for b in blocks if not b.stacked},
+                             [n for n, _ in model.named_parameters()], degree),
+        rows=frozenset(f"{b.experts}.{name}" for b in stacked
+                       for name in ("gate_up_proj", "down_proj")))
     hold_local_experts(model, list(blocks), degree, parallel.rank, parallel.group_name,
                        capacity_factor)
     return parallel

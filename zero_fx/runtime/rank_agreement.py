@@ -98,7 +98,7 @@ def _expert_neutral(plan):
     as ``<e>`` in what ranks compare, in dotted names and in the names dynamo derives
     (``experts_modules_4_``)."""
     parallel = getattr(plan, "expert_parallel", None)
-    if parallel is None:
+    if parallel is None or not parallel.slices:  # none, or experts as rows: same names
         return lambda text: text
     lists = {_experts_list(name) for name in parallel.slices}
     pattern = re.compile("(" + "|".join(re.escape(n) for n in sorted(lists)) +

@@ -490,7 +490,8 @@ class ShardedState:
         parameters, one collective per bucket in plan order; a freed (stage 3) parameter gets
         its storage back first."""
         for bucket in self.plan.buckets(names):
-            if self.plan.is_expert(bucket[0]) and not self.plan.params_sharded:
+            if self.plan.is_expert(bucket[0]) and (not self.plan.params_sharded
+                                                   or self.plan.is_expert_rows(bucket[0])):
                 bucket = [name for name in bucket if self.plan.holds(name)]
                 if not bucket:
                     continue
@@ -535,6 +536,12 @@ class ShardedState:
         mine = mine.to(dtype) if dtype is not None and mine.dtype.is_floating_point else mine
         gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(
             mine.contiguous(), self.plan.world_size, self.plan.group_name))
+        if self.plan.is_expert_rows(name):
+            # [Note: experts held as 3-D parameters, split by rows]: rank g holds shard g // P
+            # of place g % P's rows; the places' rows one after the other make the whole
+            places = gathered.view(parallel.data_size, parallel.degree, -1).transpose(0, 1)
+            rows = places.reshape(parallel.degree, -1)[:, :layout.numel]
+            return rows.reshape(self.plan.whole_shape(name))
         rows = gathered.view(self.plan.world_size, -1)[parallel.slices[name]::parallel.degree]
         return rows.reshape(-1)[:layout.numel].view(layout.shape)
 

@@ -120,7 +120,7 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     world = with_secondary_partition(world_of(config.mesh, config.stage),
                                      config.secondary_partition, current_world())
     experts = split_experts(model, moe_blocks, world, config.expert_parallel,
-                            config.expert_capacity_factor)
+                            config.expert_capacity_factor, loading=pretrained is not None)
     check_devices_match_backend(model.parameters())
     check_real_parameters(model, config.stage)
     device = training_device(model.parameters())
