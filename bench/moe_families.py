@@ -3,6 +3,7 @@
     python -m bench.moe_families                          # every family, stages 0 and 3
     python -m bench.moe_families --families mixtral olmoe --stages 3
     python -m bench.moe_families --list                   # the families found, nothing run
+    python -m bench.moe_families --stages 3 --expert-parallel 2   # experts split over 2 ranks
 
 For each model type with a causal-LM class and an expert count in its config:
 
@@ -16,7 +17,9 @@ For each model type with a causal-LM class and an expert count in its config:
 
 A family is at parity when verify's worst update error is below 1e-3 and the step captured
 without a graph break. The table goes to stdout and
-``bench/out/moe_families-transformers-<version>.json``.
+``bench/out/moe_families-transformers-<version>.json`` (``-ep<P>`` after it with
+``--expert-parallel``, where a family whose experts nothing splits is refused by
+``zero_compile``'s own error).
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ def eager(model_type: str) -> dict:
             "why": "" if finite and moved else "loss not finite or nothing moved"}
 
 
-def _one_stage(model_type: str, stage: int, rank: int, world: int) -> dict:
+def _one_stage(model_type: str, stage: int, rank: int, world: int, expert_parallel: int) -> dict:
     import zero_fx
     result: dict = {"stage": stage}
     try:
@@ -134,9 +137,11 @@ def _one_stage(model_type: str, stage: int, rank: int, world: int) -> dict:
             warnings.simplefilter("always")
             model = tiny_model(model_type)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            step = zero_fx.zero_compile(train_step, stage=stage, backend="aot_eager")
+            step = zero_fx.zero_compile(train_step, stage=stage, backend="aot_eager",
+                                        expert_parallel=expert_parallel)
             result["worst"] = list(zero_fx.verify(step, model, opt, batch(rank, world),
                                                   steps=2).worst)
+            result["split"] = [b.name for b in step.moe_blocks] if expert_parallel > 1 else []
         breaks = [str(w.message) for w in caught if w.category is zero_fx.GraphBreakWarning]
         result["graph_break"] = breaks[0][:300] if breaks else ""
     except Exception as error:  # noqa: BLE001 - the survey records why
@@ -145,23 +150,25 @@ def _one_stage(model_type: str, stage: int, rank: int, world: int) -> dict:
     return result
 
 
-def _rank(rank: int, world: int, port: int, model_type: str, stages: list, queue) -> None:
+def _rank(rank: int, world: int, port: int, model_type: str, stages: list, expert_parallel: int,
+          queue) -> None:
     join_spawned_group(rank, world, port)
     import transformers
     transformers.logging.set_verbosity_error()
-    results = [_one_stage(model_type, stage, rank, world) for stage in stages]
+    results = [_one_stage(model_type, stage, rank, world, expert_parallel) for stage in stages]
     if rank == 0:
         queue.put(results)
     dist.destroy_process_group()
 
 
-def under_zero_fx(model_type: str, stages: list, world: int) -> list[dict]:
+def under_zero_fx(model_type: str, stages: list, world: int, expert_parallel: int = 1) -> list[dict]:
     """Each stage on ``world`` spawned gloo ranks (fresh processes for each family, so no
     family's compiled code or patched classes reach the next)."""
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     port = free_port()
-    procs = [context.Process(target=_rank, args=(r, world, port, model_type, stages, queue))
+    procs = [context.Process(target=_rank,
+                             args=(r, world, port, model_type, stages, expert_parallel, queue))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -206,12 +213,14 @@ def main(argv=None) -> int:
     p.add_argument("--families", nargs="+", help="model types (default: every MoE family)")
     p.add_argument("--stages", nargs="+", type=int, default=[0, 3])
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--expert-parallel", type=int, default=1, metavar="P",
+                   help="zero_compile(expert_parallel=P) at every stage (results apart)")
     p.add_argument("--list", action="store_true")
     p.add_argument("--table", action="store_true",
                    help="print the table of this release's saved results, run nothing")
     args = p.parse_args(argv)
     if args.table:
-        found = saved()
+        found = saved(args.expert_parallel)
         if not found:
             raise SystemExit(f"no saved results for transformers {transformers.__version__}: "
                              f"run python -m bench.moe_families first")
@@ -231,7 +240,8 @@ def main(argv=None) -> int:
               f"{'trains' if row['eager']['trains'] else 'does not train: ' + row['eager']['why']}",
               flush=True)
         if row["eager"]["trains"]:
-            for result in under_zero_fx(model_type, args.stages, args.world):
+            for result in under_zero_fx(model_type, args.stages, args.world,
+                                        args.expert_parallel):
                 row[f"stage {result['stage']}"] = result
                 print(f"        stage {result['stage']}: {verdict(result)}", flush=True)
         rows[model_type] = row
@@ -253,15 +263,17 @@ def table(rows: dict, stages: list, world: int) -> str:
     return "\n".join(lines)
 
 
-def _results_name() -> str:
-    """This transformers release's results: bench/out/<name>.json."""
+def _results_name(expert_parallel: int = 1) -> str:
+    """This transformers release's results: bench/out/<name>.json (with expert parallelism,
+    apart)."""
     import transformers
-    return f"moe_families-transformers-{transformers.__version__}"
+    split = f"-ep{expert_parallel}" if expert_parallel > 1 else ""
+    return f"moe_families-transformers-{transformers.__version__}{split}"
 
 
-def saved() -> dict:
+def saved(expert_parallel: int = 1) -> dict:
     """This release's saved results, or {} before the first run."""
-    path = os.path.join(OUT, f"{_results_name()}.json")
+    path = os.path.join(OUT, f"{_results_name(expert_parallel)}.json")
     if not os.path.exists(path):
         return {}
     with open(path) as f:
@@ -272,12 +284,13 @@ def write(rows: dict, args) -> str:
     """The rows into this transformers release's JSON, beside the families an earlier run
     there found (a run of a few families updates theirs)."""
     import transformers
-    earlier = saved()
+    earlier = saved(args.expert_parallel)
     same_run = earlier.get("stages") == args.stages and earlier.get("world") == args.world
     families = {**(earlier["families"] if same_run else {}), **rows}
-    return write_json(_results_name(), {
+    return write_json(_results_name(args.expert_parallel), {
         "transformers": transformers.__version__, "torch": torch.__version__,
-        "stages": args.stages, "world": args.world, "families": families})
+        "stages": args.stages, "world": args.world, "expert_parallel": args.expert_parallel,
+        "families": families})
 
 
 if __name__ == "__main__":

@@ -151,18 +151,60 @@ def test_experts_held_as_3d_parameters_split_by_rows(fake_world_of_four):
     assert {n: full[n].shape for n in whole} == {n: p.shape for n, p in whole.items()}
 
 
-def test_experts_held_as_3d_parameters_need_values_to_split():
-    """A meta model's 3-D experts would be built at their whole shape after the rows are cut:
-    refused, saying what to do."""
+def test_experts_held_as_3d_parameters_are_not_read_from_pretrained_weights_yet():
+    """load_pretrained would read the whole parameter: refused, saying what to do."""
     from stacked_experts import tiny_mixtral_stacked
     from zero_fx.capture.routed_experts import route_experts_with_fixed_shapes
 
     with torch.device("meta"):
         model = tiny_mixtral_stacked(models.VOCAB, models.SEQ, layers=1)
-    blocks = route_experts_with_fixed_shapes(model, confirm=False, expert_parallel=True).blocks
+    blocks = route_experts_with_fixed_shapes(model, expert_parallel=True).blocks  # checked
     assert [b.stacked for b in blocks] == [True]
-    with pytest.raises(ValueError, match="on the meta device .* build the model with values"):
-        split_experts(model, blocks, World(size=4, rank=0, group_name="w"), degree=2)
+    with pytest.raises(ValueError, match="load_pretrained does not read a place's rows yet"):
+        split_experts(model, blocks, World(size=4, rank=0, group_name="w"), degree=2,
+                      loading=True)
+
+
+def init_own_parameters(module: torch.nn.Module) -> None:
+    """An ``init_fn`` for the meta-built test model: each module's own parameters."""
+    for param in module.parameters(recurse=False):
+        torch.nn.init.ones_(param) if param.dim() == 1 else torch.nn.init.normal_(param, 0, 0.02)
+
+
+def built_on_meta_rank(rank: int, world_size: int) -> dict:
+    """The 3-D-experts Mixtral built on the meta device, sharded with and without expert
+    parallelism at stages 3 and 2; its whole values after a step that changes nothing."""
+    from stacked_experts import tiny_mixtral_stacked
+    from zero_fx import zero_compile
+
+    wholes = {}
+    for stage in (3, 2):
+        for degree in (2, 1):
+            torch.manual_seed(0)
+            with torch.device("meta"):
+                model = tiny_mixtral_stacked(models.VOCAB, models.SEQ, layers=1)
+            step = zero_compile(models.language_model_step, stage=stage, backend=models.BACKEND,
+                                expert_parallel=degree, init_fn=init_own_parameters)
+            batch = models.global_batch("hf_llama", 0)[0].chunk(world_size)[rank]
+            step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch)
+            experts = model.get_submodule(f"{step.moe_blocks[0].name}") if degree > 1 else None
+            wholes[stage, degree] = {"state": step.full_state_dict(cpu_offload=False),
+                                     "rows": None if experts is None else
+                                     tuple(experts.gate_up_proj.shape)}
+    return wholes
+
+
+def test_experts_held_as_3d_parameters_built_on_the_meta_device():
+    """[Note: experts held as 3-D parameters, split by rows]: a meta model is built whole,
+    as its construction would, and each place keeps its rows: the whole values at expert
+    parallelism 2 are bitwise those without it, at stages 3 and 2 on 2 ranks."""
+    for r in run_ranks(2, built_on_meta_rank):
+        for stage in (3, 2):
+            split, whole = r[stage, 2], r[stage, 1]
+            assert split["rows"] == (4, 128, 32)  # 4 of 8 experts, [gate; up] of 64, width 32
+            assert whole["state"].keys() == split["state"].keys()
+            for key, value in whole["state"].items():
+                assert torch.equal(split["state"][key], value), (stage, key)
 
 
 def test_experts_in_a_layout_it_does_not_split_are_named():

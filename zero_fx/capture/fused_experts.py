@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from .grouped_mm import grouped_linear, sort_by_group
-from .rewrite_check import what_differs
+from .rewrite_check import probe_copy, what_differs
 
 log = logging.getLogger("zero_fx")
 
@@ -274,10 +274,9 @@ def _differs(module: nn.Module, form: _Form) -> Optional[str]:
     """None if ``form`` computes what ``module``'s own forward does, forward and backward,
     on a random input and routing ([Note: a rewrite proves itself]); else what differs."""
     original = type(module).forward
+    module = probe_copy(module)  # a meta model's: a copy with random values
     total = module.gate_up_proj.shape[0]
     device = module.gate_up_proj.device
-    if device.type == "meta":
-        return None  # nothing to run: the planner's fakes (the arithmetic is not planned)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
         tokens, top_k = 4 * total, min(2, total)

@@ -5,9 +5,11 @@ the grouped-GEMM modules (grouped_gemm_modules.py)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, Optional
 
 import torch
+from torch import nn
 
 
 def output_and_grads(forward: Callable, x: torch.Tensor, named: list) -> tuple:
@@ -70,3 +72,21 @@ def what_differs(original: Callable, ours: Callable, x: torch.Tensor, named: lis
         return "does not reproduce its output on a random input"
     differs = worst_different_gradient(expected_grads, got_grads)
     return None if differs is None else f"reproduces its output but not its gradients: {differs}"
+
+
+def probe_copy(module: nn.Module) -> nn.Module:
+    """The module itself when it holds real fp32 values, else an fp32 CPU copy with random
+    weights (a meta-device or low-precision model), for the check to run on."""
+    params = list(module.parameters())
+    if all(p.device.type != "meta" and p.dtype == torch.float32 for p in params):
+        return module
+    probe = copy.deepcopy(module)
+    if any(p.device.type == "meta" for p in params):
+        probe = probe.to_empty(device="cpu")
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            for p in probe.parameters():
+                p.normal_(0.0, 0.1)
+            for b in probe.buffers():
+                b.zero_()
+    return probe.float()

@@ -51,7 +51,7 @@ from .expert_exchange import dispatch_and_combine
 from .fused_experts import route_fused_experts_with_fixed_shapes
 from .grouped_gemm_modules import route_grouped_gemms_with_fixed_shapes
 from .grouped_mm import grouped_linear, sort_by_group
-from .rewrite_check import output_and_grads, same_output, worst_different_gradient
+from .rewrite_check import output_and_grads, probe_copy, same_output, worst_different_gradient
 from .step_graph import CaptureError
 
 log = logging.getLogger("zero_fx")
@@ -239,25 +239,10 @@ def hold_local_experts(model: nn.Module, blocks: list[RoutedExperts], degree: in
         held = (None if degree == 1 else
                 LocalExperts(degree, rank * info.num_experts // degree, group_name,
                              capacity_factor))
-        if info.stacked:
-            _hold_rows(model.get_submodule(info.experts), held)
+        if info.stacked:  # its parameters keep this place's rows once sharded
+            model.get_submodule(info.experts).forward.parallel = held
         else:
             model.get_submodule(info.experts.rpartition(".")[0]).forward.parallel = held
-
-
-def _hold_rows(module: nn.Module, held: Optional[LocalExperts]) -> None:
-    """A fused-experts module keeps only its rank's experts' rows of its 3-D parameters, the
-    same Parameter objects ([Note: experts held as 3-D parameters, split by rows] in
-    zero_fx/plan/expert_parallel.py); its forward then sends rows to their experts' ranks."""
-    if held is None or module.forward.parallel is not None:
-        raise ValueError(f"the experts of {type(module).__name__} are split once, at the first "
-                         "call, and not undone")
-    local = module.down_proj.shape[0] // held.degree
-    with torch.no_grad():
-        for name in ("gate_up_proj", "down_proj"):
-            param = getattr(module, name)
-            param.data = param.data[held.first:held.first + local].clone()
-    module.forward.parallel = held
 
 
 def unrecognised_experts_error(rewrite: ExpertsRewrite, error: CaptureError) -> CaptureError:
@@ -593,7 +578,7 @@ def _reproduces(name: str, block: nn.Module, original: Callable, routed: _Routed
     outputs, and the gradients of the input and of every parameter under one random
     cotangent ([Note: a rewrite proves itself]). A form whose outputs agree but whose
     gradients do not raises ``CaptureError``: zero_fx would train the block wrong."""
-    probe = _probe_copy(block)
+    probe = probe_copy(block)
     routed_probe = copy.copy(routed)
     routed_probe._block = probe
     hidden_size = _hidden_size(expert)
@@ -635,24 +620,6 @@ def _reproduces(name: str, block: nn.Module, original: Callable, routed: _Routed
 # naming it. The check runs once per block, on the first call, in eager (docs/moe.md has
 # its measured cost: 22 ms on the tests' Mixtral, 1.0 s on a 4-layer Mixtral of width 512,
 # against 13 ms and 0.23 s forward alone) and holds two fp32 gradients of one block.
-
-
-def _probe_copy(block: nn.Module) -> nn.Module:
-    """The block itself when it holds real fp32 values, else an fp32 CPU copy with random
-    weights (a meta-device or low-precision model)."""
-    params = list(block.parameters())
-    if all(p.device.type != "meta" and p.dtype == torch.float32 for p in params):
-        return block
-    probe = copy.deepcopy(block)
-    if any(p.device.type == "meta" for p in params):
-        probe = probe.to_empty(device="cpu")
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            for p in probe.parameters():
-                p.normal_(0.0, 0.1)
-            for b in probe.buffers():
-                b.zero_()
-    return probe.float()
 
 
 def _hidden_size(expert: nn.Module) -> int:

@@ -33,18 +33,19 @@ expert-data-parallel group, is then summed across the replicas like every other 
 transformers 5 holds a block's experts as two 3-D parameters (``gate_up_proj`` (E, 2I, H),
 ``down_proj`` (E, H, I)), not one module per expert, so no parameter is one expert's. Expert
 parallelism then splits each such parameter by its first dimension: place ``i`` keeps rows
-``i * E / P`` to ``(i + 1) * E / P - 1`` as the parameter itself (its data replaced by those
-rows when the experts are split, before anything is planned; ``ExpertParallel.rows`` names
-them), and from there on it is a parameter like any other of shape ``(E / P, ...)``, held by
-every rank: planned, sharded over the expert-data-parallel group, gathered and reduced
+``i * E / P`` to ``(i + 1) * E / P - 1`` as the parameter itself (``ExpertParallel.rows``
+names them). The plan lays them out at that shape from the start; the model keeps them whole
+until it has its values (a meta model is built whole, as its construction would, and
+``plan_shard`` cuts a stage-3 shard from the place's rows), and then each parameter's data
+is replaced by its rows (``keep_place_rows`` in zero_fx/runtime/expert_groups.py). From there
+on it is a parameter like any other of shape ``(E / P, ...)``, held by every rank: planned, sharded over the expert-data-parallel group, gathered and reduced
 there, its gradient divided as an expert's, in stages 1-3. Only what needs the whole
 parameter knows the difference: ``full_state_dict()`` and ``full_parameters()`` put the
 ``P`` places' rows back together, and a checkpoint saves the whole parameter's flat
 elements, each rank its range (place ``i``'s rows start at ``i`` times the rows' elements:
 [Note: checkpoints under expert parallelism] in zero_fx/checkpoint/save_load.py), so that
-it loads at any degree and in one process. The rows are cut from the model's values: a
-meta model, or one whose values pretrained weights would give, would be built at the whole
-shape, and is refused with what to do. DeepSpeed and torchtitan also keep a rank's experts
+it loads at any degree and in one process. ``load_pretrained`` would read whole
+parameters and is refused for them, saying what to do. DeepSpeed and torchtitan also keep a rank's experts
 as the parameter itself (local experts; a DTensor sharded on the experts' dimension).
 """
 

@@ -480,8 +480,17 @@ def plan_for_module(
     named = [(n, local_tensor(p), p) for n, p in module.named_parameters()]  # TP: local pieces
     resident = [n for n, local, p in named
                 if local.numel() <= persistence_threshold or (keep_resident and keep_resident(n, p))]
+    parallel = schedule.get("expert_parallel")
+    rows = parallel.rows if parallel is not None else frozenset()
+
+    def planned_shape(name: str, local: torch.Tensor) -> tuple[int, ...]:
+        """A place's rows of experts held as 3-D parameters, which the model still holds
+        whole ([Note: experts held as 3-D parameters, split by rows])."""
+        shape = tuple(local.shape)
+        return (shape[0] // parallel.degree, *shape[1:]) if name in rows else shape
+
     return make_plan(
-        ((n, tuple(local.shape), local.dtype, p.requires_grad) for n, local, p in named),
+        ((n, planned_shape(n, local), local.dtype, p.requires_grad) for n, local, p in named),
         world_size=world_size,
         rank=rank,
         stage=stage,
@@ -498,7 +507,17 @@ def plan_shard(plan: ShardPlan, name: str, full: torch.Tensor) -> torch.Tensor:
     parallelism] in expert_parallel.py)."""
     if not plan.holds(name):
         return full.detach().new_empty(0)
-    return cut_shard(full, plan.layout(name), plan.shard_rank(name))
+    return cut_shard(place_rows(plan, name, full), plan.layout(name), plan.shard_rank(name))
+
+
+def place_rows(plan: ShardPlan, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` shaped like parameter ``name``: for experts held as 3-D parameters and
+    given whole, this rank's place's rows of it ([Note: experts held as 3-D parameters,
+    split by rows] in expert_parallel.py); else ``tensor`` itself."""
+    if not plan.is_expert_rows(name) or tuple(tensor.shape) != plan.whole_shape(name):
+        return tensor
+    rows = plan.layout(name).shape[0]
+    return tensor.narrow(0, plan.expert_parallel.rank * rows, rows)
 
 
 def cut_shard(full: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:

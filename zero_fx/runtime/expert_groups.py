@@ -10,7 +10,10 @@ import torch.distributed as dist
 
 from ..capture.fused_experts import holds_stacked_experts
 from ..capture.routed_experts import RoutedExperts, hold_local_experts
+from ..materialize.materialize import storageless
+from ..plan import ShardPlan
 from ..plan.expert_parallel import ExpertParallel, expert_slices
+from ..plan.layout import place_rows
 from .process_group import World, world_timeout
 
 
@@ -46,13 +49,12 @@ def split_experts(model: torch.nn.Module, blocks: Sequence[RoutedExperts], world
                          f"{degree} ranks, but {uneven[0].name} has {uneven[0].num_experts} "
                          f"experts: choose a degree that divides {uneven[0].num_experts}")
     stacked = [b for b in blocks if b.stacked]
-    unbuilt = [b for b in stacked if loading or any(
-        p.is_meta for p in model.get_submodule(b.experts).parameters())]
-    if unbuilt:  # [Note: experts held as 3-D parameters, split by rows]
-        raise ValueError(f"expert_parallel={degree}: {unbuilt[0].name} holds its experts as 3-D "
-                         "parameters, which each rank cuts to its own experts' rows, and they are "
-                         "on the meta device (or to be read from pretrained weights): build the "
-                         "model with values, or use expert_parallel=1")
+    if stacked and loading:  # [Note: experts held as 3-D parameters, split by rows]
+        raise ValueError(f"expert_parallel={degree}: {stacked[0].name} holds its experts as 3-D "
+                         "parameters, of which each rank keeps its own experts' rows, and "
+                         "load_pretrained does not read a place's rows yet: build the model on "
+                         "the meta device and load the weights with load_checkpoint, or use "
+                         "expert_parallel=1")
     if world.size % degree:
         raise ValueError(f"expert_parallel={degree} must divide the {world.size} ranks: each "
                          f"group of {degree} consecutive ranks splits the experts")
@@ -81,6 +83,26 @@ def split_experts(model: torch.nn.Module, blocks: Sequence[RoutedExperts], world
     hold_local_experts(model, list(blocks), degree, parallel.rank, parallel.group_name,
                        capacity_factor)
     return parallel
+
+
+def keep_place_rows(model: torch.nn.Module, plan: ShardPlan) -> None:
+    """Experts held as 3-D parameters keep only this rank's place's rows from here on, the
+    same Parameter objects ([Note: experts held as 3-D parameters, split by rows]): values
+    cut from the whole (its construction, or the model as given), a stage-3 parameter
+    without storage given one of the rows' shape."""
+    parallel = plan.expert_parallel
+    if parallel is None:
+        return
+    with torch.no_grad():
+        for name in parallel.rows:
+            param = model.get_parameter(name)
+            if tuple(param.shape) != plan.whole_shape(name):
+                continue  # already cut (a step sharding the model again)
+            if param.untyped_storage().nbytes() == 0:
+                shape = torch.empty(plan.layout(name).shape, dtype=param.dtype, device="meta")
+                param.data = storageless(shape, param.device)
+            else:
+                param.data = place_rows(plan, name, param.data).clone()
 
 
 def _shard_groups(world: World) -> list[list[int]]:

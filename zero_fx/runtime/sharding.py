@@ -21,7 +21,7 @@ from ..formatting import ranks_phrase
 from ..materialize import PretrainedWeights, materialize
 from ..plan import ShardPlan, plan_for_module
 from ..plan.tensor_parallel import local_tensor, tensor_parallel_of
-from .expert_groups import split_experts
+from .expert_groups import keep_place_rows, split_experts
 from .gloo_all_gather import use_gloo_single_tensor_all_gather
 from .precision import LossScaler, cast_at_model_edge
 from .process_group import (check_current_cuda_device, check_devices_match_backend,
@@ -162,6 +162,7 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     except Exception:
         claim(model, optimizer, None)
         raise
+    keep_place_rows(model, plan)  # [Note: experts held as 3-D parameters, split by rows]
     state = ShardedState(model, optimizer, plan, world, masters=masters,
                          elementwise_optimizer=config.elementwise_optimizer, device=device)
     precision = config.mixed_precision
