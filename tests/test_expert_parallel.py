@@ -207,9 +207,15 @@ def test_experts_held_as_3d_parameters_built_on_the_meta_device():
                 assert torch.equal(split["state"][key], value), (stage, key)
 
 
+class GatedProduct(torch.nn.Module):
+    def forward(self, gate, up):
+        return gate * up
+
+
 def test_experts_in_a_layout_it_does_not_split_are_named():
-    """3-D experts with biases (GPT-OSS's flags): not rewritten for expert parallelism, and
-    the error says which module and why."""
+    """3-D experts with biases (GPT-OSS's flags), or an activation of gate and up
+    (Inkling2's): not rewritten for expert parallelism, and the error says which module and
+    why."""
     from stacked_experts import tiny_mixtral_stacked
     from zero_fx.capture.routed_experts import route_experts_with_fixed_shapes
 
@@ -220,6 +226,15 @@ def test_experts_in_a_layout_it_does_not_split_are_named():
     with pytest.raises(ValueError, match=r"\.experts holds its experts as 3-D parameters in a "
                                          "layout expert parallelism does not"):
         split_experts(model, blocks, World(size=4, rank=0, group_name="w"), degree=2)
+    experts = next(m for n, m in model.named_modules() if n.endswith(".experts"))
+    experts.has_bias = False
+    experts.act_fn = GatedProduct()  # Inkling2's shape: the check runs it, and says why
+    rewrite = route_experts_with_fixed_shapes(model, expert_parallel=True)
+    assert rewrite.blocks == []
+    with pytest.raises(ValueError, match=r"fixed-shape forward for them fails on a random input "
+                                         r"\(TypeError"):
+        split_experts(model, rewrite.blocks, World(size=4, rank=0, group_name="w"), degree=2,
+                      left_alone=rewrite.unrecognised)
 
 
 def test_the_shared_expert_runs_while_the_rows_travel(fake_world_of_four):

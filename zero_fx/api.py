@@ -475,7 +475,8 @@ class CompiledStep:
         self._experts = route_experts_with_fixed_shapes(
             model, expert_parallel=self.config.expert_parallel > 1)
         self._sharded = shard(model, optimizer, self.config, self.__name__, pretrained,
-                              moe_blocks=self._experts.blocks)
+                              moe_blocks=self._experts.blocks,
+                              left_alone=self._experts.unrecognised)
         self.state = self._sharded.state
         self._compiler = StepCompiler(self.__name__, self.config, self._sharded,
                                       graphs=self.graphs, compilations=self.compilations,

@@ -19,24 +19,26 @@ from .process_group import World, world_timeout
 
 def split_experts(model: torch.nn.Module, blocks: Sequence[RoutedExperts], world: World,
                   degree: int, capacity_factor: Optional[float] = None, *,
-                  loading: bool = False) -> Optional[ExpertParallel]:
+                  loading: bool = False, left_alone: Sequence[str] = ()
+                  ) -> Optional[ExpertParallel]:
     """Expert parallelism of ``degree`` over ``world``: make its groups (on every rank, in
     the same order), point each block's forward at this rank's experts (each taking at most
     ``capacity_factor`` times an even spread's rows: [Note: expert capacity]), and say which
     rank holds which expert. None for ``degree`` 1. ``loading``: the model's values are to be
-    read from pretrained weights."""
+    read from pretrained weights. ``left_alone``: why the rewrite left modules that look like
+    experts as they are (``ExpertsRewrite.unrecognised``), for the error when none splits."""
     if degree == 1:
         return None
     if not blocks:
         stacked = next((n for n, m in model.named_modules() if holds_stacked_experts(m)), None)
-        layout = ("" if stacked is None else
-                  f"; {stacked} holds its experts as 3-D parameters in a layout expert "
-                  "parallelism does not split (it splits transformers 5's concatenated [gate; up] "
-                  "without biases, not transposed)")
+        why = (f"; {left_alone[0]}" if left_alone else "" if stacked is None else
+               f"; {stacked} holds its experts as 3-D parameters in a layout expert "
+               "parallelism does not split (it splits transformers 5's concatenated [gate; up] "
+               "without biases, not transposed, with an act_fn of the gate alone)")
         raise ValueError(f"expert_parallel={degree}, but zero_fx found no mixture-of-experts "
                          "block to split in this model (step.moe_blocks is empty; "
                          f"zero_fx.set_logs('info') says which blocks were left alone and why"
-                         f"{layout}): use expert_parallel=1")
+                         f"{why}): use expert_parallel=1")
     identity = [b for b in blocks if b.identity_experts]
     if identity:
         raise ValueError(f"expert_parallel={degree}: {identity[0].name} has "

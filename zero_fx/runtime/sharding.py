@@ -112,15 +112,17 @@ def find_model(args, kwargs, model: Optional[torch.nn.Module]) -> torch.nn.Modul
 
 def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig,
           step_name: str, pretrained: Optional[PretrainedWeights] = None,
-          moe_blocks: Sequence[RoutedExperts] = ()) -> Sharded:
+          moe_blocks: Sequence[RoutedExperts] = (), left_alone: Sequence[str] = ()) -> Sharded:
     """Plan and shard ``model`` and ``optimizer`` over the default process group (a world of
     one if none) or ``config.mesh``; in place: the model and optimizer are the user's,
     rebound to shards. ``moe_blocks``: the model's rewritten mixture-of-experts blocks,
-    whose experts ``config.expert_parallel`` splits over ranks."""
+    whose experts ``config.expert_parallel`` splits over ranks; ``left_alone``: why the
+    rewrite left others as they are."""
     world = with_secondary_partition(world_of(config.mesh, config.stage),
                                      config.secondary_partition, current_world())
     experts = split_experts(model, moe_blocks, world, config.expert_parallel,
-                            config.expert_capacity_factor, loading=pretrained is not None)
+                            config.expert_capacity_factor, loading=pretrained is not None,
+                            left_alone=left_alone)
     check_devices_match_backend(model.parameters())
     check_real_parameters(model, config.stage)
     device = training_device(model.parameters())
