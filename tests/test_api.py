@@ -184,11 +184,25 @@ def test_the_step_shape_check_does_not_stop_a_good_step(compiles):
 
 def test_exceptions_users_handle_are_exported():
     import zero_fx
-    from zero_fx import CollectiveFailedError, InvariantError, RanksDisagreeError
+    from zero_fx import (CollectiveFailedError, DistributedSetupError, InvariantError,
+                         RanksDisagreeError)
 
-    assert {"CollectiveFailedError", "InvariantError", "RanksDisagreeError"} <= set(zero_fx.__all__)
+    assert {"CollectiveFailedError", "DistributedSetupError", "InvariantError",
+            "RanksDisagreeError"} <= set(zero_fx.__all__)
     assert issubclass(CollectiveFailedError, RuntimeError) and issubclass(RanksDisagreeError, RuntimeError)
     assert InvariantError is zero_fx.passes.InvariantError
+    assert DistributedSetupError is zero_fx.runtime.init_distributed.DistributedSetupError
+
+
+def test_the_version_is_the_package_s():
+    """``zero_fx.__version__`` is pyproject.toml's version."""
+    import pathlib
+    import re
+
+    import zero_fx
+
+    pyproject = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'^version = "(.+)"$', pyproject, re.M).group(1) == zero_fx.__version__
 
 
 def test_a_user_pass_that_breaks_an_invariant_is_named_unwrapped():

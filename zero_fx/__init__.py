@@ -25,11 +25,15 @@ from .passes.pipeline import after, before
 from .plan import ParamLayout, ShardPlan, make_plan, plan_for_module
 from .plan.offline import rewritten_step_on_fake
 from .runtime.failures import CollectiveFailedError
-from .runtime.init_distributed import Distributed, init_distributed
+from .runtime.init_distributed import Distributed, DistributedSetupError, init_distributed
 from .runtime.rank_agreement import RanksDisagreeError
 from .verification import Verification, verify
 
+__version__ = "0.1.0"
+"""The release; pyproject.toml's ``version`` says the same (tests/test_api.py checks)."""
+
 __all__ = [
+    "__version__",
     "after",
     "before",
     "CaptureError",
@@ -41,6 +45,7 @@ __all__ = [
     "CompiledStep",
     "DebugOptions",
     "Distributed",
+    "DistributedSetupError",
     "Estimate",
     "estimate",
     "explain",

@@ -498,9 +498,15 @@ def old_names_in_errors(options: dict):
         raise
 
 
+RENAMED_OPTIONS_KEPT_THROUGH = "0.2"
+"""The last release (``zero_fx.__version__`` is 0.1.0) in which a renamed option's old name
+still works."""
+
+
 def _warn_renamed(old: str, new: str, stacklevel: int) -> None:
     warnings.warn(f"zero_fx: the option {old!r} is now {new}; {old!r} still works in "
-                  f"0.2 and is removed after it", FutureWarning, stacklevel=stacklevel + 1)
+                  f"{RENAMED_OPTIONS_KEPT_THROUGH} and is removed after it", FutureWarning,
+                  stacklevel=stacklevel + 1)
 
 
 def translate_deprecated(options: dict, *, stacklevel: int = 2) -> dict:
