@@ -82,11 +82,9 @@ def concatenated_forward(module: nn.Module, hidden: Tensor, top_k_index: Tensor,
     offs = counts[:routed].cumsum(0).to(torch.int32)  # identity experts' rows come last
     rows = hidden[token_of_row]
     group_of_row = expert_of_row.clamp(max=routed - 1)
-    gate, up = grouped_linear(rows, gate_up[:routed], None, offs, group_of_row).chunk(2, dim=-1)
-    out = grouped_linear(module.act_fn(gate) * up, down, None, offs, group_of_row)
+    out = _concatenated_experts(module, gate_up[:routed], rows, offs, group_of_row)
     out = torch.where((expert_of_row < routed).unsqueeze(-1), out, rows)
-    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-    return torch.zeros_like(hidden).index_add(0, token_of_row, out.to(hidden.dtype))
+    return _weighted_sum(hidden, out, top_k_weights, order, token_of_row)
 
 
 def concatenated_forward_parallel(module: nn.Module, held, hidden: Tensor, top_k_index: Tensor,
@@ -96,18 +94,30 @@ def concatenated_forward_parallel(module: nn.Module, held, hidden: Tensor, top_k
     on the rank of its expert and comes back ([Note: exchanging rows in fixed shapes])."""
     from .expert_exchange import dispatch_and_combine
 
-    gate_up, down = module.gate_up_proj, module.down_proj
     top_k = top_k_index.shape[1]
     order, expert_of_row, token_of_row, counts = sort_by_group(
-        top_k_index.reshape(-1), top_k, gate_up.shape[0] * held.degree)
+        top_k_index.reshape(-1), top_k, module.gate_up_proj.shape[0] * held.degree)
+    out = dispatch_and_combine(
+        hidden[token_of_row], counts, expert_of_row,
+        lambda rows, offs, group_of_row: _concatenated_experts(
+            module, module.gate_up_proj, rows, offs, group_of_row),
+        degree=held.degree, top_k=top_k, group_name=held.group_name,
+        capacity_factor=held.capacity_factor)
+    return _weighted_sum(hidden, out, top_k_weights, order, token_of_row)
 
-    def local_experts(rows: Tensor, offs: Tensor, group_of_row: Tensor) -> Tensor:
-        gate, up = grouped_linear(rows, gate_up, None, offs, group_of_row).chunk(2, dim=-1)
-        return grouped_linear(module.act_fn(gate) * up, down, None, offs, group_of_row)
 
-    out = dispatch_and_combine(hidden[token_of_row], counts, expert_of_row, local_experts,
-                               degree=held.degree, top_k=top_k, group_name=held.group_name,
-                               capacity_factor=held.capacity_factor)
+def _concatenated_experts(module: nn.Module, gate_up: Tensor, rows: Tensor, offs: Tensor,
+                          group_of_row: Tensor) -> Tensor:
+    """Each row through its expert (``gate_up``'s and ``down_proj``'s): ``act_fn(gate) * up``,
+    then down, as two grouped matmuls."""
+    gate, up = grouped_linear(rows, gate_up, None, offs, group_of_row).chunk(2, dim=-1)
+    return grouped_linear(module.act_fn(gate) * up, module.down_proj, None, offs, group_of_row)
+
+
+def _weighted_sum(hidden: Tensor, out: Tensor, top_k_weights: Tensor, order: Tensor,
+                  token_of_row: Tensor) -> Tensor:
+    """Each expert row's output (sorted by expert: ``order``) scaled by its routing weight and
+    added to its token."""
     out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
     return torch.zeros_like(hidden).index_add(0, token_of_row, out.to(hidden.dtype))
 

@@ -201,15 +201,13 @@ def _stacked_experts(model: nn.Module, names: list[str], expert_parallel: bool
         if installed.form.forward_parallel is None or not (
                 expert_parallel or installed.parallel is not None):
             continue
-        routed = module.down_proj.shape[0] * (installed.parallel.degree if installed.parallel
-                                              else 1)
+        places = installed.parallel.degree if installed.parallel is not None else 1  # rows cut
         top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
         found.append(RoutedExperts(
-            name=name, experts=name, num_experts=routed,
+            name=name, experts=name, num_experts=module.down_proj.shape[0] * places,
             top_k=top_k if isinstance(top_k, int) else 0,
             routing="its block's own (indices and weights passed to the experts)",
-            expert_parameters=sum(p.numel() for p in module.parameters()) * (
-                installed.parallel.degree if installed.parallel else 1),
+            expert_parameters=sum(p.numel() for p in module.parameters()) * places,
             shared_expert=None,
             identity_experts=module.gate_up_proj.shape[0] - module.down_proj.shape[0],
             stacked=True))

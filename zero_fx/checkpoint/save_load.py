@@ -448,14 +448,13 @@ def _expert_rows_mesh(state: ShardedState):
 
     parallel = state.plan.expert_parallel
     resolve = dist.distributed_c10d._resolve_process_group
-    groups = [resolve(parallel.group_name)]
+    if parallel.data_size == 1:
+        return DeviceMesh.from_group(resolve(parallel.group_name), _device(state).type)
     shard_ranks = torch.tensor(dist.get_process_group_ranks(resolve(state.plan.group_name)))
     grid = shard_ranks.view(parallel.data_size, parallel.degree).T  # [place, holder]
-    if parallel.data_size == 1:
-        return DeviceMesh.from_group(groups[0], _device(state).type)
-    groups.append(resolve(parallel.data_group_name))
-    return DeviceMesh.from_group(groups, _device(state).type, mesh=grid,
-                                 mesh_dim_names=("expert", "expert_data"))
+    return DeviceMesh.from_group(
+        [resolve(parallel.group_name), resolve(parallel.data_group_name)], _device(state).type,
+        mesh=grid, mesh_dim_names=("expert", "expert_data"))
 
 
 @contextlib.contextmanager

@@ -100,7 +100,7 @@ def keep_place_rows(model: torch.nn.Module, plan: ShardPlan) -> None:
             param = model.get_parameter(name)
             if tuple(param.shape) != plan.whole_shape(name):
                 continue  # already cut (a step sharding the model again)
-            if param.untyped_storage().nbytes() == 0:
+            if param.untyped_storage().nbytes() == 0:  # a view of it would be out of bounds
                 shape = torch.empty(plan.layout(name).shape, dtype=param.dtype, device="meta")
                 param.data = storageless(shape, param.device)
             else:
