@@ -37,7 +37,7 @@ start=$(date +%s)
 ZERO_FX_GPU_FIGURES="$figures" timeout -s INT -k 60 "${GPU_CHECK_LIMIT_S:-1500}" python -m pytest -m cuda -q -rfEs \
     --junitxml="$out/gpu_check.xml" tests "$@"
 status=$?
-python -m bench.gpu_check_report --junit "$out/gpu_check.xml" --figures "$figures" \
+python -m bench.helpers.gpu_check_report --junit "$out/gpu_check.xml" --figures "$figures" \
     --status "$status" --seconds "$(( $(date +%s) - start ))" --commit "$commit" \
     --out "$out/gpu_check.json"
 exit "$status"

@@ -258,7 +258,7 @@ def _peers_command(args: dict) -> str:
     """The ``python -m bench.peers`` command line that gave ``args`` (flags at defaults left out)."""
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
-    from bench.peers import parse_args
+    from bench.peers.cli import parse_args
     defaults = vars(parse_args([]))
     words = ["python", "-m", "bench.peers", "--model", str(args["model"]),
              "--world", str(args["world"])]

@@ -13,7 +13,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench import peers_report  # noqa: E402
+from bench.peers import report as peers_report  # noqa: E402
 import cores  # noqa: E402
 from torchrun import torchrun_command  # noqa: E402
 
@@ -40,7 +40,7 @@ def run_bench(*args):
 def test_counting_allocator_sees_every_cpu_tensor_byte():
     code = (
         "import torch\n"
-        "from bench import cpu_memory\n"
+        "from bench.helpers import cpu_memory\n"
         "cpu_memory.install()\n"
         "base = cpu_memory.allocated()\n"
         "a = torch.empty(1000, 250)\n"
@@ -111,7 +111,7 @@ def test_under_torchrun_each_peer_still_runs_in_fresh_processes():
 def test_bad_arguments_are_refused_with_the_reason(capsys):
     """``python -m bench.peers`` is ``sys.exit(main())``: main called here exits as the
     command would, without a process that imports torch to refuse three options."""
-    from bench.peers import main
+    from bench.peers.cli import main
 
     with pytest.raises(SystemExit) as refused:
         main(["--device", "cpu", "--steps", "3", "--warmup", "3"])
@@ -127,8 +127,8 @@ def test_hf_mixtral_builds_blocks_batches_and_its_own_loss_with_router_loss():
 
     import torch.nn.functional as F
 
-    from bench.peer_models import MODELS, loss_of, rank_batch
-    from bench.peers import parse_args
+    from bench.peers.models import MODELS, loss_of, rank_batch
+    from bench.peers.cli import parse_args
     from examples.hf_models import tiny_mixtral
 
     assert parse_args(["--model", "hf-mixtral", "--device", "cpu"]).model == "hf-mixtral"

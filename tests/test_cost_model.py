@@ -113,9 +113,9 @@ def test_the_command_line_explains_a_planned_step():
 
 
 def calibrated_prediction_rank(rank: int, world_size: int):
-    """Calibrate as ``python -m bench.calibrate`` does, then time 8 steps of another GPT
+    """Calibrate as ``python -m bench.helpers.calibrate`` does, then time 8 steps of another GPT
     (2 layers x 128, seq 64, batch 4 per rank) at stages 0 and 3: ``[(measured, predicted)]``."""
-    from bench.calibrate import calibrate, fit_op_overhead, timed_gpt_step
+    from bench.helpers.calibrate import calibrate, fit_op_overhead, timed_gpt_step
 
     torch.set_num_threads(1)
     hardware, _ = fit_op_overhead(calibrate(world_size))
@@ -128,7 +128,7 @@ def calibrated_prediction_rank(rank: int, world_size: int):
 
 
 def test_a_calibration_predicts_other_steps_on_this_machine():
-    """What ``bench.calibrate`` measures (its op overhead fitted on a smaller GPT, 2 x 64,
+    """What ``bench.helpers.calibrate`` measures (its op overhead fitted on a smaller GPT, 2 x 64,
     seq 32) predicts the steps of another GPT at stages 0 and 3. Calibrated in the same run:
     this box's speed drifts (the fit step took 10.9 ms on 2026-11-24, 15.7 ms a day later),
     so a prediction from a preset taken another day tests the day, not the model. Measured
@@ -164,7 +164,7 @@ def test_a_calibration_predicts_other_steps_on_this_machine():
 
 
 def test_the_cpu_gloo_preset_is_a_calibration():
-    """The preset the cost model loads on CPU is what ``python -m bench.calibrate`` wrote:
+    """The preset the cost model loads on CPU is what ``python -m bench.helpers.calibrate`` wrote:
     every Hardware field measured (a field added later and not recalibrated fails here),
     with where, when and how."""
     import dataclasses
@@ -175,7 +175,7 @@ def test_the_cpu_gloo_preset_is_a_calibration():
     with open(f"{PRESET_DIR}/cpu-gloo.json") as f:
         preset = json.load(f)
     assert {field.name for field in dataclasses.fields(Hardware)} <= set(preset)
-    assert preset["measured"]["command"].startswith("python -m bench.calibrate")
+    assert preset["measured"]["command"].startswith("python -m bench.helpers.calibrate")
     assert 0.0 <= preset["communication_overlap"] <= 1.0
 
 

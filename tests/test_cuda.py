@@ -41,7 +41,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import models
-from bench.runs import free_port
+from bench.helpers.runs import free_port
 from examples.gpt import GPT, CausalSelfAttention, GPTConfig
 from gpu_figures import record
 from test_mixed_precision import OVERFLOW_HISTORY

@@ -33,7 +33,7 @@ def torchrun(script, *args, ranks=2):
 def torchrun_as_two_nodes(script, *args):
     """Two torchrun agents of 2 ranks each, meeting at a c10d rendezvous on this machine as
     two nodes would meet at their first node's address; both outputs, joined."""
-    from bench.runs import free_port
+    from bench.helpers.runs import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
     launcher = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.runs import free_port
+from bench.helpers.runs import free_port
 from zero_fx import Distributed, init_distributed
 from zero_fx.runtime.init_distributed import DistributedSetupError, resolve_device
 from zero_fx.runtime.process_group import world_timeout

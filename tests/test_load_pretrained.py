@@ -57,7 +57,7 @@ def first_loss(model) -> float:
 
 def load_rank(rank: int, world_size: int, path: str):
     """Stage 3: load into the shards of a meta Llama, measuring this rank's tensor memory."""
-    from bench import cpu_memory
+    from bench.helpers import cpu_memory
 
     # The counting allocator sits in front of c10's CPU allocator, so it sees every tensor
     # allocation, by zero_fx, torch or safetensors, whether or not it goes through Python

@@ -168,7 +168,7 @@ def test_inductor_keeps_stage3_release(fake_world_of_two):
     where and as high as the graph's (gradient shards, the layers in use and in flight, one
     layer's full gradient: 38 MiB), 64 MiB of parameters below what a broken release would
     hold."""
-    from bench.stages import mlp_training
+    from bench.experiments.stages import mlp_training
     model, opt, step, x = mlp_training(3, "inductor", 1024, 16, bucket_bytes=4 * 2**20,
                                        regional=False)
     step(model, opt, x)

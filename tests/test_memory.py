@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from bench.rss import MALLOC_ENV
+from bench.helpers.rss import MALLOC_ENV
 from ranks import run_ranks
 from training import peak_memory_run, rss_growth_run, zero_fx_rank, zero_fx_run
 
@@ -79,7 +79,7 @@ def test_stage3_release_survives_inductor(monkeypatch):
     on real ranks (test_lowered_order.py reads the same from the generated code, exactly).
 
     Measured by resident memory (the tensor probe cannot see Inductor's buffers;
-    see [Note: peak RSS on Linux] in bench/rss.py), 16 layers of 1024 x 1024 at 2
+    see [Note: peak RSS on Linux] in bench/helpers/rss.py), 16 layers of 1024 x 1024 at 2
     ranks: 64 MiB of parameters, one layer (4 MiB) per bucket. A step holds the
     gradient shards (32 MiB) and the layers in use or in flight: 42 MiB by the graph's
     timeline and by Inductor's program alike. A broken release would add all 64 MiB.

@@ -296,9 +296,9 @@ LOWERED_UPDATES = 1e-3
 
 
 def test_the_convergence_benchmark_compares_the_last_steps_with_full_precision():
-    """bench/convergence.py: a configuration passes within 1% of fp32's mean over the last
+    """bench/experiments/convergence.py: a configuration passes within 1% of fp32's mean over the last
     steps (not over the whole curve), and the ranks' slices make up the global batch."""
-    from bench.convergence import batch, compared
+    from bench.experiments.convergence import batch, compared
 
     fp32 = [5.0] * 10 + [2.0] * 5
     curves = {"fp32": fp32, "close": [9.0] * 10 + [2.015] * 5, "off": fp32[:10] + [2.03] * 5}
@@ -313,12 +313,12 @@ def test_the_convergence_benchmark_compares_the_last_steps_with_full_precision()
 
 
 def test_the_convergence_warm_start_is_trained_the_same_on_every_rank():
-    """bench/convergence.py --warm-start: the weights every configuration starts from are
+    """bench/experiments/convergence.py --warm-start: the weights every configuration starts from are
     the seed's trained a few steps (moved, not the initial ones), the same each time they
     are made (each rank makes its own), on batches none of the measured steps reads."""
     from types import SimpleNamespace
 
-    from bench.convergence import WARM_START_BATCHES, seeded_model_and_optimizer, warmed_weights
+    from bench.experiments.convergence import WARM_START_BATCHES, seeded_model_and_optimizer, warmed_weights
 
     text = torch.arange(256, dtype=torch.uint8).repeat(4)
     args = SimpleNamespace(model="readme", seq=32, seed=3, warm_start=2, lr=1e-3, batch_size=4,

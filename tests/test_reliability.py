@@ -206,7 +206,7 @@ def test_a_new_batch_size_recompiles_once_and_stays_correct():
     errors = parity_errors(results, reference)
     assert max(errors.values()) < 1e-5, errors
     # [Note: gloo's coalesced all-gather corrupts the heap]: every gather of the step takes
-    # gloo's one-tensor path (bench/gloo_all_gather_crash.py shows the other one dying)
+    # gloo's one-tensor path (bench/experiments/gloo_all_gather_crash.py shows the other one dying)
     for r in results:
         assert "_c10d_functional::all_gather_into_tensor_out" in r["all_gather_ops"], r
         assert not any("coalesced" in name for name in r["all_gather_ops"]), r

@@ -1,4 +1,4 @@
-"""The version matrix (bench/version_matrix.py) and the GPU tier's summary: what they select and
+"""The version matrix (bench/helpers/version_matrix.py) and the GPU tier's summary: what they select and
 how they report, without building a venv or touching a GPU."""
 
 import json
@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from bench import version_matrix as matrix
-from bench.gpu_check_report import verdict
+from bench.helpers import version_matrix as matrix
+from bench.helpers.gpu_check_report import verdict
 
 
 COLLECT = """
 import json, sys
 import pytest
-from bench.version_matrix import CHECKS
+from bench.helpers.version_matrix import CHECKS
 
 class Collected:
     def pytest_collection_finish(self, session):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from bench.runs import free_port
+from bench.helpers.runs import free_port
 
 
 def torchrun_command(ranks: int, *args: str, launcher: tuple = ()) -> list[str]:

@@ -10,7 +10,7 @@ import weakref
 import torch
 
 import models
-from bench.stages import measure_stages, rss_growth_during_step
+from bench.experiments.stages import measure_stages, rss_growth_during_step
 from ranks import run_ranks, with_mesh
 from zero_fx import zero_compile
 
@@ -254,7 +254,7 @@ def check_updates(results: list, reference: dict, tolerance: float = UPDATE_TOLE
 
 @functools.lru_cache(maxsize=None)
 def peak_memory_run(world_size: int, stages: tuple, width: int, depth: int):
-    """Per rank, per stage: the measurements of bench/stages.py (the note's table)."""
+    """Per rank, per stage: the measurements of bench/experiments/stages.py (the note's table)."""
     return run_ranks(world_size, measure_stages, stages, width, depth)
 
 

@@ -33,7 +33,7 @@ all three, so none reads a version):
   decomposition table, so each release is read as it lowers.
 
 [Note: what differs between transformers 4 and 5]
-Met by the version matrix (bench/version_matrix.py) on transformers 4.57.6 and 5.24:
+Met by the version matrix (bench/helpers/version_matrix.py) on transformers 4.57.6 and 5.24:
 
 - ``no_init_weights``, the context that builds a model without initialising its weights,
   moved from ``transformers.modeling_utils`` (4.x) to ``transformers.initialization`` (5.x).

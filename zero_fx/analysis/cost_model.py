@@ -169,7 +169,7 @@ class Hardware:
 
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
-"""Presets measured by ``python -m bench.calibrate`` (JSON, committed)."""
+"""Presets measured by ``python -m bench.helpers.calibrate`` (JSON, committed)."""
 
 
 def _measured_preset(name: str) -> Hardware:
@@ -207,7 +207,7 @@ PRESETS = {
         link_latency=3e-6, op_overhead=5e-6, device_memory=96e9, host_memory=480e9,
         host_device_bandwidth=0.8 * 450e9, host_optimizer_bandwidth=0.4 * 500e9),
 }
-"""cpu-gloo: this project's 2-core CI machine as ``python -m bench.calibrate`` measured it
+"""cpu-gloo: this project's 2-core CI machine as ``python -m bench.helpers.calibrate`` measured it
 (one core's fp32 matmul, a copy's bandwidth, gloo all-gathers over loopback between two
 ranks; presets/cpu-gloo.json says when and on what). 8xH100: 60% of the 989 TFLOP/s
 dense bf16 peak, 80% of 3.35 TB/s HBM3, 360 GB/s NCCL bus bandwidth (of NVLink 4's

@@ -30,7 +30,7 @@ Only activations change size with the batch: parameters (dynamo keeps them stati
 passes insert keep the sizes of the plan, so the rewritten step communicates exactly as
 a static one. A dynamic graph is lowered whole, not by regions (``by_regions`` in
 compiler/lower.py): regional compilation keys its bodies by static layouts. The cost of
-the symbols at run time is measured by bench/dynamic_lengths.py. ``dynamic_shapes=
+the symbols at run time is measured by bench/experiments/dynamic_lengths.py. ``dynamic_shapes=
 "static"`` keeps one graph per distinct shape, for a user who buckets lengths to a few
 values and wants each graph specialised. Python numbers among the arguments are not
 marked: a changing int compiles a graph per value, as before.

@@ -7,7 +7,7 @@ then ``allgather_coalesced``). With two or more of them in flight at once, which
 is exactly what a prefetching stage-3 schedule does, a rank sooner or later dies
 of heap corruption: "malloc(): unaligned tcache chunk detected", SIGSEGV inside
 the next collective, or a peer's "Connection reset by peer". Plain PyTorch
-reproduces it with no zero_fx code (``python -m bench.gloo_all_gather_crash``:
+reproduces it with no zero_fx code (``python -m bench.experiments.gloo_all_gather_crash``:
 two ranks, all-gathers kept two deep, dies within a few thousand gathers), while
 the same loop through ``all_gather_into_tensor_out`` (gloo's ``_allgather_base``),
 reduce-scatters and all-reduces ran 6,000 iterations clean.

@@ -1,10 +1,10 @@
 """The version matrix: a named subset of the tests on every supported torch and transformers.
 
-    python -m bench.version_matrix            # every environment and check; rewrites the table
+    python -m bench.helpers.version_matrix            # every environment and check; rewrites the table
                                               # in docs/testing.md ("Supported versions")
-    python -m bench.version_matrix --smoke    # CI's smoke: the oldest and newest torch, quick checks
-    python -m bench.version_matrix --only torch-2.11 --checks parity inductor
-    python -m bench.version_matrix --list     # the environments and checks
+    python -m bench.helpers.version_matrix --smoke    # CI's smoke: the oldest and newest torch, quick checks
+    python -m bench.helpers.version_matrix --only torch-2.11 --checks parity inductor
+    python -m bench.helpers.version_matrix --list     # the environments and checks
 
 Each environment is a venv of its own, built from the user's side: first the user's stack
 (torch, transformers) is installed, then zero_fx the way a user installs it
@@ -39,7 +39,7 @@ from pathlib import Path
 from .gpu_check_report import count_outcomes, outcomes
 from .runs import OUT, write_json
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 DOC = REPO / "docs" / "testing.md"
 START, END = "<!-- version-matrix: start -->", "<!-- version-matrix: end -->"
 VENVS = Path(os.environ.get("ZERO_FX_MATRIX_VENVS",
@@ -243,7 +243,7 @@ def write_doc(text: str, when: str, at: str, seconds: float) -> None:
         raise SystemExit(f"{DOC}: the markers {START} and {END} are missing")
     head, rest = doc.split(START, 1)
     _, tail = rest.split(END, 1)
-    body = (f"\n`python -m bench.version_matrix` on {when}, at commit `{at}`, "
+    body = (f"\n`python -m bench.helpers.version_matrix` on {when}, at commit `{at}`, "
             f"{seconds / 60:.0f} minutes on this machine ({os.cpu_count()} CPU cores):\n\n"
             f"{text}\n")
     DOC.write_text(head + START + body + END + tail)
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in by_name] + [
         c for c in args.checks or () if c not in {c.name for c in CHECKS}]
     if unknown:
-        raise SystemExit(f"unknown: {', '.join(unknown)} (python -m bench.version_matrix --list)")
+        raise SystemExit(f"unknown: {', '.join(unknown)} (python -m bench.helpers.version_matrix --list)")
     envs = [by_name[n] for n in names]
     checks = [c for c in CHECKS if (args.checks is None or c.name in args.checks)
               and (c.smoke or not args.smoke)]

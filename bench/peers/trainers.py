@@ -48,7 +48,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from .peer_models import BenchModel, loss_of
+from .models import BenchModel, loss_of
 
 LEARNING_RATE = 1e-3
 

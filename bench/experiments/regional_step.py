@@ -1,8 +1,8 @@
 """Step time of stage 3 compiled by regions against the whole-step program, their steps
 interleaved in the same ranks.
 
-    torchrun --nproc_per_node 2 -m bench.regional_step --model gpt2-125m --steps 12
-    torchrun --nproc_per_node 2 -m bench.regional_step --model gpt2-125m --layers 2 --seq 128
+    torchrun --nproc_per_node 2 -m bench.experiments.regional_step --model gpt2-125m --steps 12
+    torchrun --nproc_per_node 2 -m bench.experiments.regional_step --model gpt2-125m --layers 2 --seq 128
 
 Runs started apart on this machine differ by up to ±10 % in step time, more than the
 difference looked for. Here both programs train their own copy of the same model in the
@@ -22,13 +22,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from .peer_models import MODELS, rank_batch
-from .peer_trainers import PEERS, Setting
-from .peers import check_model_options, model_of
-from .runs import join_group, leave_group, machine, rows_of_every_rank, write_json
+from ..helpers.runs import join_group, leave_group, machine, rows_of_every_rank, write_json
+from ..peers.cli import check_model_options, model_of
+from ..peers.models import MODELS, rank_batch
+from ..peers.trainers import PEERS, Setting
 
 PROGRAMS = {"regional": "zero_fx-3", "whole": "zero_fx-3-whole"}
-"""Each program's peer (bench/peer_trainers.py)."""
+"""Each program's peer (bench/peers/trainers.py)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,8 +1,8 @@
 """Offload on one GPU: the largest GPT a device budget trains without offload, and with
 ``offload="optimizer"``; step time, tokens/s and the CUDA peak of each.
 
-    python -m bench.offload_gpu                         # a 12 GiB budget of the GPU, 40 GB of host
-    python -m bench.offload_gpu --device-gib 0         # the whole GPU (minutes per size)
+    python -m bench.experiments.offload_gpu                         # a 12 GiB budget of the GPU, 40 GB of host
+    python -m bench.experiments.offload_gpu --device-gib 0         # the whole GPU (minutes per size)
 
 The budget caps PyTorch's allocator (``torch.cuda.set_per_process_memory_fraction``) and
 is the ``device_memory`` zero_fx chooses by, so a large GPU stands for a smaller one and a
@@ -30,7 +30,7 @@ from examples.gpt import GPT, GPTConfig
 from zero_fx import MixedPrecision, zero_compile
 from zero_fx.plan.planner import largest_model
 
-from .runs import machine, write_json
+from ..helpers.runs import machine, write_json
 
 VOCAB = 50304
 ADAM_STATE_BYTES = 8

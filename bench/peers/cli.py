@@ -11,9 +11,9 @@ torchrun of yours, one started by each rank), so one peer's compiled code,
 caches and memory cannot leak into the next one's numbers. Per peer it reports: the step time (the slowest rank's, median, min and
 max over the timed steps after warm-up), the peak and the held bytes of the
 allocator per rank (CUDA's statistics, or on CPU the counting allocator of
-bench/cpu_memory.py: the same meter for everyone), the first step's time and
+bench/helpers/cpu_memory.py: the same meter for everyone), the first step's time and
 the compile time (zero_fx's own measurement, for the others first step minus
-median step), the bytes each rank sent per step (gloo, bench/wire.py) and the
+median step), the bytes each rank sent per step (gloo, bench/helpers/wire.py) and the
 losses. All peers must agree on the losses (the run fails otherwise: that is
 what shows they trained the same thing). Writes bench/out/peers-<model>-w<N>.json
 and .md. DeepSpeed is optional (``pip install -e ".[bench]"``); without it its
@@ -35,11 +35,12 @@ import torch.distributed as dist
 
 from zero_fx.runtime.init_distributed import DistributedSetupError, resolve_device
 
-from . import cpu_memory, peers_report
-from .peer_launch import launch_peer, launch_peer_here, peer_environment
-from .peer_models import MODELS, BenchModel
-from .peer_trainers import MOE_ONLY_PEERS, OPTIONAL_PEERS, PEERS, REFERENCE, Setting
-from .runs import GROUP_TIMEOUT, machine, write_json
+from ..helpers import cpu_memory
+from ..helpers.runs import GROUP_TIMEOUT, machine, write_json
+from . import report as peers_report
+from .launch import launch_peer, launch_peer_here, peer_environment
+from .models import MODELS, BenchModel
+from .trainers import MOE_ONLY_PEERS, OPTIONAL_PEERS, PEERS, REFERENCE, Setting
 
 LOSS_RTOL = {False: 2e-3, True: 3e-2}
 """How far any step's loss may be from the reference's: fp32 (Inductor's fused
@@ -47,7 +48,7 @@ kernels round differently from eager), and bf16."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gpt-small", choices=sorted(MODELS))
     p.add_argument("--layers", type=int, help="the GPT models with this many blocks")
     p.add_argument("--seq", type=int, help="tokens per sequence (default: the model's)")
@@ -167,7 +168,7 @@ def worker(args) -> None:
     """One peer in processes of its own: each rank writes its row, then leaves at once.
     (Skipping the teardown of the process group and the interpreter: a rare abort in
     gloo's teardown would otherwise lose rows that were measured.)"""
-    from .peer_run import run_peer
+    from .run import run_peer
 
     join(args)
     row = run_peer(args.worker_of, model_of(args), setting_of(args), args.steps, args.warmup,
@@ -268,6 +269,3 @@ def main(argv=None) -> int:
             dist.destroy_process_group()
     return drive(args, argv)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,8 @@
 """Step time on batches of changing length: one dynamic graph against one static graph per
 length (``dynamic_shapes="auto"`` against ``"static"``), world 1, the example's GPT.
 
-    python -m bench.dynamic_lengths --backend aot_eager
-    python -m bench.dynamic_lengths --backend inductor --rounds 6
+    python -m bench.experiments.dynamic_lengths --backend aot_eager
+    python -m bench.experiments.dynamic_lengths --backend inductor --rounds 6
 
 Both steps train their own copy of the same model in one process, each call of the dynamic
 step followed by a call of the static step on the same batch, so that both run under the same
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from examples.gpt import GPT, GPTConfig
 from zero_fx import zero_compile
 
-from .runs import machine, write_json
+from ..helpers.runs import machine, write_json
 
 MODES = ("auto", "static")
 

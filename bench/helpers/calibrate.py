@@ -1,7 +1,7 @@
 """Measure this machine for the cost model and write its ``cpu-gloo`` preset.
 
-    python -m bench.calibrate                  # 2 gloo ranks, one core each (~15 s)
-    python -m bench.calibrate --world 4 --out /tmp/mine.json
+    python -m bench.helpers.calibrate                  # 2 gloo ranks, one core each (~15 s)
+    python -m bench.helpers.calibrate --world 4 --out /tmp/mine.json
 
 Each rank runs on one thread, as the tests and benchmarks do: a 512² fp32 matmul
 (FLOP/s), a 32 MiB copy (memory bandwidth), all-gathers of 64 bytes and of 16 MiB
@@ -157,7 +157,7 @@ def _rank(rank: int, world_size: int, port: int, out: str) -> None:
                   "name": f"cpu-gloo: one core per rank, gloo over loopback, {world_size} ranks",
                   "measured": {"on": machine(), "date": date.today().isoformat(),
                                "op_overhead_fit": fit,
-                               "command": "python -m " + " ".join(["bench.calibrate", *sys.argv[1:]])}}
+                               "command": "python -m " + " ".join(["bench.helpers.calibrate", *sys.argv[1:]])}}
         with open(out, "w") as f:
             json.dump(preset, f, indent=1)
             f.write("\n")

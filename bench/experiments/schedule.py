@@ -1,6 +1,6 @@
 """Stage 3 unscheduled vs scheduled vs scheduled + bucketed, next to stage 0, on one run.
 
-    torchrun --nproc_per_node 2 -m bench.schedule            # Inductor, the example's GPT
+    torchrun --nproc_per_node 2 -m bench.experiments.schedule            # Inductor, the example's GPT
 
 Per variant, on the same model and per-rank batch: median step time over the
 timed steps after warm-up, collective launches per step (counted as they run),
@@ -23,8 +23,8 @@ from zero_fx import PRESETS, DebugOptions, Hardware, estimate, rewritten_step_on
 from zero_fx.estimate import load_model_builder, vocab_size_of
 from zero_fx.plan.offline import language_model_loss
 
-from .calibrate import calibrate, fit_op_overhead
-from .runs import (join_group, leave_group, machine, median_step_seconds, rows_of_every_rank,
+from ..helpers.calibrate import calibrate, fit_op_overhead
+from ..helpers.runs import (join_group, leave_group, machine, median_step_seconds, rows_of_every_rank,
                    write_json)
 
 VARIANTS = {

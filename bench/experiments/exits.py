@@ -1,7 +1,7 @@
 """Run the README example under torchrun many times and count the runs that did not exit 0.
 
-    python -m bench.exits --runs 50                 # aot_eager, 2 ranks
-    python -m bench.exits --runs 10 -- --stage 1    # arguments after -- go to the example
+    python -m bench.experiments.exits --runs 50                 # aot_eager, 2 ranks
+    python -m bench.experiments.exits --runs 10 -- --stage 1    # arguments after -- go to the example
 
 A rank that crashes at interpreter exit (after its last step printed) turns the whole
 torchrun job non-zero, so this counts what a user's scheduler would see. Each failing
@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                        "examples", "train_gpt.py")
 
 RUN_LIMIT_S = 600

@@ -14,9 +14,9 @@ import threading
 
 from examples.progress import Progress
 
-from .runs import free_port, rows_of_every_rank
+from ..helpers.runs import free_port, rows_of_every_rank
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PEER_LIMIT_S = 3600
 """A peer still running after this is stuck, not slow (GPT-2 125M takes 16-40 minutes on 2

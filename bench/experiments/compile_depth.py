@@ -1,8 +1,8 @@
 """Compile time against depth: zero_fx-3 by regions, zero_fx-3 whole, plain torch.compile
 and compiled FSDP2, each model depth in one run of ``bench.peers``.
 
-    python -m bench.compile_depth --layers 2 6 12 24 48           # GPT-2 small's shape, 2 gloo ranks
-    python -m bench.compile_depth --model tiny --layers 2 4 --backend aot_eager   # smoke test
+    python -m bench.experiments.compile_depth --layers 2 6 12 24 48           # GPT-2 small's shape, 2 gloo ranks
+    python -m bench.experiments.compile_depth --model tiny --layers 2 4 --backend aot_eager   # smoke test
 
 Every peer compiles from an empty Inductor cache in fresh processes (``bench.peers``).
 Compile time is what a user waits: the first step minus the median step, for every peer
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from .runs import OUT, machine, write_json
+from ..helpers.runs import OUT, machine, write_json
 
 PEERS = ("zero_fx-3", "zero_fx-3-whole", "torch.compile", "fsdp2-compiled")
 

@@ -1,7 +1,7 @@
 """A long run that must stay right: the example GPT at stage 3 against the same run at stage 0.
 
-    python -m bench.soak                        # 2,000 steps on 2 gloo ranks (torchrun inside)
-    python -m bench.soak --steps 200 --backend aot_eager
+    python -m bench.experiments.soak                        # 2,000 steps on 2 gloo ranks (torchrun inside)
+    python -m bench.experiments.soak --steps 200 --backend aot_eager
 
 Each rank trains two copies of a small GPT of the example's shape (same seed, same batches) side
 by side, one under ``@zero_compile(stage=3)`` and one under stage 0 (DDP). Checked:
@@ -9,7 +9,7 @@ by side, one under ``@zero_compile(stage=3)`` and one under stage 0 (DDP). Check
 - the two losses agree within 1e-4 relative at every step (per rank);
 - memory is flat: every 100 steps, each step's held bytes (parameters, shards, optimizer
   state), the count of live tensors, and the process's resident size (with glibc told to
-  return freed memory at once: [Note: peak RSS on Linux] in bench/rss.py);
+  return freed memory at once: [Note: peak RSS on Linux] in bench/helpers/rss.py);
 - each step compiled once;
 - no drift in step time: the medians of the first and last 100 steps (after the first,
   which compiles) within 10 %.
@@ -41,8 +41,8 @@ from examples.progress import Progress
 from examples.summary import held_bytes
 from zero_fx import zero_compile
 
-from .rss import MALLOC_ENV, resident_bytes
-from .runs import OUT, join_group, leave_group, machine, write_json
+from ..helpers.rss import MALLOC_ENV, resident_bytes
+from ..helpers.runs import OUT, join_group, leave_group, machine, write_json
 
 LOSS_RTOL = 1e-4
 TIME_DRIFT = 0.10
@@ -61,7 +61,7 @@ def main(argv=None) -> None:
         parser.error(f"--steps must be at least {WINDOW}")
     if "RANK" not in os.environ:  # start the ranks: torchrun, glibc returning memory at once
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                   str(args.nproc), "-m", "bench.soak", *(argv or sys.argv[1:])]
+                   str(args.nproc), "-m", "bench.experiments.soak", *(argv or sys.argv[1:])]
         sys.exit(subprocess.run(command, env=dict(os.environ, **MALLOC_ENV)).returncode)
     rank, world = join_group()
     result = soak(rank, world, args.steps, args.backend)

@@ -1,7 +1,7 @@
 """ZeRO stages side by side: measured per-rank peak, the table's formula, traffic in Ψ, step time.
 
-    torchrun --nproc_per_node 4 -m bench.stages          # 4 gloo ranks on CPU
-    python -m bench.stages                               # one process, world size 1
+    torchrun --nproc_per_node 4 -m bench.experiments.stages          # 4 gloo ranks on CPU
+    python -m bench.experiments.stages                               # one process, world size 1
 
 Trains a deep bias-free MLP (model states dominate a small batch) with AdamW
 under ``@zero_compile(stage=s, backend="aot_eager")`` for each stage. Per stage
@@ -29,8 +29,8 @@ from zero_fx import zero_compile
 from zero_fx.analysis.live_memory import LiveTensorBytes
 from zero_fx.plan.table import FP32, model_state_bytes
 
-from .rss import MALLOC_ENV, peak_rss, reset_peak_rss, rss_supported
-from .runs import join_group, leave_group, machine, rows_of_every_rank, write_json
+from ..helpers.rss import MALLOC_ENV, peak_rss, reset_peak_rss, rss_supported
+from ..helpers.runs import join_group, leave_group, machine, rows_of_every_rank, write_json
 
 ADAM_STATE_BYTES = 2 * FP32  # exp_avg and exp_avg_sq
 
@@ -114,7 +114,7 @@ def working_set_bytes(stage: int, bucket_bytes: int, prefetch: int) -> int:
 def rss_growth_during_step(rank: int, world_size: int, stage: int, backend: str,
                            width: int, depth: int, options: tuple = ()) -> dict:
     """How far resident memory rises above its level before a step, during the third
-    step (see [Note: peak RSS on Linux] in bench/rss.py); works under Inductor."""
+    step (see [Note: peak RSS on Linux] in bench/helpers/rss.py); works under Inductor."""
     if not rss_supported():
         raise RuntimeError("resident-memory peaks need Linux and a process started with "
                            + " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()))

@@ -1,14 +1,14 @@
 """Quantized communication on a (replicate, shard) mesh: the bytes each rank sends, measured.
 
-    torchrun --nproc_per_node 4 -m bench.quantized                  # 2 x 2 mesh, GPT-2 125M's shape
-    torchrun --nproc_per_node 4 -m bench.quantized --model tiny --steps 3
+    torchrun --nproc_per_node 4 -m bench.experiments.quantized                  # 2 x 2 mesh, GPT-2 125M's shape
+    torchrun --nproc_per_node 4 -m bench.experiments.quantized --model tiny --steps 3
 
 For each configuration (none, ``quantize_weights="int8"``, ``quantize_gradients="int8"``,
 both, both with int4 gradients, ``secondary_partition=True`` alone and with int8 both ways),
 stage 3 over a 2 x 2 ``("replicate", "shard")`` mesh of
 gloo ranks trains the model a few AdamW steps and records, per rank, the bytes it sent
 per step as the kernel counted them (``wchar``, [Note: counting gloo's bytes on the wire]
-in bench/wire.py; median over the timed steps), the ring figure ``traffic().wire_bytes()``,
+in bench/helpers/wire.py; median over the timed steps), the ring figure ``traffic().wire_bytes()``,
 the bytes by dtype, the median step time and the losses. Writes
 ``bench/out/quantized-<model>.json`` and prints a Markdown table (rank 0's figures; every
 rank of a mesh sends the same). aot_eager: the figures compare configurations on this run;
@@ -29,9 +29,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from zero_fx import zero_compile
 from zero_fx.plan.quantization import CONFIGURATIONS, SECONDARY_CONFIGURATIONS
 
-from . import wire
-from .peer_models import MODELS, loss_of, rank_batch
-from .runs import join_group, leave_group, machine, rows_of_every_rank, write_json
+from ..helpers import wire
+from ..helpers.runs import join_group, leave_group, machine, rows_of_every_rank, write_json
+from ..peers.models import MODELS, loss_of, rank_batch
 
 CONFIGS = {"fp32" if name == "none" else name: options
            for name, options in CONFIGURATIONS.items()} | {

@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-OUT = os.path.join(os.path.dirname(__file__), "out")
+OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out")
 
 GROUP_TIMEOUT = timedelta(minutes=10)
 """How long a rank waits at a collective for its peers before the run fails, instead of

@@ -1,15 +1,15 @@
 """Quantized communication's effect on training: loss curves against full precision.
 
-    torchrun --nproc_per_node 4 -m bench.convergence                 # 300 steps each
-    torchrun --nproc_per_node 4 -m bench.convergence --steps 20      # a quick look
-    torchrun --nproc_per_node 4 -m bench.convergence --warm-start 600  # from past the plateau
-    torchrun --nproc_per_node 4 -m bench.convergence --model gpt2-125m --steps 100
+    torchrun --nproc_per_node 4 -m bench.experiments.convergence                 # 300 steps each
+    torchrun --nproc_per_node 4 -m bench.experiments.convergence --steps 20      # a quick look
+    torchrun --nproc_per_node 4 -m bench.experiments.convergence --warm-start 600  # from past the plateau
+    torchrun --nproc_per_node 4 -m bench.experiments.convergence --model gpt2-125m --steps 100
 
 The README example's model (examples/train_gpt.py's defaults: a byte-level GPT of 4
 layers, width 128, 4 heads, 32 tokens), or with ``--model gpt2-125m`` GPT-2 small's
 shape on windows of ``--seq`` bytes, trains on examples/data/shakespeare.txt, stage 3 on
 a 2 x (N/2) ``("replicate", "shard")`` mesh of gloo ranks, once per configuration of
-bench/quantized.py (``CONFIGS``: none, qwZ int8, qgZ int8, both, both with int4
+bench/experiments/quantized.py (``CONFIGS``: none, qwZ int8, qgZ int8, both, both with int4
 gradients). Every configuration starts from the same weights (``--seed``) and sees the same
 batches (random windows, seeded by the step), AdamW at a constant rate; ``--block`` sets
 the quantized configurations' ``quantize_block``. ``--warm-start N``: the weights of
@@ -37,11 +37,11 @@ import torch.nn.functional as F
 from examples.gpt import GPT, GPTConfig
 from zero_fx import ZeroConfig
 
-from .peer_models import MODELS
+from ..helpers.runs import OUT, join_group, leave_group, machine, write_json
 from .quantized import CONFIGS, step_on_mesh
-from .runs import OUT, join_group, leave_group, machine, write_json
+from ..peers.models import MODELS
 
-TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples",
                     "data", "shakespeare.txt")
 README_MODEL = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128)
 """examples/train_gpt.py's defaults (--layers 4 --width 128 --heads 4 --seq 32)."""

@@ -3,8 +3,8 @@
 Two gloo ranks issue functional all-gathers of a few sizes, keeping ``--depth`` of them in
 flight while a matmul runs, as a prefetching stage-3 step does:
 
-    python -m bench.gloo_all_gather_crash --path coalesced   # torch's own kernel: a rank dies
-    python -m bench.gloo_all_gather_crash --path zero_fx     # zero_fx's kernel: runs clean
+    python -m bench.experiments.gloo_all_gather_crash --path coalesced   # torch's own kernel: a rank dies
+    python -m bench.experiments.gloo_all_gather_crash --path zero_fx     # zero_fx's kernel: runs clean
 
 On this machine (torch 2.13.0+cpu, 2 cores) ``coalesced`` died in 3 of 3 runs of 3,000
 iterations, after 16-77 s ("malloc(): unaligned tcache chunk detected" or SIGSEGV);

@@ -10,9 +10,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import cpu_memory, wire
-from .peer_models import BenchModel, global_batch, rank_batch
-from .peer_trainers import PEERS, Setting
+from ..helpers import cpu_memory, wire
+from .models import BenchModel, global_batch, rank_batch
+from .trainers import PEERS, Setting
 
 
 class _CudaMemory:
@@ -23,7 +23,7 @@ class _CudaMemory:
 
 def memory_meter(device: torch.device):
     """The allocator's bytes: CUDA's own statistics, or the counting CPU allocator
-    (see [Note: one meter for every peer's CPU memory] in bench/cpu_memory.py)."""
+    (see [Note: one meter for every peer's CPU memory] in bench/helpers/cpu_memory.py)."""
     if device.type == "cuda":
         return _CudaMemory
     cpu_memory.install()

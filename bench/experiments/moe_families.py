@@ -1,9 +1,9 @@
 """Every mixture-of-experts family the installed transformers ships, tried as a new user would.
 
-    python -m bench.moe_families                          # every family, stages 0 and 3
-    python -m bench.moe_families --families mixtral olmoe --stages 3
-    python -m bench.moe_families --list                   # the families found, nothing run
-    python -m bench.moe_families --stages 3 --expert-parallel 2   # experts split over 2 ranks
+    python -m bench.experiments.moe_families                          # every family, stages 0 and 3
+    python -m bench.experiments.moe_families --families mixtral olmoe --stages 3
+    python -m bench.experiments.moe_families --list                   # the families found, nothing run
+    python -m bench.experiments.moe_families --stages 3 --expert-parallel 2   # experts split over 2 ranks
 
 For each model type with a causal-LM class and an expert count in its config:
 
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .runs import OUT, free_port, join_spawned_group, write_json
+from ..helpers.runs import OUT, free_port, join_spawned_group, write_json
 
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 TINY = {
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
         found = saved(args.expert_parallel)
         if not found:
             raise SystemExit(f"no saved results for transformers {transformers.__version__}: "
-                             f"run python -m bench.moe_families first")
+                             f"run python -m bench.experiments.moe_families first")
         print(table(found["families"], found["stages"], found["world"]))
         return 0
     found = families()

@@ -1,8 +1,8 @@
 """Quantized communication on one GPU: what quantizing costs a rank per step, against the
 wire time it saves.
 
-    python -m bench.quantize_gpu                        # CUDA, GPT-2 125M's shape, fake group of 8
-    python -m bench.quantize_gpu --device cpu --model tiny --backend aot_eager   # anywhere, a look
+    python -m bench.experiments.quantize_gpu                        # CUDA, GPT-2 125M's shape, fake group of 8
+    python -m bench.experiments.quantize_gpu --device cpu --model tiny --backend aot_eager   # anywhere, a look
 
 1. The kernels. ``quantize_rows`` and ``dequantize_rows`` ([Note: quantized blocks on the
    wire] in passes/quantized_code.py), each compiled as the step lowers it, on a bucket of
@@ -38,8 +38,8 @@ from zero_fx.plan.models import ModelSource
 from zero_fx.plan.planner import STEADY_FROM
 from zero_fx.plan.quantization import CONFIGURATIONS, price_quantization
 
-from .peer_models import MODELS, loss_of, rank_batch
-from .runs import machine, write_json
+from ..helpers.runs import machine, write_json
+from ..peers.models import MODELS, loss_of, rank_batch
 
 PRESET = "4x8xh100-ib"
 PRESET_RANKS = 32
