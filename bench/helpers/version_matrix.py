@@ -244,7 +244,7 @@ def write_doc(text: str, when: str, at: str, seconds: float) -> None:
     head, rest = doc.split(START, 1)
     _, tail = rest.split(END, 1)
     body = (f"\n`python -m bench.helpers.version_matrix` on {when}, at commit `{at}`, "
-            f"{seconds / 60:.0f} minutes on this machine ({os.cpu_count()} CPU cores):\n\n"
+            f"{seconds / 60:.0f} minutes on {os.cpu_count()} CPU cores:\n\n"
             f"{text}\n")
     DOC.write_text(head + START + body + END + tail)
 
