@@ -247,13 +247,13 @@ def test_train_tensor_parallel_splits_the_layers_over_two_of_four_ranks_and_lear
     assert re.search(r"tp_all_reduce [\d,]+ elements", out) and "within the tp group" in out
 
 
-def test_the_readme_loop_with_a_scheduler_clipping_and_a_log_line_runs_on_two_ranks():
-    """README "A complete script", its second script, as shown there: torchrun on 2 ranks; rank
+def test_the_documented_loop_with_a_scheduler_clipping_and_a_log_line_runs_on_two_ranks():
+    """docs/training-features.md's loop, as shown there: torchrun on 2 ranks; rank
     0 logs each step's loss and clipped norm from inside the step, and no rank breaks the
     graph (a break warns)."""
     script = os.path.join(ROOT, "examples", "train_loop.py")
-    with open(script) as f, open(os.path.join(ROOT, "README.md")) as readme:
-        assert f.read() in readme.read()  # the README shows the file as it is
+    with open(script) as f, open(os.path.join(ROOT, "docs", "training-features.md")) as doc:
+        assert f.read() in doc.read()  # the page shows the file as it is
     run = cores.run(launch(2, script), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     logged = re.findall(r"^loss (\d+\.\d+), grad norm (\d+\.\d+)$", run.stdout + run.stderr, re.M)
