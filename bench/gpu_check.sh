@@ -32,7 +32,7 @@ figures="$out/gpu_check_figures.jsonl"
 rm -f "$figures" "$out/gpu_check.xml"
 start=$(date +%s)
 # The limit only guards against a hang (a healthy run takes well under 10 minutes);
-# GPU_CHECK_LIMIT_S lowers it to fit a lease. At the limit pytest is interrupted (SIGINT),
+# GPU_CHECK_LIMIT_S lowers it. At the limit pytest is interrupted (SIGINT),
 # so it still reports what ran and writes the XML the summary is read from.
 ZERO_FX_GPU_FIGURES="$figures" timeout -s INT -k 60 "${GPU_CHECK_LIMIT_S:-1500}" python -m pytest -m cuda -q -rfEs \
     --junitxml="$out/gpu_check.xml" tests "$@"

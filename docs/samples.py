@@ -15,8 +15,9 @@ From the repository root::
     python -m docs.samples --list             # the names, and where each is marked
     python -m docs.samples --check FILE.md    # other files than the default ones
 
-The files are README.md, docs/*.md, bench/README.md and passes/README.md. A marker with an
-unknown name, or not followed by a fence, is an error naming the file and line (exit 2).
+The files are README.md, docs/*.md, bench/README.md, the pages of bench/results/ and
+passes/README.md. A marker with an unknown name, or not followed by a fence, is an error
+naming the file and line (exit 2).
 Rewriting keeps the fence lines (and their language tag) and replaces what is between. A
 sample whose producer fails is reported with the reason and its blocks are left as they
 are (exit 3 when rewriting; under --check it counts as stale). Both modes say on stderr how
@@ -91,7 +92,8 @@ from typing import Callable, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-DOC_FILES = ("README.md", "docs/*.md", "bench/README.md", "passes/README.md")
+DOC_FILES = ("README.md", "docs/*.md", "bench/README.md", "bench/results/README.md",
+             "bench/results/*/README.md", "passes/README.md")
 """Where samples are looked for, relative to the repository root (globs)."""
 
 PLAN_COMMAND = ("python", "-m", "zero_fx.plan", "--model", "llama3-8b", "--world", "8",
@@ -610,7 +612,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m docs.samples",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="*", help="Markdown files (default: README.md, "
-                        "docs/*.md, bench/README.md, passes/README.md)")
+                        "docs/*.md, bench/README.md, bench/results/**/README.md, "
+                        "passes/README.md)")
     parser.add_argument("--check", action="store_true",
                         help="rewrite nothing; exit 1 listing the samples whose structure differs")
     parser.add_argument("--only", action="append", metavar="NAME",

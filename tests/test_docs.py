@@ -19,8 +19,8 @@ from docs import samples
 REPO = samples.REPO
 
 DOCS = samples.DOC_FILES
-"""The user-facing docs every check here reads: README.md, docs/*.md, bench/README.md,
-passes/README.md."""
+"""The user-facing docs every check here reads: README.md, docs/*.md, bench/README.md, the
+pages of bench/results/, passes/README.md."""
 
 NOTE_SOURCES = ("zero_fx", "passes", "bench", "examples")
 """Where a ``[Note: X]`` may be defined: a docstring or comment line that starts with it."""

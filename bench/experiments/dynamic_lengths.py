@@ -6,7 +6,7 @@ length (``dynamic_shapes="auto"`` against ``"static"``), world 1, the example's 
 
 Both steps train their own copy of the same model in one process, each call of the dynamic
 step followed by a call of the static step on the same batch, so that both run under the same
-conditions (runs started apart on this machine differ by up to ±10 %). Every length is
+conditions (runs started apart on a shared 2-core machine differ by up to ±10 %). Every length is
 called once by both before timing (the static step compiles once per length there, the
 dynamic one twice in all), then ``--rounds`` rounds call every length in a shuffled order.
 Prints, and writes to bench/out/dynamic-lengths-<backend>.json: per length the median call of

@@ -6,7 +6,7 @@ flight while a matmul runs, as a prefetching stage-3 step does:
     python -m bench.experiments.gloo_all_gather_crash --path coalesced   # torch's own kernel: a rank dies
     python -m bench.experiments.gloo_all_gather_crash --path zero_fx     # zero_fx's kernel: runs clean
 
-On this machine (torch 2.13.0+cpu, 2 cores) ``coalesced`` died in 3 of 3 runs of 3,000
+On a 2-core machine (torch 2.13.0+cpu) ``coalesced`` died in 3 of 3 runs of 3,000
 iterations, after 16-77 s ("malloc(): unaligned tcache chunk detected" or SIGSEGV);
 ``--depth 0`` (wait on each gather at once) and the ``_out`` path ran clean.
 See [Note: gloo's coalesced all-gather corrupts the heap].

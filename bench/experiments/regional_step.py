@@ -4,7 +4,7 @@ interleaved in the same ranks.
     torchrun --nproc_per_node 2 -m bench.experiments.regional_step --model gpt2-125m --steps 12
     torchrun --nproc_per_node 2 -m bench.experiments.regional_step --model gpt2-125m --layers 2 --seq 128
 
-Runs started apart on this machine differ by up to ±10 % in step time, more than the
+Runs started apart on a shared 2-core machine differ by up to ±10 % in step time, more than the
 difference looked for. Here both programs train their own copy of the same model in the
 same processes, each regional step followed by a whole-program step on the same batch,
 every step starting on all ranks together: the ratio of the median steps, and the
