@@ -142,7 +142,7 @@ def main() -> None:
               "budget_bytes": budget, "device_bytes": total, "host_bytes": args.host_gb * 1e9,
               "seq": args.seq, "batch": args.batch, "rows": rows}
     path = write_json("offload-gpu", result)
-    print("\n| offload | parameters | layers | step s | tokens/s | model TFLOP/s | CUDA peak | "
+    print("\n| offload | parameters | layers | step s | tokens/s | TFLOP/s, recompute counted | CUDA peak | "
           "first call s |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "step_s" not in r:
