@@ -24,8 +24,9 @@ from .analysis.traffic import TrafficReport, traffic_report
 from .capture import host_effects
 from .capture.graph_breaks import GraphBreakWarning, break_error, graph_break_of
 from .capture.hints import capture_failed, capture_hint
-from .capture.routed_experts import (ExpertsRewrite, RoutedExperts,
-                                     route_experts_with_fixed_shapes, unrecognised_experts_error)
+from .capture.moe_blocks import RoutedExperts
+from .capture.routed_experts import (ExpertsRewrite, route_experts_with_fixed_shapes,
+                                     unrecognised_experts_error)
 from .capture.dynamic_shapes import ChangingSizes
 from .capture.step_calls import trace_started
 from .capture.step_graph import CaptureError

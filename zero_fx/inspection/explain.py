@@ -19,7 +19,7 @@ from ..analysis.cost_model import CollectiveTiming, Estimate, replay
 from ..analysis.memory_timeline import MemoryTimeline, tensor_bytes
 from ..analysis.traffic import ACROSS_NODES, NODE_GROUP, REPLICATE_GROUP
 from ..capture.graph_breaks import GraphBreak
-from ..capture.routed_experts import RoutedExperts
+from ..capture.moe_blocks import RoutedExperts
 from ..formatting import format_bytes, format_seconds, short_dtype
 from ..passes.host_copies import is_device_copy, is_device_copy_wait, is_host_copy, reduction_read_by
 from ..passes.predicates import (carried_params, gathered_param, is_anchor_compute, is_wait,

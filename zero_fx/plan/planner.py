@@ -275,7 +275,7 @@ def expert_blocks(model: torch.nn.Module) -> Optional[ExpertBlocks]:
     """The mixture-of-experts blocks of ``model`` as zero_fx's capture recognises them
     (zero_fx/capture/routed_experts.py), or None for a dense model."""
     from ..capture.fused_experts import splittable_fused_experts
-    from ..capture.routed_experts import moe_shape
+    from ..capture.moe_blocks import moe_shape
 
     blocks, shapes, experts_total, inactive, routed = 0, [], 0, 0.0, []
     for path, block in model.named_modules():
@@ -324,7 +324,7 @@ def _stacked_experts(module: torch.nn.Module, block: Optional[torch.nn.Module]
     ``gate_up_proj`` and ``down_proj`` (its top-k read from its config or its block, as
     transformers 5 keeps it), or None."""
     from ..capture.fused_experts import holds_stacked_experts
-    from ..capture.routed_experts import TOP_K_NAMES, _shared_expert
+    from ..capture.moe_blocks import TOP_K_NAMES, _shared_expert
 
     if block is None or not holds_stacked_experts(module):
         return None
