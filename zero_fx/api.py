@@ -543,7 +543,7 @@ class CompiledStep:
 
     def estimate(self, hardware="cpu-gloo") -> Estimate:
         """The cost model's step time, exposed communication and peak memory for the latest
-        compilation on ``hardware`` (a preset name in ``zero_fx.analysis.cost_model.PRESETS`` or a
+        compilation on ``hardware`` (a preset name in ``zero_fx.analysis.hardware.PRESETS`` or a
         ``Hardware``); print it. See [Note: the cost model] in zero_fx/analysis/cost_model.py."""
         if not self.graphs:
             raise RuntimeError("the step has not been compiled yet; call it once first")

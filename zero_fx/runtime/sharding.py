@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..analysis.cost_model import hardware_for
+from ..analysis.hardware import hardware_for
 from ..capture.moe_blocks import RoutedExperts
 from ..config import ZeroConfig
 from ..formatting import ranks_phrase
