@@ -170,7 +170,7 @@ def test_the_cpu_gloo_preset_is_a_calibration():
     import dataclasses
     import json
 
-    from zero_fx.analysis.cost_model import PRESET_DIR
+    from zero_fx.analysis.hardware import PRESET_DIR
 
     with open(f"{PRESET_DIR}/cpu-gloo.json") as f:
         preset = json.load(f)
@@ -183,7 +183,7 @@ def test_a_group_over_nodes_runs_at_the_networks_speed_and_hybrid_keeps_gathers_
     """On 4x8xh100-ib a flat stage 3 over 32 ranks rings every gather through the network;
     hybrid (4 replicas of 8) gathers on NVLink and sends only the gradient shards' all-reduce
     across: its communication takes a fraction of flat's ([Note: hybrid sharding])."""
-    from zero_fx.analysis.cost_model import PRESETS
+    from zero_fx.analysis.hardware import PRESETS
 
     hw = PRESETS["4x8xh100-ib"]
     assert hw.link(range(8)) == (hw.link_bandwidth, hw.link_latency)

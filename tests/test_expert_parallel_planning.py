@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import models
-from zero_fx.analysis.cost_model import PRESETS, Hardware, replay
+from zero_fx.analysis.cost_model import replay
+from zero_fx.analysis.hardware import PRESETS, Hardware
 from zero_fx.analysis.memory_timeline import memory_timeline
 from zero_fx.plan import torch_models
 from zero_fx.plan.cli import expert_parallel_options, parse_degrees

@@ -45,7 +45,7 @@ from zero_fx.checkpoint.save_load import load_full  # noqa: E402
 
 import zero_fx  # noqa: E402
 from zero_fx import MixedPrecision, zero_compile  # noqa: E402
-from zero_fx.capture import routed_experts  # noqa: E402
+from zero_fx.capture import routed_experts, routed_forms  # noqa: E402
 from zero_fx.capture.grouped_mm import grouped_linear  # noqa: E402
 
 STEPS = 3
@@ -757,18 +757,18 @@ def test_a_rewrite_whose_gradients_differ_is_refused_naming_the_block(monkeypatc
     routing weights detached (the same output, no gradient to the router), is refused
     before capture with an error naming the block and the gradient that differs; the same
     model is rewritten without it."""
-    mix = routed_experts._mix_experts
+    mix = routed_forms._mix_experts
 
     def detached_weights(block, routed, hidden, chosen, weights, *rest):
         return mix(block, routed, hidden, chosen, weights.detach(), *rest)
 
-    monkeypatch.setattr(routed_experts, "_mix_experts", detached_weights)
+    monkeypatch.setattr(routed_forms, "_mix_experts", detached_weights)
     with pytest.raises(zero_fx.CaptureError) as refused:
         routed_experts.route_experts_with_fixed_shapes(build_moe("mixtral"))
     message = str(refused.value)
     assert "'model.layers.0.block_sparse_moe' (MixtralSparseMoeBlock" in message, message
     assert "the gradient of gate.weight is" in message and "% off" in message, message
-    monkeypatch.setattr(routed_experts, "_mix_experts", mix)
+    monkeypatch.setattr(routed_forms, "_mix_experts", mix)
     assert len(routed_experts.route_experts_with_fixed_shapes(build_moe("mixtral")).blocks) == 2
 
 
@@ -789,7 +789,7 @@ def test_a_bf16_rewritten_forward_runs_grouped_mm_and_equals_the_original():
 def test_the_rewritten_forward_equals_the_original_in_eager(name):
     original, routed = build_moe(name), build_moe(name)
     routed_experts.route_experts_with_fixed_shapes(routed)
-    assert all(isinstance(m.forward, routed_experts._RoutedForward)
+    assert all(isinstance(m.forward, routed_forms._RoutedForward)
                for m in routed.modules() if type(m).__name__.endswith("SparseMoeBlock"))
     x = tokens(0)
     outs = [m(input_ids=x, labels=x) for m in (original, routed)]

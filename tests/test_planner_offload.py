@@ -15,8 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_fx.analysis.cost_model import (PRESETS, host_device_seconds, host_optimizer_bytes,
-                                         host_optimizer_seconds)
+from zero_fx.analysis.hardware import PRESETS
+from zero_fx.analysis.transfer_seconds import (host_device_seconds, host_optimizer_bytes,
+                                               host_optimizer_seconds)
 from zero_fx.plan.__main__ import main as plan_main
 from zero_fx.plan.models import model_source
 from zero_fx.plan.planner import (OFFLOAD_MODES, format_report, largest_model,

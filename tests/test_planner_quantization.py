@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from examples.gpt import GPT, GPTConfig
-from zero_fx.analysis.cost_model import PRESETS
+from zero_fx.analysis.hardware import PRESETS
 from zero_fx.plan.__main__ import main as plan_main
 from zero_fx.plan.models import ModelSource
 from zero_fx.plan.quantization import CONFIGURATIONS, configurations, price_quantization

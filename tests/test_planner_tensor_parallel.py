@@ -17,8 +17,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from zero_fx.analysis.cost_model import (PRESETS, TP_COLLECTIVES_PER_BLOCK,
-                                         data_parallel_ranks, tensor_parallel_seconds)
+from zero_fx.analysis.hardware import PRESETS
+from zero_fx.analysis.transfer_seconds import (TP_COLLECTIVES_PER_BLOCK, data_parallel_ranks,
+                                               tensor_parallel_seconds)
 from zero_fx.analysis.memory_timeline import memory_timeline
 from zero_fx.plan import torch_models
 from zero_fx.plan.__main__ import main as plan_main

@@ -11,7 +11,7 @@ import models
 from ranks import run_ranks
 from training import parity_errors, reference_run, zero_fx_run
 from zero_fx import MixedPrecision, ZeroConfig, after, zero_compile
-from zero_fx.inspection.explain import describe_recompute
+from zero_fx.inspection.report_sections import describe_recompute
 from zero_fx.analysis.live_memory import LiveTensorBytes
 from zero_fx.passes.recompute_activations import RECOMPUTE_META, RECOMPUTED_META
 

@@ -158,7 +158,7 @@ def test_views_sunk_before_one_reader_stay_after_their_base():
     after its own reader: a routed-experts block of 32 experts failed to compile)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from zero_fx.compiler.regions import sink_views
+    from zero_fx.compiler.compute_runs import sink_views
 
     def program(x):
         a = x * 2
@@ -199,7 +199,7 @@ def test_a_copy_stays_on_its_side_of_a_write_in_place():
     view) copied it unchanged."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from zero_fx.compiler.regions import compute_runs
+    from zero_fx.compiler.compute_runs import compute_runs
 
     def saved_before_divided(x, d):
         w = (x.sigmoid() * 2).exp().tanh()

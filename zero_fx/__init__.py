@@ -10,7 +10,8 @@ _check_torch()  # outside the supported range: an error naming it, before anythi
 # first, the module is in sys.modules before the function is bound below, and later imports
 # of it leave the attribute alone.
 from . import estimate as _estimate_command_line  # noqa: F401  (before the function below)
-from .analysis.cost_model import PRESETS, Estimate, Hardware, estimate
+from .analysis.cost_model import Estimate, estimate
+from .analysis.hardware import PRESETS, Hardware
 from .api import CompiledStep, explain, zero_compile
 from .capture.graph_breaks import GraphBreakWarning
 from .capture.step_graph import CaptureError

@@ -24,8 +24,9 @@ from .analysis.traffic import TrafficReport, traffic_report
 from .capture import host_effects
 from .capture.graph_breaks import GraphBreakWarning, break_error, graph_break_of
 from .capture.hints import capture_failed, capture_hint
-from .capture.routed_experts import (ExpertsRewrite, RoutedExperts,
-                                     route_experts_with_fixed_shapes, unrecognised_experts_error)
+from .capture.moe_blocks import RoutedExperts
+from .capture.routed_experts import (ExpertsRewrite, route_experts_with_fixed_shapes,
+                                     unrecognised_experts_error)
 from .capture.dynamic_shapes import ChangingSizes
 from .capture.step_calls import trace_started
 from .capture.step_graph import CaptureError
@@ -542,7 +543,7 @@ class CompiledStep:
 
     def estimate(self, hardware="cpu-gloo") -> Estimate:
         """The cost model's step time, exposed communication and peak memory for the latest
-        compilation on ``hardware`` (a preset name in ``zero_fx.analysis.cost_model.PRESETS`` or a
+        compilation on ``hardware`` (a preset name in ``zero_fx.analysis.hardware.PRESETS`` or a
         ``Hardware``); print it. See [Note: the cost model] in zero_fx/analysis/cost_model.py."""
         if not self.graphs:
             raise RuntimeError("the step has not been compiled yet; call it once first")

@@ -412,7 +412,8 @@ class ZeroConfig:
                   else self.activation_budget_bytes)
         if self.recompute != "auto" and budget is None:
             return self.recompute
-        from .analysis.cost_model import hardware, node_seconds
+        from .analysis.cost_model import node_seconds
+        from .analysis.hardware import hardware
 
         return ActivationBudget(DEFAULT_ACTIVATION_BUDGET if budget is None else budget,
                                 seconds=functools.partial(node_seconds, hw=hardware(preset)))

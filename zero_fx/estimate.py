@@ -19,7 +19,8 @@ import argparse
 import sys
 import time
 
-from .analysis.cost_model import PRESETS, estimate
+from .analysis.cost_model import estimate
+from .analysis.hardware import PRESETS
 from .plan.offline import rewritten_step_on_fake
 from .analysis.traffic import traffic_report
 from .config import GRADIENT_FORMATS, WEIGHT_FORMATS

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from zero_fx import Hardware
-from zero_fx.analysis.cost_model import PRESET_DIR
+from zero_fx.analysis.hardware import PRESET_DIR
 
 from .runs import free_port, join_spawned_group, machine, median_step_seconds
 

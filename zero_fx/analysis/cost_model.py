@@ -94,9 +94,7 @@ cannot overlap, two link speeds at most (within a node, between nodes).
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import operator
 from dataclasses import dataclass
 
@@ -106,10 +104,10 @@ from torch.fx import GraphModule, Node
 from ..capture import grouped_mm as _grouped_mm  # noqa: F401 - registers torch.ops.zero_fx
 from ..formatting import format_bytes
 from ..passes.predicates import is_collective, is_token_exchange, is_wait
+from .hardware import Hardware, hardware
 from .memory_timeline import MemoryTimeline, hint, is_view, memory_timeline, tensor_bytes, vals
 from .traffic import (
     ACROSS_NODES,
-    ALL_TO_ALL,
     EXPERT_DATA_GROUP,
     EXPERT_GROUP,
     NODE_GROUP,
@@ -118,133 +116,9 @@ from .traffic import (
     Collective,
     traffic_report,
 )
+from .transfer_seconds import collective_seconds
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What the cost model knows about one rank and its links."""
-
-    name: str
-    flops: float
-    """Matrix-product FLOP/s one rank sustains (at the graph's dtype)."""
-    memory_bandwidth: float
-    """Bytes/s for memory-bound ops."""
-    link_bandwidth: float
-    """Bytes/s each rank sends in a ring collective (NCCL's "bus bandwidth")."""
-    link_latency: float
-    """Seconds per ring step; a collective over N ranks takes N-1 steps."""
-    op_overhead: float
-    """Seconds each op costs beyond its work (launch, dispatch)."""
-    communication_overlap: float = 1.0
-    """The share of a collective's time that can run beside compute: 1 where communication
-    has its own engine (NCCL's copy engines and SMs), less where it shares a core with
-    compute (gloo's threads on a CPU with no idle core). The rest is compute's time too."""
-    ranks_per_node: int = 0
-    """Ranks of one node, joined by ``link_bandwidth``; 0: every rank is on one node."""
-    inter_node_bandwidth: float = 0.0
-    """Bytes/s each rank sends to other nodes (its share of the network), for a group
-    whose ranks are on more than one node."""
-    inter_node_latency: float = 0.0
-    """Seconds per ring step between nodes."""
-    device_memory: float = 0.0
-    """Bytes of one rank's device memory (0: not stated)."""
-    host_memory: float = 0.0
-    """Bytes of host memory one rank may fill: the node's, divided by its ranks ([Note:
-    pricing offload]; 0: not stated)."""
-    host_device_bandwidth: float = 0.0
-    """Bytes/s one rank copies between host and device, each direction (PCIe or C2C)."""
-    host_optimizer_bandwidth: float = 0.0
-    """Bytes/s of host memory one rank's share of the CPUs moves through when it runs the
-    optimizer step on the host (CPU Adam is memory-bound: ``host_optimizer_seconds``)."""
-
-    def link(self, ranks: range) -> tuple[float, float]:
-        """(bandwidth, latency) of a ring over ``ranks``: the network's if they are on more
-        than one node, else the node's links."""
-        per_node = self.ranks_per_node
-        if per_node and ranks and ranks[0] // per_node != ranks[-1] // per_node:
-            return self.inter_node_bandwidth, self.inter_node_latency
-        return self.link_bandwidth, self.link_latency
-
-
-PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
-"""Presets measured by ``python -m bench.helpers.calibrate`` (JSON, committed)."""
-
-
-def _measured_preset(name: str) -> Hardware:
-    with open(os.path.join(PRESET_DIR, f"{name}.json")) as f:
-        fields = json.load(f)
-    return Hardware(**{k: v for k, v in fields.items() if k in Hardware.__dataclass_fields__})
-
-
-_DGX_H100_HOST = dict(device_memory=80e9, host_memory=2e12 / 8, host_device_bandwidth=50e9,
-                      host_optimizer_bandwidth=35e9)
-"""One rank's share of a DGX H100's host ([Note: pricing offload])."""
-
-PRESETS = {
-    "cpu-gloo": _measured_preset("cpu-gloo"),
-    "8xh100-nvlink": Hardware(
-        name="8xH100 SXM, NVLink 4 / NVSwitch, NCCL, bf16",
-        flops=0.6 * 989e12, memory_bandwidth=0.8 * 3.35e12, link_bandwidth=360e9,
-        link_latency=3e-6, op_overhead=5e-6, **_DGX_H100_HOST),
-    "4x8xh100-ib": Hardware(
-        name="nodes of 8xH100 SXM, NVLink 4 within a node, 400 Gb/s InfiniBand per GPU "
-             "between nodes, NCCL, bf16",
-        flops=0.6 * 989e12, memory_bandwidth=0.8 * 3.35e12, link_bandwidth=360e9,
-        link_latency=3e-6, op_overhead=5e-6, ranks_per_node=8,
-        inter_node_bandwidth=0.8 * 50e9, inter_node_latency=10e-6, **_DGX_H100_HOST),
-    "1xv100-32gb-pcie3": Hardware(
-        name="one V100 SXM2 32 GB of a DGX-2 with the node's host to itself (ZeRO-Offload's "
-             "single-GPU runs), PCIe gen3 x16, fp16",
-        flops=40e12, memory_bandwidth=0.8 * 900e9, link_bandwidth=120e9, link_latency=5e-6,
-        op_overhead=5e-6, device_memory=32e9, host_memory=1.5e12,
-        host_device_bandwidth=12e9, host_optimizer_bandwidth=100e9),
-    "1xgh200-c2c": Hardware(
-        name="one GH200: H100 96 GB HBM3 and a 72-core Grace with 480 GB LPDDR5X, NVLink-C2C, "
-             "bf16",
-        flops=0.6 * 989e12, memory_bandwidth=0.8 * 4e12, link_bandwidth=360e9,
-        link_latency=3e-6, op_overhead=5e-6, device_memory=96e9, host_memory=480e9,
-        host_device_bandwidth=0.8 * 450e9, host_optimizer_bandwidth=0.4 * 500e9),
-}
-"""cpu-gloo: this project's 2-core CI machine as ``python -m bench.helpers.calibrate`` measured it
-(one core's fp32 matmul, a copy's bandwidth, gloo all-gathers over loopback between two
-ranks; presets/cpu-gloo.json says when and on what). 8xH100: 60% of the 989 TFLOP/s
-dense bf16 peak, 80% of 3.35 TB/s HBM3, 360 GB/s NCCL bus bandwidth (of NVLink 4's
-450 GB/s per direction), 3 µs per ring step. 4x8xH100-IB: such nodes (4 of them for the
-name; the plan's ranks say how many), 8 GPUs each,
-joined by one 400 Gb/s (50 GB/s) NIC per GPU, of which NCCL sustains about 80 %, and
-10 µs per ring step between nodes.
-
-Host fields ([Note: pricing offload]; assumptions, not measurements). 8xH100 and
-4x8xH100-IB: a DGX H100's 2 TB of host memory and two 56-core Xeons (8 DDR5-4800 channels
-each, 614 GB/s) shared by 8 GPUs, 250 GB and 35 GB/s of the optimizer's memory traffic a
-rank (under half the peak); PCIe gen5 x16, 64 GB/s a direction, about 50 effective.
-1xV100-32GB-PCIe3: ZeRO-Offload's single-GPU setup (Ren et al. 2021): one V100 SXM2 32 GB
-of a DGX-2, its 1.5 TB of host memory and two 24-core Xeon 8168 (256 GB/s of DDR4) to
-itself; 40 TFLOP/s, what the paper reports ZeRO-Offload sustaining for a 10B model (32 %
-of the 125 TFLOP/s fp16 tensor peak); PCIe gen3 x16, 15.75 GB/s a direction, about 12
-effective; 100 GB/s for CPU Adam, about the 4B parameters a second (at 30 bytes each) the
-paper's CPU-Adam table reports for 10B parameters (our reading of it, not checked against
-a run). 1xGH200-C2C: NVLink-C2C's 450 GB/s a direction, 80 % of it, and 40 % of Grace's
-500 GB/s LPDDR5X for the optimizer. cpu-gloo states none (0): on a CPU the host is the
-device, and there is nothing to offload to."""
-
-
-def hardware(preset_or_hardware) -> Hardware:
-    if isinstance(preset_or_hardware, Hardware):
-        return preset_or_hardware
-    try:
-        return PRESETS[preset_or_hardware]
-    except KeyError:
-        raise ValueError(f"unknown hardware preset {preset_or_hardware!r}; "
-                         f"presets: {sorted(PRESETS)}, or pass a Hardware(...)") from None
-
-
-def hardware_for(model: torch.nn.Module) -> str:
-    """The preset for where ``model`` runs: a GPU preset on CUDA, ``cpu-gloo`` otherwise."""
-    param = next(model.parameters(), None)
-    return "8xh100-nvlink" if param is not None and param.device.type == "cuda" else "cpu-gloo"
 
 
 @dataclass(frozen=True)
@@ -382,101 +256,6 @@ def replay(gm: GraphModule, plan, hw="cpu-gloo", *, optimizer_state_bytes_per_pa
                           communication_seconds=busy_comm, exposed_seconds=exposed,
                           peak_bytes=timeline.peak_bytes, collectives=len(report.collectives)),
         timings=tuple(timings), memory=timeline)
-
-
-def collective_seconds(collective: Collective, plan, hw: Hardware) -> float:
-    """A ring collective's duration on the group it runs on (the links of one node, or the
-    network when the group spans nodes); an all-reduce is a reduce-scatter plus an all-gather;
-    an all-to-all of expert parallelism one latency and (P-1)/P of its bytes (the note)."""
-    ranks = group_ranks(plan, collective.group)
-    if collective.kind == ALL_TO_ALL:
-        return all_to_all_seconds(collective.bytes, ranks, hw)
-    seconds = ring_seconds(collective.bytes, ranks, hw)
-    return 2 * seconds if collective.kind == "all_reduce" else seconds
-
-
-def group_ranks(plan, group: str) -> range:
-    """The ranks of the first ``group`` of ``plan`` (every group of a kind is laid out alike):
-    ranks ``0..N-1`` flat or for the shard group, every shard group's first rank for the
-    replicate group ([Note: hybrid sharding]); under expert parallelism ([Note: expert
-    parallelism] in zero_fx/plan/expert_parallel.py) ``P`` consecutive ranks for the
-    expert-parallel group, the ranks at stride ``P`` for the expert-data-parallel group."""
-    if group == REPLICATE_GROUP:
-        return range(0, plan.world_size * plan.replicas, plan.world_size)
-    if group in (NODE_GROUP, ACROSS_NODES):  # [Note: the secondary partition]
-        size = plan.secondary.size
-        return range(size) if group == NODE_GROUP else range(0, plan.world_size, size)
-    parallel = getattr(plan, "expert_parallel", None)
-    degree = parallel.degree if parallel is not None else 1
-    if group == EXPERT_GROUP:
-        return range(degree)
-    if group == EXPERT_DATA_GROUP:
-        return range(0, plan.world_size, degree)
-    return range(plan.world_size)
-
-
-def ring_seconds(nbytes: int, ranks: range, hw: Hardware) -> float:
-    """A ring reduce-scatter's or all-gather's duration over ``ranks``, ``nbytes`` in all."""
-    n = len(ranks)
-    if n == 1:
-        return 0.0
-    bandwidth, latency = hw.link(ranks)
-    return (n - 1) * (latency + nbytes / n / bandwidth)
-
-
-TP_COLLECTIVES_PER_BLOCK = 4
-"""Megatron's all-reduces of b·s·h elements per transformer block and step: 2 forward, 2
-backward ([Note: pricing tensor parallelism])."""
-
-
-def tensor_parallel_seconds(nbytes: int, degree: int, hw: Hardware) -> float:
-    """One of tensor parallelism's block collectives, ``nbytes`` = b·s·h activations, over
-    the ``degree`` consecutive ranks of a tensor-parallel group: an all-reduce (a
-    reduce-scatter and an all-gather), or with sequence parallelism an all-gather and a
-    reduce-scatter, which take the same time ([Note: pricing tensor parallelism])."""
-    return 2 * ring_seconds(nbytes, range(degree), hw)
-
-
-def host_device_seconds(nbytes: float, hw: Hardware) -> float:
-    """Copying ``nbytes`` one way between a rank's host memory and its device ([Note:
-    pricing offload])."""
-    if not hw.host_device_bandwidth:
-        raise ValueError(f"the preset {hw.name!r} states no host-device bandwidth; pick one "
-                         "that does (8xh100-nvlink, 1xv100-32gb-pcie3, 1xgh200-c2c)")
-    return nbytes / hw.host_device_bandwidth
-
-
-def host_optimizer_bytes(*, optimizer_bytes: int, param_bytes: int) -> int:
-    """Host-memory bytes the optimizer step moves per element: the fp32 gradient, master and
-    optimizer state read, the master and state written, and the ``param_bytes`` copy the
-    device gets back ([Note: pricing offload]): 30 for Adam under bf16."""
-    return (4 + 4 + optimizer_bytes) + (4 + optimizer_bytes) + param_bytes
-
-
-def host_optimizer_seconds(elements: float, hw: Hardware, *, optimizer_bytes: int,
-                           param_bytes: int) -> float:
-    """The optimizer step over ``elements`` on the host's CPUs ([Note: pricing offload])."""
-    if not hw.host_optimizer_bandwidth:
-        raise ValueError(f"the preset {hw.name!r} states no host optimizer throughput; pick "
-                         "one that does (8xh100-nvlink, 1xv100-32gb-pcie3, 1xgh200-c2c)")
-    return elements * host_optimizer_bytes(optimizer_bytes=optimizer_bytes,
-                                           param_bytes=param_bytes) / hw.host_optimizer_bandwidth
-
-
-def data_parallel_ranks(world_size: int, tensor_parallel: int) -> range:
-    """The first data-parallel group of a (dp, tp) mesh whose tensor-parallel groups are
-    consecutive ranks: the ranks at stride ``tensor_parallel``."""
-    return range(0, world_size, tensor_parallel)
-
-
-def all_to_all_seconds(nbytes: int, ranks: range, hw: Hardware) -> float:
-    """An all-to-all over ``ranks`` of ``nbytes`` (what one rank sends and receives in all,
-    its own share included): one latency, and the (N-1)/N of the bytes that leave the rank."""
-    n = len(ranks)
-    if n == 1:
-        return 0.0
-    bandwidth, latency = hw.link(ranks)
-    return latency + nbytes * (n - 1) / n / bandwidth
 
 
 _MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),

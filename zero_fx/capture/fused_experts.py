@@ -59,7 +59,7 @@ class FixedShapeFusedExperts:
         self._module, self.form = module, form
         self.parallel = None
         """With expert parallelism, this rank's experts and the group it exchanges rows with
-        (``routed_experts.LocalExperts``); the module then holds only those experts' rows."""
+        (``moe_blocks.LocalExperts``); the module then holds only those experts' rows."""
 
     def __call__(self, *args, **kwargs) -> Tensor:
         if self.parallel is not None:
@@ -90,7 +90,7 @@ def concatenated_forward(module: nn.Module, hidden: Tensor, top_k_index: Tensor,
 def concatenated_forward_parallel(module: nn.Module, held, hidden: Tensor, top_k_index: Tensor,
                                   top_k_weights: Tensor) -> Tensor:
     """``concatenated_forward`` under expert parallelism: the module holds its rank's rows of
-    the experts (``held``: ``routed_experts.LocalExperts``), each (token, expert) row is run
+    the experts (``held``: ``moe_blocks.LocalExperts``), each (token, expert) row is run
     on the rank of its expert and comes back ([Note: exchanging rows in fixed shapes])."""
     from .expert_exchange import dispatch_and_combine
 

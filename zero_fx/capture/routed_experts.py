@@ -40,23 +40,21 @@ import contextlib
 import copy
 import dataclasses
 import logging
-import sys
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .expert_exchange import dispatch_and_combine
 from .fused_experts import route_fused_experts_with_fixed_shapes
+from .grouped_experts import _GroupedExperts, _NotGroupable
 from .grouped_gemm_modules import route_grouped_gemms_with_fixed_shapes
-from .grouped_mm import grouped_linear, sort_by_group
+from .moe_blocks import LocalExperts, MoeShape, RoutedExperts, moe_shape
 from .rewrite_check import output_and_grads, probe_copy, same_output, worst_different_gradient
+from .routed_forms import _forms, _RoutedForward
 from .step_graph import CaptureError
 
 log = logging.getLogger("zero_fx")
 
-TOP_K_NAMES = ("top_k", "num_experts_per_tok")
 SHAPE_THAT_CAPTURES = (
     "zero_fx captures a mixture-of-experts block that holds its experts as an nn.ModuleList "
     "of modules of one structure (nn.Linear layers and row-wise operations), a router with "
@@ -71,31 +69,6 @@ SHAPE_THAT_CAPTURES = (
 
 
 @dataclasses.dataclass(frozen=True)
-class RoutedExperts:
-    """One mixture-of-experts block zero_fx rewrote (``step.moe_blocks``, ``explain()``)."""
-
-    name: str
-    """The block's module name."""
-    experts: str
-    """The module name of its list of routed experts (their parameters start with it)."""
-    num_experts: int
-    top_k: int
-    routing: str
-    """How the block routes, in words (for example "softmax, top-2, renormalised")."""
-    expert_parameters: int
-    """Elements of all routed experts' parameters."""
-    shared_expert: Optional[str]
-    """The shared expert's module name, if the block has one."""
-    identity_experts: int = 0
-    """``nn.Identity`` experts after the ``num_experts`` routed ones (LongCat-Flash's
-    "zero-computation experts"): a row routed to one passes through as it is."""
-    stacked: bool = False
-    """The experts are one module holding them as 3-D parameters (``name`` and ``experts``
-    are that module's), called by its block with the routing ([Note: fused experts that
-    loop] in fused_experts.py); listed only for expert parallelism, which splits their rows."""
-
-
-@dataclasses.dataclass(frozen=True)
 class ExpertsRewrite:
     """What ``route_experts_with_fixed_shapes`` did to a model."""
 
@@ -104,53 +77,6 @@ class ExpertsRewrite:
     unrecognised: list[str]
     """One sentence per block that looks like a mixture of experts but was left as it is,
     naming it and saying why (the capture error quotes them if the step does not capture)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Form:
-    """One fixed-shape forward a block may have: its routing, its shared expert."""
-
-    routing: str
-    forward: Callable  # (block, hidden_states) -> output
-    shared: Optional[str]
-
-
-@dataclasses.dataclass(frozen=True)
-class MoeShape:
-    """What a block shaped like a mixture of experts holds (``moe_shape``)."""
-
-    experts: str
-    """The child ``nn.ModuleList`` of experts."""
-    router: str
-    num_experts: int
-    top_k: Optional[int]
-    shared_expert: Optional[str]
-
-
-def moe_shape(block: nn.Module) -> Optional[MoeShape]:
-    """The parts of ``block`` if it is shaped like a mixture of experts (the note), else None.
-    Reads only structure: works on the meta device and on fake tensors."""
-    parts = _moe_parts(block)
-    if parts is None:
-        return None
-    experts, router = (getattr(block, name) for name in parts)
-    return MoeShape(parts[0], parts[1], routed_count(experts), _top_k(block, router),
-                    _shared_expert(block))
-
-
-def routed_expert_modules(model: nn.Module) -> tuple[str, ...]:
-    """The names of ``model``'s routed experts' modules (a block's expert list, or its
-    experts held as 3-D parameters), as the rewrite recognises them; structure only."""
-    from .fused_experts import holds_stacked_experts
-
-    names = []
-    for path, module in model.named_modules():
-        moe = moe_shape(module)
-        if moe is not None:
-            names.append(f"{path}.{moe.experts}" if path else moe.experts)
-        elif holds_stacked_experts(module) and path:
-            names.append(path)
-    return tuple(names)
 
 
 def route_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True,
@@ -214,19 +140,6 @@ def _stacked_experts(model: nn.Module, names: list[str], expert_parallel: bool
     return found
 
 
-@dataclasses.dataclass(frozen=True)
-class LocalExperts:
-    """Expert parallelism for one block: this rank runs experts ``first`` to ``first + E /
-    degree`` and exchanges tokens with the ``degree`` ranks of ``group_name``."""
-
-    degree: int
-    first: int
-    group_name: str
-    capacity_factor: Optional[float] = None
-    """Rows each expert takes, as a multiple of an even spread's ([Note: expert capacity]
-    in expert_exchange.py); None: every row."""
-
-
 def hold_local_experts(model: nn.Module, blocks: list[RoutedExperts], degree: int, rank: int,
                        group_name: str, capacity_factor: Optional[float] = None) -> None:
     """Expert parallelism: every rewritten block of ``model`` runs only the experts of slice
@@ -250,54 +163,6 @@ def unrecognised_experts_error(rewrite: ExpertsRewrite, error: CaptureError) -> 
                         + f".\n{SHAPE_THAT_CAPTURES}")
 
 
-# -- recognition ----------------------------------------------------------------------------
-
-def _moe_parts(block: nn.Module) -> Optional[tuple[str, str]]:
-    """(experts child, router child) of a block shaped like a mixture of experts, else None."""
-    for experts_name, experts in block.named_children():
-        if not (isinstance(experts, nn.ModuleList) and (routed := routed_count(experts)) >= 2
-                and _same_structure(experts[:routed])):
-            continue
-        for router_name, router in block.named_children():
-            if router is not experts and _routes_over(router, len(experts)):
-                return experts_name, router_name
-    return None
-
-
-def routed_count(experts: nn.ModuleList) -> int:
-    """The experts before the trailing ``nn.Identity`` ones (all of them, usually)."""
-    count = len(experts)
-    while count and isinstance(experts[count - 1], nn.Identity):
-        count -= 1
-    return count
-
-
-def _same_structure(modules) -> bool:
-    shapes = [[(n, p.shape) for n, p in m.named_parameters()] for m in modules]
-    return bool(shapes[0]) and all(s == shapes[0] for s in shapes)
-
-
-def _routes_over(router: nn.Module, num_experts: int) -> bool:
-    """An nn.Linear of one output per expert, a module with such a ``weight``, or a module
-    whose scoring layer is one (LongCat-Flash's ``router.classifier``)."""
-    if isinstance(router, nn.Linear):
-        return router.out_features == num_experts
-    weight = getattr(router, "weight", None)
-    if isinstance(weight, torch.Tensor):
-        return weight.dim() == 2 and weight.shape[0] == num_experts
-    return any(isinstance(c, nn.Linear) and c.out_features == num_experts
-               for c in router.children())
-
-
-def _top_k(block: nn.Module, router: nn.Module) -> Optional[int]:
-    for owner in (block, router):
-        for attr in TOP_K_NAMES:
-            value = getattr(owner, attr, None)
-            if isinstance(value, int) and value > 0:
-                return value
-    return None
-
-
 class _NotRewritten(Exception):
     """A block that looks like a mixture of experts, left as it is (the message says why)."""
 
@@ -308,30 +173,6 @@ def _unrecognised(name: str, block: nn.Module, why: str) -> _NotRewritten:
 
 
 # -- installing a form ----------------------------------------------------------------------
-
-class _RoutedForward:
-    """The fixed-shape forward installed on a block (``block.forward``)."""
-
-    def __init__(self, block: nn.Module, form: _Form, grouped: "_GroupedExperts",
-                 experts: str, router: str, top_k: int, info: RoutedExperts):
-        self._block = block
-        self.form, self.grouped, self.experts, self.router, self.top_k = (
-            form, grouped, experts, router, top_k)
-        self.info = info
-        self.parallel: Optional[LocalExperts] = None
-        """With expert parallelism, the experts this rank holds and the group it exchanges
-        tokens with (``hold_local_experts``)."""
-
-    def __call__(self, hidden_states, *args, **kwargs):
-        if args or kwargs:
-            raise TypeError(f"{self.info.name}: the fixed-shape forward takes the hidden states only")
-        return self.form.forward(self._block, self, hidden_states)
-
-    def __deepcopy__(self, memo):
-        new = copy.copy(self)
-        new._block = copy.deepcopy(self._block, memo)
-        return new
-
 
 def _install(path: str, block: nn.Module, shape: MoeShape, confirm: bool) -> RoutedExperts:
     name = path or type(block).__name__
@@ -360,212 +201,6 @@ def _install(path: str, block: nn.Module, shape: MoeShape, confirm: bool) -> Rou
             return info
     raise _unrecognised(name, block, "none of the fixed-shape forms zero_fx knows reproduces "
                                      "its output on a random input")
-
-
-def _forms(block: nn.Module, router: nn.Module, shape: MoeShape) -> list[_Form]:
-    shared = shape.shared_expert
-    if isinstance(router, nn.Linear):
-        normalise = getattr(block, "norm_topk_prob", None)
-        choices = [normalise] if isinstance(normalise, bool) else [True, False]
-        forms = [_Form(f"softmax, top-{shape.top_k}{', renormalised' if n else ''}",
-                       _softmax_top_k_forward(n, shared, with_logits), shared)
-                 for with_logits in (True, False) for n in choices]
-        sparsemixer = getattr(sys.modules.get(type(block).__module__), "sparsemixer", None)
-        if callable(sparsemixer):  # PhiMoE under transformers 4
-            forms.insert(0, _Form("sparsemixer, top-2 (the model's own)",
-                                  _sparsemixer_forward(sparsemixer, shared), shared))
-        return forms
-    return [_Form("the router module's (indices, weights)", _router_module_forward(shared), shared)]
-
-
-def _shared_expert(block: nn.Module) -> Optional[str]:
-    for name in ("shared_expert", "shared_experts"):
-        if isinstance(getattr(block, name, None), nn.Module):
-            return name
-    return None
-
-
-def _shared_output(block: nn.Module, shared: Optional[str], hidden: torch.Tensor
-                   ) -> Optional[Callable[[], torch.Tensor]]:
-    """The shared expert's output on ``hidden`` (gated where the block gates it), to be
-    computed: ``_mix_experts`` runs it while the rows travel to their experts under expert
-    parallelism ([Note: the dispatch issued, then waited for] in expert_exchange.py)."""
-    if shared is None:
-        return None
-
-    def output() -> torch.Tensor:
-        extra = getattr(block, shared)(hidden)
-        gate = getattr(block, "shared_expert_gate", None)
-        return torch.sigmoid(gate(hidden)) * extra if gate is not None else extra
-    return output
-
-
-def _plus(out: torch.Tensor, extra: Optional[torch.Tensor]) -> torch.Tensor:
-    return out if extra is None else out + extra
-
-
-def _softmax_top_k_forward(normalise: bool, shared: Optional[str], with_logits: bool) -> Callable:
-    """Mixtral / Qwen-MoE / OLMoE: a Linear router, softmax in fp32, top-k, optionally
-    renormalised; returns (hidden, router logits) as HuggingFace's blocks do, or the hidden
-    states alone."""
-
-    def route(block, routed: _RoutedForward, logits):
-        weights = F.softmax(logits, dim=1, dtype=torch.float)
-        weights, chosen = torch.topk(weights, routed.top_k, dim=-1)
-        if normalise:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, chosen
-
-    return _linear_router_forward(route, shared, with_logits, jitter="jitter_noise")
-
-
-def _sparsemixer_forward(sparsemixer: Callable, shared: Optional[str]) -> Callable:
-    """PhiMoE (transformers 4): a Linear router whose logits the model's own ``sparsemixer``
-    turns into top-2 (weights, indices): Gumbel-sampled while training, its routing gradient
-    a custom autograd function. Calling the model's function keeps both as they are (and its
-    random draws in the order eager makes them); returns (hidden, router logits)."""
-
-    def route(block, routed: _RoutedForward, logits):
-        return sparsemixer(logits, jitter_eps=getattr(block, "router_jitter_noise", 0.0),
-                           training=block.training)
-
-    return _linear_router_forward(route, shared, True, jitter="input_jitter_noise")
-
-
-def _linear_router_forward(route: Callable, shared: Optional[str], with_logits: bool, *,
-                           jitter: str) -> Callable:
-    """A block with a Linear router: its input scaled by uniform noise of the block's
-    ``jitter`` attribute while training, the router's logits, ``route(block, routed,
-    logits) -> (weights, chosen)``, the experts mixed (weights cast to the input's dtype) and
-    the shared expert added."""
-
-    def forward(block, routed: _RoutedForward, hidden_states):
-        shape = hidden_states.shape
-        noise = getattr(block, jitter, 0)
-        if block.training and noise:
-            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
-                1.0 - noise, 1.0 + noise)
-        hidden = hidden_states.reshape(-1, shape[-1])
-        logits = getattr(block, routed.router)(hidden)
-        weights, chosen = route(block, routed, logits)
-        out, extra = _mix_experts(block, routed, hidden, chosen, weights.to(hidden.dtype),
-                                  hidden.dtype, _shared_output(block, shared, hidden))
-        out = _plus(out, extra).reshape(shape)
-        return (out, logits) if with_logits else out
-
-    return forward
-
-
-def _router_module_forward(shared: Optional[str]) -> Callable:
-    """DeepSeek-V3: the router module returns (indices, weights) itself (its own code, so its
-    buffers behave as in eager); mixed in the weights' dtype; shared experts on the input."""
-
-    def forward(block, routed: _RoutedForward, hidden_states):
-        shape = hidden_states.shape
-        chosen, weights = getattr(block, routed.router)(hidden_states)
-        hidden = hidden_states.reshape(-1, shape[-1])
-        out, extra = _mix_experts(block, routed, hidden, chosen, weights, weights.dtype,
-                                  _shared_output(block, shared, hidden_states))
-        return _plus(out.to(hidden_states.dtype).reshape(shape), extra)
-
-    return forward
-
-
-def _mix_experts(block, routed: _RoutedForward, hidden: torch.Tensor, chosen: torch.Tensor,
-                 weights: torch.Tensor, out_dtype: torch.dtype,
-                 meanwhile: Optional[Callable[[], torch.Tensor]] = None
-                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """sum over each token's k experts of weight * expert(token), in fixed shapes (the note),
-    and ``meanwhile()`` (the shared expert): after the routed experts, or under expert
-    parallelism while the rows travel to theirs."""
-    done_meanwhile = None
-    every = getattr(block, routed.experts)
-    experts = every[:routed_count(every)]  # identity experts' rows pass through, below
-    tokens, k = chosen.shape
-    order, expert_of_row, token_of_row, counts = sort_by_group(chosen.reshape(-1), k, len(every))
-    counts = counts[:len(experts)]
-    if routed.parallel is None:
-        offs = counts.cumsum(0).to(torch.int32)  # identity experts' rows come last
-        rows = routed.grouped(hidden[token_of_row], offs,
-                              expert_of_row.clamp(max=len(experts) - 1), experts)
-        if len(every) > len(experts):
-            rows = torch.where((expert_of_row < len(experts)).unsqueeze(-1), rows,
-                               hidden[token_of_row].to(rows.dtype))
-    else:  # [Note: exchanging rows in fixed shapes]
-        held = routed.parallel
-        local = experts[held.first:held.first + len(experts) // held.degree]
-        rows, done_meanwhile = dispatch_and_combine(
-            hidden[token_of_row], counts, expert_of_row,
-            lambda received, offs, group_of_row: routed.grouped(received, offs, group_of_row, local),
-            degree=held.degree, top_k=k, group_name=held.group_name,
-            capacity_factor=held.capacity_factor, meanwhile=meanwhile or (lambda: None))
-        meanwhile = None
-    rows = rows * weights.reshape(-1)[order].unsqueeze(-1)
-    out = torch.zeros(tokens, hidden.shape[-1], dtype=out_dtype, device=hidden.device)
-    out = out.index_add(0, token_of_row, rows.to(out_dtype))
-    return out, (meanwhile() if meanwhile is not None else done_meanwhile)
-
-
-# -- the experts as one grouped computation --------------------------------------------------
-
-class _NotGroupable(Exception):
-    pass
-
-
-class _GroupedExperts:
-    """An expert's forward traced once (``torch.fx.symbolic_trace``), each ``nn.Linear``
-    replaced by ``grouped_linear`` over every expert's stacked weights. Other submodules
-    must hold no state (activations); other operations must act on each row alone, which
-    the installing check confirms numerically."""
-
-    def __init__(self, expert: nn.Module):
-        if isinstance(expert, nn.Linear):  # the expert is one linear layer
-            expert = nn.Sequential(expert)
-        try:
-            traced = torch.fx.symbolic_trace(expert)
-        except Exception as err:  # noqa: BLE001 - any tracing failure means "not this shape"
-            raise _NotGroupable(f"torch.fx.symbolic_trace failed: {err}") from None
-        graph = torch.fx.Graph()
-        rows, offs, group_of_row = (graph.placeholder(n) for n in ("rows", "offs", "group_of_row"))
-        env: dict[torch.fx.Node, torch.fx.Node] = {}
-        self.linears: list[tuple[str, bool]] = []
-        inputs = [n for n in traced.graph.nodes if n.op == "placeholder"]
-        if len(inputs) != 1:
-            raise _NotGroupable(f"its forward takes {len(inputs)} inputs, not one")
-        weights = []
-        for node in traced.graph.nodes:
-            if node.op == "placeholder":
-                env[node] = rows
-            elif node.op == "call_module" and isinstance(traced.get_submodule(node.target), nn.Linear):
-                has_bias = traced.get_submodule(node.target).bias is not None
-                self.linears.append((node.target, has_bias))
-                weight = graph.placeholder(f"w_{len(weights)}")
-                bias = graph.placeholder(f"b_{len(weights)}") if has_bias else None
-                weights.append(weight)
-                env[node] = graph.call_function(
-                    grouped_linear, (env[node.args[0]], weight, bias, offs, group_of_row))
-            elif node.op == "call_module":
-                sub = traced.get_submodule(node.target)
-                if any(True for _ in sub.parameters()) or any(True for _ in sub.buffers()):
-                    raise _NotGroupable(f"its submodule {node.target!r} holds state and is not "
-                                        f"an nn.Linear")
-                env[node] = graph.node_copy(node, lambda n: env[n])
-            elif node.op == "get_attr":
-                raise _NotGroupable(f"its forward reads the tensor {node.target!r} directly")
-            else:
-                env[node] = graph.node_copy(node, lambda n: env[n])
-        if not self.linears:
-            raise _NotGroupable("it has no nn.Linear")
-        self.module = torch.fx.GraphModule(traced, graph)
-
-    def __call__(self, rows, offs, group_of_row, experts: nn.ModuleList):
-        stacked = []
-        for name, has_bias in self.linears:
-            linears = [e if isinstance(e, nn.Linear) else e.get_submodule(name) for e in experts]
-            stacked.append(torch.stack([lin.weight for lin in linears]))
-            if has_bias:
-                stacked.append(torch.stack([lin.bias for lin in linears]))
-        return self.module(rows, offs, group_of_row, *stacked)
 
 
 # -- the check that a form reproduces the block ---------------------------------------------

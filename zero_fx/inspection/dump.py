@@ -25,7 +25,8 @@ from torch.fx import GraphModule
 
 from ..analysis.memory_timeline import memory_timeline
 from ..passes.recompute_activations import RECOMPUTE_META
-from .explain import Explanation, describe_recompute
+from .explain import Explanation
+from .report_sections import describe_recompute
 from .graph_listing import COLLECTIVE_KINDS, format_rows, graph_rows
 from .html_view import render_graph_html
 from .memory_plot import MATPLOTLIB_MISSING, plot_available, plot_memory

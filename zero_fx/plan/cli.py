@@ -61,7 +61,7 @@ def parse_degrees(text: str) -> tuple[int, ...]:
 
 def add_expert_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     """The planner's ``--expert-parallel`` and ``--hardware``."""
-    from ..analysis.cost_model import PRESETS
+    from ..analysis.hardware import PRESETS
 
     parser.add_argument("--expert-parallel", type=parse_degrees, default=(), metavar="P,P,...",
                         help="stage 3, mixture-of-experts models, with --seq: compare these "

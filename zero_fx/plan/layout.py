@@ -475,7 +475,7 @@ def plan_for_module(
     ``schedule``: the rest of ``make_plan``'s options (buckets, prefetch, budget,
     precision, accumulation).
     """
-    from ..capture.routed_experts import routed_expert_modules
+    from ..capture.moe_blocks import routed_expert_modules
 
     named = [(n, local_tensor(p), p) for n, p in module.named_parameters()]  # TP: local pieces
     resident = [n for n, local, p in named

@@ -275,7 +275,7 @@ def expert_blocks(model: torch.nn.Module) -> Optional[ExpertBlocks]:
     """The mixture-of-experts blocks of ``model`` as zero_fx's capture recognises them
     (zero_fx/capture/routed_experts.py), or None for a dense model."""
     from ..capture.fused_experts import splittable_fused_experts
-    from ..capture.routed_experts import moe_shape
+    from ..capture.moe_blocks import moe_shape
 
     blocks, shapes, experts_total, inactive, routed = 0, [], 0, 0.0, []
     for path, block in model.named_modules():
@@ -324,7 +324,7 @@ def _stacked_experts(module: torch.nn.Module, block: Optional[torch.nn.Module]
     ``gate_up_proj`` and ``down_proj`` (its top-k read from its config or its block, as
     transformers 5 keeps it), or None."""
     from ..capture.fused_experts import holds_stacked_experts
-    from ..capture.routed_experts import TOP_K_NAMES, _shared_expert
+    from ..capture.moe_blocks import TOP_K_NAMES, _shared_expert
 
     if block is None or not holds_stacked_experts(module):
         return None
@@ -775,7 +775,7 @@ def _streamed_peak(gm: GraphModule) -> float:
 def _device_optimizer_seconds(plan: ShardPlan, preset: str) -> float:
     """The device's optimizer step as the cost model's replay prices it ([Note: the cost
     model]): what offload takes off the device."""
-    from ..analysis.cost_model import hardware
+    from ..analysis.hardware import hardware
 
     hw = hardware(preset)
     shard = sum(l.shard_numel * l.dtype.itemsize for l in plan.params if plan.holds(l.name))
@@ -787,8 +787,9 @@ def _plan_offload(report: PlanReport, offload: str, traced: Optional[dict],
                   host_memory: Optional[float], device_memory: Optional[float]) -> None:
     """Every mode the stage allows, side by side in ``report.offload_rows``, and the mode
     planned in ``report.offload`` (``"auto"``: the least offload that fits)."""
-    from ..analysis.cost_model import (hardware, host_device_seconds, host_optimizer_seconds,
-                                       ring_seconds)
+    from ..analysis.hardware import hardware
+    from ..analysis.transfer_seconds import (host_device_seconds, host_optimizer_seconds,
+                                             ring_seconds)
 
     hw = hardware(report.hardware)
     host_budget = hw.host_memory if host_memory is None else host_memory
@@ -934,7 +935,7 @@ def _tensor_parallel_collectives(plan: ShardPlan, recompute: Optional[str]) -> i
     """Tensor parallelism's collectives of b·s·h per step ([Note: pricing tensor
     parallelism]): 4 a block, 6 with the recompute of blocks (the forward again), and 2 for
     the vocabulary-parallel embedding and head."""
-    from ..analysis.cost_model import TP_COLLECTIVES_PER_BLOCK
+    from ..analysis.transfer_seconds import TP_COLLECTIVES_PER_BLOCK
 
     blocks = len({block_of(layout.name) for layout in plan.params if _in_block(layout.name)})
     return (TP_COLLECTIVES_PER_BLOCK + (2 if recompute == "blocks" else 0)) * blocks + 2
@@ -945,8 +946,9 @@ def _tensor_parallel_row(report: PlanReport, plan: ShardPlan, degree: int, split
                          per_block: Optional[dict], mixed: bool) -> TensorParallelRow:
     """Degree ``degree``'s states, largest block, working set, bytes and time per rank
     ([Note: planning tensor parallelism]); ``plan`` shards over the data-parallel ranks."""
-    from ..analysis.cost_model import (data_parallel_ranks, hardware, ring_seconds,
-                                       tensor_parallel_seconds)
+    from ..analysis.hardware import hardware
+    from ..analysis.transfer_seconds import (data_parallel_ranks, ring_seconds,
+                                             tensor_parallel_seconds)
 
     hw, item, key = hardware(report.hardware), report.dtype.itemsize, "tp" if degree > 1 else 1
     stage = _stage_plan(report.stage, plan, item, mixed, report.optimizer, degree, split)
@@ -1041,7 +1043,8 @@ def _expert_parallel_row(report: PlanReport, plan: ShardPlan, degree: int, trace
                          tokens: int) -> ExpertParallelRow:
     """Degree ``degree``'s bytes and time, and its peak from the re-priced working set
     ([Note: planning expert parallelism])."""
-    from ..analysis.cost_model import all_to_all_seconds, hardware, ring_seconds
+    from ..analysis.hardware import hardware
+    from ..analysis.transfer_seconds import all_to_all_seconds, ring_seconds
 
     hw, experts, item = hardware(report.hardware), report.experts, report.dtype.itemsize
     w, p = report.world_size, degree

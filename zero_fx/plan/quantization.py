@@ -104,7 +104,7 @@ def price_quantization(source: ModelSource, *, world_size: int, stage: int,
     """Each configuration ``stage`` allows (of ``names``), priced on ``hardware`` ([Note: when
     quantizing pays]); the first row is the step without quantization. ``steady_from``:
     blocks traced before the one whose cost is extrapolated to the model's depth."""
-    from ..analysis.cost_model import hardware as preset
+    from ..analysis.hardware import hardware as preset
 
     check_quantizable(stage, world_size)
     offered = configurations(stage, names, ranks_per_node=preset(hardware).ranks_per_node,

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from ..capture.fused_experts import holds_stacked_experts
-from ..capture.routed_experts import RoutedExperts, hold_local_experts
+from ..capture.moe_blocks import RoutedExperts
+from ..capture.routed_experts import hold_local_experts
 from ..materialize.materialize import storageless
 from ..plan import ShardPlan
 from ..plan.expert_parallel import ExpertParallel, expert_slices

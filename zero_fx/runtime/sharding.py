@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..analysis.cost_model import hardware_for
-from ..capture.routed_experts import RoutedExperts
+from ..analysis.hardware import hardware_for
+from ..capture.moe_blocks import RoutedExperts
 from ..config import ZeroConfig
 from ..formatting import ranks_phrase
 from ..materialize import PretrainedWeights, materialize
