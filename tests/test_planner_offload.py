@@ -109,8 +109,8 @@ def test_streamed_gradients_no_longer_pile_up(traced_13b, source_13b):
     from zero_fx.planner.working_set import traced_working_set
 
     _, _, per_block = traced_working_set(source_13b, world_size=1, stage=3, dtype=torch.float16,
-                                   batch=1, seq=1024, recompute={"recompute": "blocks"},
-                                   hardware=V100, offload=True)
+                                         batch=1, seq=1024, recompute={"recompute": "blocks"},
+                                         hardware=V100, offload=True)
     block_gradients = (12 * 5120 ** 2 + 2 * 5120) * 2
     kept = 2 * 1024 * 5120 * 2  # b·s·h in fp16, twice: what the traced peak keeps of a block
     assert block_gradients <= per_block[1] - per_block["streamed"] <= block_gradients + kept

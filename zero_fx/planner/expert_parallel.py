@@ -115,7 +115,7 @@ def _stacked_experts(module: torch.nn.Module, block: Optional[torch.nn.Module]
 
 
 def check_degrees(degrees: Sequence[int], world_size: int,
-                   experts: Optional[ExpertBlocks]) -> None:
+                  experts: Optional[ExpertBlocks]) -> None:
     if experts is None:
         raise ValueError("expert parallelism splits mixture-of-experts blocks, and this model "
                          "has none")
@@ -132,7 +132,7 @@ def check_degrees(degrees: Sequence[int], world_size: int,
 
 
 def expert_parallel_row(report: PlanReport, plan: ShardPlan, degree: int, traced: dict,
-                         tokens: int) -> ExpertParallelRow:
+                        tokens: int) -> ExpertParallelRow:
     """Degree ``degree``'s bytes and time, and its peak from the re-priced working set
     ([Note: planning expert parallelism])."""
     hw, experts, item = hardware(report.hardware), report.experts, report.dtype.itemsize
@@ -178,7 +178,7 @@ stops at them ([Note: planning expert parallelism])."""
 
 
 def buffer_rows(tokens: int, degree: int, experts: int, top_k: int,
-                 capacity_factor: Optional[float]) -> int:
+                capacity_factor: Optional[float]) -> int:
     """A rank's rows of the expert computation: its T*k without expert parallelism, else
     the buffer of received rows ([Note: expert capacity])."""
     if degree == 1:
@@ -187,8 +187,8 @@ def buffer_rows(tokens: int, degree: int, experts: int, top_k: int,
 
 
 def peaks_by_degree(gm: GraphModule, plan: ShardPlan, experts: ExpertBlocks, tokens: int,
-                     degrees: Sequence[int], capacity_factor: Optional[float] = None
-                     ) -> dict[int, float]:
+                    degrees: Sequence[int], capacity_factor: Optional[float] = None
+                    ) -> dict[int, float]:
     """The working set of ``gm`` (traced without expert parallelism) priced again for each
     degree ([Note: planning expert parallelism])."""
     timeline = memory_timeline(gm)

@@ -152,7 +152,7 @@ def device_optimizer_seconds(plan: ShardPlan, preset: str) -> float:
 
 
 def plan_offload(report: PlanReport, offload: str, traced: Optional[dict],
-                  host_memory: Optional[float], device_memory: Optional[float]) -> None:
+                 host_memory: Optional[float], device_memory: Optional[float]) -> None:
     """Every mode the stage allows, side by side in ``report.offload_rows``, and the mode
     planned in ``report.offload`` (``"auto"``: the least offload that fits)."""
     hw = hardware(report.hardware)

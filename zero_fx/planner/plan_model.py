@@ -139,7 +139,7 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
         count = tensor_parallel_collectives(flat, recompute)
         report.tensor_parallel_rows = [
             tensor_parallel_row(report, on, degree, chosen, shape, count, traced, per_block,
-                                 mixed)
+                                mixed)
             for on, degree, chosen in ((flat, 1, frozenset()), (plan, tp, split))]
         report.largest_block = largest_block(plan, tp, split)[0]
     if offloading:

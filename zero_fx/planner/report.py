@@ -58,10 +58,7 @@ import torch
 
 from .quantization import QuantizedRow
 
-
 GB = 1e9
-
-
 OPTIMIZER_BYTES = {"adamw": 8, "sgd-momentum": 4, "sgd": 0}
 """fp32 optimizer state per trainable element."""
 

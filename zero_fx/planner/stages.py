@@ -38,7 +38,7 @@ def _padded_pieces(plan: ShardPlan, tp: int, split: frozenset) -> dict[str, int]
 
 
 def stage_plan(stage: int, plan: ShardPlan, item: int, mixed: bool, optimizer: str,
-                tp: int = 1, split: frozenset = frozenset()) -> StagePlan:
+               tp: int = 1, split: frozenset = frozenset()) -> StagePlan:
     """The stage's states and traffic per rank; with ``tp`` > 1, of a rank's tensor-parallel
     piece (``split`` parameters 1/tp each) over ``plan``'s ranks ([Note: planning tensor
     parallelism])."""
@@ -61,7 +61,7 @@ def stage_plan(stage: int, plan: ShardPlan, item: int, mixed: bool, optimizer: s
 
 
 def stage_buckets(plan: ShardPlan, item: int, tp: int = 1,
-             split: frozenset = frozenset()) -> dict[str, list[Bucket]]:
+                  split: frozenset = frozenset()) -> dict[str, list[Bucket]]:
     """The chosen stage's fused collectives, cut from parameters in their order (the passes
     cut them in order of use, which for a transformer is the same blocks); with ``tp`` > 1,
     of a rank's tensor-parallel pieces."""

@@ -144,8 +144,8 @@ def tensor_parallel_collectives(plan: ShardPlan, recompute: Optional[str]) -> in
 
 
 def tensor_parallel_row(report: PlanReport, plan: ShardPlan, degree: int, split: frozenset,
-                         shape: TensorParallelShape, collectives: int, traced: Optional[dict],
-                         per_block: Optional[dict], mixed: bool) -> TensorParallelRow:
+                        shape: TensorParallelShape, collectives: int, traced: Optional[dict],
+                        per_block: Optional[dict], mixed: bool) -> TensorParallelRow:
     """Degree ``degree``'s states, largest block, working set, bytes and time per rank
     ([Note: planning tensor parallelism]); ``plan`` shards over the data-parallel ranks."""
     hw, item, key = hardware(report.hardware), report.dtype.itemsize, "tp" if degree > 1 else 1
@@ -216,7 +216,7 @@ def _tensor_parallel_shares(gm: GraphModule, plan: ShardPlan, split: frozenset,
 
 
 def tensor_parallel_prices(gm: GraphModule, plan: ShardPlan, split: frozenset, degree: int,
-                            sequence_parallel: bool) -> dict:
+                           sequence_parallel: bool) -> dict:
     """The working set of ``gm`` (traced without tensor parallelism) priced again for
     ``degree``, ``"tp"``, and the activations the forward keeps for the backward at 1 and
     at ``degree``, ``("kept", 1)`` and ``("kept", "tp")`` ([Note: planning tensor

@@ -17,18 +17,18 @@ from .offload import device_optimizer_seconds, streamed_peak
 from .report import GB, ExpertBlocks
 from .tensor_parallel import tensor_parallel_prices
 
-
 STEADY_FROM = 3
 """Blocks traced before each further block adds the same memory ([Note: what the planner
 counts])."""
 
 
 def traced_working_set(source: ModelSource, *, world_size: int, stage: int, dtype: torch.dtype,
-                 batch: int, seq: int, recompute: dict, experts: Optional[ExpertBlocks] = None,
-                 degrees: Sequence[int] = (), hardware: str = "",
-                 capacity_factor: Optional[float] = None,
-                 tensor_parallel: Optional[tuple[int, frozenset, bool]] = None,
-                 offload: bool = False) -> tuple[dict, str, Optional[dict]]:
+                       batch: int, seq: int, recompute: dict,
+                       experts: Optional[ExpertBlocks] = None,
+                       degrees: Sequence[int] = (), hardware: str = "",
+                       capacity_factor: Optional[float] = None,
+                       tensor_parallel: Optional[tuple[int, frozenset, bool]] = None,
+                       offload: bool = False) -> tuple[dict, str, Optional[dict]]:
     """The working set extrapolated to the model's depth, ``{1: bytes}``; with ``experts``,
     also each degree of ``degrees`` and the cost model's ``"compute"`` seconds on
     ``hardware`` ([Note: planning expert parallelism]); with ``tensor_parallel`` (degree,
@@ -38,6 +38,7 @@ def traced_working_set(source: ModelSource, *, world_size: int, stage: int, dtyp
     ``"compute"`` and ``"device_optimizer"``, the part of it the device's optimizer step
     takes ([Note: planning offload]). Then how it was had, and what one more block adds to
     each (None where the model was traced whole)."""
+
     def traced_peak(layers: Optional[int], dense_layers: Optional[int] = None) -> dict:
         build = ((lambda: source.build(layers)) if dense_layers is None
                  else (lambda: source.build(layers, dense_layers)))
@@ -51,7 +52,7 @@ def traced_working_set(source: ModelSource, *, world_size: int, stage: int, dtyp
                    "device_optimizer": device_optimizer_seconds(plan, hardware)}
         elif experts is not None:
             out: dict = peaks_by_degree(gm, plan, experts, batch * seq,
-                                         sorted({1, *degrees}), capacity_factor)
+                                        sorted({1, *degrees}), capacity_factor)
         else:
             degree, split, sequence_parallel = tensor_parallel
             out = {1: float(max(memory_timeline(gm).transient)),
