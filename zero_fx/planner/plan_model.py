@@ -35,20 +35,23 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
                device_memory: Optional[float] = None, quantize: bool = False) -> PlanReport:
     """Plan ``source``'s model on ``world_size`` ranks; trace the working set when ``seq`` is
     given, with ``recompute`` (and its budget) as ``zero_compile`` takes them. ``nodes`` > 1:
-    also set flat and hybrid sharding side by side ([Note: what the planner counts]).
+    also set flat and hybrid sharding side by side ([Note: what the planner counts] in
+    zero_fx/planner/report.py).
     ``expert_parallel``: degrees of expert parallelism to compare (stage 3, with ``seq``),
     their step times on ``hardware`` (a cost-model preset; default 8xH100 over NVLink up
-    to 8 ranks, nodes of 8 over InfiniBand above; [Note: planning expert parallelism]),
-    their buffers of received rows sized by ``expert_capacity_factor`` (None: the worst
-    case; [Note: expert capacity] in zero_fx/capture/expert_exchange.py).
+    to 8 ranks, nodes of 8 over InfiniBand above; [Note: planning expert parallelism] in
+    zero_fx/planner/expert_parallel.py), their buffers of received rows sized by
+    ``expert_capacity_factor`` (None: the worst case; [Note: expert capacity] in
+    zero_fx/capture/expert_exchange.py).
     ``tensor_parallel`` T > 1: each rank holds its Megatron piece of the model, ZeRO-sharded
     over ``world_size / T`` ranks, and the report sets it beside data parallelism alone
     (``sequence_parallel``: the norms' activations split too; [Note: planning tensor
-    parallelism]).
+    parallelism] in zero_fx/planner/tensor_parallel.py).
     ``offload``: ``"optimizer"``, ``"parameters"`` or ``"auto"`` sets every mode the stage
     allows side by side, device and host bytes, copies and the host's optimizer step, with
     ``host_memory`` bytes a rank (default: the preset's) and ``device_memory`` bytes a device
-    (``"auto"`` picks the least offload that fits it; [Note: planning offload]).
+    (``"auto"`` picks the least offload that fits it; [Note: planning offload] in
+    zero_fx/planner/offload.py).
     ``quantize``: ZeRO++'s quantized collectives, each configuration the stage allows,
     priced on ``hardware`` ([Note: when quantizing pays] in zero_fx/planner/quantization.py)."""
     check_offload(offload, stage=stage, device_memory=device_memory,

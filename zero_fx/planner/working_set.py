@@ -19,7 +19,7 @@ from .tensor_parallel import tensor_parallel_prices
 
 STEADY_FROM = 3
 """Blocks traced before each further block adds the same memory ([Note: what the planner
-counts])."""
+counts] in zero_fx/planner/report.py)."""
 
 
 def traced_working_set(source: ModelSource, *, world_size: int, stage: int, dtype: torch.dtype,
@@ -31,13 +31,14 @@ def traced_working_set(source: ModelSource, *, world_size: int, stage: int, dtyp
                        offload: bool = False) -> tuple[dict, str, Optional[dict]]:
     """The working set extrapolated to the model's depth, ``{1: bytes}``; with ``experts``,
     also each degree of ``degrees`` and the cost model's ``"compute"`` seconds on
-    ``hardware`` ([Note: planning expert parallelism]); with ``tensor_parallel`` (degree,
-    split parameters, sequence parallelism), ``"tp"``: the working set priced again for it,
-    and ``"compute"`` ([Note: planning tensor parallelism]); with ``offload``,
-    ``"streamed"``: the working set with the reduced gradients streamed to the host,
-    ``"compute"`` and ``"device_optimizer"``, the part of it the device's optimizer step
-    takes ([Note: planning offload]). Then how it was had, and what one more block adds to
-    each (None where the model was traced whole)."""
+    ``hardware`` ([Note: planning expert parallelism] in zero_fx/planner/expert_parallel.py);
+    with ``tensor_parallel`` (degree, split parameters, sequence parallelism), ``"tp"``: the
+    working set priced again for it, and ``"compute"`` ([Note: planning tensor parallelism]
+    in zero_fx/planner/tensor_parallel.py); with ``offload``, ``"streamed"``: the working
+    set with the reduced gradients streamed to the host, ``"compute"`` and
+    ``"device_optimizer"``, the part of it the device's optimizer step takes ([Note:
+    planning offload] in zero_fx/planner/offload.py). Then how it was had, and what one
+    more block adds to each (None where the model was traced whole)."""
 
     def traced_peak(layers: Optional[int], dense_layers: Optional[int] = None) -> dict:
         build = ((lambda: source.build(layers)) if dense_layers is None
