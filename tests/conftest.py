@@ -90,13 +90,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def named_model_on_meta():
     """``get(spec)``: the model ``python -m zero_fx.estimate --model spec`` builds (the
-    package's torch module of a name in zero_fx.plan.models.NAMED or an old name, built by
+    package's torch module of a name in zero_fx.planner.models.NAMED or an old name, built by
     estimate.load_model_builder) on the meta device, built once a session and shared by
     test_cli and test_planner: DeepSeek-V3's 45k expert linears take ~5 s and ~170 MB.
     Read it; do not change it."""
     import importlib
 
-    from zero_fx.plan.models import on_meta
+    from zero_fx.planner.models import on_meta
 
     estimate = importlib.import_module("zero_fx.estimate")  # zero_fx.estimate is also a function
     built = {}

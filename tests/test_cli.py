@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_fx.plan import __main__ as plan_cli
-from zero_fx.plan.cli import DTYPES, parse_dtype
 from zero_fx.compat import SUPPORTED_TRANSFORMERS_TEXT
-from zero_fx.plan.models import ALIASES, NAMED, model_source, on_meta
+from zero_fx.planner import cli as plan_cli
+from zero_fx.planner.arguments import DTYPES, parse_dtype
+from zero_fx.planner.models import ALIASES, NAMED, model_source, on_meta
 
 REPO = Path(__file__).resolve().parent.parent
 estimate_cli = importlib.import_module("zero_fx.estimate")  # zero_fx.estimate is also a function

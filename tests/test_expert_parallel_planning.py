@@ -1,7 +1,7 @@
 """Expert parallelism priced and planned: the cost model prices the token exchanges as
 communication on the expert-parallel group and the experts' gathers on the
 expert-data-parallel group ([Note: the cost model]); the planner compares degrees
-([Note: planning expert parallelism] in zero_fx/plan/planner.py).
+([Note: planning expert parallelism] in zero_fx/planner/expert_parallel.py).
 
 The real graphs are one tiny Mixtral block compiled at world 8 on the fake process group
 (shapes real, values not), with and without expert parallelism: about 15 s each, once per
@@ -24,12 +24,14 @@ import models
 from zero_fx.analysis.cost_model import replay
 from zero_fx.analysis.hardware import PRESETS, Hardware
 from zero_fx.analysis.memory_timeline import memory_timeline
-from zero_fx.plan import torch_models
-from zero_fx.plan.cli import expert_parallel_options, parse_degrees
-from zero_fx.plan.models import ModelSource
-from zero_fx.plan.planner import (_peaks_by_degree, expert_blocks, format_report, peak_of,
-                                  plan_model)
-from zero_fx.plan.torch_models import Experts, LlamaConfig
+from zero_fx.planner import torch_models
+from zero_fx.planner.arguments import expert_parallel_options, parse_degrees
+from zero_fx.planner.expert_parallel import expert_blocks, peaks_by_degree
+from zero_fx.planner.models import ModelSource
+from zero_fx.planner.plan_model import plan_model
+from zero_fx.planner.printing import format_report
+from zero_fx.planner.report import peak_of
+from zero_fx.planner.torch_models import Experts, LlamaConfig
 
 WORLD, BATCH = 8, 4
 
@@ -108,7 +110,7 @@ def test_the_repriced_working_set_is_near_the_traced_expert_parallel_step(compil
     """The planner prices the P = 1 graph again for P = 4; the graph zero_compile builds at
     P = 4 peaks within 10 % of that."""
     gm, plan, _, model, tokens = compiled[1]
-    priced = _peaks_by_degree(gm, plan, expert_blocks(model), tokens, [1, 4])
+    priced = peaks_by_degree(gm, plan, expert_blocks(model), tokens, [1, 4])
     assert priced[1] == max(memory_timeline(gm).transient)
     traced = max(memory_timeline(compiled[4][0]).transient)
     assert priced[4] > priced[1] and traced > priced[1]
@@ -219,7 +221,7 @@ def test_expert_parallel_needs_stage_3_seq_a_dividing_degree_and_experts():
 
 
 def test_the_command_line_options():
-    from zero_fx.plan.__main__ import make_parser
+    from zero_fx.planner.cli import make_parser
 
     assert parse_degrees("1,2,4,8") == (1, 2, 4, 8)
     with pytest.raises(argparse.ArgumentTypeError):
@@ -253,7 +255,7 @@ def test_experts_held_as_3d_parameters_are_planned_by_rows():
     routed experts, which expert parallelism splits; a layout it does not split (biases)
     is counted and refused, naming it."""
     from stacked_experts import tiny_mixtral_stacked
-    from zero_fx.plan.planner import _check_degrees
+    from zero_fx.planner.expert_parallel import check_degrees
 
     with torch.device("meta"):
         model = tiny_mixtral_stacked(64, 16, layers=2)
@@ -261,11 +263,11 @@ def test_experts_held_as_3d_parameters_are_planned_by_rows():
     assert [(n.endswith(".experts"), e, k, h) for n, e, k, h in blocks.routed] == \
         [(True, 8, 2, 32)] * 2
     assert blocks.stacked == 0 and blocks.is_expert(f"{blocks.routed[0][0]}.gate_up_proj")
-    _check_degrees((2, 4), 8, blocks)
+    check_degrees((2, 4), 8, blocks)
     for name, module in model.named_modules():
         if name.endswith(".experts"):
             module.has_bias = True
     blocks = expert_blocks(model)
     assert blocks.stacked == 2 and blocks.routed == []
     with pytest.raises(ValueError, match="2 of the model's 2 .* other than transformers 5's"):
-        _check_degrees((2,), 8, blocks)
+        check_degrees((2,), 8, blocks)

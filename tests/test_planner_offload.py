@@ -1,5 +1,5 @@
 """Offload planned and priced (``python -m zero_fx.plan --offload``; [Note: planning offload]
-in zero_fx/plan/planner.py, [Note: pricing offload] in zero_fx/analysis/cost_model.py):
+in zero_fx/planner/offload.py, [Note: pricing offload] in zero_fx/analysis/cost_model.py):
 device and host bytes per mode against the formulas written out here, ZeRO-Offload's 13B
 on one 32 GB V100 (fits with offload, not without), the streamed gradients priced again,
 the copies and the host's step, what ``auto`` picks, the largest model each mode holds,
@@ -18,10 +18,11 @@ import torch
 from zero_fx.analysis.hardware import PRESETS
 from zero_fx.analysis.transfer_seconds import (host_device_seconds, host_optimizer_bytes,
                                                host_optimizer_seconds)
-from zero_fx.plan.__main__ import main as plan_main
-from zero_fx.plan.models import model_source
-from zero_fx.plan.planner import (OFFLOAD_MODES, format_report, largest_model,
-                                  offload_states, plan_model)
+from zero_fx.planner.cli import main as plan_main
+from zero_fx.planner.models import model_source
+from zero_fx.planner.offload import OFFLOAD_MODES, largest_model, offload_states
+from zero_fx.planner.plan_model import plan_model
+from zero_fx.planner.printing import format_report
 
 GB = 1e9
 V100 = "1xv100-32gb-pcie3"
@@ -106,11 +107,11 @@ def test_streamed_gradients_no_longer_pile_up(traced_13b, source_13b):
     """Traced, the reduced gradient shards live to the end of the step: on one rank the
     working set grows by a block's fp16 gradients (12h² x 2 bytes) more per block than
     with the gradients streamed to the host, and the streamed one barely grows."""
-    from zero_fx.plan.planner import _working_set
+    from zero_fx.planner.working_set import traced_working_set
 
-    _, _, per_block = _working_set(source_13b, world_size=1, stage=3, dtype=torch.float16,
-                                   batch=1, seq=1024, recompute={"recompute": "blocks"},
-                                   hardware=V100, offload=True)
+    _, _, per_block = traced_working_set(source_13b, world_size=1, stage=3, dtype=torch.float16,
+                                         batch=1, seq=1024, recompute={"recompute": "blocks"},
+                                         hardware=V100, offload=True)
     block_gradients = (12 * 5120 ** 2 + 2 * 5120) * 2
     kept = 2 * 1024 * 5120 * 2  # b·s·h in fp16, twice: what the traced peak keeps of a block
     assert block_gradients <= per_block[1] - per_block["streamed"] <= block_gradients + kept

@@ -1,5 +1,5 @@
 """Tensor parallelism planned and priced (``python -m zero_fx.plan --tp T``; [Note: planning
-tensor parallelism] in zero_fx/plan/planner.py, [Note: pricing tensor parallelism] in
+tensor parallelism] in zero_fx/planner/tensor_parallel.py, [Note: pricing tensor parallelism] in
 zero_fx/analysis/cost_model.py): a rank's piece of the model against the formulas written
 out here, the 64K-wide layer of the seeds that fits one device only split, the collectives
 priced, the re-priced activations against Megatron's count, and what a bad --tp says.
@@ -21,15 +21,16 @@ from zero_fx.analysis.hardware import PRESETS
 from zero_fx.analysis.transfer_seconds import (TP_COLLECTIVES_PER_BLOCK, data_parallel_ranks,
                                                tensor_parallel_seconds)
 from zero_fx.analysis.memory_timeline import memory_timeline
-from zero_fx.plan import torch_models
-from zero_fx.plan.__main__ import main as plan_main
-from zero_fx.plan.models import ModelSource, model_source, on_meta
-from zero_fx.plan.offline import rewritten_step_on_fake
-from zero_fx.plan.planner import (_causal_lm_loss, _tensor_parallel_prices,
-                                  _tensor_parallel_shares, format_report,
-                                  plan_model, tensor_parallel_split)
-from zero_fx.plan.table import model_state_breakdown
-from zero_fx.plan.torch_models import GPTConfig, LlamaConfig
+from zero_fx.planner import torch_models
+from zero_fx.planner.cli import main as plan_main
+from zero_fx.planner.models import ModelSource, model_source, on_meta
+from zero_fx.planner.offline import causal_lm_loss, rewritten_step_on_fake
+from zero_fx.planner.plan_model import plan_model
+from zero_fx.planner.printing import format_report
+from zero_fx.planner.tensor_parallel import (_tensor_parallel_shares, tensor_parallel_prices,
+                                             tensor_parallel_split)
+from zero_fx.planner.table import model_state_breakdown
+from zero_fx.planner.torch_models import GPTConfig, LlamaConfig
 
 GB = 1e9
 # a small Llama: 4 blocks (what one more block adds is traced), GQA, SwiGLU
@@ -165,7 +166,7 @@ def test_megatrons_split_is_read_from_the_graph():
     split = tensor_parallel_split(model, GPT.vocab_size)
     gm, plan = rewritten_step_on_fake(lambda: torch_models.build(GPT), batch=2, seq=16,
                                       vocab_size=GPT.vocab_size, world_size=2, stage=3,
-                                      loss_fn=_causal_lm_loss)
+                                      loss_fn=causal_lm_loss)
     shares, params = _tensor_parallel_shares(gm, plan, split, sequence_parallel=False)
     h = GPT.n_embd
     acts = {n.name: n for n in gm.graph.nodes
@@ -247,6 +248,6 @@ def test_the_priced_working_set_is_the_compiled_tensor_parallel_steps(fake_world
                                       world_size=4, stage=3, loss_fn=loss_fn)
     # this GPT's plan without sequence parallelism leaves the embedding and the head whole
     split = tensor_parallel_split(on_meta(models.TensorParallelGPT), models.VOCAB) - {"wte.weight", "head.weight"}
-    priced = _tensor_parallel_prices(gm, plan, split, 2, sequence_parallel=False)["tp"]
+    priced = tensor_parallel_prices(gm, plan, split, 2, sequence_parallel=False)["tp"]
     assert priced == pytest.approx(measured, rel=0.01)
     assert priced < 0.7 * max(memory_timeline(gm).transient)  # and well below T = 1

@@ -15,7 +15,7 @@ from training import parity_errors, reference_run, zero_fx_run
 from zero_fx import zero_compile
 from zero_fx.compiler.lowered_schedule import planned_schedule
 from zero_fx.passes.predicates import is_all_gather, is_collective, is_reduce_scatter, is_wait
-from zero_fx.plan.offline import language_model_loss
+from zero_fx.planner.offline import language_model_loss
 
 
 def _gpt_step(layers: int, **options):

@@ -3,7 +3,7 @@
 The count comes from ``CollectiveCounter``, a dispatch mode around the
 compiled graph and the optimizer step, on the second step of the test GPT (aot_eager), on
 gloo ranks or on a fake group in the test process; the Inductor run counts the last of the
-parity runs' 5 steps. The table's multiples of Ψ are in zero_fx/plan/table.py;
+parity runs' 5 steps. The table's multiples of Ψ are in zero_fx/planner/table.py;
 every all-gather and reduce-scatter works on padded parameters (Ψ + padding),
 an all-reduce on the parameters as they are.
 """
@@ -17,7 +17,7 @@ from ranks import fake_world, run_ranks
 from training import SMALL_BUCKETS, UNSCHEDULED, counted_traffic_rank, zero_fx_run
 from zero_fx import plan_for_module
 from zero_fx.config import ZeroConfig
-from zero_fx.plan.table import TRAFFIC_IN_PSI
+from zero_fx.planner.table import TRAFFIC_IN_PSI
 from zero_fx.analysis.traffic import KINDS
 
 # In stage 3 the backward re-gathers only the parameters its gradient formulas

@@ -24,7 +24,7 @@ from .materialize import MaterializeError, load_pretrained
 from .passes.check_invariants import InvariantError
 from .passes.pipeline import after, before
 from .plan import ParamLayout, ShardPlan, make_plan, plan_for_module
-from .plan.offline import rewritten_step_on_fake
+from .planner.offline import rewritten_step_on_fake
 from .runtime.failures import CollectiveFailedError
 from .runtime.init_distributed import Distributed, DistributedSetupError, init_distributed
 from .runtime.rank_agreement import RanksDisagreeError

@@ -8,7 +8,7 @@ the cost model's estimate (see [Note: the cost model] in cost_model.py).
     python -m zero_fx.estimate --model llama3-8b --layers 2 --seq 512   # a quick look
 
 --model takes the same names as python -m zero_fx.plan; their shapes ship with zero_fx
-(zero_fx/plan/models.py) and are built as zero_fx's own torch modules, with torch
+(zero_fx/planner/models.py) and are built as zero_fx's own torch modules, with torch
 alone. The old name llama-8b still means llama3-8b. --dtype takes either spelling:
 fp32|float32, bf16|bfloat16, fp16|float16.
 """
@@ -19,20 +19,20 @@ import argparse
 import sys
 import time
 
-from .analysis.cost_model import estimate
 from .analysis.hardware import PRESETS
-from .plan.offline import rewritten_step_on_fake
+from .analysis.cost_model import estimate
+from .planner.offline import rewritten_step_on_fake
 from .analysis.traffic import traffic_report
 from .config import GRADIENT_FORMATS, WEIGHT_FORMATS
 from .inspection.explain import explain_graph
-from .plan.cli import add_dtype_argument
-from .plan.models import (MODEL_NAMES_HELP, NAMED, embedding_rows, import_builder, named_builder,
+from .planner.arguments import add_dtype_argument
+from .planner.models import (MODEL_NAMES_HELP, NAMED, embedding_rows, import_builder, named_builder,
                           named_model, on_meta)
-from .plan.torch_models import max_positions
+from .planner.torch_models import max_positions
 
 
 def load_model_builder(spec: str, layers: int | None = None):
-    """A name in ``zero_fx.plan.models.NAMED`` (or an old name), or ``module:function`` -> a
+    """A name in ``zero_fx.planner.models.NAMED`` (or an old name), or ``module:function`` -> a
     callable building the model; ``layers``: a named model with that many blocks."""
     name = named_model(spec)
     if name is not None:

@@ -19,7 +19,7 @@ import torch
 
 from .checkpoint.save_load import model_state_dict
 from .formatting import format_bytes
-from .plan.cli import add_dtype_argument
+from .planner.arguments import add_dtype_argument
 
 
 def main(argv=None) -> None:

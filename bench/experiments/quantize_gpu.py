@@ -34,9 +34,9 @@ import torch.distributed as dist
 from examples.gpt import GPT
 from zero_fx import MixedPrecision, zero_compile
 from zero_fx.passes.quantized_code import dequantize_rows, quantize_rows
-from zero_fx.plan.models import ModelSource
-from zero_fx.plan.planner import STEADY_FROM
-from zero_fx.plan.quantization import CONFIGURATIONS, price_quantization
+from zero_fx.planner.models import ModelSource
+from zero_fx.planner.working_set import STEADY_FROM
+from zero_fx.planner.quantization import CONFIGURATIONS, price_quantization
 
 from ..helpers.runs import machine, write_json
 from ..peers.models import MODELS, loss_of, rank_batch

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from examples.gpt import GPT, GPTConfig
 from zero_fx import PRESETS, DebugOptions, Hardware, estimate, rewritten_step_on_fake, zero_compile
 from zero_fx.estimate import load_model_builder, vocab_size_of
-from zero_fx.plan.offline import language_model_loss
+from zero_fx.planner.offline import language_model_loss
 
 from ..helpers.calibrate import calibrate, fit_op_overhead
 from ..helpers.runs import (join_group, leave_group, machine, median_step_seconds, rows_of_every_rank,

@@ -7,7 +7,7 @@ Trains a deep bias-free MLP (model states dominate a small batch) with AdamW
 under ``@zero_compile(stage=s, backend="aot_eager")`` for each stage. Per stage
 and rank: the peak live tensor bytes during a step (``LiveTensorBytes``, see
 [Note: measuring peak memory on CPU] in zero_fx/analysis/live_memory.py), the formula
-of zero_fx/plan/table.py, the traffic report's totals as multiples of Ψ, the
+of zero_fx/planner/table.py, the traffic report's totals as multiples of Ψ, the
 collectives counted as they ran, and the median step time. Writes
 ``bench/out/stages-w<N>.json`` and prints a Markdown table. aot_eager because
 the memory probe cannot see Inductor's buffers; step times are for comparing
@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from zero_fx import zero_compile
 from zero_fx.analysis.live_memory import LiveTensorBytes
-from zero_fx.plan.table import FP32, model_state_bytes
+from zero_fx.planner.table import FP32, model_state_bytes
 
 from ..helpers.rss import MALLOC_ENV, peak_rss, reset_peak_rss, rss_supported
 from ..helpers.runs import join_group, leave_group, machine, rows_of_every_rank, write_json

@@ -95,7 +95,7 @@ def timed_gpt_step(config: dict, batch: int, stage: int, steps: int):
     optimizer state; ``batch`` sequences per rank, all ranks starting each step together."""
     from examples.gpt import GPT, GPTConfig
     from zero_fx import zero_compile
-    from zero_fx.plan.offline import language_model_loss
+    from zero_fx.planner.offline import language_model_loss
 
     torch.manual_seed(0)
     cfg = GPTConfig(**config)

@@ -30,7 +30,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..analysis.cost_model import estimate
+from ..analysis.hardware import hardware as preset
+from ..analysis.traffic import traffic_report
 from .models import ModelSource
+from .offline import causal_lm_loss, rewritten_step_on_fake
 
 CONFIGURATIONS = {
     "none": {},
@@ -104,8 +108,6 @@ def price_quantization(source: ModelSource, *, world_size: int, stage: int,
     """Each configuration ``stage`` allows (of ``names``), priced on ``hardware`` ([Note: when
     quantizing pays]); the first row is the step without quantization. ``steady_from``:
     blocks traced before the one whose cost is extrapolated to the model's depth."""
-    from ..analysis.hardware import hardware as preset
-
     check_quantizable(stage, world_size)
     offered = configurations(stage, names, ranks_per_node=preset(hardware).ranks_per_node,
                              world_size=world_size)
@@ -117,15 +119,10 @@ def price_quantization(source: ModelSource, *, world_size: int, stage: int,
 def _priced(source: ModelSource, name: str, options: dict, *, world_size: int, stage: int,
             dtype: torch.dtype, batch: int, seq: int, hardware: str,
             steady_from: int) -> QuantizedRow:
-    from ..analysis.cost_model import estimate
-    from ..analysis.traffic import traffic_report
-    from .offline import rewritten_step_on_fake
-    from .planner import _causal_lm_loss
-
     def figures(layers: Optional[int]) -> tuple[float, ...]:
         gm, plan = rewritten_step_on_fake(
             lambda: source.build(layers), batch=batch, seq=seq, vocab_size=source.vocab_size,
-            world_size=world_size, stage=stage, dtype=dtype, loss_fn=_causal_lm_loss, **options)
+            world_size=world_size, stage=stage, dtype=dtype, loss_fn=causal_lm_loss, **options)
         guess = estimate(gm, plan, hardware)
         return (traffic_report(gm, plan).wire_bytes(), guess.communication_seconds,
                 guess.compute_seconds, guess.step_seconds, guess.peak_bytes)
@@ -143,7 +140,7 @@ def format_quantization(rows: list[QuantizedRow], hardware: str, world_size: int
     """The table ``python -m zero_fx.plan --quantize`` prints, and what pays."""
     base = rows[0]
     lines = [f"Quantized collectives on {hardware}, {world_size} ranks, per rank per step "
-             f"([Note: when quantizing pays] in zero_fx/plan/quantization.py):",
+             f"([Note: when quantizing pays] in zero_fx/planner/quantization.py):",
              "| configuration | sent | communication | compute (quantizing included) | step "
              "| peak memory | |",
              "|---|---|---|---|---|---|---|"]

@@ -7,17 +7,17 @@ planner's expert- and tensor-parallelism options.
 
 ``--expert-parallel 1,2,4,8`` (with ``--hardware``) compares degrees of expert
 parallelism in ``python -m zero_fx.plan`` ([Note: planning expert parallelism] in
-zero_fx/plan/planner.py): ``add_expert_parallel_arguments(parser)`` adds them,
+zero_fx/planner/expert_parallel.py): ``add_expert_parallel_arguments(parser)`` adds them,
 ``expert_parallel_options(parser, args)`` checks them and gives ``plan_model``'s keywords.
 
 ``--tp T`` (and ``--sequence-parallel``) plans Megatron's tensor parallelism over T ranks
 with ZeRO over the rest, beside data parallelism alone ([Note: planning tensor
-parallelism] in zero_fx/plan/planner.py): ``add_tensor_parallel_arguments(parser)``,
+parallelism] in zero_fx/planner/tensor_parallel.py): ``add_tensor_parallel_arguments(parser)``,
 ``tensor_parallel_options(parser, args)``.
 
 ``--offload none|optimizer|parameters|auto`` (and ``--host-memory``) plans
 ``zero_compile(offload=...)``: device and host bytes, copies and the host's optimizer step
-([Note: planning offload] in zero_fx/plan/planner.py): ``add_offload_arguments(parser)``,
+([Note: planning offload] in zero_fx/planner/offload.py): ``add_offload_arguments(parser)``,
 ``offload_options(parser, args)``.
 """
 
@@ -26,6 +26,9 @@ from __future__ import annotations
 import argparse
 
 import torch
+
+from ..analysis.hardware import PRESETS
+from .offload import check_offload
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32,
           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -61,8 +64,6 @@ def parse_degrees(text: str) -> tuple[int, ...]:
 
 def add_expert_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     """The planner's ``--expert-parallel`` and ``--hardware``."""
-    from ..analysis.hardware import PRESETS
-
     parser.add_argument("--expert-parallel", type=parse_degrees, default=(), metavar="P,P,...",
                         help="stage 3, mixture-of-experts models, with --seq: compare these "
                              "degrees of expert parallelism (each divides --world and a block's "
@@ -147,8 +148,6 @@ def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
 def offload_options(parser: argparse.ArgumentParser, args) -> dict:
     """``plan_model``'s ``offload``, ``host_memory`` and ``device_memory`` (bytes) from
     ``args``; a usage error where offload cannot apply."""
-    from .planner import check_offload
-
     try:
         check_offload(args.offload, stage=args.stage, device_memory=args.device_memory,
                       others=args.tp > 1 or bool(args.expert_parallel))

@@ -1,7 +1,7 @@
 """The models the CLIs know by name, and how the planner builds any model without memory.
 
 ``--model`` of ``python -m zero_fx.plan`` and ``python -m zero_fx.estimate`` is one of
-``NAMED`` (their shapes are written out in this package, zero_fx.plan.torch_models: no
+``NAMED`` (their shapes are written out in this package, zero_fx.planner.torch_models: no
 hub access, no checkout of the repository), an old name in ``ALIASES``, or
 ``module:function`` returning an ``nn.Module`` (built on the meta device too). The
 planner also takes a path to a HuggingFace ``config.json`` (or its folder).

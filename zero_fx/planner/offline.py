@@ -14,13 +14,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 
+from ..capture.routed_experts import route_experts_with_fixed_shapes
 from ..config import ZeroConfig
 from ..passes import build_pipeline, run_pipeline
 from ..passes.predicates import mark_step_graph
 from ..passes.splice import trace_to_aten
-from .layout import ShardPlan, plan_for_module
+from ..plan.layout import ShardPlan, plan_for_module
+from ..plan.secondary import planned as planned_secondary
 from .on_device import moved_to_device
-from .secondary import planned as planned_secondary
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -28,6 +29,14 @@ LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 def language_model_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor):
     logits = model(tokens)
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def causal_lm_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor):
+    """The planner's loss: ``language_model_loss`` of a model that may be HuggingFace's (its
+    output's ``logits``), in fp32."""
+    out = model(tokens)
+    logits = getattr(out, "logits", out)  # HuggingFace returns an output object
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch: int, seq: int,
@@ -42,7 +51,7 @@ def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch:
     ``batch`` is per rank. ``dtype`` is the default dtype while the model is
     built (bf16 planning of a model written for fp32). ``device``: where the step's
     tensors live in the result ("cuda": as on a GPU, [Note: a CUDA graph planned on a
-    CPU-only build] in zero_fx/plan/on_device.py; the step is traced on the CPU either way).
+    CPU-only build] in zero_fx/planner/on_device.py; the step is traced on the CPU either way).
     """
     config = ZeroConfig(stage=stage, backend="eager", **options)
     with FakeTensorMode(), _default_dtype(dtype):
@@ -79,8 +88,6 @@ def _route_experts(model: torch.nn.Module) -> None:
     random input; on fake tensors there are no values to compare (and a real copy of a
     DeepSeek-V3 block is 45 GB), so the first form of the block's router is taken: the
     routing variants differ in arithmetic, not in shapes or memory."""
-    from ..capture.routed_experts import route_experts_with_fixed_shapes
-
     route_experts_with_fixed_shapes(model, confirm=False)
 
 

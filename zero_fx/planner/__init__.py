@@ -1,0 +1,17 @@
+"""Will it fit? The offline planner behind ``python -m zero_fx.plan``: per-rank memory,
+traffic, buckets and step time of a model at a world size, before any memory is spent.
+
+It reads the layout (``zero_fx.plan``) and traces the rewritten step on fake tensors
+(``offline``); nothing below it imports it. One module per question:
+
+- ``plan_model``: ``plan_model``, the report of a model; ``report``: its types and the peak;
+- ``stages``: each stage's states, traffic and buckets, flat or hybrid over nodes;
+- ``working_set``: the step traced at a few blocks and extrapolated to the model's depth;
+- ``offload``, ``tensor_parallel``, ``expert_parallel``, ``quantization``: each option
+  planned and priced;
+- ``printing``: the report as tables; ``table``: the ZeRO paper's table;
+- ``cli`` (``python -m zero_fx.plan``) and ``arguments``, the options it shares with
+  ``python -m zero_fx.estimate``;
+- ``models``, ``torch_models``: the models known by name; ``offline``, ``on_device``:
+  the rewritten step on fake tensors, as on a GPU.
+"""
