@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
-from .predicates import (Phase, is_anchor_compute, is_param_input, phase_of,
+from .common.predicates import (Phase, is_anchor_compute, is_param_input, phase_of,
                          readers_through_views, tensor_bytes, viewed)
 
 

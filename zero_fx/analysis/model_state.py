@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule
 
-from ..passes.predicates import grad_slots, is_param_input, param_name
+from ..passes.common.predicates import grad_slots, is_param_input, param_name
 from ..runtime.offload import HOST
 
 

@@ -23,9 +23,9 @@ from torch.fx.node import map_aggregate
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..passes.predicates import CAPTURED_AT_META, GRAD_SLOTS_META, PARAM_META
+from ..passes.common.predicates import CAPTURED_AT_META, GRAD_SLOTS_META, PARAM_META
 from .accumulated_gradients import sum_accumulated_gradients
-from ..passes.splice import outside_dynamo_tracing, trace_to_aten
+from ..passes.common.splice import outside_dynamo_tracing, trace_to_aten
 from .errors import CaptureError
 from .inline_checkpoints import inline_checkpoints
 from .layout_decompositions import layout_safe_decompositions

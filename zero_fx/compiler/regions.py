@@ -31,7 +31,7 @@ take or return a non-tensor value stay in the outer graph too. Views are the exc
 [Note: views only the body reads go in]
 Every node the outer graph runs costs a Python dispatch (on CUDA a launch too), so it
 should run about one op per collective and per bucket, not one per parameter ([Note: one
-op per bucket] in passes/collective_code.py). A view is free to place: it only aliases
+op per bucket] in passes/common/collective_code.py). A view is free to place: it only aliases
 its base. So before the graph is cut, each view is moved to right before its first reader
 (``sink_views``), which puts a gathered weight's shaping and transposing views
 (``view(w, shape)``, ``t``) in the run that reads them, and a view that only one body
@@ -98,7 +98,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx._lazy_graph_module import _make_graph_module
 
 from ..passes.check_invariants import check_in_place_order
-from ..passes.predicates import (GATHERED_META, Phase, is_collective, is_view, is_wait, phase_of,
+from ..passes.common.predicates import (GATHERED_META, Phase, is_collective, is_view, is_wait, phase_of,
                                  reads_the_same, storage_base, written_in_place)
 from ..plan.layout import block_of
 from .packed_results import REGION_META, pack, pass_results_whole, unpack
@@ -351,7 +351,7 @@ def drop_identity_views(gm: GraphModule) -> None:
     strides, offset and conjugate and negative bits (``t(t(w))`` of a matrix, a ``detach``,
     a view to the same shape; not ``_conj``: [Note: views that read differently]).
     Each is an op the outer graph would run for nothing ([Note: one op per bucket] in
-    passes/collective_code.py counts why that matters)."""
+    passes/common/collective_code.py counts why that matters)."""
     for node in list(gm.graph.nodes):
         if not _pure_view(node):
             continue
@@ -436,7 +436,7 @@ def _value_signature(value) -> object:
     start is 16-byte aligned (what Inductor specializes on), not its offset (one block's
     slice of a tensor over all blocks starts elsewhere than the next block's), and the
     conjugate and negative bits ([Note: views that read differently] in
-    passes/predicates.py)."""
+    passes/common/predicates.py)."""
     if isinstance(value, torch.Tensor):
         return ("T", tuple(value.shape), value.dtype, tuple(value.stride()),
                 value.device.type, value.storage_offset() * value.element_size() % 16 == 0,

@@ -16,8 +16,8 @@ from torch.fx import GraphModule
 
 from ..config import ZeroConfig
 from ..passes import build_pipeline, run_pipeline
-from ..passes.predicates import mark_step_graph
-from ..passes.splice import trace_to_aten
+from ..passes.common.predicates import mark_step_graph
+from ..passes.common.splice import trace_to_aten
 from .layout import ShardPlan, plan_for_module
 from .on_device import moved_to_device
 from .secondary import planned as planned_secondary

@@ -981,7 +981,7 @@ def _tensor_parallel_shares(gm: GraphModule, plan: ShardPlan, split: frozenset,
     tensor parallelism]): a parameter tensor's split elements; an activation's 1 where
     Megatron splits it (or everywhere, with ``sequence_parallel``), else 0. Then the names
     of the nodes that hold parameters or their gradients' buckets."""
-    from ..passes.predicates import carried_params, is_param_input, is_view, param_name
+    from ..passes.common.predicates import carried_params, is_param_input, is_view, param_name
 
     def of_bucket(node, names) -> float:
         sizes = [(plan.layout(n).padded_numel, n in split) for n in names]
@@ -1099,7 +1099,7 @@ def _peaks_by_degree(gm: GraphModule, plan: ShardPlan, experts: ExpertBlocks, to
                      ) -> dict[int, float]:
     """The working set of ``gm`` (traced without expert parallelism) priced again for each
     degree ([Note: planning expert parallelism])."""
-    from ..passes.predicates import carried_params
+    from ..passes.common.predicates import carried_params
 
     timeline = memory_timeline(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
