@@ -17,7 +17,7 @@ import torch
 from torch.fx import GraphModule
 
 from ..passes.common.predicates import grad_slots, is_param_input, param_name
-from ..runtime.offload import HOST
+from ..passes.common.host_copies import HOST
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import torch
 from torch.fx import GraphModule
 
 from ..passes.common.predicates import TP_COLLECTIVE_META, collective_group
-from ..plan.tensor_parallel import is_dtensor
+from .dtensors import is_dtensor
 
 _c10d = torch.ops._c10d_functional
 

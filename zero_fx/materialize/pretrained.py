@@ -10,7 +10,7 @@ from typing import Callable, Mapping, Optional, Protocol, Union, runtime_checkab
 import torch
 import torch.nn as nn
 
-from ..checkpoint.files import CheckpointError
+from ..checkpoint_error import CheckpointError
 from ..formatting import format_bytes
 from ..plan import plan_for_module
 from .model_tensors import ModelTensor, model_tensors

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-HOST = torch.device("cpu")
+from ..passes.common.host_copies import HOST
 
 
 def to_host(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
