@@ -27,7 +27,7 @@ from ..passes.common.predicates import (carried_params, gathered_param, is_ancho
 from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary
 from ..plan.layout import BLOCKS
 
-if TYPE_CHECKING:  # the report reads compilations; the compiler does not import it back
+if TYPE_CHECKING:  # a type for annotations only: the compiler sits above inspection/
     from ..compiler.backend import Compilation
 
 LIVE_AT_PEAK_SHOWN = 8
