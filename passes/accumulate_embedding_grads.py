@@ -36,7 +36,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .common.predicates import (Phase, is_anchor_compute, is_view, phase_of, readers_through_views,
-                         tensor_bytes, viewed)
+                                tensor_bytes, viewed)
 from .common.splice import splice
 
 aten = torch.ops.aten

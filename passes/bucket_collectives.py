@@ -9,7 +9,8 @@ from torch.fx import GraphModule, Node
 
 from .common.collective_code import gather_code
 from .common.predicates import (CARRIES_META, GATHERED_META, SECONDARY_META, Phase, carried_params,
-                         gathered_param, grad_slots, kept_through_loss, phase_of, secondary_of)
+                                gathered_param, grad_slots, kept_through_loss, phase_of,
+                                secondary_of)
 from .reduce_grads import reduction
 from .common.secondary_code import from_secondary_code, keeping_code
 from .common.splice import splice

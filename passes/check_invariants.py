@@ -8,10 +8,10 @@ from typing import Optional
 from torch.fx import GraphModule
 
 from .common.host_copies import (is_device_copy, is_device_copy_wait, is_host_copy,
-                          reduction_read_by)
-from .common.predicates import (CAPTURED_AT_META, Phase, carried_params, gathered_param, is_collective,
-                         is_view, is_wait, kept_through_loss, phase_of, storage_base,
-                         written_in_place)
+                                 reduction_read_by)
+from .common.predicates import (CAPTURED_AT_META, Phase, carried_params, gathered_param,
+                                is_collective, is_view, is_wait, kept_through_loss, phase_of,
+                                storage_base, written_in_place)
 
 
 class InvariantError(AssertionError):

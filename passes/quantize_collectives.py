@@ -6,10 +6,11 @@ import functools
 
 from torch.fx import GraphModule, Node
 
-from .common.predicates import (CARRIES_META, Phase, carried_params, collective_group, is_all_gather,
-                         is_all_reduce, is_reduce_scatter, phase_of, runs_across_replicas)
+from .common.predicates import (CARRIES_META, Phase, carried_params, collective_group,
+                                is_all_gather, is_all_reduce, is_reduce_scatter, phase_of,
+                                runs_across_replicas)
 from .common.quantized_code import (bytes_per_element, quantized_all_gather, quantized_all_reduce,
-                             quantized_reduce_scatter)
+                                    quantized_reduce_scatter)
 from .common.splice import splice
 
 

@@ -47,7 +47,7 @@ from torch.fx import GraphModule, Node
 
 from .common.backward_copies import copy_into_backward
 from .common.predicates import (Phase, is_impure, is_param_input, is_view, param_name, phase_of,
-                         tensor_bytes, vals)
+                                tensor_bytes, vals)
 
 RECOMPUTE_META = "zero_recompute"
 """GraphModule meta key: the ``RecomputeSummary`` of ``recompute_activations``."""

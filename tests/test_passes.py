@@ -15,10 +15,11 @@ from zero_fx.passes import (InvariantError, accumulate_embedding_grads, annotate
                             check_invariants, gather_params, order_weight_grads,
                             recompute_param_views, reduce_grads)
 from zero_fx.passes.common.predicates import (GRAD_SLOTS_META, PARAM_META, Phase, gathered_param,
-                                       is_all_gather, is_all_reduce, is_reduce_scatter, is_view,
-                                       is_wait, kept_through_loss, phase_of, viewed)
+                                              is_all_gather, is_all_reduce, is_reduce_scatter,
+                                              is_view, is_wait, kept_through_loss, phase_of, viewed)
 from zero_fx.analysis.traffic import traffic_report
-from zero_fx.passes.common.collective_code import all_reduce_bucket, gather_bucket, reduce_scatter_bucket
+from zero_fx.passes.common.collective_code import (all_reduce_bucket, gather_bucket,
+                                                   reduce_scatter_bucket)
 
 aten = torch.ops.aten
 WORLD = 2

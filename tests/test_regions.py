@@ -14,7 +14,8 @@ from ranks import run_ranks
 from training import parity_errors, reference_run, zero_fx_run
 from zero_fx import zero_compile
 from zero_fx.compiler.lowered_schedule import planned_schedule
-from zero_fx.passes.common.predicates import is_all_gather, is_collective, is_reduce_scatter, is_wait
+from zero_fx.passes.common.predicates import (is_all_gather, is_collective, is_reduce_scatter,
+                                              is_wait)
 from zero_fx.plan.offline import language_model_loss
 
 

@@ -1,8 +1,9 @@
 """Models whose arithmetic a rewrite can lose without the loss showing it, each parameter
 compared with the update it made (``training.check_updates``), and the checks that catch
-such a loss: complex arithmetic ([Note: views that read differently] in passes/common/predicates.py),
-a tensor overwritten in place around a saved copy ([Note: in-place writes keep their
-readers' sides] in passes/check_invariants.py), a 0-dim parameter; ``zero_fx.verify`` on a
+such a loss: complex arithmetic ([Note: views that read differently] in
+passes/common/predicates.py), a tensor overwritten in place around a saved copy ([Note:
+in-place writes keep their readers' sides] in passes/check_invariants.py), a 0-dim
+parameter; ``zero_fx.verify`` on a
 user's step ([Note: checking a step against eager] in zero_fx/verification.py), which like
 the suite's update check must fail a planted 5% error in one parameter's gradient.
 

@@ -98,8 +98,8 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx._lazy_graph_module import _make_graph_module
 
 from ..passes.check_invariants import check_in_place_order
-from ..passes.common.predicates import (GATHERED_META, Phase, is_collective, is_view, is_wait, phase_of,
-                                 reads_the_same, storage_base, written_in_place)
+from ..passes.common.predicates import (GATHERED_META, Phase, is_collective, is_view, is_wait,
+                                        phase_of, reads_the_same, storage_base, written_in_place)
 from ..plan.layout import block_of
 from .packed_results import REGION_META, pack, pass_results_whole, unpack
 

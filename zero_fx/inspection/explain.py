@@ -21,9 +21,10 @@ from ..analysis.traffic import ACROSS_NODES, NODE_GROUP, REPLICATE_GROUP
 from ..capture.graph_breaks import GraphBreak
 from ..capture.routed_experts import RoutedExperts
 from ..formatting import format_bytes, format_seconds, short_dtype
-from ..passes.common.host_copies import is_device_copy, is_device_copy_wait, is_host_copy, reduction_read_by
+from ..passes.common.host_copies import (is_device_copy, is_device_copy_wait, is_host_copy,
+                                         reduction_read_by)
 from ..passes.common.predicates import (carried_params, gathered_param, is_anchor_compute, is_wait,
-                                 kept_through_loss, readers_through_views)
+                                        kept_through_loss, readers_through_views)
 from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary
 from ..plan.layout import BLOCKS
 

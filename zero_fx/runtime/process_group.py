@@ -180,7 +180,8 @@ def check_devices_match_backend(params: Iterable[torch.Tensor]) -> None:
 def collectives_average(world: World, device: torch.device) -> bool:
     """Whether the gradient reductions can average in the collective: NCCL moves this
     device's tensors (its AVG of floating types is a sum pre-multiplied by 1/N; gloo's AVG
-    returns sums in some paths). [Note: divide before the sum] in passes/common/collective_code.py."""
+    returns sums in some paths). [Note: divide before the sum] in
+    passes/common/collective_code.py."""
     return world.backend_for(device.type) == "nccl"
 
 
