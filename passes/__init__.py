@@ -2,7 +2,7 @@
 
 Passes never import the runtime (``zero_fx``); they read the plan and node
 metadata only. See README.md in this folder for what every graph between
-passes satisfies.
+passes satisfies; ``common/`` holds what they share, not passes.
 """
 
 from .accumulate_embedding_grads import accumulate_embedding_grads
