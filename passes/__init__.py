@@ -2,7 +2,7 @@
 
 Passes never import the runtime (``zero_fx``); they read the plan and node
 metadata only. See README.md in this folder for what every graph between
-passes satisfies.
+passes satisfies; ``common/`` holds what they share, not passes.
 """
 
 from .accumulate_embedding_grads import accumulate_embedding_grads
@@ -12,7 +12,7 @@ from .check_invariants import InvariantError, check_invariants
 from .gather_params import gather_params
 from .order_weight_grads import order_weight_grads
 from .pipeline import PASS_ORDER, NamedPass, Placed, after, before, build_pipeline, pass_names, run_pipeline
-from .predicates import mark_step_graph
+from .common.predicates import mark_step_graph
 from .quantize_collectives import quantize_collectives
 from .recompute_activations import recompute_activations
 from .recompute_param_views import recompute_param_views

@@ -35,9 +35,9 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from .predicates import (Phase, is_anchor_compute, is_view, phase_of, readers_through_views,
-                         tensor_bytes, viewed)
-from .splice import splice
+from .common.predicates import (Phase, is_anchor_compute, is_view, phase_of, readers_through_views,
+                                tensor_bytes, viewed)
+from .common.splice import splice
 
 aten = torch.ops.aten
 

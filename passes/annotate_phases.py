@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule
 
-from .predicates import PHASE_META, Phase, gradient_seeds
+from .common.predicates import PHASE_META, Phase, gradient_seeds
 
 
 def annotate_phases(gm: GraphModule, plan=None) -> GraphModule:

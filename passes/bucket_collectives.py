@@ -7,12 +7,13 @@ from typing import Optional
 
 from torch.fx import GraphModule, Node
 
-from .collective_code import gather_code
-from .predicates import (CARRIES_META, GATHERED_META, SECONDARY_META, Phase, carried_params,
-                         gathered_param, grad_slots, kept_through_loss, phase_of, secondary_of)
+from .common.collective_code import gather_code
+from .common.predicates import (CARRIES_META, GATHERED_META, SECONDARY_META, Phase, carried_params,
+                                gathered_param, grad_slots, kept_through_loss, phase_of,
+                                secondary_of)
 from .reduce_grads import reduction
-from .secondary_code import from_secondary_code, keeping_code
-from .splice import splice
+from .common.secondary_code import from_secondary_code, keeping_code
+from .common.splice import splice
 
 
 def bucket_collectives(gm: GraphModule, plan) -> GraphModule:

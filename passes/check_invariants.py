@@ -7,11 +7,11 @@ from typing import Optional
 
 from torch.fx import GraphModule
 
-from .host_copies import (is_device_copy, is_device_copy_wait, is_host_copy,
-                          reduction_read_by)
-from .predicates import (CAPTURED_AT_META, Phase, carried_params, gathered_param, is_collective,
-                         is_view, is_wait, kept_through_loss, phase_of, storage_base,
-                         written_in_place)
+from .common.host_copies import (is_device_copy, is_device_copy_wait, is_host_copy,
+                                 reduction_read_by)
+from .common.predicates import (CAPTURED_AT_META, Phase, carried_params, gathered_param,
+                                is_collective, is_view, is_wait, kept_through_loss, phase_of,
+                                storage_base, written_in_place)
 
 
 class InvariantError(AssertionError):
@@ -37,7 +37,7 @@ def check_invariants(gm: GraphModule, plan) -> GraphModule:
     reduction's wait, never from the collective's unwaited result, and shards
     brought from the host are read only through their copy's wait
     ([Note: gradients streamed to the host], [Note: shards brought from the
-    host] in passes/host_copies.py); every read of a tensor that the step writes in
+    host] in passes/common/host_copies.py); every read of a tensor that the step writes in
     place is on the side of the write it was captured on.
 
     [Note: in-place writes keep their readers' sides]

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
-from .collective_code import gather_code
-from .predicates import (CARRIES_META, GATHERED_META, KEPT_THROUGH_LOSS_META, SECONDARY_META,
-                         Phase, is_anchor_compute, is_param_input, is_view, param_name,
-                         phase_of, readers_through_views)
-from .secondary_code import from_secondary_code, keeping_code
-from .splice import splice
+from .common.collective_code import gather_code
+from .common.predicates import (CARRIES_META, GATHERED_META, KEPT_THROUGH_LOSS_META, SECONDARY_META,
+                                Phase, is_anchor_compute, is_param_input, is_view, param_name,
+                                phase_of, readers_through_views)
+from .common.secondary_code import from_secondary_code, keeping_code
+from .common.splice import splice
 
 
 def gather_params(gm: GraphModule, plan) -> GraphModule:

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
-from .predicates import (Phase, is_anchor_compute, is_param_input, phase_of,
-                         readers_through_views, tensor_bytes, viewed)
+from .common.predicates import (Phase, is_anchor_compute, is_param_input, phase_of,
+                                readers_through_views, tensor_bytes, viewed)
 
 
 def order_weight_grads(gm: GraphModule, plan) -> GraphModule:

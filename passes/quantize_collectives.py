@@ -6,11 +6,12 @@ import functools
 
 from torch.fx import GraphModule, Node
 
-from .predicates import (CARRIES_META, Phase, carried_params, collective_group, is_all_gather,
-                         is_all_reduce, is_reduce_scatter, phase_of, runs_across_replicas)
-from .quantized_code import (bytes_per_element, quantized_all_gather, quantized_all_reduce,
-                             quantized_reduce_scatter)
-from .splice import splice
+from .common.predicates import (CARRIES_META, Phase, carried_params, collective_group,
+                                is_all_gather, is_all_reduce, is_reduce_scatter, phase_of,
+                                runs_across_replicas)
+from .common.quantized_code import (bytes_per_element, quantized_all_gather, quantized_all_reduce,
+                                    quantized_reduce_scatter)
+from .common.splice import splice
 
 
 def quantize_collectives(gm: GraphModule, plan) -> GraphModule:

@@ -45,9 +45,9 @@ from typing import Callable, Optional, Union
 import torch
 from torch.fx import GraphModule, Node
 
-from .backward_copies import copy_into_backward
-from .predicates import (Phase, is_impure, is_param_input, is_view, param_name, phase_of,
-                         tensor_bytes, vals)
+from .common.backward_copies import copy_into_backward
+from .common.predicates import (Phase, is_impure, is_param_input, is_view, param_name, phase_of,
+                                tensor_bytes, vals)
 
 RECOMPUTE_META = "zero_recompute"
 """GraphModule meta key: the ``RecomputeSummary`` of ``recompute_activations``."""

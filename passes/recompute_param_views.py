@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
-from .backward_copies import copy_into_backward
-from .predicates import Phase, is_param_input, phase_of
+from .common.backward_copies import copy_into_backward
+from .common.predicates import Phase, is_param_input, phase_of
 
 
 def recompute_param_views(gm: GraphModule, plan) -> GraphModule:

@@ -16,9 +16,9 @@ import functools
 
 from torch.fx import GraphModule
 
-from .collective_code import all_reduce_bucket, reduce_scatter_bucket
-from .predicates import CARRIES_META, Phase, grad_slots
-from .splice import splice
+from .common.collective_code import all_reduce_bucket, reduce_scatter_bucket
+from .common.predicates import CARRIES_META, Phase, grad_slots
+from .common.splice import splice
 
 
 def reduce_grads(gm: GraphModule, plan) -> GraphModule:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
-from .predicates import LOSS_SCALE_META, Phase, gradient_seeds
-from .splice import splice
+from .common.predicates import LOSS_SCALE_META, Phase, gradient_seeds
+from .common.splice import splice
 
 
 def scale_loss(gm: GraphModule, plan) -> GraphModule:

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
-from .host_copies import is_device_copy
-from .predicates import (
+from .common.host_copies import is_device_copy
+from .common.predicates import (
     Phase,
     carried_params,
     gathered_param,
@@ -105,7 +105,7 @@ def _copies_one_bucket_ahead(gathers: list[Node], order) -> list[tuple[Node, Nod
     """Each gather's copy of shards from the host (offload="parameters") with the node it is
     to be issued before: the first node after the previous gather's own copy in that
     gather's code, so it is issued with the previous gather, one bucket ahead
-    ([Note: shards brought from the host] in passes/host_copies.py)."""
+    ([Note: shards brought from the host] in passes/common/host_copies.py)."""
     moves = []
     for previous, gather in zip(gathers, gathers[1:]):
         copies = [n for n in _issue_group(gather, order) if is_device_copy(n)]

@@ -10,7 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import models
 from zero_fx import after, before, plan_for_module, zero_compile
 from zero_fx.passes import build_pipeline, mark_step_graph, pass_names, run_pipeline
-from zero_fx.passes.predicates import GATHERED_META, PHASE_META, is_all_gather
+from zero_fx.passes.common.predicates import GATHERED_META, PHASE_META, is_all_gather
 from zero_fx.analysis.traffic import traffic_report
 
 aten = torch.ops.aten

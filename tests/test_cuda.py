@@ -559,7 +559,7 @@ def test_quantized_blocks_round_trip_in_triton_as_on_the_cpu(fmt):
     with a tail block, a zero block and an extreme one (1e30): the values eager computes
     on the CPU, up to the last bits of the fp32 arithmetic (a code one step off, where a
     value lies on a rounding boundary, would be amax / 127 or more)."""
-    from zero_fx.passes.quantized_code import dequantize_rows, quantize_rows
+    from zero_fx.passes.common.quantized_code import dequantize_rows, quantize_rows
 
     numel = 3 * ROUND_TRIP_BLOCK + 77
     g = torch.Generator().manual_seed(0)

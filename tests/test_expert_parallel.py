@@ -15,7 +15,7 @@ import torch.distributed as dist
 import models
 from zero_fx import ZeroConfig
 from zero_fx.capture.moe_blocks import RoutedExperts
-from zero_fx.passes.predicates import zero_fx_op_name
+from zero_fx.passes.common.predicates import zero_fx_op_name
 from zero_fx.plan.expert_parallel import ExpertParallel, expert_slices
 from zero_fx.plan.layout import make_plan
 from zero_fx.runtime.expert_groups import split_experts

@@ -308,7 +308,7 @@ def test_random_hf_models_with_padding_match_single_process_training(spec):
 # compilation must carry exactly: complex views (the conjugate in a complex product's
 # backward), conjugate and negative bits, writes in place around what autograd saves,
 # scatters, multi-output views ([Note: views that read differently] in
-# passes/predicates.py, [Note: in-place writes keep their readers' sides] in
+# passes/common/predicates.py, [Note: in-place writes keep their readers' sides] in
 # passes/check_invariants.py).
 
 OPS_WIDTH = 8

@@ -18,7 +18,7 @@ from ranks import run_ranks
 from training import SMALL_BUCKETS
 from zero_fx import explain, set_logs, zero_compile
 from zero_fx.passes import PASS_ORDER
-from zero_fx.passes.predicates import is_all_gather, is_collective, is_reduce_scatter
+from zero_fx.passes.common.predicates import is_all_gather, is_collective, is_reduce_scatter
 
 WORLD = 2
 

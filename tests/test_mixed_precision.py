@@ -190,7 +190,7 @@ def growing_scale_rank(rank, world_size):
 
 
 def test_fp16_loss_scale_does_not_fall_with_the_world_size():
-    """[Note: divide before the sum] in passes/collective_code.py: each rank's gradients are
+    """[Note: divide before the sum] in passes/common/collective_code.py: each rank's gradients are
     divided by 4 before the reduce-scatter sums them, so 4 ranks overflow exactly where one
     does: the same skipped steps and the same scale. Summed first, the sum of 4 gradients
     overflowed at a quarter of the scale (measured before the change: of 6 steps 2 skipped at

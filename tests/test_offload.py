@@ -280,7 +280,7 @@ def test_the_choice_counts_the_device_bytes_of_the_graph_for_a_gpu():
     the device plus the masters and moments left there, and the device peak counts exactly
     the tensors on the device (no host copy, no shard kept on the host)."""
     from zero_fx.analysis.memory_timeline import memory_timeline
-    from zero_fx.passes.predicates import is_param_input, tensor_bytes, vals
+    from zero_fx.passes.common.predicates import is_param_input, tensor_bytes, vals
     from zero_fx.runtime.offload_choice import device_peak, state_bytes
 
     def on_device(node):
@@ -323,7 +323,7 @@ def planned_for_cuda(stage, **options):
 
 def copied(node):
     """The host copy a gradient output is (a view of)."""
-    from zero_fx.passes.host_copies import is_host_copy
+    from zero_fx.passes.common.host_copies import is_host_copy
 
     while not is_host_copy(node):
         assert node.target in (operator.getitem, torch.ops.aten.split_with_sizes.default), node
@@ -337,8 +337,8 @@ def test_the_graph_for_a_gpu_streams_each_reduced_gradient_to_the_host(stage):
     graph returns, each a view of one bucket's host copy; that copy reads its bucket's
     reduced shard right after the reduce-scatter's wait (only the bucket's own division
     between), so it is issued as soon as the reduction completes and never before."""
-    from zero_fx.passes.host_copies import is_host_copy
-    from zero_fx.passes.predicates import grad_slots, is_reduce_scatter, is_wait
+    from zero_fx.passes.common.host_copies import is_host_copy
+    from zero_fx.passes.common.predicates import grad_slots, is_reduce_scatter, is_wait
 
     gm, plan = planned_for_cuda(stage, offload="optimizer")
     nodes = list(gm.graph.nodes)
@@ -385,8 +385,8 @@ def test_a_copy_that_reads_an_unwaited_reduction_is_an_invariant_error():
     gradient bucket the reduce-scatter is about to reduce is named in the error (one that
     makes it read the collective's result before its wait breaks the one-wait invariant)."""
     from zero_fx import InvariantError
-    from zero_fx.passes.host_copies import is_host_copy
-    from zero_fx.passes.predicates import is_wait
+    from zero_fx.passes.common.host_copies import is_host_copy
+    from zero_fx.passes.common.predicates import is_wait
 
     def copy_too_early(gm):
         copy = next(n for n in gm.graph.nodes if is_host_copy(n))
@@ -408,8 +408,8 @@ def test_the_graph_for_a_gpu_brings_each_bucket_of_shards_from_the_host():
     bf16 shards, the fp32 masters and AdamW's moments (2 + 12 bytes an element)."""
     from zero_fx.analysis.model_state import model_state_bytes
     from zero_fx.inspection.explain import explain_graph
-    from zero_fx.passes.host_copies import is_device_copy, is_device_copy_wait
-    from zero_fx.passes.predicates import is_all_gather, is_param_input, phase_of
+    from zero_fx.passes.common.host_copies import is_device_copy, is_device_copy_wait
+    from zero_fx.passes.common.predicates import is_all_gather, is_param_input, phase_of
 
     gm, plan = planned_for_cuda(3, offload="parameters", resident_max_numel=0)
     nodes = list(gm.graph.nodes)
@@ -446,7 +446,7 @@ def test_the_graph_for_a_gpu_brings_each_bucket_of_shards_from_the_host():
 
 def test_a_shard_read_before_its_copy_from_the_host_completes_is_an_invariant_error():
     from zero_fx import InvariantError
-    from zero_fx.passes.host_copies import is_device_copy
+    from zero_fx.passes.common.host_copies import is_device_copy
 
     def read_too_early(gm):
         copy = next(n for n in gm.graph.nodes if is_device_copy(n))

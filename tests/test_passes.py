@@ -14,11 +14,12 @@ from zero_fx.analysis.memory_timeline import memory_timeline
 from zero_fx.passes import (InvariantError, accumulate_embedding_grads, annotate_phases,
                             check_invariants, gather_params, order_weight_grads,
                             recompute_param_views, reduce_grads)
-from zero_fx.passes.predicates import (GRAD_SLOTS_META, PARAM_META, Phase, gathered_param,
-                                       is_all_gather, is_all_reduce, is_reduce_scatter, is_view,
-                                       is_wait, kept_through_loss, phase_of, viewed)
+from zero_fx.passes.common.predicates import (GRAD_SLOTS_META, PARAM_META, Phase, gathered_param,
+                                              is_all_gather, is_all_reduce, is_reduce_scatter,
+                                              is_view, is_wait, kept_through_loss, phase_of, viewed)
 from zero_fx.analysis.traffic import traffic_report
-from zero_fx.passes.collective_code import all_reduce_bucket, gather_bucket, reduce_scatter_bucket
+from zero_fx.passes.common.collective_code import (all_reduce_bucket, gather_bucket,
+                                                   reduce_scatter_bucket)
 
 aten = torch.ops.aten
 WORLD = 2
@@ -119,14 +120,14 @@ def _column_sums_of_doubled(t):
 
 
 class TestSplice:
-    """[Note: one trace per distinct splice] in passes/splice.py."""
+    """[Note: one trace per distinct splice] in passes/common/splice.py."""
 
     @pytest.fixture(autouse=True)
     def traces(self, monkeypatch):
         """Every fn traced in the test, with the process's kept traces set aside."""
         import collections
 
-        from zero_fx.passes import splice as splice_module
+        from zero_fx.passes.common import splice as splice_module
 
         monkeypatch.setattr(splice_module, "_kept", collections.OrderedDict())
         traces = []
@@ -138,7 +139,7 @@ class TestSplice:
     def _splice(self, code, default_dtype=torch.float32):
         """``code`` spliced on ``v`` (float32) of a newly captured step (a fake mode of its
         own), under ``default_dtype``."""
-        from zero_fx.passes.splice import splice
+        from zero_fx.passes.common.splice import splice
 
         gm, _ = step_graph()
         node = next(n for n in gm.graph.nodes if n.meta.get(PARAM_META) == "v")
@@ -151,7 +152,7 @@ class TestSplice:
             torch.set_default_dtype(previous)
 
     def _two_gathers(self, traces):
-        from zero_fx.passes import splice as splice_module
+        from zero_fx.passes.common import splice as splice_module
 
         gm, _ = step_graph()
         w, b, v = [n for n in gm.graph.nodes if n.op == "placeholder"][:3]
@@ -182,7 +183,7 @@ class TestSplice:
     def test_a_trace_serves_later_compilations_and_keeps_no_fake_tensor(self, traces):
         from torch._guards import detect_fake_mode
 
-        from zero_fx.passes import splice as splice_module
+        from zero_fx.passes.common import splice as splice_module
 
         code = functools.partial(_scaled_column_sums, scale=2.0)
         first, _ = self._splice(code)
@@ -212,7 +213,7 @@ class TestSplice:
                                                             (aten.mul.Tensor, 3)]
 
     def test_the_process_keeps_a_bounded_number_of_traces(self, traces, monkeypatch):
-        from zero_fx.passes import splice as splice_module
+        from zero_fx.passes.common import splice as splice_module
 
         monkeypatch.setattr(splice_module, "KEPT_TRACES", 1)
         for scale in (2.0, 3.0, 2.0):  # the third was dropped when the second was kept
@@ -565,7 +566,7 @@ def test_a_size_the_data_decides_counts_at_its_upper_bound():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from zero_fx.passes.predicates import hint, tensor_bytes
+    from zero_fx.passes.common.predicates import hint, tensor_bytes
     shape_env = ShapeEnv()
     with FakeTensorMode(shape_env=shape_env):
         rows = torch.nonzero(torch.empty(6, 4))

@@ -15,11 +15,11 @@ import models
 from test_cost_model import tiny_gpt
 from training import SMALL_BUCKETS, Frozen, check_updates, relative_error, zero_fx_run
 from zero_fx import ZeroConfig, rewritten_step_on_fake
-from zero_fx.passes.predicates import (Phase, is_all_gather, is_all_reduce, is_all_to_all,
-                                       is_reduce_scatter, phase_of)
+from zero_fx.passes.common.predicates import (Phase, is_all_gather, is_all_reduce, is_all_to_all,
+                                              is_reduce_scatter, phase_of)
 from zero_fx.passes.quantize_collectives import replica_exchange_pays
-from zero_fx.passes.quantized_code import (FORMATS, bytes_per_element, dequantize_rows,
-                                           quantize_rows, row_bytes)
+from zero_fx.passes.common.quantized_code import (FORMATS, bytes_per_element, dequantize_rows,
+                                                  quantize_rows, row_bytes)
 
 
 def round_trip(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ from ranks import run_ranks
 from training import parity_errors, reference_run, zero_fx_run
 from zero_fx import zero_compile
 from zero_fx.compiler.lowered_schedule import planned_schedule
-from zero_fx.passes.predicates import is_all_gather, is_collective, is_reduce_scatter, is_wait
+from zero_fx.passes.common.predicates import is_all_gather, is_collective, is_reduce_scatter, is_wait
 from zero_fx.planner.offline import language_model_loss
 
 
@@ -60,7 +60,7 @@ def test_the_bodies_do_not_grow_with_depth(fake_world_of_two):
 
 
 def test_the_outer_graph_runs_ops_per_bucket_not_per_parameter(fake_world_of_two):
-    """[Note: one op per bucket] (passes/collective_code.py) and [Note: views only the body
+    """[Note: one op per bucket] (passes/common/collective_code.py) and [Note: views only the body
     reads go in]: from 4 to 8 blocks the step's own graph grows, per block, by its bodies'
     calls, per bucket by its collective and wait and its code's few ops (a gather: one
     concatenation in, one copy out; a reduction: one concatenation in, the division, a

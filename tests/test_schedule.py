@@ -8,9 +8,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from zero_fx import make_plan
 from zero_fx.passes import (annotate_phases, bucket_collectives, check_invariants, gather_params,
                             recompute_param_views, reduce_grads, schedule_collectives)
-from zero_fx.passes.predicates import (GRAD_SLOTS_META, PARAM_META, Phase, carried_params,
-                                       is_all_gather, is_collective, is_reduce_scatter, is_wait,
-                                       phase_of)
+from zero_fx.passes.common.predicates import (GRAD_SLOTS_META, PARAM_META, Phase, carried_params,
+                                              is_all_gather, is_collective, is_reduce_scatter,
+                                              is_wait, phase_of)
 from zero_fx.analysis.traffic import traffic_report
 
 DEPTH = 6

@@ -14,7 +14,7 @@ from test_cost_model import tiny_gpt
 from training import SMALL_BUCKETS, zero_fx_run
 from zero_fx import ZeroConfig, rewritten_step_on_fake
 from zero_fx.analysis.traffic import traffic_report
-from zero_fx.passes.predicates import Phase, is_all_gather, phase_of
+from zero_fx.passes.common.predicates import Phase, is_all_gather, phase_of
 from zero_fx.runtime.process_group import World
 from zero_fx.runtime.secondary_groups import with_secondary_partition
 

@@ -1,8 +1,9 @@
 """Models whose arithmetic a rewrite can lose without the loss showing it, each parameter
 compared with the update it made (``training.check_updates``), and the checks that catch
-such a loss: complex arithmetic ([Note: views that read differently] in passes/predicates.py),
-a tensor overwritten in place around a saved copy ([Note: in-place writes keep their
-readers' sides] in passes/check_invariants.py), a 0-dim parameter; ``zero_fx.verify`` on a
+such a loss: complex arithmetic ([Note: views that read differently] in
+passes/common/predicates.py), a tensor overwritten in place around a saved copy ([Note:
+in-place writes keep their readers' sides] in passes/check_invariants.py), a 0-dim
+parameter; ``zero_fx.verify`` on a
 user's step ([Note: checking a step against eager] in zero_fx/verification.py), which like
 the suite's update check must fail a planted 5% error in one parameter's gradient.
 
@@ -24,7 +25,7 @@ from training import UPDATE_TOLERANCE, check_updates, parity_errors
 import zero_fx
 from zero_fx import InvariantError, zero_compile
 from zero_fx.passes.check_invariants import check_in_place_order
-from zero_fx.passes.predicates import CAPTURED_AT_META
+from zero_fx.passes.common.predicates import CAPTURED_AT_META
 
 COMPLEX_EXACT = 1e-6
 """The smallest complex model's update error bound: measured 7e-8 at two ranks, 0 at one."""

@@ -50,7 +50,7 @@ def _broken(broken: str):
 
     import zero_fx.passes  # noqa: F401  (the module, not the function of the same name)
 
-    module = sys.modules["zero_fx.passes.collective_code"]
+    module = sys.modules["zero_fx.passes.common.collective_code"]
     average = module._average
     module._average = lambda summed, world_size: summed
     try:

@@ -5,7 +5,7 @@ rank process otherwise set up for itself, done once there and inherited by every
   importing them took each rank that built an HF model about 5 s of the 2-core box.
 - one compilation of the test GPT's step at world sizes 2 and 4 on a fake group: the
   first-call set-up of Dynamo, make_fx, fake tensors and our passes, the kept traces of the
-  passes' splices ([Note: one trace per distinct splice] in passes/splice.py), and the kept
+  passes' splices ([Note: one trace per distinct splice] in passes/common/splice.py), and the kept
   capture of that step ([Note: kept captures] in zero_fx/capture/kept_captures.py), which
   a rank's first compilation of the GPT then copies instead of tracing.
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 
 from .passes.pipeline import pass_names
-from .passes.quantized_code import check_block
+from .passes.common.quantized_code import check_block
 from .passes.recompute_activations import ActivationBudget
 from .plan.layout import BLOCKS
 
@@ -268,7 +268,7 @@ class ZeroConfig:
     zero_fx/runtime/update.py); ``"sync"``: every call reads the latest parameters."""
     quantize_weights: Union[None, str, Mapping[str, Optional[str]]] = None
     """Stage 3: the all-gathers move the parameters block-quantized, dequantized before
-    use (ZeRO++'s qwZ; [Note: quantized blocks on the wire] in passes/quantized_code.py):
+    use (ZeRO++'s qwZ; [Note: quantized blocks on the wire] in passes/common/quantized_code.py):
     ``"int8"`` or ``"fp8"`` (e4m3) for every gather, or ``{"forward": ..., "backward":
     ...}`` to choose each phase's apart (None in it: that phase's gathers as they are).
     The masters, the optimizer and the shards stay in full precision: only the copy on the
@@ -276,7 +276,7 @@ class ZeroConfig:
     quantize_gradients: Optional[str] = None
     """Stages 1-3: each gradient reduction moves ``"int8"`` or ``"int4"`` blocks by
     all-to-all, summed in fp32 on arrival (ZeRO++'s qgZ; [Note: reductions as
-    all-to-alls] in passes/quantized_code.py); with hybrid sharding, the all-reduce across
+    all-to-alls] in passes/common/quantized_code.py); with hybrid sharding, the all-reduce across
     replicas too where that moves fewer bytes. None: reductions in the gradients' dtype."""
     quantize_block: int = 256
     """Elements per quantized block (one fp32 scale each, 4 bytes): a multiple of 8.
@@ -650,7 +650,7 @@ def weight_formats(quantize_weights) -> tuple:
 
 def check_quantization(weights, gradients, block, stage: int, accumulation_steps: int) -> None:
     """The quantized-communication options make sense together ([Note: quantized blocks
-    on the wire] in passes/quantized_code.py)."""
+    on the wire] in passes/common/quantized_code.py)."""
     if isinstance(weights, Mapping):
         unknown = set(weights) - set(PHASES)
         if unknown:

@@ -5,7 +5,7 @@ wire time it saves.
     python -m bench.experiments.quantize_gpu --device cpu --model tiny --backend aot_eager   # anywhere, a look
 
 1. The kernels. ``quantize_rows`` and ``dequantize_rows`` ([Note: quantized blocks on the
-   wire] in passes/quantized_code.py), each compiled as the step lowers it, on a bucket of
+   wire] in passes/common/quantized_code.py), each compiled as the step lowers it, on a bucket of
    one block's parameters and on one of the whole model's, 50 calls back to back: the
    microseconds a call keeps the device busy, and GB/s of the bf16 values it reads.
 2. The step. Stage 3 in bf16 on a fake process group of 8 in this process: one rank of 8,
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from examples.gpt import GPT
 from zero_fx import MixedPrecision, zero_compile
-from zero_fx.passes.quantized_code import dequantize_rows, quantize_rows
+from zero_fx.passes.common.quantized_code import dequantize_rows, quantize_rows
 from zero_fx.planner.models import ModelSource
 from zero_fx.planner.working_set import STEADY_FROM
 from zero_fx.planner.quantization import CONFIGURATIONS, price_quantization

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..passes.predicates import collective_group, is_token_exchange_op, token_exchange_numel
+from ..passes.common.predicates import collective_group, is_token_exchange_op, token_exchange_numel
 from .traffic import (ALL_TO_ALL, KIND_OF_COLLECTIVE, KINDS, TP_PREFIX, dtype_name,
                       tensor_parallel_kind)
 

@@ -103,7 +103,7 @@ from torch.fx import GraphModule, Node
 
 from ..capture import grouped_mm as _grouped_mm  # noqa: F401 - registers torch.ops.zero_fx
 from ..formatting import format_bytes
-from ..passes.predicates import is_collective, is_token_exchange, is_wait
+from ..passes.common.predicates import is_collective, is_token_exchange, is_wait
 from .hardware import Hardware, hardware
 from .memory_timeline import MemoryTimeline, hint, is_view, memory_timeline, tensor_bytes, vals
 from .traffic import (

@@ -25,8 +25,8 @@ from typing import Mapping
 import torch
 from torch.fx import GraphModule, Node
 
-from ..passes.predicates import (carried_params, gathered_param, hint, is_collective, is_view, is_wait,
-                               phase_of, tensor_bytes, vals)
+from ..passes.common.predicates import (carried_params, gathered_param, hint, is_collective,
+                                        is_view, is_wait, phase_of, tensor_bytes, vals)
 
 
 @dataclass(frozen=True)

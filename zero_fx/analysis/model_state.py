@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule
 
-from ..passes.predicates import grad_slots, is_param_input, param_name
-from ..runtime.offload import HOST
+from ..passes.common.predicates import grad_slots, is_param_input, param_name
+from ..passes.common.host_copies import HOST
 
 
 @dataclass(frozen=True)

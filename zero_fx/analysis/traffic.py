@@ -33,7 +33,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..formatting import ranks_phrase
-from ..passes.predicates import (
+from ..passes.common.predicates import (
     carried_params,
     grad_slots,
     is_all_gather,
@@ -167,7 +167,7 @@ class TrafficReport:
 
     def bytes_by_dtype(self) -> dict[str, int]:
         """Bytes per step by the dtype they move in ("float32", "bfloat16", "uint8" for
-        quantized blocks: [Note: quantized blocks on the wire] in passes/quantized_code.py),
+        quantized blocks: [Note: quantized blocks on the wire] in passes/common/quantized_code.py),
         every kind together."""
         totals = Counter()
         for c in self.collectives:

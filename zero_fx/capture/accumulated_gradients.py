@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from ..passes.predicates import PARAM_META
+from ..passes.common.predicates import PARAM_META
 from .errors import CaptureError
 
 aten = torch.ops.aten

@@ -38,7 +38,7 @@ import torch
 from torch.fx import GraphModule
 from torch.fx._lazy_graph_module import _make_graph_module
 
-from ..passes.splice import static_layout
+from ..passes.common.splice import static_layout
 
 KEPT_CAPTURES = 32
 """How many distinct captures the process keeps (a few graphs of thousands of nodes each)."""

@@ -23,15 +23,15 @@ from torch.fx.node import map_aggregate
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..passes.predicates import CAPTURED_AT_META, GRAD_SLOTS_META, PARAM_META
+from ..passes.common.predicates import CAPTURED_AT_META, GRAD_SLOTS_META, PARAM_META
 from .accumulated_gradients import sum_accumulated_gradients
-from ..passes.splice import outside_dynamo_tracing, trace_to_aten
+from ..passes.common.splice import outside_dynamo_tracing, trace_to_aten
+from .dtensors import local_tensor
 from .errors import CaptureError
 from .inline_checkpoints import inline_checkpoints
 from .layout_decompositions import layout_safe_decompositions
 from .kept_captures import capture_key, keep_capture, kept_capture
 from .scalar_outputs import items_as_tensors
-from ..plan.tensor_parallel import local_tensor
 from .tensor_parallel import (has_dtensors, mark_tensor_parallel, over_local_tensors,
                               sum_partials_before_reducing)
 

@@ -17,7 +17,7 @@ tensor: a parameter's gradient comes out in its placements, as ZeRO needs it.
 
 Those collectives run on the mesh's "tp" group and are data: their results feed the next
 op as a matmul's do. ``mark_tensor_parallel`` tags them, with their waits, as
-``TP_COLLECTIVE_META``; the predicates of ZeRO's own collectives (passes/predicates.py)
+``TP_COLLECTIVE_META``; the predicates of ZeRO's own collectives (passes/common/predicates.py)
 then do not match them, so no pass moves, buckets or drops them, and the schedule moves
 ZeRO's gathers and reductions around them as around any compute.
 """
@@ -29,8 +29,8 @@ from typing import Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
-from ..passes.predicates import TP_COLLECTIVE_META, collective_group
-from ..plan.tensor_parallel import is_dtensor
+from ..passes.common.predicates import TP_COLLECTIVE_META, collective_group
+from .dtensors import is_dtensor
 
 _c10d = torch.ops._c10d_functional
 

@@ -31,12 +31,10 @@ import shutil
 import zlib
 from typing import Callable
 
+from ..checkpoint_error import CheckpointError  # raised here, and imported from here
+
 MANIFEST = "zero_fx.json"
 FORMAT = 1
-
-
-class CheckpointError(RuntimeError):
-    """The checkpoint cannot be loaded: incomplete, truncated, corrupted, or for another model."""
 
 
 def staging_path(path: str) -> str:

@@ -21,7 +21,7 @@ from ..capture.step_graph import (CHECKPOINTED_META, CaptureError, capture_step_
 from ..config import ZeroConfig, describe_backend
 from ..inspection.dump import GraphDump
 from ..passes import build_pipeline, run_pipeline
-from ..passes.predicates import LOSS_SCALE_META, grad_slots
+from ..passes.common.predicates import LOSS_SCALE_META, grad_slots
 from ..runtime.rank_agreement import graph_signature
 from ..runtime.sharding import Sharded
 from ..runtime.step_runner import StepRunner

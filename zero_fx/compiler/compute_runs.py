@@ -5,7 +5,7 @@ at their edges left out, views placed where the body that reads them can take th
 [Note: views only the body reads go in]
 Every node the outer graph runs costs a Python dispatch (on CUDA a launch too), so it
 should run about one op per collective and per bucket, not one per parameter ([Note: one
-op per bucket] in passes/collective_code.py). A view is free to place: it only aliases
+op per bucket] in passes/common/collective_code.py). A view is free to place: it only aliases
 its base. So before the graph is cut, each view is moved to right before its first reader
 (``sink_views``), which puts a gathered weight's shaping and transposing views
 (``view(w, shape)``, ``t``) in the run that reads them, and a view that only one body
@@ -46,7 +46,7 @@ from typing import Sequence
 import torch
 from torch.fx import GraphModule, Node
 
-from ..passes.predicates import (is_collective, is_view, is_wait, reads_the_same, storage_base,
+from ..passes.common.predicates import (is_collective, is_view, is_wait, reads_the_same, storage_base,
                                  written_in_place)
 
 MIN_REGION_OPS = 4
@@ -155,7 +155,7 @@ def drop_identity_views(gm: GraphModule) -> None:
     strides, offset and conjugate and negative bits (``t(t(w))`` of a matrix, a ``detach``,
     a view to the same shape; not ``_conj``: [Note: views that read differently]).
     Each is an op the outer graph would run for nothing ([Note: one op per bucket] in
-    passes/collective_code.py counts why that matters)."""
+    passes/common/collective_code.py counts why that matters)."""
     for node in list(gm.graph.nodes):
         if not _pure_view(node):
             continue

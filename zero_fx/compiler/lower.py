@@ -13,8 +13,8 @@ from torch.fx._lazy_graph_module import _make_graph_module
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..capture.step_graph import static_fakes
-from ..passes.predicates import tensor_parallel_groups
-from ..passes.splice import outside_dynamo_tracing
+from ..passes.common.predicates import tensor_parallel_groups
+from ..passes.common.splice import outside_dynamo_tracing
 from .lowered_memory import LoweredMemory, lowered_memory
 from .lowered_schedule import (OrderCheck, inductor_keeps_as_kernel, lowered_schedule, order_as_graph,
                                planned_schedule)

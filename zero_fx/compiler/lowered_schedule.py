@@ -2,7 +2,7 @@
 
 A schedule is the program order of three kinds of event: a collective issued,
 a collective waited for, and an *anchor* computed (a matmul, attention or
-convolution: ``passes.predicates.is_anchor_compute``; the compute whose place
+convolution: ``passes.common.predicates.is_anchor_compute``; the compute whose place
 in generated code is well defined). Collectives are numbered in issue order.
 Two schedules are the same when these sequences are: every issue and every
 wait has the same anchors before and after it. ``OrderCheck`` holds that
@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from ..passes.predicates import (
+from ..passes.common.predicates import (
     ANCHOR_OPS,
     is_all_gather,
     is_all_to_all,

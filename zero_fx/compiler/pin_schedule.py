@@ -28,7 +28,7 @@ because it is a real dependency to them. Two steps:
    ``memory_budget_bytes``), and a wait is neither hoisted nor sunk.
 
 Anchors are the ops Inductor always runs as kernels of their own, matmuls,
-attention and convolutions (``passes.predicates.is_anchor_compute``): a
+attention and convolutions (``passes.common.predicates.is_anchor_compute``): a
 pointwise op may be fused into another kernel or inlined into its reader, so
 neither its place nor a dependency on it means anything in the generated code
 (a control dependency on an op that gets inlined is silently dropped).
@@ -84,7 +84,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch.fx import Graph, GraphModule, Node
 from torch.utils._ordered_set import OrderedSet
 
-from ..passes.predicates import is_all_gather, is_anchor_compute, is_collective, is_wait
+from ..passes.common.predicates import is_all_gather, is_anchor_compute, is_collective, is_wait
 
 POSITION_KEY = "zero_fx_position"
 """Key in ``node.meta["custom"]``: the node's index in our final graph."""

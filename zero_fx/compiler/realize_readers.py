@@ -40,7 +40,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch.fx import Graph, GraphModule, Node
 
 from ..analysis.memory_timeline import is_view
-from ..passes.predicates import carried_params, is_all_gather, is_anchor_compute, is_wait
+from ..passes.common.predicates import carried_params, is_all_gather, is_anchor_compute, is_wait
 
 RELEASED_KEY = "zero_fx_released_gather"
 """Key in ``node.meta["custom"]``: an all-gather of parameters that are released after use."""

@@ -63,7 +63,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx._lazy_graph_module import _make_graph_module
 
 from ..passes.check_invariants import check_in_place_order
-from ..passes.predicates import GATHERED_META, Phase, is_collective, is_wait, phase_of
+from ..passes.common.predicates import GATHERED_META, Phase, is_collective, is_wait, phase_of
 from ..plan.layout import block_of
 from .compute_runs import compute_runs, computes, drop_identity_views, sink_views
 from .packed_results import REGION_META, pack, pass_results_whole, unpack
@@ -245,7 +245,7 @@ def _value_signature(value) -> object:
     start is 16-byte aligned (what Inductor specializes on), not its offset (one block's
     slice of a tensor over all blocks starts elsewhere than the next block's), and the
     conjugate and negative bits ([Note: views that read differently] in
-    passes/predicates.py)."""
+    passes/common/predicates.py)."""
     if isinstance(value, torch.Tensor):
         return ("T", tuple(value.shape), value.dtype, tuple(value.stride()),
                 value.device.type, value.storage_offset() * value.element_size() % 16 == 0,

@@ -12,7 +12,7 @@ from torch.fx import GraphModule, Node
 
 from ..analysis.memory_timeline import is_view, tensor_bytes
 from ..formatting import format_bytes, short_dtype
-from ..passes.predicates import (
+from ..passes.common.predicates import (
     carried_params,
     gathered_param,
     grad_slots,

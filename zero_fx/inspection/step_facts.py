@@ -9,8 +9,8 @@ from typing import Optional
 from torch.fx import GraphModule
 
 from ..analysis.memory_timeline import MemoryTimeline, tensor_bytes
-from ..passes.host_copies import is_device_copy, is_device_copy_wait, is_host_copy, reduction_read_by
-from ..passes.predicates import (carried_params, gathered_param, is_anchor_compute, is_wait,
+from ..passes.common.host_copies import is_device_copy, is_device_copy_wait, is_host_copy, reduction_read_by
+from ..passes.common.predicates import (carried_params, gathered_param, is_anchor_compute, is_wait,
                                  kept_through_loss, readers_through_views)
 
 
@@ -36,7 +36,7 @@ class GatheredLifetime:
 @dataclass(frozen=True)
 class HostCopy:
     """One bucket's gradient shard streamed to the host in the graph ([Note: gradients
-    streamed to the host] in passes/host_copies.py)."""
+    streamed to the host] in passes/common/host_copies.py)."""
 
     bucket: tuple[str, ...]
     bytes: int
@@ -51,7 +51,7 @@ class HostCopy:
 @dataclass(frozen=True)
 class DeviceCopy:
     """One bucket's shards brought from the host before its all-gather (offload="parameters",
-    [Note: shards brought from the host] in passes/host_copies.py)."""
+    [Note: shards brought from the host] in passes/common/host_copies.py)."""
 
     bucket: tuple[str, ...]
     bytes: int

@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Protocol, Union, runtime_checkable
 
 import torch
 import torch.nn as nn
 
-from ..checkpoint.files import CheckpointError
+from ..checkpoint_error import CheckpointError
 from ..formatting import format_bytes
 from ..plan import plan_for_module
 from .model_tensors import ModelTensor, model_tensors
@@ -19,6 +19,23 @@ from .safetensors_files import WeightFiles
 log = logging.getLogger("zero_fx")
 
 Rename = Union[Mapping[str, Optional[str]], Callable[[str], Optional[str]], None]
+
+
+@runtime_checkable
+class StepToShard(Protocol):
+    """What ``load_pretrained`` uses of a ``@zero_compile`` step (``zero_fx.api.CompiledStep``).
+
+    The step is known by what it has, not by its class: the api sits above materialize/
+    (docs/architecture.md, "The layers"), and importing it from here closed a cycle
+    (api -> compiler -> runtime -> materialize -> api)."""
+
+    state: object
+    """None until the step has sharded its model."""
+    _model: Optional[nn.Module]
+    _optimizer: Optional[torch.optim.Optimizer]
+
+    def _shard(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+               pretrained: Optional[PretrainedWeights] = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -64,9 +81,7 @@ def load_pretrained(target, path: str, model: Optional[nn.Module] = None,
 
     Returns what this rank read (``LoadedWeights``).
     """
-    from ..api import CompiledStep
-
-    if isinstance(target, CompiledStep):
+    if isinstance(target, StepToShard):
         if target.state is not None:
             raise RuntimeError(
                 f"load_pretrained after {target.__name__} has sharded its model (its first call, "

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from ..checkpoint.files import CheckpointError
+from ..checkpoint_error import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -158,7 +158,7 @@ class ShardPlan:
     """The gradient reductions average in the collective (``"avg"``: NCCL, whose AVG of
     floating types multiplies by 1/N before it sums), so no division op runs; False: SUM,
     divided by the bucket code (gloo, whose AVG returns sums in some paths). [Note: divide
-    before the sum] in passes/collective_code.py."""
+    before the sum] in passes/common/collective_code.py."""
     recompute: Any = None
     """What the backward recomputes instead of keeping (``recompute_activations``): None,
     ``"blocks"``, a policy ``fn(node) -> "save" | "recompute"`` or an ``ActivationBudget``."""
@@ -183,10 +183,10 @@ class ShardPlan:
     quantize_weights: tuple = (None, None)
     """Stage 3: the format (``"int8"``, ``"fp8"``) the forward's and the backward's
     all-gathers move, or None for the parameters' own dtype ([Note: quantized blocks on
-    the wire] in passes/quantized_code.py)."""
+    the wire] in passes/common/quantized_code.py)."""
     quantize_gradients: Optional[str] = None
     """The format (``"int8"``, ``"int4"``) gradient reductions move, summed in fp32 on
-    arrival ([Note: reductions as all-to-alls] in passes/quantized_code.py); None: their
+    arrival ([Note: reductions as all-to-alls] in passes/common/quantized_code.py); None: their
     own dtype."""
     quantize_block: int = 256
     """Elements per block of a quantized collective (one fp32 scale each)."""

@@ -31,16 +31,7 @@ from typing import Any, Mapping
 
 import torch
 
-
-def is_dtensor(value) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
-
-
-def local_tensor(value):
-    """A DTensor's local piece (what zero_fx shards); any other value as it is."""
-    return value._local_tensor if is_dtensor(value) else value
+from ..capture.dtensors import is_dtensor, local_tensor  # here too: the runtime reads them here
 
 
 def set_values(param: torch.nn.Parameter, values: torch.Tensor) -> None:

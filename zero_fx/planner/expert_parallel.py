@@ -49,7 +49,7 @@ from ..analysis.memory_timeline import memory_timeline, peak_alive
 from ..capture.expert_exchange import received_rows
 from ..capture.fused_experts import holds_stacked_experts, splittable_fused_experts
 from ..capture.moe_blocks import TOP_K_NAMES, _shared_expert, moe_shape
-from ..passes.predicates import carried_params
+from ..passes.common.predicates import carried_params
 from ..plan.layout import ShardPlan
 from .report import ExpertBlocks, ExpertParallelRow, PlanReport, peak_of
 

@@ -17,8 +17,8 @@ from torch.fx import GraphModule
 from ..capture.routed_experts import route_experts_with_fixed_shapes
 from ..config import ZeroConfig
 from ..passes import build_pipeline, run_pipeline
-from ..passes.predicates import mark_step_graph
-from ..passes.splice import trace_to_aten
+from ..passes.common.predicates import mark_step_graph
+from ..passes.common.splice import trace_to_aten
 from ..plan.layout import ShardPlan, plan_for_module
 from ..plan.secondary import planned as planned_secondary
 from .on_device import moved_to_device

@@ -19,8 +19,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from ..passes.host_copies import is_device_copy
-from ..passes.predicates import is_param_input
+from ..passes.common.host_copies import is_device_copy
+from ..passes.common.predicates import is_param_input
 from ..runtime.offload import HOST
 
 

@@ -5,7 +5,7 @@ and, on hardware of several nodes, its secondary partition.
 Quantizing trades bytes on the wire for work on the device. Each gather quantizes the
 rank's shard and dequantizes the gathered bucket; each reduction quantizes the bucket and
 dequantizes and sums what arrives ([Note: quantized blocks on the wire] and [Note:
-reductions as all-to-alls] in passes/quantized_code.py). That work is ops of the step's
+reductions as all-to-alls] in passes/common/quantized_code.py). That work is ops of the step's
 graph, so the cost model prices it like any other: the bytes each op moves at the preset's
 memory bandwidth, plus a launch.
 

@@ -66,7 +66,7 @@ from ..analysis.transfer_seconds import (TP_COLLECTIVES_PER_BLOCK, data_parallel
                                          ring_seconds, tensor_parallel_seconds)
 from ..analysis.hardware import hardware
 from ..analysis.memory_timeline import memory_timeline, peak_alive
-from ..passes.predicates import carried_params, is_param_input, is_view, param_name
+from ..passes.common.predicates import carried_params, is_param_input, is_view, param_name
 from ..plan.layout import ShardPlan, block_of
 from .report import ExpertBlocks, PlanReport, TensorParallelRow, TensorParallelShape, peak_of
 from .stages import in_block, rank_pieces, stage_plan

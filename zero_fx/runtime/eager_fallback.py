@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..capture.graph_breaks import GraphBreak
 from ..formatting import format_bytes
-from ..passes.host_copies import wait_for_host_copies
+from ..passes.common.host_copies import wait_for_host_copies
 from ..passes.reduce_grads import reduction
 from .rank_agreement import CallSignature, RankAgreement
 from .sharded_state import ShardedState

@@ -13,7 +13,7 @@ as ZeRO-Offload does. The device keeps what the step reads:
 
 Around the step: each gradient shard streams to the host inside the graph, issued right
 after its reduction's wait ([Note: gradients streamed to the host] in
-passes/host_copies.py), and is cast to the master's dtype there; after the optimizer has
+passes/common/host_copies.py), and is cast to the master's dtype there; after the optimizer has
 stepped, each updated master is cast and copied back into its device shard (stage 3), or
 gathered into the whole parameters from a device copy (stages 1-2). What crosses the host
 link per step is the gradient shard one way and the parameter shard the other. The
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-HOST = torch.device("cpu")
+from ..passes.common.host_copies import HOST
 
 
 def to_host(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -41,8 +41,8 @@ from torch.fx import GraphModule
 
 from ..analysis.memory_timeline import memory_timeline, peak_alive
 from ..formatting import format_bytes
-from ..passes.host_copies import is_host_copy
-from ..passes.predicates import is_param_input, tensor_bytes
+from ..passes.common.host_copies import is_host_copy
+from ..passes.common.predicates import is_param_input, tensor_bytes
 
 log = logging.getLogger("zero_fx")
 

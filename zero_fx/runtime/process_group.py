@@ -11,6 +11,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from ..collective_backends import backend_serving
 from ..plan.secondary import SecondaryPartition
 
 
@@ -61,30 +62,6 @@ class World:
         """This rank in the default group (mesh ranks are laid out replica-major, "tp" the
         fastest dimension, as ``init_device_mesh`` lays them out)."""
         return (self.replica * self.size + self.rank) * self.tp + self.tp_rank
-
-
-def backend_serving(device_type: str, group: Optional[dist.ProcessGroup] = None) -> str:
-    """The backend that moves ``device_type`` tensors ("cpu", "cuda") on ``group`` (None: the
-    default group), in lower case: "gloo", "nccl", "fake", ...; "" when no group is
-    initialised or none of its backends serves that device.
-
-    [Note: the backend by device]
-    A process group holds one backend per device type, and its name does not say which:
-    ``init_process_group()`` with no backend (the usual call under torchrun) names itself
-    "undefined" and serves CPU tensors with gloo and, where CUDA is available, CUDA tensors
-    with NCCL; ``init_process_group("cpu:gloo,cuda:nccl")`` names itself that string;
-    ``init_process_group("gloo")`` serves both device types with gloo. So zero_fx asks the
-    group's own configuration (``dist.get_backend_config``) which backend serves the device
-    in question, and never compares the name: the training device, the NCCL completion
-    check and the gloo all-gather workaround all read this.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return ""
-    for entry in str(dist.get_backend_config(group)).split(","):
-        device, _, backend = entry.partition(":")
-        if device.strip().lower() == device_type:
-            return backend.strip().lower()
-    return ""
 
 
 def _backends(group: Optional[dist.ProcessGroup] = None) -> tuple[tuple[str, str], ...]:
@@ -203,7 +180,8 @@ def check_devices_match_backend(params: Iterable[torch.Tensor]) -> None:
 def collectives_average(world: World, device: torch.device) -> bool:
     """Whether the gradient reductions can average in the collective: NCCL moves this
     device's tensors (its AVG of floating types is a sum pre-multiplied by 1/N; gloo's AVG
-    returns sums in some paths). [Note: divide before the sum] in passes/collective_code.py."""
+    returns sums in some paths). [Note: divide before the sum] in
+    passes/common/collective_code.py."""
     return world.backend_for(device.type) == "nccl"
 
 

@@ -9,12 +9,12 @@ from typing import Iterator, Optional
 import torch
 
 from ..formatting import format_bytes
-from ..passes.collective_code import gather_bucket
+from ..passes.common.collective_code import gather_bucket
 from ..passes.reduce_grads import reduction
 from ..plan import ShardPlan
 from ..plan.layout import plan_shard
 from ..plan.tensor_parallel import local_tensor, set_values
-from ..passes.host_copies import wait_for_host_copies
+from ..passes.common.host_copies import wait_for_host_copies
 from .offload import to_host
 from .optimizer import check_elementwise, rebind_to_shards
 from .process_group import World

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import Optional
 
-from ..passes.host_copies import wait_for_host_copies
+from ..passes.common.host_copies import wait_for_host_copies
 from .rank_agreement import GraphSignature, RankAgreement, call_signature
 from .sharded_state import ShardedState
 

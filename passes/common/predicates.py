@@ -94,7 +94,7 @@ def is_all_reduce(node: Node) -> bool:
 
 def is_all_to_all(node: Node) -> bool:
     """A quantized reduction's all-to-all ([Note: reductions as all-to-alls] in
-    passes/quantized_code.py); expert parallelism's exchanges are ops of their own
+    passes/common/quantized_code.py); expert parallelism's exchanges are ops of their own
     (``is_token_exchange``), tensor parallelism's are tagged."""
     return _target_is(node, _c10d.all_to_all_single.default)
 

@@ -45,6 +45,9 @@ import torch
 
 from .predicates import carried_params, is_collective, is_wait
 
+HOST = torch.device("cpu")
+"""Where offloaded tensors live and host copies go (read by the runtime and the analysis)."""
+
 _copy_streams: dict = {}
 _pending: set = set()
 _device_copies: dict = {}

@@ -92,7 +92,7 @@ def gather_bucket(*shards: torch.Tensor, numels: Sequence[int], shapes: Sequence
     copied out with the others in one op ([Note: one op per bucket]).
     ``dtype`` (mixed precision): cast the shards first, so the collective moves that dtype.
     ``from_host``: the shards are in host memory, copied to the training device of that type
-    first, in one buffer ([Note: shards brought from the host] in passes/host_copies.py).
+    first, in one buffer ([Note: shards brought from the host] in passes/common/host_copies.py).
     """
     flat = cast(bucket_buffer(shards, from_host), dtype)
     if len(shards) == 1:
@@ -122,7 +122,7 @@ def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_s
                           to_host: bool = False) -> list[torch.Tensor]:
     """This rank's 1-D shard of each gradient's mean over ranks, in ``dtype`` (None: the
     gradients' own); ``to_host``: copied to the host once reduced ([Note: gradients
-    streamed to the host] in passes/host_copies.py).
+    streamed to the host] in passes/common/host_copies.py).
 
     The bucket buffer puts rank r's slices of all the gradients (flattened and padded to
     their layouts) together, so one reduce-scatter leaves this rank exactly its shard of

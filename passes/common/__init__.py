@@ -1,0 +1,4 @@
+"""Not passes: what the passes share. The tensor code they splice in (``collective_code``,
+``secondary_code``, ``quantized_code``, ``host_copies``), how it is traced in
+(``splice``), the copy of forward nodes into the backward (``backward_copies``), and the
+node predicates every pass is specialised by (``predicates``)."""
