@@ -30,7 +30,7 @@ from .capture.dynamic_shapes import ChangingSizes
 from .capture.step_calls import trace_started
 from .capture.step_graph import CaptureError
 from .compat import hf_install_output_hooks
-from .checkpoint import save_load as checkpoint
+from .checkpoint import save_load as checkpoint, state_dict
 from .compiler.backend import Compilation, StepCompiler
 from . import evaluation
 from .config import (DEPRECATED_OPTIONS, DebugOptions, ZeroConfig, describe_backend,
@@ -642,7 +642,7 @@ class CompiledStep:
         CPU): every rank gets the whole dict, on the training device."""
         state = self._sharded_state()
         self._confirm_collectives()
-        return checkpoint.full_state_dict(state, dtype, cpu_offload=cpu_offload)
+        return state_dict.full_state_dict(state, dtype, cpu_offload=cpu_offload)
 
     @property
     def optimizer_steps(self) -> int:
