@@ -28,7 +28,7 @@ def full_state_dict(state: ShardedState, dtype: Optional[torch.dtype] = None, *,
     [Note: full state dict on rank 0's host]
     Gathering the whole model on the device, on every rank, needs the memory stage 3
     exists to save: with ``cpu_offload`` the device holds one bucket beyond what
-    training holds ([Note: streaming whole parameters] in runtime/sharded_state.py),
+    training holds ([Note: streaming whole parameters] in runtime/whole_parameters.py),
     and only rank 0 keeps a copy, in host memory: the one rank that writes the file
     (``torch.save``, ``save_pretrained``). The others return an empty dict, as FSDP2's
     ``get_model_state_dict(options=StateDictOptions(full_state_dict=True,
