@@ -25,6 +25,7 @@ def _single_process_quietly():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
+
 def _readable(path: str) -> str:
     found = readable_path(path)
     if found != path:

@@ -85,7 +85,6 @@ def load(state: ShardedState, path: str) -> tuple[dict, Any]:
     return pickle.loads(entries["zero_fx.runtime"]), pickle.loads(entries["zero_fx.extra"])
 
 
-
 # -- checks before loading ---------------------------------------------------------------
 
 def _split_otherwise(state: ShardedState, manifest: dict, entries: dict) -> dict:
@@ -203,7 +202,6 @@ def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list, state: 
                               "(other parameters, or another grouping)")
     for group, values in zip(optimizer.param_groups, saved):
         group.update({k: v for k, v in values.items() if k != "params"})
-
 
 
 def _barrier(world) -> None:
