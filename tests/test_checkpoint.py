@@ -12,7 +12,7 @@ import models
 from ranks import run_ranks, with_mesh
 from training import check_updates, checkpointed_training_rank
 from zero_fx import CheckpointError, MixedPrecision, zero_compile
-from zero_fx.checkpoint.save_load import load_full
+from zero_fx.checkpoint.offline import load_full
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

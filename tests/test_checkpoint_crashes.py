@@ -16,7 +16,7 @@ import zero_fx.checkpoint.files as checkpoint_files
 from ranks import run_ranks
 from training import checkpointed_training_rank
 from zero_fx import CheckpointError, checkpoint_exists, zero_compile
-from zero_fx.checkpoint.save_load import load_full
+from zero_fx.checkpoint.offline import load_full
 
 STEPS = 6
 FIRST_SAVE, SECOND_SAVE = 2, 4

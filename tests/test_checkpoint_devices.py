@@ -1,5 +1,5 @@
 """Checkpoints on the devices a GPU run has, checked on the CPU: the RNG saved is the training
-device's ([Note: the training device's generator] in zero_fx/checkpoint/save_load.py), and
+device's ([Note: the training device's generator] in zero_fx/checkpoint/contents.py), and
 object collectives, barriers and DCP's coordination go over a group that serves the CPU
 ([Note: object traffic goes over the CPU] in zero_fx/runtime/cpu_group.py)."""
 
@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 import models
 from ranks import run_ranks
 from zero_fx import zero_compile
-from zero_fx.checkpoint import save_load
+from zero_fx.checkpoint import contents
 from zero_fx.runtime import cpu_group as cpu_group_module
 from zero_fx.runtime.cpu_group import cpu_group
 
@@ -41,18 +41,18 @@ class FakeCudaGenerators:
 def test_the_training_devices_generator_is_saved_and_restored_not_the_current_ones(monkeypatch):
     cuda = FakeCudaGenerators(monkeypatch)
     training = torch.device("cuda", 1)
-    states = save_load._rng_states(3, training)
+    states = contents._rng_states(3, training)
     assert cuda.read == [training]  # not the current device, cuda:0
     assert set(states) == {"rng.rank3", "rng.rank3.cuda"}
-    save_load._set_rng_states(3, states, training)
+    contents._set_rng_states(3, states, training)
     assert cuda.written == [(training, [7])]
 
 
 def test_a_run_on_the_cpu_saves_no_cuda_generator_even_when_cuda_is_initialized(monkeypatch):
     cuda = FakeCudaGenerators(monkeypatch)  # CUDA in use by something else in the process
-    states = save_load._rng_states(0, torch.device("cpu"))
+    states = contents._rng_states(0, torch.device("cpu"))
     assert set(states) == {"rng.rank0"} and cuda.read == []
-    save_load._set_rng_states(0, {**states, "rng.rank0.cuda": torch.tensor([1])}, torch.device("cpu"))
+    contents._set_rng_states(0, {**states, "rng.rank0.cuda": torch.tensor([1])}, torch.device("cpu"))
     assert cuda.written == []
 
 

@@ -15,7 +15,7 @@ import torch
 import models
 from cores import the_cores
 from torchrun import torchrun_command
-from zero_fx.checkpoint.save_load import load_full
+from zero_fx.checkpoint.offline import load_full
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_gpt.py")

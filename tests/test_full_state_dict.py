@@ -1,5 +1,5 @@
 """``full_state_dict(cpu_offload=True)`` streams the model to rank 0's host one bucket at a time
-([Note: full state dict on rank 0's host] in zero_fx/checkpoint/save_load.py): the same values
+([Note: full state dict on rank 0's host] in zero_fx/checkpoint/state_dict.py): the same values
 as the whole dict, ``{}`` on the other ranks, and a measured peak of one bucket beyond what
 the call returns."""
 
@@ -148,7 +148,7 @@ def test_export_reads_only_the_model_and_casts_a_group_at_a_time(tmp_path):
     """[Note: exporting in bounded memory]: besides the dict it returns, ``model_state_dict``
     (what ``python -m zero_fx.export`` writes) holds one group of fp32 parameters, never the
     optimizer's state (here twice the model) or the whole model in fp32 next to its cast."""
-    from zero_fx.checkpoint.save_load import model_state_dict
+    from zero_fx.checkpoint.offline import model_state_dict
 
     path = str(tmp_path / "ckpt")
     model = Blocks()

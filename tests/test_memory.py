@@ -123,6 +123,6 @@ def test_a_dropped_step_frees_its_graphs():
     """Dynamo keeps each backend until a reset, and a compiled frame's globals as long as the
     objects its guards match live (modules): neither may hold the step, or every step a
     process compiles keeps its graphs, and through them its state, for good ([Note: compiled
-    graphs die with their step] in zero_fx/api.py)."""
+    graphs die with their step] in zero_fx/compiled_step.py)."""
     left = run_ranks(2, _graph_modules_left_by_dropped_steps)
     assert left == [0, 0], f"graph modules left per rank by a dropped step: {left}"

@@ -41,7 +41,7 @@ from ranks import run_ranks, with_mesh  # noqa: E402
 from stacked_experts import tiny_mixtral_stacked  # noqa: E402
 from training import relative_error, update_errors  # noqa: E402
 from test_checkpoint import assert_same_states  # noqa: E402
-from zero_fx.checkpoint.save_load import load_full  # noqa: E402
+from zero_fx.checkpoint.offline import load_full  # noqa: E402
 
 import zero_fx  # noqa: E402
 from zero_fx import MixedPrecision, zero_compile  # noqa: E402

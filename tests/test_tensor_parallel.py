@@ -235,7 +235,7 @@ def test_a_checkpoint_saved_at_two_by_two_loads_at_one_by_four_flat_four_and_one
     at one rank (no mesh), each saving again: every tensor of each checkpoint (parameters
     and optimizer state, put back together whole), the loaded runs' whole parameters and
     rank 0's full_state_dict(cpu_offload=True) equal the saved run's, bit for bit."""
-    from zero_fx.checkpoint.save_load import load_full
+    from zero_fx.checkpoint.offline import load_full
 
     trained = run()
     expected = load_full(CHECKPOINT)

@@ -7,7 +7,7 @@ model the run trained, without zero_fx or a process group: every parameter
 whole (fp32 masters unless ``--dtype``), tied names and buffers included.
 Only the model's entries are read, and with ``--dtype`` they are cast a group at a
 time, so memory is the written state dict plus one group as saved ([Note: exporting
-in bounded memory] in checkpoint/save_load.py); the optimizer's state stays on disk.
+in bounded memory] in checkpoint/offline.py); the optimizer's state stays on disk.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from .checkpoint.save_load import model_state_dict
+from .checkpoint.offline import model_state_dict
 from .formatting import format_bytes
 from .planner.arguments import add_dtype_argument
 

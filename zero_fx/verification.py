@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-from .api import CompiledStep
+from .compiled_step import CompiledStep
 from .formatting import ranks_phrase
 from .plan.tensor_parallel import is_dtensor
 from .runtime.sharding import find_model_and_optimizer

@@ -99,8 +99,8 @@ def _trace(dynamo_gm: GraphModule, example_inputs: Sequence) -> GraphModule:
     step] in tensor_parallel.py).
 
     [Note: RNNs in the step]
-    Dynamo traces ``nn.LSTM``/``nn.GRU`` with ``allow_rnn`` (api.DYNAMO_CONFIG), and make_fx
-    decomposes ``aten.lstm``. On the CPU, with oneDNN enabled, the decomposition picks
+    Dynamo traces ``nn.LSTM``/``nn.GRU`` with ``allow_rnn`` (compiled_step.DYNAMO_CONFIG), and
+    make_fx decomposes ``aten.lstm``. On the CPU, with oneDNN enabled, the decomposition picks
     ``aten.mkldnn_rnn_layer`` and its backward (the input does not require grad below
     autograd, where make_fx traces), whose ``workspace`` output then arrives undefined at
     the backward once AOTAutograd traces the rewritten graph again (aot_eager, Inductor:

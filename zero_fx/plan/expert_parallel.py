@@ -43,7 +43,7 @@ there, its gradient divided as an expert's, in stages 1-3. Only what needs the w
 parameter knows the difference: ``full_state_dict()`` and ``full_parameters()`` put the
 ``P`` places' rows back together, and a checkpoint saves the whole parameter's flat
 elements, each rank its range (place ``i``'s rows start at ``i`` times the rows' elements:
-[Note: checkpoints under expert parallelism] in zero_fx/checkpoint/save_load.py), so that
+[Note: checkpoints under expert parallelism] in zero_fx/checkpoint/contents.py), so that
 it loads at any degree and in one process. ``load_pretrained`` would read whole
 parameters and is refused for them, saying what to do. DeepSpeed and torchtitan also keep a rank's experts
 as the parameter itself (local experts; a DTensor sharded on the experts' dimension).
