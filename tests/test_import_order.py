@@ -34,7 +34,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("compiler",),  # the dynamo backend: capture, passes, lowering, per compilation
     ("planner",),  # the offline "will it fit" planner (python -m zero_fx.plan)
     ("evaluation",),  # evaluation steps beside the training step
-    ("api",),  # zero_compile and CompiledStep
+    ("compiled_step", "step_inspection", "step_state"),  # CompiledStep, what the user calls
+    ("api",),  # zero_compile
     ("verification", "export", "estimate"),  # built on the api; command lines
     ("__init__",),  # the front door: what ``import zero_fx`` exports
 ]
