@@ -4,7 +4,8 @@ traffic, buckets and step time of a model at a world size, before any memory is 
 It reads the layout (``zero_fx.plan``) and traces the rewritten step on fake tensors
 (``offline``); nothing below it imports it. One module per question:
 
-- ``plan_model``: ``plan_model``, the report of a model; ``report``: its types and the peak;
+- ``plan_model``: ``plan_model``, the report of a model; ``question``: the ``Workload`` it
+  plans; ``report``: the report's types and the peak;
 - ``stages``: each stage's states, traffic and buckets, flat or hybrid over nodes;
 - ``working_set``: the step traced at a few blocks and extrapolated to the model's depth;
 - ``offload``, ``tensor_parallel``, ``expert_parallel``, ``quantization``: each option

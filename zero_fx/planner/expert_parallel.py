@@ -38,6 +38,7 @@ expert-parallel group's link (within a node while P <= the preset's ranks per no
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -52,6 +53,17 @@ from ..capture.moe_blocks import TOP_K_NAMES, _shared_expert, moe_shape
 from ..passes.common.predicates import carried_params
 from ..plan.layout import ShardPlan
 from .report import ExpertBlocks, ExpertParallelRow, PlanReport, peak_of
+
+
+@dataclass(frozen=True)
+class ExpertParallelOptions:
+    """What ``--expert-parallel`` compares ([Note: planning expert parallelism]): the
+    ``degrees`` of expert parallelism (none: not planned), their buffers of received rows
+    sized by ``capacity_factor`` (None: the worst case; [Note: expert capacity] in
+    zero_fx/capture/expert_exchange.py)."""
+
+    degrees: Sequence[int] = ()
+    capacity_factor: Optional[float] = None
 
 
 def expert_blocks(model: torch.nn.Module) -> Optional[ExpertBlocks]:

@@ -46,6 +46,7 @@ the most parameters whose model states fit the device and the host, before activ
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import math
 from typing import Optional
 
@@ -57,6 +58,18 @@ from ..analysis.memory_timeline import memory_timeline, peak_alive
 from ..plan.layout import ShardPlan
 from .report import OPTIMIZER_BYTES, OffloadRow, PlanReport, peak_of
 from .table import model_state_breakdown
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """What ``--offload`` plans ([Note: planning offload]): ``mode``, ``"none"``,
+    ``"optimizer"``, ``"parameters"`` or ``"auto"`` (the least that fits ``device_memory``),
+    with ``host_memory`` bytes a rank (None: the preset's) and ``device_memory`` bytes a
+    device."""
+
+    mode: str = "none"
+    host_memory: Optional[float] = None
+    device_memory: Optional[float] = None
 
 
 OFFLOAD_MODES = ("none", "optimizer", "parameters")

@@ -56,6 +56,7 @@ nothing hides ([Note: pricing tensor parallelism] in zero_fx/analysis/cost_model
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import math
 from typing import Optional
 
@@ -70,6 +71,16 @@ from ..passes.common.predicates import carried_params, is_param_input, is_view, 
 from ..plan.layout import ShardPlan, block_of
 from .report import ExpertBlocks, PlanReport, TensorParallelRow, TensorParallelShape, peak_of
 from .stages import in_block, rank_pieces, stage_plan
+
+
+@dataclass(frozen=True)
+class TensorParallelOptions:
+    """What ``--tp`` plans ([Note: planning tensor parallelism]): Megatron's tensor
+    parallelism over ``degree`` ranks (1: none), with ``sequence_parallel`` the norms'
+    activations split too."""
+
+    degree: int = 1
+    sequence_parallel: bool = False
 
 
 def divisors(n: int) -> str:
