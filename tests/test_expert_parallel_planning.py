@@ -26,10 +26,12 @@ from zero_fx.analysis.hardware import PRESETS, Hardware
 from zero_fx.analysis.memory_timeline import memory_timeline
 from zero_fx.planner import torch_models
 from zero_fx.planner.arguments import expert_parallel_options, parse_degrees
-from zero_fx.planner.expert_parallel import expert_blocks, peaks_by_degree
+from zero_fx.planner.expert_parallel import (ExpertParallelOptions, expert_blocks,
+                                             peaks_by_degree)
 from zero_fx.planner.models import ModelSource
 from zero_fx.planner.plan_model import plan_model
 from zero_fx.planner.printing import format_report
+from zero_fx.planner.question import Workload
 from zero_fx.planner.report import peak_of
 from zero_fx.planner.torch_models import Experts, LlamaConfig
 
@@ -133,8 +135,9 @@ def tiny_source() -> ModelSource:
 
 @pytest.fixture(scope="module")
 def planned():
-    return plan_model(tiny_source(), world_size=WORLD, dtype=torch.bfloat16, seq=SEQ,
-                      expert_parallel=(1, 2, 4, 8), hardware="4x8xh100-ib")
+    return plan_model(tiny_source(), Workload(world_size=WORLD, dtype=torch.bfloat16, seq=SEQ),
+                      expert_parallel=ExpertParallelOptions(degrees=(1, 2, 4, 8)),
+                      hardware="4x8xh100-ib")
 
 
 def test_bytes_per_rank_follow_the_formulas(planned):
@@ -191,9 +194,10 @@ def test_a_capacity_factor_sizes_the_buffers_for_its_capacity(planned):
     """expert_capacity_factor 1: each of a rank's E/P experts takes ceil(T·k·P/E) rows,
     so the buffer is T·k = 2T rows whatever P ([Note: expert capacity]); the working sets
     at P > 1 fall below the worst case's, bytes and times do not change."""
-    capped = plan_model(tiny_source(), world_size=WORLD, dtype=torch.bfloat16, seq=SEQ,
-                        expert_parallel=(1, 2, 4, 8), hardware="4x8xh100-ib",
-                        expert_capacity_factor=1.0)
+    capped = plan_model(tiny_source(), Workload(world_size=WORLD, dtype=torch.bfloat16, seq=SEQ),
+                        expert_parallel=ExpertParallelOptions(degrees=(1, 2, 4, 8),
+                                                              capacity_factor=1.0),
+                        hardware="4x8xh100-ib")
     worst = {row.degree: row for row in planned.expert_parallel}
     for row in capped.expert_parallel:
         assert row.wire_bytes == worst[row.degree].wire_bytes
@@ -208,16 +212,20 @@ def test_a_capacity_factor_sizes_the_buffers_for_its_capacity(planned):
 
 def test_expert_parallel_needs_stage_3_seq_a_dividing_degree_and_experts():
     with pytest.raises(ValueError, match="needs stage 3"):
-        plan_model(tiny_source(), world_size=WORLD, stage=2, seq=SEQ, expert_parallel=(2,))
+        plan_model(tiny_source(), Workload(world_size=WORLD, stage=2, seq=SEQ),
+                   expert_parallel=ExpertParallelOptions(degrees=(2,)))
     with pytest.raises(ValueError, match="give seq"):
-        plan_model(tiny_source(), world_size=WORLD, expert_parallel=(2,))
+        plan_model(tiny_source(), Workload(world_size=WORLD),
+                   expert_parallel=ExpertParallelOptions(degrees=(2,)))
     with pytest.raises(ValueError, match="degree 16 must divide"):
-        plan_model(tiny_source(), world_size=16, seq=SEQ, expert_parallel=(16,))
+        plan_model(tiny_source(), Workload(world_size=16, seq=SEQ),
+                   expert_parallel=ExpertParallelOptions(degrees=(16,)))
     dense = ModelSource(description="dense", layers=2, vocab_size=256, max_positions=64,
                         build=lambda layers, dense_layers=None: torch_models.build(
                             replace(TINY, experts=None), layers))
     with pytest.raises(ValueError, match="has none"):
-        plan_model(dense, world_size=WORLD, seq=SEQ, expert_parallel=(2,))
+        plan_model(dense, Workload(world_size=WORLD, seq=SEQ),
+                   expert_parallel=ExpertParallelOptions(degrees=(2,)))
 
 
 def test_the_command_line_options():

@@ -10,13 +10,15 @@ import torch
 from zero_fx.planner.models import model_source, on_meta
 from zero_fx.planner.plan_model import plan_model
 from zero_fx.planner.printing import format_report
+from zero_fx.planner.question import Workload
 from zero_fx.planner.table import model_state_bytes
 
 GB = 1e9
 
 
 def test_a_module_function_model_is_planned_on_meta_without_transformers():
-    report = plan_model(model_source("examples.gpt:gpt_1b"), world_size=8, dtype=torch.float32)
+    report = plan_model(model_source("examples.gpt:gpt_1b"),
+                        Workload(world_size=8, dtype=torch.float32))
     psi, n = report.psi, 8
     assert psi > 1e9
     states = [s.state_bytes for s in report.stages]
@@ -30,7 +32,8 @@ hf = pytest.importorskip  # the rest builds HuggingFace configs
 
 def test_the_zero_paper_figures_for_7_5b_on_64_ranks():
     hf("transformers")
-    report = plan_model(model_source("zero-paper-7.5b"), world_size=64, dtype=torch.float16)
+    report = plan_model(model_source("zero-paper-7.5b"),
+                        Workload(world_size=64, dtype=torch.float16))
     assert round(report.psi / 1e9, 1) == 7.5
     # ZeRO paper, Figure 1 (seeds/001): 120 GB, 31.4 GB, 16.6 GB, 1.9 GB with K = 12
     paper = [round(s.paper_bytes / GB, digits) for s, digits in zip(report.stages, (0, 1, 1, 1))]
@@ -46,7 +49,7 @@ def test_the_zero_paper_figures_for_7_5b_on_64_ranks():
 def test_traffic_is_the_table_in_psi_and_a_ring_sends_n_minus_1_over_n():
     hf("transformers")
     n = 8
-    report = plan_model(model_source("gpt2"), world_size=n, dtype=torch.bfloat16)
+    report = plan_model(model_source("gpt2"), Workload(world_size=n, dtype=torch.bfloat16))
     item = 2
     for stage, s in enumerate(report.stages):
         in_psi = sum(s.traffic.values()) / (report.psi * item)
@@ -64,7 +67,8 @@ def test_every_trainable_parameter_is_in_one_bucket_of_its_block():
     embeddings and its final norm, each one reduce-scatter; the gathers leave out the
     residents (norm weights and biases), so a block's gather holds its four weights."""
     hf("transformers")
-    report = plan_model(model_source("gpt2"), world_size=4, stage=3, dtype=torch.bfloat16)
+    report = plan_model(model_source("gpt2"),
+                        Workload(world_size=4, stage=3, dtype=torch.bfloat16))
     names = [n for b in report.buckets["reduce_scatter"] for n in b.names]
     assert len(names) == len(set(names)) == report.tensors
     assert [b.names[0].rsplit(".", 1)[0] for b in report.buckets["reduce_scatter"]][:3] == [
@@ -77,7 +81,7 @@ def test_every_trainable_parameter_is_in_one_bucket_of_its_block():
 
 def test_the_70b_llama_is_planned_on_meta():
     hf("transformers")
-    report = plan_model(model_source("llama3-70b"), world_size=64, dtype=torch.bfloat16)
+    report = plan_model(model_source("llama3-70b"), Workload(world_size=64, dtype=torch.bfloat16))
     assert report.psi == 70_553_706_496
     assert report.stages[3].state_bytes == pytest.approx(16 * report.psi / 64)
 
@@ -107,8 +111,8 @@ def steady_plans(tmp_path_factory):
             assert source.layers == 6
             if trace_all:
                 source.layers = None  # trace all six blocks instead
-            plans[key] = plan_model(source, world_size=2, stage=3, seq=32, batch=2,
-                                    recompute=recompute)
+            plans[key] = plan_model(source, Workload(world_size=2, stage=3, batch=2, seq=32,
+                                                     recompute=recompute))
         return plans[key]
 
     return plan
@@ -186,7 +190,7 @@ def test_over_nodes_flat_and_hybrid_are_set_side_by_side():
     ring bytes across nodes; hybrid (4 x 4) sends only 2(R-1)/R of its gradient shards; 2 x 8
     (shard groups of two nodes) sends its ring bytes and its all-reduce across."""
     source = model_source("gpt-1b")  # the package's torch GPT: no transformers needed
-    report = plan_model(source, world_size=16, stage=3, dtype=torch.bfloat16, nodes=4)
+    report = plan_model(source, Workload(world_size=16, stage=3, dtype=torch.bfloat16), nodes=4)
     flat, hybrid, two_nodes_each = report.levels
     assert flat.within_node == 0 and flat.across_nodes == report.stages[3].wire_bytes
     shard = sum(-(-p.numel() // 4) for p in on_meta(lambda: source.build(None)).parameters())
@@ -198,7 +202,7 @@ def test_over_nodes_flat_and_hybrid_are_set_side_by_side():
     assert flat.across_nodes > two_nodes_each.across_nodes > hybrid.across_nodes
     assert two_nodes_each.state_bytes == pytest.approx(2 * flat.state_bytes, rel=1e-3)
     with pytest.raises(ValueError, match="do not split evenly over 3 nodes"):
-        plan_model(source, world_size=16, nodes=3)
+        plan_model(source, Workload(world_size=16), nodes=3)
 
 
 def test_the_command_line_plans_over_nodes(plan_command):
@@ -246,7 +250,7 @@ def test_a_dense_preset_is_unchanged():
         max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
     model = on_meta(lambda: torch_models.build(NAMED["llama3-8b"]))
     assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
-    report = plan_model(model_source("examples.gpt:gpt_1b"), world_size=8)
+    report = plan_model(model_source("examples.gpt:gpt_1b"), Workload(world_size=8))
     assert report.experts is None and "Mixture of experts" not in format_report(report)
 
 
@@ -291,7 +295,7 @@ def test_moe_activations_scale_with_top_k_not_with_the_experts(tmp_path):
 
     def working_set(experts, top_k):
         source = model_source(_mixtral_config(tmp_path, experts, top_k, layers))
-        return plan_model(source, world_size=2, stage=3, seq=tokens).working_set
+        return plan_model(source, Workload(world_size=2, stage=3, seq=tokens)).working_set
 
     base = working_set(4, 1)
     more_k = working_set(4, 4) - base
@@ -318,10 +322,10 @@ def test_dense_blocks_before_the_experts_are_extrapolated_on_their_own(tmp_path)
     path.write_text(json.dumps(config))
     source = model_source(str(path))
     assert source.dense_layers == 2
-    report = plan_model(source, world_size=2, stage=3, seq=256, batch=2)
+    report = plan_model(source, Workload(world_size=2, stage=3, batch=2, seq=256))
     assert "1 dense and 3 expert blocks" in report.working_set_how
     source.layers = None
-    traced = plan_model(source, world_size=2, stage=3, seq=256, batch=2)
+    traced = plan_model(source, Workload(world_size=2, stage=3, batch=2, seq=256))
     assert report.working_set == pytest.approx(traced.working_set, rel=0.02)
     assert report.experts.shapes == [(8, 2, True)] and report.experts.blocks == 5
 

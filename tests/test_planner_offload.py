@@ -20,9 +20,11 @@ from zero_fx.analysis.transfer_seconds import (host_device_seconds, host_optimiz
                                                host_optimizer_seconds)
 from zero_fx.planner.cli import main as plan_main
 from zero_fx.planner.models import model_source
-from zero_fx.planner.offload import OFFLOAD_MODES, largest_model, offload_states
+from zero_fx.planner.offload import (OFFLOAD_MODES, OffloadOptions, largest_model,
+                                     offload_states)
 from zero_fx.planner.plan_model import plan_model
 from zero_fx.planner.printing import format_report
+from zero_fx.planner.question import Workload
 
 GB = 1e9
 V100 = "1xv100-32gb-pcie3"
@@ -40,8 +42,9 @@ def source_13b():
 def traced_13b(source_13b):
     """ZeRO-Offload's setup: one V100 32 GB, fp16, 1024 tokens, recompute of blocks (the
     paper checkpoints activations), every mode side by side."""
-    return plan_model(source_13b, world_size=1, stage=3, dtype=torch.float16, seq=1024,
-                      recompute="blocks", offload="auto", hardware=V100, device_memory=32 * GB)
+    return plan_model(source_13b, Workload(world_size=1, stage=3, dtype=torch.float16, seq=1024,
+                                           recompute="blocks"),
+                      offload=OffloadOptions(mode="auto", device_memory=32 * GB), hardware=V100)
 
 
 def rows(report):
@@ -71,8 +74,9 @@ def test_device_and_host_bytes_per_mode_are_the_formulas(stage):
 
 
 def test_the_13b_model_states_per_mode(source_13b):
-    report = plan_model(source_13b, world_size=1, dtype=torch.float16, offload="optimizer",
-                        hardware=V100, device_memory=32 * GB)
+    report = plan_model(source_13b, Workload(world_size=1, dtype=torch.float16),
+                        offload=OffloadOptions(mode="optimizer", device_memory=32 * GB),
+                        hardware=V100)
     assert report.psi == PSI_13B == 12_846_126_080
     buckets = {kind: max(b.bytes for b in bs) for kind, bs in report.buckets.items()}
     by_mode = rows(report)
@@ -109,8 +113,9 @@ def test_streamed_gradients_no_longer_pile_up(traced_13b, source_13b):
     with the gradients streamed to the host, and the streamed one barely grows."""
     from zero_fx.planner.working_set import traced_working_set
 
-    _, _, per_block = traced_working_set(source_13b, world_size=1, stage=3, dtype=torch.float16,
-                                         batch=1, seq=1024, recompute={"recompute": "blocks"},
+    workload = Workload(world_size=1, stage=3, dtype=torch.float16, batch=1, seq=1024,
+                        recompute="blocks")
+    _, _, per_block = traced_working_set(source_13b, workload,
                                          hardware=V100, offload=True)
     block_gradients = (12 * 5120 ** 2 + 2 * 5120) * 2
     kept = 2 * 1024 * 5120 * 2  # b·s·h in fp16, twice: what the traced peak keeps of a block
@@ -162,8 +167,9 @@ def test_presets_state_host_memory_and_links():
     (300, "none", True), (32, "optimizer", True), (3, "parameters", True),
     (1, "parameters", False)])
 def test_auto_picks_the_least_offload_that_fits(source_13b, device_gb, picked, fits):
-    report = plan_model(source_13b, world_size=1, dtype=torch.float16, offload="auto",
-                        hardware=V100, device_memory=device_gb * GB)
+    report = plan_model(source_13b, Workload(world_size=1, dtype=torch.float16),
+                        offload=OffloadOptions(mode="auto", device_memory=device_gb * GB),
+                        hardware=V100)
     assert report.offload == picked
     text = format_report(report, device_memory_gb=device_gb)
     assert ("the least offload that fits" in text) == fits
@@ -172,8 +178,10 @@ def test_auto_picks_the_least_offload_that_fits(source_13b, device_gb, picked, f
 
 def test_a_host_too_small_moves_auto_on(source_13b):
     # 32 GB device, 100 GB host: optimizer offload needs 205.5 GB of host, parameters more
-    report = plan_model(source_13b, world_size=1, dtype=torch.float16, offload="auto",
-                        hardware=V100, device_memory=32 * GB, host_memory=100 * GB)
+    report = plan_model(source_13b, Workload(world_size=1, dtype=torch.float16),
+                        offload=OffloadOptions(mode="auto", host_memory=100 * GB,
+                                               device_memory=32 * GB),
+                        hardware=V100)
     assert report.offload == "parameters" and report.host_memory == 100 * GB
     text = format_report(report, device_memory_gb=32)
     assert "| optimizer | 26.95 GB (fits) | — | — | 205.54 GB (does NOT fit) |" in text
@@ -225,4 +233,4 @@ def test_bad_offload_flags_say_what_to_do(capsys, args, message):
 def test_plan_model_refuses_an_unknown_mode(source_13b):
     with pytest.raises(ValueError, match="offload must be one of none, optimizer, parameters "
                                          "or auto, got 'cpu'"):
-        plan_model(source_13b, world_size=1, offload="cpu")
+        plan_model(source_13b, Workload(world_size=1), offload=OffloadOptions(mode="cpu"))

@@ -12,6 +12,7 @@ from zero_fx.analysis.hardware import PRESETS
 from zero_fx.planner.cli import main as plan_main
 from zero_fx.planner.models import ModelSource
 from zero_fx.planner.quantization import CONFIGURATIONS, configurations, price_quantization
+from zero_fx.planner.question import Workload
 
 CONFIG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128)
 NVLINK = PRESETS["8xh100-nvlink"]
@@ -27,9 +28,9 @@ def source(depth_changes: bool = True, depth: int = CONFIG.n_layer) -> ModelSour
 
 
 def priced(hardware=NVLINK, depth_changes=True, names=None, depth=CONFIG.n_layer):
-    return price_quantization(source(depth_changes, depth), world_size=8, stage=3,
-                              dtype=torch.float32, batch=2, seq=32, hardware=hardware,
-                              steady_from=1, names=names)
+    workload = Workload(world_size=8, stage=3, dtype=torch.float32, batch=2, seq=32)
+    return price_quantization(source(depth_changes, depth), workload,
+                              hardware=hardware, steady_from=1, names=names)
 
 
 def test_the_prices_extrapolated_from_two_depths_are_those_of_the_whole_model():
@@ -85,8 +86,8 @@ def test_the_secondary_partition_is_priced_where_the_ranks_fill_several_nodes():
     keeps its secondary shards, 1/8 of the parameters, from the forward to the backward. On
     one node there is nothing to price."""
     ib = PRESETS["4x8xh100-ib"]
-    none, secondary = price_quantization(source(depth_changes=False, depth=2), world_size=16,
-                                         stage=3, dtype=torch.float32, batch=2, seq=32,
+    workload = Workload(world_size=16, stage=3, dtype=torch.float32, batch=2, seq=32)
+    none, secondary = price_quantization(source(depth_changes=False, depth=2), workload,
                                          hardware=ib, steady_from=1, names=["hpZ"])
     assert secondary.options == {"secondary_partition": 8}
     assert secondary.communication_seconds < 0.8 * none.communication_seconds

@@ -27,8 +27,9 @@ from zero_fx.planner.models import ModelSource, model_source, on_meta
 from zero_fx.planner.offline import causal_lm_loss, rewritten_step_on_fake
 from zero_fx.planner.plan_model import plan_model
 from zero_fx.planner.printing import format_report
-from zero_fx.planner.tensor_parallel import (_tensor_parallel_shares, tensor_parallel_prices,
-                                             tensor_parallel_split)
+from zero_fx.planner.question import Workload
+from zero_fx.planner.tensor_parallel import (TensorParallelOptions, _tensor_parallel_shares,
+                                             tensor_parallel_prices, tensor_parallel_split)
 from zero_fx.planner.table import model_state_breakdown
 from zero_fx.planner.torch_models import GPTConfig, LlamaConfig
 
@@ -56,8 +57,9 @@ def llama_piece(cfg: LlamaConfig, t: int) -> int:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_per_rank_states_at_tp_1_and_8_are_the_zero_table_of_a_ranks_piece(stage):
     world, t = 16, 8
-    report = plan_model(source_of(LLAMA), world_size=world, stage=stage, dtype=torch.bfloat16,
-                        tensor_parallel=t)
+    report = plan_model(source_of(LLAMA),
+                        Workload(world_size=world, stage=stage, dtype=torch.bfloat16),
+                        tensor_parallel=TensorParallelOptions(degree=t))
     assert report.psi == llama_piece(LLAMA, 1)
     assert report.psi_per_rank == llama_piece(LLAMA, t)
     dp, whole, piece = world // t, llama_piece(LLAMA, 1), llama_piece(LLAMA, t)
@@ -93,8 +95,9 @@ def test_the_split_parameters_are_the_blocks_matrices_and_the_vocabulary_paralle
 def test_the_64k_wide_layer_fits_80_gb_only_split_over_8_ranks():
     """The seeds' large layer: a block of width 65536 needs 206 GB for its fp16 parameters
     and gradients, and its MLP's first matrix alone is a 34 GB buffer."""
-    report = plan_model(model_source("gpt-64k"), world_size=64, stage=3, dtype=torch.float16,
-                        tensor_parallel=8)
+    report = plan_model(model_source("gpt-64k"),
+                        Workload(world_size=64, stage=3, dtype=torch.float16),
+                        tensor_parallel=TensorParallelOptions(degree=8))
     h = 65536
     block = 12 * h * h + 2 * h  # qkv 3h², proj h², MLP 8h²; two norm weights
     single, split = report.tensor_parallel_rows
@@ -117,8 +120,9 @@ def test_the_64k_wide_layer_fits_80_gb_only_split_over_8_ranks():
 def test_tensor_parallel_collectives_are_priced_per_block_and_zero_over_the_dp_ranks():
     world, t, seq = 16, 8, 64
     hw = PRESETS["4x8xh100-ib"]
-    report = plan_model(source_of(LLAMA), world_size=world, dtype=torch.bfloat16, seq=seq,
-                        tensor_parallel=t, hardware="4x8xh100-ib")
+    report = plan_model(source_of(LLAMA),
+                        Workload(world_size=world, dtype=torch.bfloat16, seq=seq),
+                        tensor_parallel=TensorParallelOptions(degree=t), hardware="4x8xh100-ib")
     single, split = report.tensor_parallel_rows
     nbytes = seq * LLAMA.dim * 2  # b·s·h in bf16
     count = TP_COLLECTIVES_PER_BLOCK * LLAMA.n_layer + 2  # and the embedding and head
@@ -147,8 +151,9 @@ def test_activations_follow_megatrons_count_and_sequence_parallelism_splits_them
     t, seq = 4, 256
     rows = {}
     for sequence_parallel in (False, True):
-        report = plan_model(source_of(cfg), world_size=8, dtype=torch.float16, seq=seq,
-                            tensor_parallel=t, sequence_parallel=sequence_parallel)
+        report = plan_model(source_of(cfg), Workload(world_size=8, dtype=torch.float16, seq=seq),
+                            tensor_parallel=TensorParallelOptions(
+                                degree=t, sequence_parallel=sequence_parallel))
         rows[sequence_parallel] = report.tensor_parallel_rows
     sbh = seq * cfg.n_embd
     single = rows[False][0].block_activations
@@ -204,11 +209,13 @@ def test_a_bad_tp_says_what_to_change(argv, message, capsys):
 def test_kv_heads_and_experts_bound_the_degree():
     with pytest.raises(ValueError, match=r"--tp 8 does not divide the model's 4 key/value heads.*"
                                          r"use --tp 1, 2, 4$"):
-        plan_model(source_of(replace(LLAMA, n_kv_head=4)), world_size=8, tensor_parallel=8)
+        plan_model(source_of(replace(LLAMA, n_kv_head=4)), Workload(world_size=8),
+                   tensor_parallel=TensorParallelOptions(degree=8))
     moe = LlamaConfig(vocab_size=128, dim=32, n_layer=1, n_head=4, n_kv_head=4, ffn_dim=64,
                       experts=torch_models.Experts(n_experts=4, top_k=2, ffn_dim=32))
     with pytest.raises(ValueError, match="split a mixture of experts with --expert-parallel"):
-        plan_model(source_of(moe), world_size=4, tensor_parallel=2)
+        plan_model(source_of(moe), Workload(world_size=4),
+                   tensor_parallel=TensorParallelOptions(degree=2))
 
 
 def test_the_priced_working_set_is_the_compiled_tensor_parallel_steps(fake_world_of_four,

@@ -37,6 +37,7 @@ from zero_fx.passes.common.quantized_code import dequantize_rows, quantize_rows
 from zero_fx.planner.models import ModelSource
 from zero_fx.planner.working_set import STEADY_FROM
 from zero_fx.planner.quantization import CONFIGURATIONS, price_quantization
+from zero_fx.planner.question import Workload
 
 from ..helpers.runs import machine, write_json
 from ..peers.models import MODELS, loss_of, rank_batch
@@ -154,9 +155,10 @@ def cost_model_rows(spec, configs) -> list[dict]:
     source = ModelSource(spec.about, lambda layers: GPT(dataclasses.replace(
         config, n_layer=layers or config.n_layer)), config.n_layer, spec.vocab_size,
         config.block_size)
-    rows = price_quantization(source, world_size=PRESET_RANKS, stage=3, dtype=torch.bfloat16,
-                              batch=spec.batch_per_rank, seq=spec.seq, hardware=PRESET,
-                              steady_from=STEADY_FROM, names=configs)
+    workload = Workload(world_size=PRESET_RANKS, stage=3, dtype=torch.bfloat16,
+                        batch=spec.batch_per_rank, seq=spec.seq)
+    rows = price_quantization(source, workload,
+                              hardware=PRESET, steady_from=STEADY_FROM, names=configs)
     return [{"config": row.name, "sent_bytes_per_rank": row.sent_bytes,
              "step_ms": 1e3 * row.step_seconds, "compute_ms": 1e3 * row.compute_seconds,
              "communication_ms": 1e3 * row.communication_seconds} for row in rows]

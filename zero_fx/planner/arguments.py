@@ -8,7 +8,8 @@ planner's expert- and tensor-parallelism options.
 ``--expert-parallel 1,2,4,8`` (with ``--hardware``) compares degrees of expert
 parallelism in ``python -m zero_fx.plan`` ([Note: planning expert parallelism] in
 zero_fx/planner/expert_parallel.py): ``add_expert_parallel_arguments(parser)`` adds them,
-``expert_parallel_options(parser, args)`` checks them and gives ``plan_model``'s keywords.
+``expert_parallel_options(parser, args)`` checks them and gives what ``plan_model``'s
+``ExpertParallelOptions`` and ``hardware`` are built from.
 
 ``--tp T`` (and ``--sequence-parallel``) plans Megatron's tensor parallelism over T ranks
 with ZeRO over the rest, beside data parallelism alone ([Note: planning tensor
@@ -80,8 +81,9 @@ def add_expert_parallel_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def expert_parallel_options(parser: argparse.ArgumentParser, args) -> dict:
-    """``plan_model``'s ``expert_parallel`` and ``hardware`` from ``args``; a usage error
-    where expert parallelism cannot apply."""
+    """What ``plan_model``'s ``ExpertParallelOptions`` and ``hardware`` are built from
+    ``args``: its degrees, capacity factor and the preset; a usage error where expert
+    parallelism cannot apply."""
     degrees = args.expert_parallel
     if degrees:
         if args.stage != 3:
@@ -115,7 +117,7 @@ def add_tensor_parallel_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def tensor_parallel_options(parser: argparse.ArgumentParser, args) -> dict:
-    """``plan_model``'s ``tensor_parallel`` and ``sequence_parallel`` from ``args``; a usage
+    """What ``plan_model``'s ``TensorParallelOptions`` are built from ``args``; a usage
     error where they cannot apply (the model's own sizes are checked by ``plan_model``)."""
     if args.tp < 1 or args.world % args.tp:
         divisors = ", ".join(str(d) for d in range(1, args.world + 1) if args.world % d == 0)
@@ -146,8 +148,9 @@ def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def offload_options(parser: argparse.ArgumentParser, args) -> dict:
-    """``plan_model``'s ``offload``, ``host_memory`` and ``device_memory`` (bytes) from
-    ``args``; a usage error where offload cannot apply."""
+    """What ``plan_model``'s ``OffloadOptions`` are built from ``args``: the mode,
+    ``host_memory`` and ``device_memory`` (bytes); a usage error where offload cannot
+    apply."""
     try:
         check_offload(args.offload, stage=args.stage, device_memory=args.device_memory,
                       others=args.tp > 1 or bool(args.expert_parallel))

@@ -29,10 +29,14 @@ import sys
 from .arguments import (add_dtype_argument, add_expert_parallel_arguments, add_offload_arguments,
                         add_tensor_parallel_arguments, expert_parallel_options,
                         offload_options, tensor_parallel_options)
+from .expert_parallel import ExpertParallelOptions
 from .models import MODEL_NAMES_HELP, model_source
+from .offload import OffloadOptions
 from .plan_model import plan_model
 from .printing import format_report
+from .question import Workload
 from .report import OPTIMIZER_BYTES
+from .tensor_parallel import TensorParallelOptions
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -81,20 +85,27 @@ def main(argv=None) -> None:
         parser.error(f"--world {args.world} must split evenly over --nodes {args.nodes}")
     if args.batch < 1 or (args.seq is not None and args.seq < 1):
         parser.error("--batch and --seq must be >= 1")
-    options = {**expert_parallel_options(parser, args), **tensor_parallel_options(parser, args),
-               **offload_options(parser, args)}
+    experts, tp = expert_parallel_options(parser, args), tensor_parallel_options(parser, args)
+    offload = offload_options(parser, args)
     source = model_source(args.model)
     print(f"building {source.description} on the meta device ...", file=sys.stderr, flush=True)
     if args.quantize:
         print("--quantize traces the step on fake tensors twice for each configuration of "
               "quantized collectives (about a minute for GPT-2) ...", file=sys.stderr, flush=True)
+    workload = Workload(world_size=args.world, stage=args.stage, dtype=args.dtype,
+                        optimizer=args.optimizer, batch=args.batch, seq=args.seq,
+                        recompute=None if args.recompute == "none" else args.recompute,
+                        activation_memory_budget=args.activation_budget)
     try:
-        report = plan_model(source, world_size=args.world, stage=args.stage,
-                            dtype=args.dtype, optimizer=args.optimizer,
-                            batch=args.batch, seq=args.seq,
-                            recompute=None if args.recompute == "none" else args.recompute,
-                            activation_memory_budget=args.activation_budget, nodes=args.nodes,
-                            quantize=args.quantize, **options)
+        report = plan_model(
+            source, workload,
+            expert_parallel=ExpertParallelOptions(experts["expert_parallel"],
+                                                  experts["expert_capacity_factor"]),
+            tensor_parallel=TensorParallelOptions(tp["tensor_parallel"],
+                                                  tp["sequence_parallel"]),
+            offload=OffloadOptions(offload["offload"], offload["host_memory"],
+                                   offload["device_memory"]),
+            quantize=args.quantize, nodes=args.nodes, hardware=experts["hardware"])
     except ValueError as err:  # what the model's own sizes rule out (--tp, --expert-parallel,
         # a preset without host memory for --offload)
         parser.error(str(err))

@@ -28,13 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import torch
-
 from ..analysis.cost_model import estimate
 from ..analysis.hardware import hardware as preset
 from ..analysis.traffic import traffic_report
 from .models import ModelSource
 from .offline import causal_lm_loss, rewritten_step_on_fake
+from .question import Workload
 
 CONFIGURATIONS = {
     "none": {},
@@ -101,28 +100,30 @@ def configurations(stage: int, names: Optional[Sequence[str]] = None, *,
             and (names is None or name in names or name == "none")}
 
 
-def price_quantization(source: ModelSource, *, world_size: int, stage: int,
-                       dtype: torch.dtype, batch: int, seq: int, hardware: str,
+def price_quantization(source: ModelSource, workload: Workload, *, hardware: str,
                        steady_from: int, names: Optional[Sequence[str]] = None
                        ) -> list[QuantizedRow]:
-    """Each configuration ``stage`` allows (of ``names``), priced on ``hardware`` ([Note: when
-    quantizing pays]); the first row is the step without quantization. ``steady_from``:
-    blocks traced before the one whose cost is extrapolated to the model's depth."""
-    check_quantizable(stage, world_size)
-    offered = configurations(stage, names, ranks_per_node=preset(hardware).ranks_per_node,
-                             world_size=world_size)
-    return [_priced(source, name, options, world_size=world_size, stage=stage, dtype=dtype,
-                    batch=batch, seq=seq, hardware=hardware, steady_from=steady_from)
+    """Each configuration ``workload``'s stage allows (of ``names``), priced on ``hardware``
+    ([Note: when quantizing pays]); the first row is the step without quantization.
+    ``workload``'s recompute is not applied: each step is traced without it.
+    ``steady_from``: blocks traced before the one whose cost is extrapolated to the model's
+    depth."""
+    check_quantizable(workload.stage, workload.world_size)
+    offered = configurations(workload.stage, names,
+                             ranks_per_node=preset(hardware).ranks_per_node,
+                             world_size=workload.world_size)
+    return [_priced(source, name, options, workload, hardware=hardware,
+                    steady_from=steady_from)
             for name, options in offered.items()]
 
 
-def _priced(source: ModelSource, name: str, options: dict, *, world_size: int, stage: int,
-            dtype: torch.dtype, batch: int, seq: int, hardware: str,
-            steady_from: int) -> QuantizedRow:
+def _priced(source: ModelSource, name: str, options: dict, workload: Workload, *,
+            hardware: str, steady_from: int) -> QuantizedRow:
     def figures(layers: Optional[int]) -> tuple[float, ...]:
         gm, plan = rewritten_step_on_fake(
-            lambda: source.build(layers), batch=batch, seq=seq, vocab_size=source.vocab_size,
-            world_size=world_size, stage=stage, dtype=dtype, loss_fn=causal_lm_loss, **options)
+            lambda: source.build(layers), batch=workload.sequences, seq=workload.seq,
+            vocab_size=source.vocab_size, world_size=workload.world_size,
+            stage=workload.stage, dtype=workload.dtype, loss_fn=causal_lm_loss, **options)
         guess = estimate(gm, plan, hardware)
         return (traffic_report(gm, plan).wire_bytes(), guess.communication_seconds,
                 guess.compute_seconds, guess.step_seconds, guess.peak_bytes)

@@ -157,10 +157,12 @@ def tensor_parallel_collectives(plan: ShardPlan, recompute: Optional[str]) -> in
 
 def tensor_parallel_row(report: PlanReport, plan: ShardPlan, degree: int, split: frozenset,
                         shape: TensorParallelShape, collectives: int, traced: Optional[dict],
-                        per_block: Optional[dict], mixed: bool) -> TensorParallelRow:
+                        per_block: Optional[dict]) -> TensorParallelRow:
     """Degree ``degree``'s states, largest block, working set, bytes and time per rank
-    ([Note: planning tensor parallelism]); ``plan`` shards over the data-parallel ranks."""
+    ([Note: planning tensor parallelism]); ``plan`` shards over the data-parallel ranks,
+    in mixed precision where the report's dtype is under 4 bytes."""
     hw, item, key = hardware(report.hardware), report.dtype.itemsize, "tp" if degree > 1 else 1
+    mixed = item < 4
     stage = stage_plan(report.stage, plan, item, mixed, report.optimizer, degree, split)
     pieces = rank_pieces(plan, degree, split)
     matrix = max((pieces[layout.name] for layout in plan.params

@@ -4,16 +4,15 @@ zero_fx/planner/report.py), with what each question prices again on the same tra
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
-
-import torch
+from typing import Optional
 
 from ..analysis.cost_model import replay
 from ..analysis.memory_timeline import memory_timeline
-from .expert_parallel import peaks_by_degree
+from .expert_parallel import ExpertParallelOptions, peaks_by_degree
 from .models import ModelSource
 from .offline import causal_lm_loss, rewritten_step_on_fake
 from .offload import device_optimizer_seconds, streamed_peak
+from .question import Workload
 from .report import GB, ExpertBlocks
 from .tensor_parallel import tensor_parallel_prices
 
@@ -22,30 +21,31 @@ STEADY_FROM = 3
 counts] in zero_fx/planner/report.py)."""
 
 
-def traced_working_set(source: ModelSource, *, world_size: int, stage: int, dtype: torch.dtype,
-                       batch: int, seq: int, recompute: dict,
+def traced_working_set(source: ModelSource, workload: Workload, *, hardware: str = "",
                        experts: Optional[ExpertBlocks] = None,
-                       degrees: Sequence[int] = (), hardware: str = "",
-                       capacity_factor: Optional[float] = None,
+                       expert_parallel: ExpertParallelOptions = ExpertParallelOptions(),
                        tensor_parallel: Optional[tuple[int, frozenset, bool]] = None,
                        offload: bool = False) -> tuple[dict, str, Optional[dict]]:
-    """The working set extrapolated to the model's depth, ``{1: bytes}``; with ``experts``,
-    also each degree of ``degrees`` and the cost model's ``"compute"`` seconds on
-    ``hardware`` ([Note: planning expert parallelism] in zero_fx/planner/expert_parallel.py);
-    with ``tensor_parallel`` (degree, split parameters, sequence parallelism), ``"tp"``: the
+    """The working set of ``workload`` (its batch, sequence length and recompute)
+    extrapolated to the model's depth, ``{1: bytes}``; with ``experts``, also each degree of
+    ``expert_parallel`` and the cost model's ``"compute"`` seconds on ``hardware`` ([Note:
+    planning expert parallelism] in zero_fx/planner/expert_parallel.py); with
+    ``tensor_parallel`` (degree, split parameters, sequence parallelism), ``"tp"``: the
     working set priced again for it, and ``"compute"`` ([Note: planning tensor parallelism]
     in zero_fx/planner/tensor_parallel.py); with ``offload``, ``"streamed"``: the working
     set with the reduced gradients streamed to the host, ``"compute"`` and
     ``"device_optimizer"``, the part of it the device's optimizer step takes ([Note:
     planning offload] in zero_fx/planner/offload.py). Then how it was had, and what one
     more block adds to each (None where the model was traced whole)."""
+    batch, seq, recompute = workload.sequences, workload.seq, workload.recompute_options()
 
     def traced_peak(layers: Optional[int], dense_layers: Optional[int] = None) -> dict:
         build = ((lambda: source.build(layers)) if dense_layers is None
                  else (lambda: source.build(layers, dense_layers)))
         gm, plan = rewritten_step_on_fake(
             build, batch=batch, seq=seq, vocab_size=source.vocab_size,
-            world_size=world_size, stage=stage, dtype=dtype, loss_fn=causal_lm_loss, **recompute)
+            world_size=workload.world_size, stage=workload.stage, dtype=workload.dtype,
+            loss_fn=causal_lm_loss, **recompute)
         if experts is None and tensor_parallel is None and not offload:
             return {1: float(max(memory_timeline(gm).transient))}
         if offload:
@@ -53,7 +53,8 @@ def traced_working_set(source: ModelSource, *, world_size: int, stage: int, dtyp
                    "device_optimizer": device_optimizer_seconds(plan, hardware)}
         elif experts is not None:
             out: dict = peaks_by_degree(gm, plan, experts, batch * seq,
-                                        sorted({1, *degrees}), capacity_factor)
+                                        sorted({1, *expert_parallel.degrees}),
+                                        expert_parallel.capacity_factor)
         else:
             degree, split, sequence_parallel = tensor_parallel
             out = {1: float(max(memory_timeline(gm).transient)),
@@ -95,11 +96,3 @@ def traced_working_set(source: ModelSource, *, world_size: int, stage: int, dtyp
            f"traced with {first} and {first + 1} of {source.layers} blocks on fake tensors: "
            f"{base[1] / GB:.2f} GB + {source.layers - first} x {(grown[1] - base[1]) / GB:.3f} GB")
     return total, how, {key: grown[key] - base[key] for key in base}
-
-
-def budget_option(budget: Optional[float]) -> dict:
-    """``--activation-budget`` (a fraction when <= 1, else bytes) as zero_compile's option."""
-    if budget is None:
-        return {}
-    return ({"activation_budget_fraction": budget} if budget <= 1
-            else {"activation_budget_bytes": int(budget)})
