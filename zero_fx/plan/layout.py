@@ -268,7 +268,7 @@ class ShardPlan:
     def reduces_in_graph(self) -> bool:
         """Gradients are reduced inside the compiled graph: always but in stages 0-1 with
         gradient accumulation, which accumulate locally and reduce once per optimizer step."""
-        return not (self.stage in (0, 1) and self.accumulation_steps > 1)
+        return self.grads_sharded or self.accumulation_steps <= 1
 
     def gather_dtype(self, layout: "ParamLayout") -> torch.dtype:
         """The dtype a parameter is all-gathered and computed in."""
@@ -284,6 +284,18 @@ class ShardPlan:
         """Stage 3: parameters live as shards and are gathered where used; in stages
         0-2 every rank keeps whole parameters."""
         return self.stage == 3
+
+    @property
+    def grads_sharded(self) -> bool:
+        """Stages 2-3: each gradient is reduce-scattered as soon as it exists and only this
+        rank's shard is kept ([Note: where gradients are reduced] in passes/reduce_grads.py)."""
+        return self.stage >= 2
+
+    @property
+    def reduces_after_backward(self) -> bool:
+        """Stage 1: every whole gradient is kept until the end of the backward and
+        reduce-scattered there ([Note: where gradients are reduced])."""
+        return not self.replicated and not self.grads_sharded
 
     @property
     def gathers_after_step(self) -> bool:
