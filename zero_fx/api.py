@@ -35,6 +35,7 @@ from .compiler.backend import Compilation, StepCompiler
 from . import evaluation
 from .config import (DEPRECATED_OPTIONS, DebugOptions, ZeroConfig, describe_backend,
                      old_names_in_errors, translate_deprecated)
+from .policies import FLAT_NAMES, flattened
 from .formatting import ranks_phrase
 from .inspection.explain import Explanation, GraphBreakExplanation, explain_graph
 from .materialize import PretrainedWeights
@@ -211,7 +212,7 @@ def zero_compile(
 def _config_from(config: Optional[ZeroConfig], options: dict) -> ZeroConfig:
     """``config`` with the keyword ``options`` (new or renamed names) applied: a keyword may
     set a field the config leaves at its default, or repeat the config's value."""
-    known = {f.name for f in dataclasses.fields(ZeroConfig)}
+    known = {f.name for f in dataclasses.fields(ZeroConfig)} | set(FLAT_NAMES)
     unknown = [name for name in options if name not in known and name not in DEPRECATED_OPTIONS]
     if unknown:
         near = difflib.get_close_matches(unknown[0], [*known, *DEPRECATED_OPTIONS], n=1)
@@ -219,7 +220,7 @@ def _config_from(config: Optional[ZeroConfig], options: dict) -> ZeroConfig:
                         + (f" (did you mean {near[0]!r}?)" if near else "")
                         + f"; the options are ZeroConfig's fields: {', '.join(sorted(known))}")
     with old_names_in_errors(options):
-        return _configured(config, translate_deprecated(options, stacklevel=3))
+        return _configured(config, flattened(translate_deprecated(options, stacklevel=3)))
 
 
 def _configured(config: Optional[ZeroConfig], options: dict) -> ZeroConfig:
