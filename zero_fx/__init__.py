@@ -22,7 +22,7 @@ from .logs import set_logs, set_logs_from_environment
 from .materialize import MaterializeError, load_pretrained
 from .passes.check_invariants import InvariantError
 from .passes.pipeline import after, before
-from .plan import ParamLayout, ShardPlan, make_plan, plan_for_module
+from .plan import ParamLayout, PlanOptions, PlanRanks, ShardPlan, make_plan, plan_for_module
 from .plan.offline import rewritten_step_on_fake
 from .runtime.failures import CollectiveFailedError
 from .runtime.init_distributed import Distributed, DistributedSetupError, init_distributed
@@ -58,6 +58,8 @@ __all__ = [
     "MaterializeError",
     "MixedPrecision",
     "ParamLayout",
+    "PlanOptions",
+    "PlanRanks",
     "plan_for_module",
     "PRESETS",
     "RanksDisagreeError",

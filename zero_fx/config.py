@@ -15,6 +15,7 @@ from .checks import (GRADIENT_FORMATS, MESH_DIM_NAMES, OFFLOAD_MODES, WEIGHT_FOR
                      check_quantization, check_secondary_partition, weight_formats)
 from .passes.pipeline import pass_names
 from .passes.recompute_activations import ActivationBudget
+from .plan.build import PlanOptions
 from .plan.layout import BLOCKS
 from .policies import (DUMP_ENV, FLOAT_DTYPES, DebugOptions, MixedPrecision,  # noqa: F401
                        OffloadPolicy, QuantizationPolicy, RecomputePolicy, SchedulePolicy,
@@ -305,28 +306,30 @@ class ZeroConfig:
                              f"{nbytes!r} (a fraction of the activations is "
                              f"activation_budget_fraction)")
 
-    def plan_options(self, hardware: str = "cpu-gloo") -> dict:
-        """What ``plan_for_module`` takes from this config: residency, buckets, schedule,
+    def plan_options(self, hardware: str = "cpu-gloo") -> PlanOptions:
+        """What the shard plan takes from this config: stage, residency, buckets, schedule,
         precision, accumulation, recompute (``"auto"`` ranks ops with the cost model's
-        ``hardware`` preset)."""
-        return {
-            "recompute": self._recompute_for_plan(hardware),
-            "persistence_threshold": self.resident_max_numel,
-            "keep_resident": self.keep_resident,
-            "bucket_bytes": (DEFAULT_BUCKET_BYTES[self.stage] if self.bucket_bytes is None
-                             else self.bucket_bytes),
-            "prefetch": self.prefetch_buckets,
-            "reduce_overlap_buckets": self.reduce_overlap_buckets,
-            "memory_budget_bytes": self.max_gathered_bytes,
-            "accumulation_steps": self.accumulation_steps,
+        ``hardware`` preset), offload and quantization."""
+        schedule, offload, quantization = self.schedule, self.offload_policy, self.quantization
+        return PlanOptions(
+            stage=self.stage,
+            recompute=self._recompute_for_plan(hardware),
+            resident_max_numel=self.resident_max_numel,
+            keep_resident=self.keep_resident,
+            bucket_bytes=(DEFAULT_BUCKET_BYTES[self.stage] if schedule.bucket_bytes is None
+                          else schedule.bucket_bytes),
+            prefetch=schedule.prefetch_buckets,
+            reduce_overlap_buckets=schedule.reduce_overlap_buckets,
+            memory_budget_bytes=schedule.max_gathered_bytes,
+            accumulation_steps=self.accumulation_steps,
             # "auto" is resolved when the model is sharded (runtime/offload_choice.py)
-            "offload": None if self.offload == "auto" else self.offload,
-            "offload_step": self.offload_step,
-            "quantize_weights": weight_formats(self.quantize_weights),
-            "quantize_gradients": self.quantize_gradients,
-            "quantize_block": self.quantize_block,
+            offload=None if offload.mode == "auto" else offload.mode,
+            offload_step=offload.step,
+            quantize_weights=weight_formats(quantization.weights),
+            quantize_gradients=quantization.gradients,
+            quantize_block=quantization.block,
             **(self.mixed_precision.plan_options() if self.mixed_precision else {}),
-        }
+        )
 
     def _recompute_for_plan(self, preset: str):
         budget = (self.activation_budget_fraction if self.activation_budget_bytes is None

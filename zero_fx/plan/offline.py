@@ -18,7 +18,8 @@ from ..config import ZeroConfig
 from ..passes import build_pipeline, run_pipeline
 from ..passes.predicates import mark_step_graph
 from ..passes.splice import trace_to_aten
-from .layout import ShardPlan, plan_for_module
+from .build import PlanRanks, plan_for_module
+from .layout import ShardPlan
 from .on_device import moved_to_device
 from .secondary import planned as planned_secondary
 
@@ -52,10 +53,11 @@ def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch:
         world_size, replicas, secondary = planned_secondary(config.secondary_partition,
                                                             world_size, replicas)
         hybrid = replicas > 1 and stage != 0
-        plan = plan_for_module(model, world_size=world_size, stage=stage, group_name="planned",
-                               replicas=replicas if hybrid else 1,
-                               replicate_group_name="planned-replicas" if hybrid else "",
-                               secondary=secondary, **config.plan_options())
+        plan = plan_for_module(model, PlanRanks(world_size, group_name="planned",
+                                                replicas=replicas if hybrid else 1,
+                                                replicate_group_name="planned-replicas" if hybrid
+                                                else "", secondary=secondary),
+                               config.plan_options())
         tokens = torch.randint(0, vocab_size, (batch, seq))
         targets = torch.randint(0, vocab_size, (batch, seq))
 

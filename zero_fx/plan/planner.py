@@ -192,7 +192,8 @@ from torch.fx import GraphModule
 
 from ..analysis.memory_timeline import memory_timeline, peak_alive
 from ..config import DEFAULT_BUCKET_BYTES, DEFAULT_PERSISTENCE_THRESHOLD
-from .layout import BLOCKS, ShardPlan, block_of, plan_for_module
+from .build import PlanOptions, PlanRanks, plan_for_module
+from .layout import BLOCKS, ShardPlan, block_of
 from .models import ModelSource, on_meta
 from .quantization import (QuantizedRow, check_quantizable, format_quantization,
                            price_quantization)
@@ -611,11 +612,10 @@ def plan_model(source: ModelSource, *, world_size: int, stage: int = 3,
     mixed = item < 4
 
     def plan_over(ranks: int) -> ShardPlan:
-        return plan_for_module(model, world_size=ranks, stage=stage,
-                               persistence_threshold=DEFAULT_PERSISTENCE_THRESHOLD,
-                               bucket_bytes=DEFAULT_BUCKET_BYTES[stage],
-                               compute_dtype=dtype if mixed else None,
-                               reduce_dtype=dtype if mixed else None)
+        return plan_for_module(model, PlanRanks(ranks), PlanOptions(
+            stage=stage, resident_max_numel=DEFAULT_PERSISTENCE_THRESHOLD,
+            bucket_bytes=DEFAULT_BUCKET_BYTES[stage], compute_dtype=dtype if mixed else None,
+            reduce_dtype=dtype if mixed else None))
 
     experts = expert_blocks(model)
     shape, split = None, frozenset()

@@ -19,7 +19,7 @@ from ..capture.routed_experts import RoutedExperts
 from ..config import ZeroConfig
 from ..formatting import ranks_phrase
 from ..materialize import PretrainedWeights, materialize
-from ..plan import ShardPlan, plan_for_module
+from ..plan import PlanRanks, ShardPlan, plan_for_module
 from ..plan.tensor_parallel import local_tensor, tensor_parallel_of
 from .expert_groups import keep_place_rows, split_experts
 from .gloo_all_gather import use_gloo_single_tensor_all_gather
@@ -132,14 +132,12 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     if world.backend_for("cpu") == "gloo":
         use_gloo_single_tensor_all_gather()
     claim(model, optimizer, step_name)
-    plan = plan_for_module(model, world_size=world.size, rank=world.rank, stage=config.stage,
-                           group_name=world.group_name, replicas=world.replicas,
-                           replicate_group_name=world.replicate_group_name,
-                           collectives_average=collectives_average(world, device),
-                           expert_parallel=experts,
-                           tensor_parallel=tensor_parallel_of(model, world),
-                           secondary=world.secondary,
-                           **config.plan_options(hardware_for(model)))
+    ranks = PlanRanks(world.size, world.rank, world.group_name, replicas=world.replicas,
+                      replicate_group_name=world.replicate_group_name,
+                      collectives_average=collectives_average(world, device),
+                      expert_parallel=experts, tensor_parallel=tensor_parallel_of(model, world),
+                      secondary=world.secondary)
+    plan = plan_for_module(model, ranks, config.plan_options(hardware_for(model)))
     plan = dataclasses.replace(plan, device_type=device.type)
     choice = None
     if config.offload is not None:  # [Note: choosing what to offload]
