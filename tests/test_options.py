@@ -147,3 +147,21 @@ def test_prefetch_buckets_and_reduce_overlap_buckets_move_only_their_own_collect
         old = _scheduled(prefetch=1)  # both halves, as before
     both = _scheduled(prefetch_buckets=1, reduce_overlap_buckets=1)
     assert [n.target for n in old.graph.nodes] == [n.target for n in both.graph.nodes]
+
+
+def test_zero_compile_lists_every_option_with_its_default():
+    """The explicit signature stays in step with ZeroConfig: each field is a keyword with the
+    field's default, each policy a keyword too; the renamed names go to ``**deprecated``."""
+    import inspect
+
+    from zero_fx.policies import FLAT_NAMES
+
+    parameters = inspect.signature(zero_compile).parameters
+    options = {name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY} - {
+        "config", "model", "optimizer"}
+    fields = {f.name: f for f in dataclasses.fields(ZeroConfig)}
+    assert options == set(fields) | set(FLAT_NAMES)
+    default = ZeroConfig()
+    for name in fields:
+        assert parameters[name].default == getattr(default, name), name
+    assert parameters["deprecated"].kind is inspect.Parameter.VAR_KEYWORD

@@ -17,6 +17,7 @@ from .capture.step_graph import CaptureError
 from .checkpoint.files import CheckpointError, checkpoint_exists
 from .compiler.backend import Compilation
 from .config import DebugOptions, MixedPrecision, ZeroConfig
+from .policies import OffloadPolicy, QuantizationPolicy, RecomputePolicy, SchedulePolicy
 from .inspection.explain import Explanation
 from .logs import set_logs, set_logs_from_environment
 from .materialize import MaterializeError, load_pretrained
@@ -57,13 +58,17 @@ __all__ = [
     "make_plan",
     "MaterializeError",
     "MixedPrecision",
+    "OffloadPolicy",
     "ParamLayout",
     "PlanOptions",
     "PlanRanks",
     "plan_for_module",
     "PRESETS",
+    "QuantizationPolicy",
     "RanksDisagreeError",
+    "RecomputePolicy",
     "rewritten_step_on_fake",
+    "SchedulePolicy",
     "set_logs",
     "ShardPlan",
     "Verification",

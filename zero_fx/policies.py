@@ -199,6 +199,9 @@ def flattened(options: dict) -> dict:
     flat = dict(options)
     for keyword, (cls, names) in FLAT_NAMES.items():
         policy = options.get(keyword)
+        if policy is None and keyword not in names.values():  # schedule=None: not given
+            flat.pop(keyword, None)
+            continue
         if not isinstance(policy, cls):
             if keyword in options and keyword not in names.values():
                 raise TypeError(f"{keyword} must be a zero_fx.{cls.__name__}(...), got "
