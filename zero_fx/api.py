@@ -293,7 +293,7 @@ def _zero_compile(fn: Optional[Callable] = None, *, config: Optional[ZeroConfig]
 
     def wrap(step_fn: Callable) -> "CompiledStep":
         return CompiledStep(step_fn, config, model=model, optimizer=optimizer,
-                            given=frozenset(options))
+                            given=frozenset(flattened(options)))
 
     return wrap(fn) if fn is not None else wrap
 
