@@ -16,7 +16,7 @@ from .checks import (GRADIENT_FORMATS, MESH_DIM_NAMES, OFFLOAD_MODES, WEIGHT_FOR
 from .passes.pipeline import pass_names
 from .passes.recompute_activations import ActivationBudget
 from .plan.build import PlanOptions
-from .plan.layout import BLOCKS
+from .plan.layout import BLOCKS, StageConsequences
 from .policies import (DUMP_ENV, FLOAT_DTYPES, DebugOptions, MixedPrecision,  # noqa: F401
                        OffloadPolicy, QuantizationPolicy, RecomputePolicy, SchedulePolicy,
                        flattened, policy_from)
@@ -47,7 +47,7 @@ DEFAULT_PERSISTENCE_THRESHOLD = DEFAULT_RESIDENT_MAX_NUMEL
 
 
 @dataclass(frozen=True)
-class ZeroConfig:
+class ZeroConfig(StageConsequences):
     """How ``zero_compile`` shards and compiles a training step: ``zero_compile(config=
     ZeroConfig(...))``, or the same options as keywords of ``zero_compile``.
 

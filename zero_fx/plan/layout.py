@@ -110,8 +110,45 @@ def block_of(name: str) -> str:
     return ".".join(parts[:-1]) or name
 
 
+class StageConsequences:
+    """What a ZeRO stage shards and when it reduces, read from ``stage``: properties of the
+    plan (``ShardPlan``), and of the configuration (``ZeroConfig``) before a plan exists.
+    Code asks these, not the stage's number."""
+
+    stage: int
+
+    @property
+    def replicated(self) -> bool:
+        """Stage 0 (DDP): every rank holds whole parameters, gradients and optimizer state."""
+        return self.stage == 0
+
+    @property
+    def params_sharded(self) -> bool:
+        """Stage 3: parameters live as shards and are gathered where used; in stages
+        0-2 every rank keeps whole parameters."""
+        return self.stage == 3
+
+    @property
+    def grads_sharded(self) -> bool:
+        """Stages 2-3: each gradient is reduce-scattered as soon as it exists and only this
+        rank's shard is kept ([Note: where gradients are reduced] in passes/reduce_grads.py)."""
+        return self.stage >= 2
+
+    @property
+    def reduces_after_backward(self) -> bool:
+        """Stage 1: every whole gradient is kept until the end of the backward and
+        reduce-scattered there ([Note: where gradients are reduced])."""
+        return not self.replicated and not self.grads_sharded
+
+    @property
+    def gathers_after_step(self) -> bool:
+        """Stages 1-2: whole parameters are kept, so after the optimizer steps on the
+        shards each is all-gathered back into its parameter."""
+        return not self.replicated and not self.params_sharded
+
+
 @dataclass(frozen=True)
-class ShardPlan:
+class ShardPlan(StageConsequences):
     """The whole model's layout for one world size and stage. Computed once."""
 
     world_size: int
@@ -272,35 +309,6 @@ class ShardPlan:
     def gather_dtype(self, layout: "ParamLayout") -> torch.dtype:
         """The dtype a parameter is all-gathered and computed in."""
         return self.compute_dtype or layout.dtype
-
-    @property
-    def replicated(self) -> bool:
-        """Stage 0 (DDP): every rank holds whole parameters, gradients and optimizer state."""
-        return self.stage == 0
-
-    @property
-    def params_sharded(self) -> bool:
-        """Stage 3: parameters live as shards and are gathered where used; in stages
-        0-2 every rank keeps whole parameters."""
-        return self.stage == 3
-
-    @property
-    def grads_sharded(self) -> bool:
-        """Stages 2-3: each gradient is reduce-scattered as soon as it exists and only this
-        rank's shard is kept ([Note: where gradients are reduced] in passes/reduce_grads.py)."""
-        return self.stage >= 2
-
-    @property
-    def reduces_after_backward(self) -> bool:
-        """Stage 1: every whole gradient is kept until the end of the backward and
-        reduce-scattered there ([Note: where gradients are reduced])."""
-        return not self.replicated and not self.grads_sharded
-
-    @property
-    def gathers_after_step(self) -> bool:
-        """Stages 1-2: whole parameters are kept, so after the optimizer steps on the
-        shards each is all-gathered back into its parameter."""
-        return not self.replicated and not self.params_sharded
 
     @property
     def shard_numel(self) -> int:
