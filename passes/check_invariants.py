@@ -68,7 +68,7 @@ def check_invariants(gm: GraphModule, plan) -> GraphModule:
                 f"{node.name} copies shards to the device; its one reader must be its wait "
                 f"(zero_fx.wait_device_copy), but {list(node.users)} read it: a parameter "
                 f"would be used before its copy from the host completes")
-    if plan.stage == 3:
+    if plan.params_sharded:
         _check_release(gm, plan.resident | kept_through_loss(gm))
     check_in_place_order(gm)
     return gm

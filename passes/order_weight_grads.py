@@ -50,9 +50,9 @@ def order_weight_grads(gm: GraphModule, plan) -> GraphModule:
     tensor read by two matmuls, one reading a parameter (directly or through views) and
     one reading none, the one reading the parameter runs first when the parameter is
     larger than what it computes. Does nothing unless
-    ``plan.stage == 3`` (below it parameters are whole for the entire step).
+    ``plan.params_sharded``, stage 3 (below it parameters are whole for the entire step).
     """
-    if plan.stage != 3:
+    if not plan.params_sharded:
         return gm
     readers: dict[Node, list[Node]] = {}
     """Each tensor read by backward matmuls (views followed to what they view): its readers."""

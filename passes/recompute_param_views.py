@@ -26,9 +26,9 @@ def recompute_param_views(gm: GraphModule, plan) -> GraphModule:
     Requires: phases annotated. Ensures: no BACKWARD node reads a FORWARD node
     computed only from parameters (parameter placeholders themselves may still
     be read; ``gather_params`` splits those). Does nothing unless
-    ``plan.stage == 3``: in stages 0-2 the parameter is whole for the entire step.
+    ``plan.params_sharded`` (stage 3): in stages 0-2 the parameter is whole for the entire step.
     """
-    if plan.stage != 3:
+    if not plan.params_sharded:
         return gm
     graph = gm.graph
     param_only = _param_only_forward_nodes(gm)

@@ -45,7 +45,7 @@ def reduce_grads(gm: GraphModule, plan) -> GraphModule:
         if grad is None:
             continue
         (outs[index],) = splice(gm.graph, reduction(plan, [name]), [grad],
-                             before=output if plan.stage == 1 else grad.next,
+                             before=output if plan.reduces_after_backward else grad.next,
                              phase=Phase.BACKWARD, meta={CARRIES_META: (name,)})
     output.args = (type(output.args[0])(outs),)
     gm.graph.lint()
@@ -55,7 +55,7 @@ def reduce_grads(gm: GraphModule, plan) -> GraphModule:
 
 def reduction(plan, names) -> functools.partial:
     """The code that reduces the gradients of ``names`` (one bucket) for ``plan``'s stage."""
-    if plan.stage == 0:
+    if plan.replicated:
         return functools.partial(all_reduce_bucket, world_size=plan.world_size,
                                  group_name=plan.group_name, dtype=plan.reduce_dtype,
                                  averages=plan.collectives_average)

@@ -9,6 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import models
 from zero_fx import after, before, plan_for_module, zero_compile
+from zero_fx.plan import PlanOptions, PlanRanks
 from zero_fx.passes import build_pipeline, mark_step_graph, pass_names, run_pipeline
 from zero_fx.passes.common.predicates import GATHERED_META, PHASE_META, is_all_gather
 from zero_fx.analysis.traffic import traffic_report
@@ -113,8 +114,8 @@ def _foreign_step_graph():
 
 def test_our_passes_rewrite_a_foreign_graph_for_four_ranks():
     gm, model, params, _ = _foreign_step_graph()
-    plan = plan_for_module(model, world_size=4, stage=3, group_name="planned",
-                           persistence_threshold=0)
+    plan = plan_for_module(model, PlanRanks(4, group_name="planned"),
+                           PlanOptions(stage=3, resident_max_numel=0))
     gm = run_pipeline(gm, build_pipeline(plan))
     report = traffic_report(gm, plan)
     psi = report.psi_by_kind()
@@ -125,7 +126,7 @@ def test_our_passes_rewrite_a_foreign_graph_for_four_ranks():
 
 def test_our_passes_on_a_foreign_graph_keep_its_gradients():
     gm, model, params, (x, y) = _foreign_step_graph()
-    plan = plan_for_module(model, world_size=1, stage=3, group_name="planned")
+    plan = plan_for_module(model, PlanRanks(1, group_name="planned"), PlanOptions(stage=3))
     rewritten = run_pipeline(gm, build_pipeline(plan))
     shards = {name: p.detach().reshape(-1) for name, p in params.items()}  # one rank: all of it
     loss, *grads = rewritten(shards, x, y)

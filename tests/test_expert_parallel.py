@@ -17,7 +17,7 @@ from zero_fx import ZeroConfig
 from zero_fx.capture.moe_blocks import RoutedExperts
 from zero_fx.passes.common.predicates import zero_fx_op_name
 from zero_fx.plan.expert_parallel import ExpertParallel, expert_slices
-from zero_fx.plan.layout import make_plan
+from zero_fx.plan import PlanOptions, PlanRanks, make_plan
 from zero_fx.runtime.expert_groups import split_experts
 from zero_fx.runtime.process_group import World
 from ranks import run_ranks
@@ -64,8 +64,9 @@ def test_the_plan_shards_experts_over_the_ranks_that_hold_them():
                               data_group_name="edp",
                               slices=expert_slices({EXPERTS: 4}, names, 2))
     assert parallel.slices == {names[0]: 0, names[1]: 0, names[2]: 1, names[3]: 1}
-    plan = make_plan([(n, (6, 5), torch.float32, True) for n in names], world_size=4, rank=1,
-                     stage=3, bucket_bytes="blocks", expert_parallel=parallel)
+    plan = make_plan([(n, (6, 5), torch.float32, True) for n in names],
+                     PlanRanks(4, rank=1, expert_parallel=parallel),
+                     PlanOptions(stage=3, bucket_bytes="blocks"))
     assert [plan.holds(n) for n in names] == [False, False, True, True, True]
     assert plan.collective_group(names[2]) == (2, "edp")
     assert plan.collective_group("model.norm.weight") == (4, plan.group_name)
@@ -110,8 +111,9 @@ def test_the_plan_keeps_a_place_s_rows_of_experts_held_as_3d_parameters():
     parallel = ExpertParallel(degree=2, rank=1, group_name="ep", data_size=2, data_rank=0,
                               data_group_name="edp", rows=frozenset({rows}))
     plan = make_plan([(rows, (4, 6, 5), torch.float32, True),
-                      ("model.norm.weight", (6, 5), torch.float32, True)], world_size=4,
-                     rank=1, stage=3, bucket_bytes="blocks", expert_parallel=parallel)
+                      ("model.norm.weight", (6, 5), torch.float32, True)],
+                     PlanRanks(4, rank=1, expert_parallel=parallel),
+                     PlanOptions(stage=3, bucket_bytes="blocks"))
     assert plan.holds(rows) and plan.is_expert(rows) and plan.is_expert_rows(rows)
     assert plan.collective_group(rows) == (2, "edp") and plan.shard_rank(rows) == 0
     assert plan.layout(rows).shard_numel == 60 and plan.whole_shape(rows) == (8, 6, 5)

@@ -16,7 +16,7 @@ from examples.gpt import GPT, GPTConfig
 from training import parity_errors, reference_run, zero_fx_run
 from zero_fx import MaterializeError, zero_compile
 from zero_fx.materialize import materialize
-from zero_fx.plan import plan_for_module
+from zero_fx.plan import PlanOptions, PlanRanks, plan_for_module
 
 GPT_CONFIG = GPTConfig(vocab_size=models.VOCAB, block_size=models.SEQ, n_layer=2, n_head=2,
                        n_embd=32, bias=True)
@@ -31,7 +31,7 @@ def materialized(build, stage: int, init_fn=None, seed: int = 0):
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = build()
-    masters = materialize(model, plan_for_module(model, world_size=1, stage=stage), init_fn=init_fn)
+    masters = materialize(model, plan_for_module(model, PlanRanks(1), PlanOptions(stage=stage)), init_fn=init_fn)
     after = torch.rand(4)
     params = {name: masters[name].view(p.shape) if masters is not None else p
               for name, p in model.named_parameters()}
@@ -132,7 +132,7 @@ class TiedTwice(nn.Module):
 def materialize_meta(cls, init_fn=None):
     with torch.device("meta"):
         model = cls()
-    return model, materialize(model, plan_for_module(model, world_size=1, stage=3), init_fn=init_fn)
+    return model, materialize(model, plan_for_module(model, PlanRanks(1), PlanOptions(stage=3)), init_fn=init_fn)
 
 
 def test_a_module_without_reset_parameters_needs_init_fn():
@@ -228,7 +228,7 @@ def test_stage_3_is_built_on_the_host_and_only_shards_reach_the_device():
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(GPT_CONFIG)
-    plan = plan_for_module(model, world_size=4, rank=1, stage=3)
+    plan = plan_for_module(model, PlanRanks(4, rank=1), PlanOptions(stage=3))
     with OpsOnDevice("meta") as ops:
         masters = materialize(model, plan, init_fn=GPT._init_weights, device=torch.device("meta"))
     largest_shard = max(layout.shard_numel for layout in plan.params)
@@ -245,7 +245,7 @@ def test_stage_3_is_built_on_the_host_and_only_shards_reach_the_device():
     torch.manual_seed(0)
     with torch.device("meta"):
         on_cpu = GPT(GPT_CONFIG)
-    expected = materialize(on_cpu, plan_for_module(on_cpu, world_size=4, rank=1, stage=3),
+    expected = materialize(on_cpu, plan_for_module(on_cpu, PlanRanks(4, rank=1), PlanOptions(stage=3)),
                            init_fn=GPT._init_weights)
     built, _, _, _ = materialized(lambda: GPT(GPT_CONFIG), 3, GPT._init_weights, 0)
     for layout in plan.params:

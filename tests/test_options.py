@@ -147,3 +147,49 @@ def test_prefetch_buckets_and_reduce_overlap_buckets_move_only_their_own_collect
         old = _scheduled(prefetch=1)  # both halves, as before
     both = _scheduled(prefetch_buckets=1, reduce_overlap_buckets=1)
     assert [n.target for n in old.graph.nodes] == [n.target for n in both.graph.nodes]
+
+
+def test_zero_compile_lists_every_option_with_its_default():
+    """The explicit signature stays in step with ZeroConfig: each field is a keyword with the
+    field's default, each policy a keyword too; the renamed names go to ``**deprecated``."""
+    import inspect
+
+    from zero_fx.policies import FLAT_NAMES
+
+    parameters = inspect.signature(zero_compile).parameters
+    options = {name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY} - {
+        "config", "model", "optimizer"}
+    fields = {f.name: f for f in dataclasses.fields(ZeroConfig)}
+    assert options == set(fields) | set(FLAT_NAMES)
+    default = ZeroConfig()
+    for name in fields:
+        assert parameters[name].default == getattr(default, name), name
+    assert parameters["deprecated"].kind is inspect.Parameter.VAR_KEYWORD
+
+
+def test_a_policy_given_whole_means_its_flat_options():
+    from zero_fx import OffloadPolicy, QuantizationPolicy, RecomputePolicy, SchedulePolicy
+
+    flat = ZeroConfig(bucket_bytes=0, prefetch_buckets=2, offload="optimizer", offload_step="overlap",
+                      quantize_weights="int8", recompute="auto", activation_budget_fraction=0.5)
+    grouped = ZeroConfig(schedule=SchedulePolicy(bucket_bytes=0, prefetch_buckets=2),
+                         offload=OffloadPolicy(mode="optimizer", step="overlap"),
+                         quantization=QuantizationPolicy(weights="int8"),
+                         recompute=RecomputePolicy(mode="auto", budget_fraction=0.5))
+    assert grouped == flat
+    assert zero_compile(standard_step, schedule=SchedulePolicy(bucket_bytes=0, prefetch_buckets=2),
+                        offload="optimizer", offload_step="overlap",
+                        quantization=QuantizationPolicy(weights="int8"), recompute="auto",
+                        activation_budget_fraction=0.5).config == flat
+    assert flat.schedule == SchedulePolicy(bucket_bytes=0, prefetch_buckets=2)
+    assert flat.offload_policy == OffloadPolicy(mode="optimizer", step="overlap")
+    assert flat.quantization == QuantizationPolicy(weights="int8")
+    assert flat.recompute_policy == RecomputePolicy(mode="auto", budget_fraction=0.5)
+    with pytest.raises(ValueError, match="bucket_bytes is set both as a keyword and in schedule="):
+        zero_compile(standard_step, schedule=SchedulePolicy(), bucket_bytes=0)
+    with pytest.raises(ValueError, match="offload_step is set both"):
+        ZeroConfig(offload=OffloadPolicy(mode="optimizer"), offload_step="overlap")
+    with pytest.raises(TypeError, match="schedule must be a zero_fx.SchedulePolicy"):
+        ZeroConfig(schedule={"bucket_bytes": 0})
+    with pytest.raises(ValueError, match="prefetch_buckets must be an int >= 0"):
+        ZeroConfig(schedule=SchedulePolicy(prefetch_buckets=-1))

@@ -10,6 +10,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from zero_fx import make_plan
+from zero_fx.plan import PlanOptions, PlanRanks
 from zero_fx.analysis.memory_timeline import memory_timeline
 from zero_fx.passes import (InvariantError, accumulate_embedding_grads, annotate_phases,
                             check_invariants, gather_params, order_weight_grads,
@@ -42,8 +43,8 @@ def step_graph(stage=3):
         node.meta[PARAM_META] = name
     gm.meta[GRAD_SLOTS_META] = {1: "w", 2: "b", 3: "v"}
     plan = make_plan([("w", (5, 3), torch.float32, True), ("b", (5,), torch.float32, True),
-                      ("v", (2, 5), torch.float32, True)], world_size=WORLD, stage=stage,
-                     group_name="test")
+                      ("v", (2, 5), torch.float32, True)], PlanRanks(WORLD, group_name="test"),
+                     PlanOptions(stage=stage))
     return gm, plan
 
 
@@ -441,7 +442,7 @@ class TestOrderWeightGrads:
         gm.meta[GRAD_SLOTS_META] = {1: "w1", 2: "head"}
         plan = make_plan([("w1", (self.WIDTH, self.WIDTH), torch.float32, True),
                           ("head", (self.VOCAB, self.WIDTH), torch.float32, True)],
-                         world_size=WORLD, stage=stage, group_name="test")
+                         PlanRanks(WORLD, group_name="test"), PlanOptions(stage=stage))
         return recompute_param_views(annotate_phases(gm, plan), plan), plan, inputs
 
     def backward_matmuls(self, gm):
@@ -513,7 +514,7 @@ class TestOrderWeightGrads:
         gm.meta[GRAD_SLOTS_META] = {1: "w1", 2: "w2", 3: "head"}
         plan = make_plan([(n, (self.VOCAB if n == "head" else self.WIDTH, self.WIDTH),
                            torch.float32, True) for n in names],
-                         world_size=WORLD, stage=3, group_name="test")
+                         PlanRanks(WORLD, group_name="test"), PlanOptions(stage=3))
         gm = order_weight_grads(recompute_param_views(annotate_phases(gm, plan), plan), plan)
         reads = [next((name for a in n.all_input_nodes for name in names
                        if viewed(a).meta.get(PARAM_META) == name), None)

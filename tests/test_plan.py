@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zero_fx import make_plan
+from zero_fx.plan import PlanOptions, PlanRanks
 from zero_fx.plan.layout import BLOCKS
 from zero_fx.plan.layout import cut_shard
 
@@ -16,7 +17,7 @@ shapes = st.lists(st.lists(st.integers(1, 9), min_size=0, max_size=3).map(tuple)
 
 def plan_of(param_shapes, world_size):
     return make_plan(((f"p{i}", s, torch.float32, True) for i, s in enumerate(param_shapes)),
-                     world_size=world_size)
+                     PlanRanks(world_size))
 
 
 @settings(max_examples=200, deadline=None)
@@ -61,9 +62,9 @@ def test_bad_world_sizes_are_rejected():
     import pytest
 
     with pytest.raises(ValueError, match="world_size"):
-        make_plan([("w", (2,), torch.float32, True)], world_size=0)
+        make_plan([("w", (2,), torch.float32, True)], PlanRanks(0))
     with pytest.raises(ValueError, match="rank 3"):
-        make_plan([("w", (2,), torch.float32, True)], world_size=2, rank=3)
+        make_plan([("w", (2,), torch.float32, True)], PlanRanks(2, rank=3))
 
 
 def test_buckets_follow_blocks_and_residents_a_byte_cap():
@@ -73,26 +74,26 @@ def test_buckets_follow_blocks_and_residents_a_byte_cap():
     names = ["wte.weight", "wpe.weight", "blocks.0.attn.weight", "blocks.0.mlp.weight",
              "blocks.1.attn.weight", "blocks.1.mlp.weight", "blocks.10.attn.weight", "head.weight"]
     shapes = [(name, (64, 64), torch.float32, True) for name in names]
-    plan = make_plan(shapes, world_size=2, bucket_bytes=BLOCKS)
+    plan = make_plan(shapes, PlanRanks(2), PlanOptions(bucket_bytes=BLOCKS))
     assert plan.buckets(names) == [["wte.weight"], ["wpe.weight"], names[2:4], names[4:6],
                                    ["blocks.10.attn.weight"], ["head.weight"]]
     assert plan.buckets(names, resident=True) == [names]  # 8 x 16 KiB, under 16 MiB
-    assert make_plan(shapes, world_size=2, bucket_bytes=2 * 64 * 64 * 4).buckets(names) == [
+    assert make_plan(shapes, PlanRanks(2), PlanOptions(bucket_bytes=2 * 64 * 64 * 4)).buckets(names) == [
         names[0:2], names[2:4], names[4:6], names[6:8]]
     with pytest.raises(ValueError, match="'blocks'"):
-        make_plan(shapes, world_size=2, bucket_bytes="layers")
+        make_plan(shapes, PlanRanks(2), PlanOptions(bucket_bytes="layers"))
 
 
 def test_a_blocks_routed_experts_are_a_unit_of_their_own():
     """[Note: buckets by block]: a mixture-of-experts block's experts (an HF Mixtral's expert
     list) are gathered and reduced apart from the rest of their block."""
     from examples.hf_models import causal_lm, mixtral_config
-    from zero_fx.plan.layout import plan_for_module
+    from zero_fx.plan import plan_for_module
 
     with torch.device("meta"):
         model = causal_lm(mixtral_config(64, 16, layers=2, width=32, heads=4, kv_heads=2, ffn=64,
                                          experts=4))
-    plan = plan_for_module(model, world_size=2, bucket_bytes=BLOCKS)
+    plan = plan_for_module(model, PlanRanks(2), PlanOptions(bucket_bytes=BLOCKS))
     assert plan.expert_units == {"model.layers.0.block_sparse_moe.experts",
                                  "model.layers.1.block_sparse_moe.experts"}
     names = [n for n, _ in model.named_parameters()]

@@ -6,6 +6,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from zero_fx import make_plan
+from zero_fx.plan import PlanOptions, PlanRanks
 from zero_fx.passes import (annotate_phases, bucket_collectives, check_invariants, gather_params,
                             recompute_param_views, reduce_grads, schedule_collectives)
 from zero_fx.passes.common.predicates import (GRAD_SLOTS_META, PARAM_META, Phase, carried_params,
@@ -36,9 +37,10 @@ def rewritten(stage=3, *, bucket_bytes=0, prefetch=0, memory_budget_bytes=None, 
     for node, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], NAMES):
         node.meta[PARAM_META] = name
     gm.meta[GRAD_SLOTS_META] = {i + 1: name for i, name in enumerate(NAMES)}
-    plan = make_plan([(n, (WIDTH, WIDTH), torch.float32, True) for n in NAMES], world_size=2,
-                     stage=stage, group_name="test", bucket_bytes=bucket_bytes, prefetch=prefetch,
-                     memory_budget_bytes=memory_budget_bytes, resident=resident)
+    plan = make_plan([(n, (WIDTH, WIDTH), torch.float32, True) for n in NAMES],
+                     PlanRanks(2, group_name="test"),
+                     PlanOptions(stage=stage, bucket_bytes=bucket_bytes, prefetch=prefetch,
+                                 memory_budget_bytes=memory_budget_bytes), resident=resident)
     passes = [annotate_phases, recompute_param_views, gather_params, reduce_grads,
               bucket_collectives] + ([schedule_collectives] if schedule else []) + [check_invariants]
     for p in passes:
@@ -203,13 +205,13 @@ class TestResidency:
             [["w1", "w3"], sorted(set(NAMES) - {"w1", "w3"})])
 
     def test_residency_is_a_stage3_notion(self):
-        plan = make_plan([("w", (4,), torch.float32, True)], world_size=2, stage=2,
+        plan = make_plan([("w", (4,), torch.float32, True)], PlanRanks(2), PlanOptions(stage=2),
                          resident=("w",))
         assert plan.resident == frozenset()
 
     def test_an_unknown_resident_name_is_an_error(self):
         with pytest.raises(ValueError, match="not in the model"):
-            make_plan([("w", (4,), torch.float32, True)], world_size=2, resident=("v",))
+            make_plan([("w", (4,), torch.float32, True)], PlanRanks(2), resident=("v",))
 
 
 def _descendants_in_code(wait):

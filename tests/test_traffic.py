@@ -16,6 +16,7 @@ import models
 from ranks import fake_world, run_ranks
 from training import SMALL_BUCKETS, UNSCHEDULED, counted_traffic_rank, zero_fx_run
 from zero_fx import plan_for_module
+from zero_fx.plan import PlanRanks
 from zero_fx.config import ZeroConfig
 from zero_fx.planner.table import TRAFFIC_IN_PSI
 from zero_fx.analysis.traffic import KINDS
@@ -33,8 +34,7 @@ def expected_numel(stage: int, world_size: int, options: tuple = ()) -> dict:
     """The table's multiples of Ψ (padded); in stage 3 minus the backward gathers of
     parameters the backward never reads, that stay resident or are kept through the loss."""
     config = ZeroConfig(stage=stage, **dict(options))
-    plan = plan_for_module(models.build("gpt"), world_size=world_size, stage=stage,
-                           **config.plan_options())
+    plan = plan_for_module(models.build("gpt"), PlanRanks(world_size), config.plan_options())
     padded = plan.total_numel + plan.padding_numel
     expected = {kind: 0 for kind in KINDS}
     for kind, multiple in TRAFFIC_IN_PSI[stage].items():

@@ -18,12 +18,13 @@ from .capture.step_graph import CaptureError
 from .checkpoint.files import CheckpointError, checkpoint_exists
 from .compiler.backend import Compilation
 from .config import DebugOptions, MixedPrecision, ZeroConfig
+from .policies import OffloadPolicy, QuantizationPolicy, RecomputePolicy, SchedulePolicy
 from .inspection.explain import Explanation
 from .logs import set_logs, set_logs_from_environment
 from .materialize import MaterializeError, load_pretrained
 from .passes.check_invariants import InvariantError
 from .passes.pipeline import after, before
-from .plan import ParamLayout, ShardPlan, make_plan, plan_for_module
+from .plan import ParamLayout, PlanOptions, PlanRanks, ShardPlan, make_plan, plan_for_module
 from .planner.offline import rewritten_step_on_fake
 from .runtime.failures import CollectiveFailedError
 from .runtime.init_distributed import Distributed, DistributedSetupError, init_distributed
@@ -58,11 +59,17 @@ __all__ = [
     "make_plan",
     "MaterializeError",
     "MixedPrecision",
+    "OffloadPolicy",
     "ParamLayout",
+    "PlanOptions",
+    "PlanRanks",
     "plan_for_module",
     "PRESETS",
+    "QuantizationPolicy",
     "RanksDisagreeError",
+    "RecomputePolicy",
     "rewritten_step_on_fake",
+    "SchedulePolicy",
     "set_logs",
     "ShardPlan",
     "Verification",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import inspect
 import logging
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, TypeVar, Union
 
 import torch
 
@@ -13,19 +15,76 @@ from .compiled_step import CompiledStep
 from .config import (DEPRECATED_OPTIONS, DebugOptions, ZeroConfig, old_names_in_errors,
                      translate_deprecated)
 from .inspection.explain import Explanation, GraphBreakExplanation
+from .config import DEFAULT_RESIDENT_MAX_NUMEL, BackendName, Compiler
+from .policies import (FLAT_NAMES, MixedPrecision, OffloadPolicy, QuantizationPolicy,
+                       RecomputePolicy, SchedulePolicy, flattened)
 
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger("zero_fx")
 
+_F = TypeVar("_F", bound=Callable)
 
+
+def _called_as_written(declared: _F) -> _F:
+    """``zero_compile`` with ``declared``'s signature, types and docstring (what editors, type
+    checkers and ``help()`` show), given its keywords as the caller wrote them: an option
+    given with its default value is still given ([Note: options given as keywords])."""
+    signature = inspect.signature(declared)
+
+    @functools.wraps(declared)
+    def zero_compile(*args, **keywords):
+        signature.bind(*args, **keywords)  # a TypeError for what the signature refuses
+        return _zero_compile(*args, **keywords)
+
+    return zero_compile  # type: ignore[return-value]
+
+
+@_called_as_written
 def zero_compile(
     fn: Optional[Callable] = None,
     *,
     config: Optional[ZeroConfig] = None,
     model: Optional[torch.nn.Module] = None,
     optimizer: Optional[torch.optim.Optimizer] = None,
-    **options: Any,
-):
+    stage: int = 3,
+    backend: Union[BackendName, Compiler] = "inductor",
+    regional: bool = True,
+    dynamic_shapes: str = "auto",
+    on_graph_break: str = "eager",
+    schedule: Optional[SchedulePolicy] = None,
+    bucket_bytes: Union[int, str, None] = None,
+    prefetch_buckets: int = 1,
+    reduce_overlap_buckets: int = 1,
+    max_gathered_bytes: Optional[int] = None,
+    resident_max_numel: int = DEFAULT_RESIDENT_MAX_NUMEL,
+    keep_resident: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
+    elementwise_optimizer: Optional[bool] = None,
+    passes: Sequence = (),
+    mixed_precision: Optional[MixedPrecision] = None,
+    accumulation_steps: int = 1,
+    max_grad_norm: Optional[float] = None,
+    init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
+    recompute: Union[None, str, Callable[[torch.fx.Node], str], RecomputePolicy] = None,
+    activation_budget_fraction: Optional[float] = None,
+    activation_budget_bytes: Optional[int] = None,
+    mesh: Optional["DeviceMesh"] = None,
+    expert_parallel: int = 1,
+    expert_capacity_factor: Optional[float] = None,
+    offload: Union[None, str, OffloadPolicy] = None,
+    device_memory: Optional[int] = None,
+    offload_update: str = "auto",
+    offload_step: str = "sync",
+    quantization: Optional[QuantizationPolicy] = None,
+    quantize_weights: Union[None, str, Mapping[str, Optional[str]]] = None,
+    quantize_gradients: Optional[str] = None,
+    quantize_block: int = 256,
+    secondary_partition: Union[None, bool, int] = None,
+    debug: DebugOptions = DebugOptions(),
+    **deprecated: Any,
+) -> Union["CompiledStep", Callable[[Callable], "CompiledStep"]]:
     """Compile a whole training step (forward, ``loss.backward()``, ``opt.step()``) with ZeRO.
 
     Use as ``@zero_compile``, ``@zero_compile(stage=3, backend="aot_eager")`` or
@@ -142,13 +201,30 @@ def zero_compile(
             variable), passes to skip, the ranks' agreement check before each call's
             first collective (on by default; a mismatch raises ``RanksDisagreeError``
             instead of hanging), and Inductor schedule pinning with ``regional=False``.
+        quantize_weights: stage 3: the all-gathers move the parameters block-quantized,
+            ``"int8"`` or ``"fp8"`` (or ``{"forward": ..., "backward": ...}``), masters and
+            shards in full precision (ZeRO++'s qwZ). ``quantize_gradients``: the reductions
+            move ``"int8"`` or ``"int4"`` blocks by all-to-all, summed in fp32 (qgZ).
+            ``quantize_block``: elements per block, one fp32 scale each (default 256).
+            docs/quantization.md.
+        secondary_partition: stage 3: the forward's gathers also keep a copy sharded within
+            the node, which the backward gathers from (ZeRO++'s hpZ): the ranks per node, or
+            True for torchrun's ``LOCAL_WORLD_SIZE``.
+
+    The options that belong together can be given as one policy each instead (zero_fx/
+    policies.py): ``schedule=SchedulePolicy(bucket_bytes=..., prefetch_buckets=...,
+    reduce_overlap_buckets=..., max_gathered_bytes=...)``, ``offload=OffloadPolicy(mode=...,
+    device_memory=..., update=..., step=...)``, ``quantization=QuantizationPolicy(weights=...,
+    gradients=..., block=...)``, ``recompute=RecomputePolicy(mode=..., budget_fraction=...,
+    budget_bytes=...)``; a policy and one of its flat options together is an error.
 
     The names of 0.1 (``zero_fx.config.DEPRECATED_OPTIONS``) still work for one release,
     with a ``FutureWarning``: ``memory_budget_bytes`` -> ``max_gathered_bytes``;
     ``persistence_threshold`` -> ``resident_max_numel``; ``activation_memory_budget`` ->
     ``activation_budget_fraction`` / ``activation_budget_bytes``; ``prefetch`` ->
     ``prefetch_buckets`` and ``reduce_overlap_buckets``; ``pin_schedule``,
-    ``disable_passes``, ``dump_dir``, ``check_ranks`` -> ``debug=DebugOptions(...)``.
+    ``disable_passes``, ``dump_dir``, ``check_ranks`` -> ``debug=DebugOptions(...)``
+    (``**deprecated`` takes them).
 
     Inspect a compiled step with ``step.explain()``, ``step.traffic()``,
     ``step.estimate()`` and ``step.graphs``.
@@ -167,11 +243,26 @@ def zero_compile(
     on the shards of the model's training step, with that step's options
     ([Note: evaluation steps] in zero_fx/evaluation.py).
     """
+
+
+def _zero_compile(fn: Optional[Callable] = None, *, config: Optional[ZeroConfig] = None,
+                  model: Optional[torch.nn.Module] = None,
+                  optimizer: Optional[torch.optim.Optimizer] = None, **options: Any):
+    """``zero_compile`` with the options the caller gave, as written.
+
+    [Note: options given as keywords]
+    ``zero_compile`` lists every option with its default, but what it passes on is the
+    keywords the caller wrote: an option given with the value of its default still
+    counts as given. Next to ``config=``, a keyword repeating the default for a field the
+    config sets otherwise is an error, not a silent no-op; an evaluation step's given
+    options are checked against its training step's ([Note: evaluation steps] in
+    zero_fx/evaluation.py).
+    """
     config = _config_from(config, options)
 
     def wrap(step_fn: Callable) -> "CompiledStep":
         return CompiledStep(step_fn, config, model=model, optimizer=optimizer,
-                            given=frozenset(options))
+                            given=frozenset(flattened(options)))
 
     return wrap(fn) if fn is not None else wrap
 
@@ -179,7 +270,7 @@ def zero_compile(
 def _config_from(config: Optional[ZeroConfig], options: dict) -> ZeroConfig:
     """``config`` with the keyword ``options`` (new or renamed names) applied: a keyword may
     set a field the config leaves at its default, or repeat the config's value."""
-    known = {f.name for f in dataclasses.fields(ZeroConfig)}
+    known = {f.name for f in dataclasses.fields(ZeroConfig)} | set(FLAT_NAMES)
     unknown = [name for name in options if name not in known and name not in DEPRECATED_OPTIONS]
     if unknown:
         near = difflib.get_close_matches(unknown[0], [*known, *DEPRECATED_OPTIONS], n=1)
@@ -187,7 +278,7 @@ def _config_from(config: Optional[ZeroConfig], options: dict) -> ZeroConfig:
                         + (f" (did you mean {near[0]!r}?)" if near else "")
                         + f"; the options are ZeroConfig's fields: {', '.join(sorted(known))}")
     with old_names_in_errors(options):
-        return _configured(config, translate_deprecated(options, stacklevel=3))
+        return _configured(config, flattened(translate_deprecated(options, stacklevel=4)))
 
 
 def _configured(config: Optional[ZeroConfig], options: dict) -> ZeroConfig:

@@ -1,87 +1,32 @@
-"""Configuration of a compiled step."""
+"""Configuration of a compiled step: ``ZeroConfig``, its options flat as users write them and
+grouped as policies (policies.py); the checks that read the stage are in checks.py, the
+names of 0.1 in renamed_options.py."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
-import os
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
+from .checks import (GRADIENT_FORMATS, MESH_DIM_NAMES, OFFLOAD_MODES, WEIGHT_FORMATS,  # noqa: F401
+                     check_expert_parallel, check_mesh, check_offload, check_offload_update,
+                     check_quantization, check_secondary_partition, weight_formats)
 from .passes.pipeline import pass_names
-from .passes.common.quantized_code import check_block
 from .passes.recompute_activations import ActivationBudget
-from .plan.layout import BLOCKS
-
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """How a compiled step computes, communicates and scales (``zero_compile(mixed_precision=...)``).
-
-    Like FSDP2's ``MixedPrecisionPolicy``; see [Note: mixed precision] in runtime/precision.py.
-    """
-
-    param_dtype: torch.dtype = torch.bfloat16
-    """Forward and backward compute, and all-gathers move, this dtype."""
-    reduce_dtype: Optional[torch.dtype] = None
-    """Gradients are reduced in this dtype; None: ``param_dtype``. ``torch.float32``
-    reduces more precisely, at twice the reduce traffic of bf16."""
-    output_dtype: Optional[torch.dtype] = None
-    """Cast the model's floating-point outputs to this dtype (e.g. float32 logits for
-    the loss); None: leave them in ``param_dtype``."""
-    cast_forward_inputs: bool = True
-    """Cast the model's floating-point inputs to ``param_dtype``."""
-    loss_scale: Union[str, float, None] = "auto"
-    """"dynamic": GradScaler's dynamic loss scaling; a number: a static scale; None:
-    no scaling; "auto": dynamic for float16, none otherwise."""
-    initial_scale: float = 2.0 ** 16
-    growth_interval: int = 2000
-    """Dynamic scaling doubles the scale after this many steps without an overflow."""
-
-    def __post_init__(self):
-        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
-            dtype = getattr(self, name)
-            if dtype is not None and dtype not in FLOAT_DTYPES:
-                raise ValueError(f"MixedPrecision.{name} must be a floating dtype "
-                                 f"({', '.join(map(str, FLOAT_DTYPES))}), got {dtype!r}")
-        scale = self.loss_scale
-        if not (scale is None or scale in ("auto", "dynamic")
-                or (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0)):
-            raise ValueError(f'MixedPrecision.loss_scale must be "auto", "dynamic", a positive '
-                             f"number or None, got {scale!r}")
-        if self.initial_scale <= 0 or self.growth_interval < 1:
-            raise ValueError("MixedPrecision.initial_scale must be > 0 and growth_interval >= 1")
-
-    @property
-    def scales_loss(self) -> bool:
-        if self.loss_scale == "auto":
-            return self.param_dtype == torch.float16
-        return self.loss_scale is not None
-
-    @property
-    def dynamic_scaling(self) -> bool:
-        return self.scales_loss and self.loss_scale in ("auto", "dynamic")
-
-    def plan_options(self) -> dict:
-        """What the shard plan records of this policy."""
-        return {"compute_dtype": self.param_dtype,
-                "reduce_dtype": self.reduce_dtype or self.param_dtype,
-                "loss_scaled": self.scales_loss}
-
+from .plan.build import PlanOptions
+from .plan.layout import BLOCKS, StageConsequences
+from .policies import (DUMP_ENV, FLOAT_DTYPES, DebugOptions, MixedPrecision,  # noqa: F401
+                       OffloadPolicy, QuantizationPolicy, RecomputePolicy, SchedulePolicy,
+                       flattened, policy_from)
+from .renamed_options import (DEPRECATED_OPTIONS, RENAMED_OPTIONS_KEPT_THROUGH,  # noqa: F401
+                              old_names_in_errors, translate_deprecated, warn_renamed)
 
 BackendName = str
 Compiler = Callable[[torch.fx.GraphModule, list], Callable]
 
 NAMED_BACKENDS = ("inductor", "aot_eager", "eager")
-
-DUMP_ENV = "ZERO_FX_DUMP"
-"""Set to a folder to dump every compiled step's graphs there (see ``DebugOptions.dump_dir``)."""
 
 MiB = 1 << 20
 DEFAULT_BUCKET_BYTES = {0: 25 * MiB, 1: 25 * MiB, 2: 25 * MiB, 3: BLOCKS}
@@ -102,38 +47,15 @@ DEFAULT_PERSISTENCE_THRESHOLD = DEFAULT_RESIDENT_MAX_NUMEL
 
 
 @dataclass(frozen=True)
-class DebugOptions:
-    """Options for debugging and comparing a compiled step (``zero_compile(debug=...)``);
-    the defaults are what training wants."""
-
-    dump_dir: Optional[str] = None
-    """Write the graph before and after each pass (text and HTML), the memory
-    plot and ``explain()`` under this folder at each compilation. ``None``: the
-    environment variable ``ZERO_FX_DUMP``, if set; otherwise no dumps."""
-    disable_passes: Sequence[str] = field(default_factory=tuple)
-    """Names of our passes to skip (see ``zero_fx.passes.PASS_ORDER``)."""
-    check_ranks: bool = True
-    """Before each call's first collective, check that all ranks are about to run the
-    same graph (one 8-byte all-gather; a mismatch raises ``RanksDisagreeError`` instead
-    of hanging: [Note: checking that ranks agree] in zero_fx/runtime/rank_agreement.py).
-    False skips the check."""
-    pin_schedule: bool = True
-    """``regional=False`` with Inductor only (it does nothing under the default
-    ``regional=True``): hold Inductor's generated program to our collective schedule with
-    control dependencies ([Note: pinning the schedule through Inductor] in
-    zero_fx/compiler/pin_schedule.py); ``explain()`` says whether the program runs it.
-    False lets Inductor re-sort the collectives: for comparison only."""
-
-    def __post_init__(self):
-        object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
-        if self.dump_dir is None and os.environ.get(DUMP_ENV):
-            object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV])
-
-
-@dataclass(frozen=True)
-class ZeroConfig:
+class ZeroConfig(StageConsequences):
     """How ``zero_compile`` shards and compiles a training step: ``zero_compile(config=
     ZeroConfig(...))``, or the same options as keywords of ``zero_compile``.
+
+    The options that belong together can also be given, and are read back, as one policy
+    each (policies.py): ``schedule=SchedulePolicy(...)``, ``offload=OffloadPolicy(...)``,
+    ``quantization=QuantizationPolicy(...)``, ``recompute=RecomputePolicy(...)`` set the
+    fields named in ``policies.FLAT_NAMES``; ``config.schedule``, ``config.offload_policy``,
+    ``config.quantization`` and ``config.recompute_policy`` give them back.
 
     The options renamed after 0.1 (``DEPRECATED_OPTIONS``) are still accepted here and by
     ``zero_compile`` for one release, with a ``FutureWarning`` naming the new option."""
@@ -384,28 +306,30 @@ class ZeroConfig:
                              f"{nbytes!r} (a fraction of the activations is "
                              f"activation_budget_fraction)")
 
-    def plan_options(self, hardware: str = "cpu-gloo") -> dict:
-        """What ``plan_for_module`` takes from this config: residency, buckets, schedule,
+    def plan_options(self, hardware: str = "cpu-gloo") -> PlanOptions:
+        """What the shard plan takes from this config: stage, residency, buckets, schedule,
         precision, accumulation, recompute (``"auto"`` ranks ops with the cost model's
-        ``hardware`` preset)."""
-        return {
-            "recompute": self._recompute_for_plan(hardware),
-            "persistence_threshold": self.resident_max_numel,
-            "keep_resident": self.keep_resident,
-            "bucket_bytes": (DEFAULT_BUCKET_BYTES[self.stage] if self.bucket_bytes is None
-                             else self.bucket_bytes),
-            "prefetch": self.prefetch_buckets,
-            "reduce_overlap_buckets": self.reduce_overlap_buckets,
-            "memory_budget_bytes": self.max_gathered_bytes,
-            "accumulation_steps": self.accumulation_steps,
+        ``hardware`` preset), offload and quantization."""
+        schedule, offload, quantization = self.schedule, self.offload_policy, self.quantization
+        return PlanOptions(
+            stage=self.stage,
+            recompute=self._recompute_for_plan(hardware),
+            resident_max_numel=self.resident_max_numel,
+            keep_resident=self.keep_resident,
+            bucket_bytes=(DEFAULT_BUCKET_BYTES[self.stage] if schedule.bucket_bytes is None
+                          else schedule.bucket_bytes),
+            prefetch=schedule.prefetch_buckets,
+            reduce_overlap_buckets=schedule.reduce_overlap_buckets,
+            memory_budget_bytes=schedule.max_gathered_bytes,
+            accumulation_steps=self.accumulation_steps,
             # "auto" is resolved when the model is sharded (runtime/offload_choice.py)
-            "offload": None if self.offload == "auto" else self.offload,
-            "offload_step": self.offload_step,
-            "quantize_weights": weight_formats(self.quantize_weights),
-            "quantize_gradients": self.quantize_gradients,
-            "quantize_block": self.quantize_block,
+            offload=None if offload.mode == "auto" else offload.mode,
+            offload_step=offload.step,
+            quantize_weights=weight_formats(quantization.weights),
+            quantize_gradients=quantization.gradients,
+            quantize_block=quantization.block,
             **(self.mixed_precision.plan_options() if self.mixed_precision else {}),
-        }
+        )
 
     def _recompute_for_plan(self, preset: str):
         budget = (self.activation_budget_fraction if self.activation_budget_bytes is None
@@ -418,321 +342,82 @@ class ZeroConfig:
         return ActivationBudget(DEFAULT_ACTIVATION_BUDGET if budget is None else budget,
                                 seconds=functools.partial(node_seconds, hw=hardware(preset)))
 
+    # -- the options grouped as policies (policies.py) ----------------------------------
+    @property
+    def schedule(self) -> SchedulePolicy:
+        """Buckets, prefetch, overlap and the gathered bytes' cap, as one policy."""
+        return policy_from(self, "schedule")
+
+    @property
+    def offload_policy(self) -> OffloadPolicy:
+        """``offload``, ``device_memory``, ``offload_update`` and ``offload_step``, as one policy."""
+        return policy_from(self, "offload")
+
+    @property
+    def quantization(self) -> QuantizationPolicy:
+        """The ``quantize_*`` options, as one policy."""
+        return policy_from(self, "quantization")
+
+    @property
+    def recompute_policy(self) -> RecomputePolicy:
+        """``recompute`` and its activation budget, as one policy."""
+        return policy_from(self, "recompute")
+
     # -- the names of 0.1, for one release (DEPRECATED_OPTIONS) ---------------------------
     @property
     def prefetch(self) -> int:
-        _warn_renamed("prefetch", "prefetch_buckets (and reduce_overlap_buckets)", stacklevel=2)
+        warn_renamed("prefetch", "prefetch_buckets (and reduce_overlap_buckets)", stacklevel=2)
         return self.prefetch_buckets
 
     @property
     def memory_budget_bytes(self) -> Optional[int]:
-        _warn_renamed("memory_budget_bytes", "max_gathered_bytes", stacklevel=2)
+        warn_renamed("memory_budget_bytes", "max_gathered_bytes", stacklevel=2)
         return self.max_gathered_bytes
 
     @property
     def persistence_threshold(self) -> int:
-        _warn_renamed("persistence_threshold", "resident_max_numel", stacklevel=2)
+        warn_renamed("persistence_threshold", "resident_max_numel", stacklevel=2)
         return self.resident_max_numel
 
     @property
     def activation_memory_budget(self) -> Union[float, int, None]:
-        _warn_renamed("activation_memory_budget",
+        warn_renamed("activation_memory_budget",
                       "activation_budget_fraction or activation_budget_bytes", stacklevel=2)
         return (self.activation_budget_fraction if self.activation_budget_bytes is None
                 else self.activation_budget_bytes)
 
     @property
     def pin_schedule(self) -> bool:
-        _warn_renamed("pin_schedule", "debug.pin_schedule", stacklevel=2)
+        warn_renamed("pin_schedule", "debug.pin_schedule", stacklevel=2)
         return self.debug.pin_schedule
 
     @property
     def disable_passes(self) -> tuple:
-        _warn_renamed("disable_passes", "debug.disable_passes", stacklevel=2)
+        warn_renamed("disable_passes", "debug.disable_passes", stacklevel=2)
         return self.debug.disable_passes
 
     @property
     def dump_dir(self) -> Optional[str]:
-        _warn_renamed("dump_dir", "debug.dump_dir", stacklevel=2)
+        warn_renamed("dump_dir", "debug.dump_dir", stacklevel=2)
         return self.debug.dump_dir
 
     @property
     def check_ranks(self) -> bool:
-        _warn_renamed("check_ranks", "debug.check_ranks", stacklevel=2)
+        warn_renamed("check_ranks", "debug.check_ranks", stacklevel=2)
         return self.debug.check_ranks
 
 
-DEPRECATED_OPTIONS = {
-    "memory_budget_bytes": "max_gathered_bytes",
-    "persistence_threshold": "resident_max_numel",
-    "activation_memory_budget": "activation_budget_fraction (<= 1) or activation_budget_bytes",
-    "prefetch": "prefetch_buckets and reduce_overlap_buckets",
-    "pin_schedule": "debug=DebugOptions(pin_schedule=...)",
-    "disable_passes": "debug=DebugOptions(disable_passes=...)",
-    "dump_dir": "debug=DebugOptions(dump_dir=...)",
-    "check_ranks": "debug=DebugOptions(check_ranks=...)",
-}
-"""Options renamed after 0.1 -> what replaces them. Accepted for one release (0.2), with
-a ``FutureWarning``."""
-
-_FIELDS_OF_OLD_NAME = {
-    "memory_budget_bytes": ("max_gathered_bytes",),
-    "persistence_threshold": ("resident_max_numel",),
-    "activation_memory_budget": ("activation_budget_fraction", "activation_budget_bytes"),
-    "prefetch": ("prefetch_buckets", "reduce_overlap_buckets"),
-}
-
-
-@contextlib.contextmanager
-def old_names_in_errors(options: dict):
-    """A ``ValueError`` or ``TypeError`` about a field the caller set by its old name (in
-    ``options``) speaks of the old name, which is the one the caller wrote."""
-    renamed = {new: old for old in options for new in _FIELDS_OF_OLD_NAME.get(old, ())}
-    try:
-        yield
-    except (ValueError, TypeError) as err:
-        message = str(err)
-        for new, old in renamed.items():
-            if message.startswith(f"{new} "):
-                raise type(err)(f"{old}{message[len(new):]} ({old!r} is now "
-                                f"{DEPRECATED_OPTIONS[old]})") from None
-        raise
-
-
-RENAMED_OPTIONS_KEPT_THROUGH = "0.2"
-"""The last release (``zero_fx.__version__`` is 0.1.0) in which a renamed option's old name
-still works."""
-
-
-def _warn_renamed(old: str, new: str, stacklevel: int) -> None:
-    warnings.warn(f"zero_fx: the option {old!r} is now {new}; {old!r} still works in "
-                  f"{RENAMED_OPTIONS_KEPT_THROUGH} and is removed after it", FutureWarning,
-                  stacklevel=stacklevel + 1)
-
-
-def translate_deprecated(options: dict, *, stacklevel: int = 2) -> dict:
-    """``options`` (``ZeroConfig``'s keywords) with the names of 0.1 replaced by theirs,
-    each with a ``FutureWarning``. Raises ``ValueError`` when an old name and its new
-    name are both given."""
-    old = [name for name in options if name in DEPRECATED_OPTIONS]
-    if not old:
-        return options
-    new = {k: v for k, v in options.items() if k not in DEPRECATED_OPTIONS}
-
-    def put(old_name: str, name: str, value) -> None:
-        if name in new:
-            raise ValueError(f"{old_name} is the old name of {name}: set {name} alone")
-        new[name] = value
-
-    debug = {}
-    for name in old:
-        value = options[name]
-        _warn_renamed(name, DEPRECATED_OPTIONS[name], stacklevel=stacklevel + 1)
-        if name == "memory_budget_bytes":
-            put(name, "max_gathered_bytes", value)
-        elif name == "persistence_threshold":
-            put(name, "resident_max_numel", value)
-        elif name == "prefetch":
-            put(name, "prefetch_buckets", value)
-            put(name, "reduce_overlap_buckets", value)
-        elif name == "activation_memory_budget":
-            if value is None:
-                continue
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1:
-                put(name, "activation_budget_bytes", int(value))
-            else:  # a fraction, or a bad value that activation_budget_fraction rejects
-                put(name, "activation_budget_fraction", value)
-        else:
-            debug[name] = value
-    if debug:
-        given = new.get("debug")
-        if given is not None and not isinstance(given, DebugOptions):
-            raise TypeError(f"debug must be a zero_fx.DebugOptions(...), got {type(given).__name__}")
-        base = given or DebugOptions()
-        both = [name for name in debug if getattr(base, name) != getattr(DebugOptions(), name)]
-        if both:
-            raise ValueError(f"{both[0]} is set both as a keyword and in debug=DebugOptions(...): "
-                             f"set it in debug= alone")
-        new["debug"] = dataclasses.replace(base, **debug)
-    return new
+def describe_backend(backend: Any) -> str:
+    return backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
 
 
 _dataclass_init = ZeroConfig.__init__
 
 
 @functools.wraps(_dataclass_init)
-def _init_accepting_old_names(self, *args, **kwargs):
+def _init_accepting_policies_and_old_names(self, *args, **kwargs):
     with old_names_in_errors(kwargs):
-        _dataclass_init(self, *args, **translate_deprecated(kwargs, stacklevel=2))
+        _dataclass_init(self, *args, **flattened(translate_deprecated(kwargs, stacklevel=2)))
 
 
-ZeroConfig.__init__ = _init_accepting_old_names
-
-
-def check_expert_parallel(degree, stage: int, mesh, capacity_factor=None) -> None:
-    """An expert-parallel degree zero_fx can run, or an error saying what to choose instead."""
-    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
-        raise ValueError(f"expert_parallel must be an int >= 1 (ranks each block's experts are "
-                         f"split over; 1: none), got {degree!r}")
-    if capacity_factor is not None:
-        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
-                or not capacity_factor > 0:
-            raise ValueError(f"expert_capacity_factor must be a number > 0 (each expert's rows "
-                             f"as a multiple of an even spread's) or None, got {capacity_factor!r}")
-        if degree == 1:
-            raise ValueError("expert_capacity_factor bounds the rows expert parallelism sends "
-                             "each rank; without it (expert_parallel=1) every rank runs its own "
-                             "rows in fixed shapes and drops none: set expert_parallel too, or "
-                             "leave the factor out")
-    if degree == 1:
-        return
-    if stage == 0:
-        raise ValueError(f"expert_parallel={degree} needs stage 1, 2 or 3: it splits the "
-                         f"experts and their optimizer state over ranks, and stage 0 keeps "
-                         f"every parameter and its state whole on every rank")
-    if mesh is not None and mesh.ndim > 1 and tuple(mesh.mesh_dim_names) != ("replicate", "shard"):
-        raise ValueError(f"expert_parallel={degree} on a mesh of dimensions "
-                         f"{mesh.mesh_dim_names}: expert parallelism takes a flat world or a "
-                         "('replicate', 'shard') mesh, not tensor parallelism")
-
-
-OFFLOAD_MODES = (None, "optimizer", "parameters", "auto")
-
-
-def check_offload(offload, stage: int, device_memory=None) -> None:
-    """An offload mode zero_fx runs (and ``"auto"``'s budget), or an error saying what to
-    choose instead."""
-    if offload not in OFFLOAD_MODES:
-        raise ValueError(f"offload must be None, 'optimizer', 'parameters' or 'auto', got "
-                         f"{offload!r}")
-    if offload is not None and stage == 0:
-        raise ValueError(f"offload={offload!r} needs stage 1, 2 or 3: stage 0 steps the "
-                         "optimizer on the model's own parameters, on the training device")
-    if offload == "parameters" and stage != 3:
-        raise ValueError(f"offload='parameters' needs stage 3 (got stage {stage}): stages 1-2 "
-                         "keep whole parameters on the device; offload='optimizer' moves the "
-                         "masters and the optimizer's state")
-    if device_memory is None:
-        return
-    if offload is None:
-        raise ValueError("device_memory is the budget offload='auto' fits the step into (and "
-                         "offload_update='auto' chooses by); without offload nothing reads it: "
-                         "set offload, or leave device_memory out")
-    if isinstance(device_memory, bool) or not isinstance(device_memory, (int, float)) \
-            or not device_memory > 0:
-        raise ValueError(f"device_memory must be a number of bytes > 0 (80e9 for 80 GB), got "
-                         f"{device_memory!r}")
-
-
-def check_offload_update(where, offload, offload_step: str) -> None:
-    """Where an offloaded optimizer steps, or an error saying what to choose instead."""
-    if where not in ("auto", "host", "device"):
-        raise ValueError(f"offload_update must be 'auto', 'host' or 'device', got {where!r}")
-    if where != "auto" and offload is None:
-        raise ValueError(f"offload_update={where!r} says where an offloaded optimizer steps: set "
-                         "offload='optimizer', 'parameters' or 'auto' with it")
-    if where == "device" and offload_step == "overlap":
-        raise ValueError("offload_step='overlap' runs the optimizer on a host thread during the "
-                         "next call: it goes with offload_update='host' (or 'auto'), not 'device'")
-
-
-WEIGHT_FORMATS = ("int8", "fp8")
-GRADIENT_FORMATS = ("int8", "int4")
-PHASES = ("forward", "backward")
-
-
-def weight_formats(quantize_weights) -> tuple:
-    """``quantize_weights`` as (the forward's format, the backward's)."""
-    if isinstance(quantize_weights, Mapping):
-        return tuple(quantize_weights.get(phase) for phase in PHASES)
-    return (quantize_weights, quantize_weights)
-
-
-def check_quantization(weights, gradients, block, stage: int, accumulation_steps: int) -> None:
-    """The quantized-communication options make sense together ([Note: quantized blocks
-    on the wire] in passes/common/quantized_code.py)."""
-    if isinstance(weights, Mapping):
-        unknown = set(weights) - set(PHASES)
-        if unknown:
-            raise ValueError(f"quantize_weights takes the phases {PHASES} as keys, got "
-                             f"{sorted(unknown)}")
-    for fmt in weight_formats(weights):
-        if fmt is not None and fmt not in WEIGHT_FORMATS:
-            raise ValueError(f"quantize_weights must be None, one of {WEIGHT_FORMATS} or "
-                             f"{{'forward': ..., 'backward': ...}} of them; got {weights!r}"
-                             + (" (int4 is for gradients: quantize_gradients='int4')"
-                                if fmt == "int4" else ""))
-    if any(weight_formats(weights)) and stage != 3:
-        raise ValueError(f"quantize_weights quantizes stage 3's gathers of the parameters; "
-                         f"stage {stage} keeps whole parameters on every rank and gathers "
-                         f"none in the step: use stage=3, or leave quantize_weights unset")
-    if gradients is not None and gradients not in GRADIENT_FORMATS:
-        raise ValueError(f"quantize_gradients must be None or one of {GRADIENT_FORMATS}, "
-                         f"got {gradients!r}")
-    if gradients is not None and stage == 0:
-        raise ValueError("quantize_gradients quantizes the reduce-scatter of stages 1-3; "
-                         "stage 0 all-reduces whole gradients: use stage >= 1")
-    if gradients is not None and stage == 1 and accumulation_steps > 1:
-        raise ValueError("quantize_gradients quantizes the reductions in the step's graph; "
-                         "stage 1 with accumulation_steps > 1 reduces the summed gradients "
-                         "outside it, once per optimizer step: use stage 2 or 3 with it")
-    check_block(block)
-
-
-def check_mesh(mesh, stage: int) -> None:
-    """A mesh zero_fx can shard over, or a ValueError saying what to build instead."""
-    if mesh is None:
-        return
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh (init_device_mesh), "
-                        f"got {type(mesh).__name__}")
-    if mesh.ndim == 1:
-        return
-    names = tuple(mesh.mesh_dim_names or ())
-    if names not in MESH_DIM_NAMES:
-        raise ValueError(f"mesh must be 1-D (flat sharding) or named {' or '.join(map(str, MESH_DIM_NAMES))} "
-                         f"(hybrid sharding, tensor parallelism); got a {mesh.ndim}-D mesh named "
-                         f"{mesh.mesh_dim_names}: init_device_mesh(device, (replicas, shards), "
-                         f"mesh_dim_names=('replicate', 'shard')), or (shards, tp) named "
-                         f"('shard', 'tp') with the model parallelized over mesh['tp']")
-    if "tp" in names and stage == 0:
-        raise ValueError("stage 0 with a tensor-parallel mesh is not supported: use stage 1, 2 or "
-                         "3 (ZeRO over the 'shard' dimension), or a mesh without 'tp'")
-    if mesh.size(names.index("shard")) == 1 and stage != 0 and "replicate" in names:
-        raise ValueError(f"the mesh's shard dimension has one rank, so stage {stage} would shard "
-                         f"nothing: use stage=0 (every rank a replica), or more ranks per shard group")
-
-
-def check_secondary_partition(secondary_partition, stage: int, mesh, expert_parallel) -> None:
-    """``secondary_partition`` makes sense with the rest ([Note: the secondary partition] in
-    zero_fx/plan/secondary.py); whether it divides the ranks is checked once the group is
-    known (``runtime/secondary_groups.py``)."""
-    if secondary_partition is None or secondary_partition is False:
-        return
-    if not (secondary_partition is True or isinstance(secondary_partition, int)
-            and not isinstance(secondary_partition, bool) and secondary_partition >= 2):
-        raise ValueError(f"secondary_partition must be the number of ranks per node (an int >= "
-                         f"2), True (torchrun's LOCAL_WORLD_SIZE, or a mesh's 'shard' "
-                         f"dimension) or None; got {secondary_partition!r}")
-    if stage != 3:
-        raise ValueError(f"secondary_partition keeps a node's copy of stage 3's gathered "
-                         f"parameters for the backward; stage {stage} gathers none in the step: "
-                         f"use stage=3, or leave secondary_partition unset")
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if "tp" in names:
-        raise ValueError("secondary_partition with a tensor-parallel mesh is not supported: use a "
-                         "flat world or a ('replicate', 'shard') mesh")
-    if expert_parallel != 1:
-        raise ValueError("secondary_partition with expert_parallel is not supported: routed "
-                         "experts are gathered over their own groups; leave one of them unset")
-
-
-MESH_DIM_NAMES = (("replicate", "shard"), ("shard", "tp"), ("replicate", "shard", "tp"))
-"""The multi-dimensional meshes zero_fx runs on: hybrid sharding ([Note: hybrid sharding] in
-zero_fx/runtime/process_group.py), ZeRO over tensor parallelism, and both."""
-
-
-def describe_backend(backend: Any) -> str:
-    return backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
+ZeroConfig.__init__ = _init_accepting_policies_and_old_names

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from ..checkpoint_error import CheckpointError
 from ..formatting import format_bytes
-from ..plan import plan_for_module
+from ..plan import PlanOptions, PlanRanks, plan_for_module
 from .model_tensors import ModelTensor, model_tensors
 from .safetensors_files import WeightFiles
 
@@ -109,8 +109,8 @@ def load_pretrained(target, path: str, model: Optional[nn.Module] = None,
     from .materialize import materialize
 
     weights = PretrainedWeights(path, target, rename)
-    materialize(target, plan_for_module(target, world_size=1, rank=0, stage=0), pretrained=weights,
-                device=torch.device("cpu"))
+    materialize(target, plan_for_module(target, PlanRanks(1), PlanOptions(stage=0)),
+                pretrained=weights, device=torch.device("cpu"))
     return weights.loaded
 
 

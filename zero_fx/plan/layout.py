@@ -23,15 +23,14 @@ without memory.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .expert_parallel import ExpertParallel
 from .secondary import SecondaryPartition
-from .tensor_parallel import TensorParallel, local_tensor
+from .tensor_parallel import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -111,8 +110,45 @@ def block_of(name: str) -> str:
     return ".".join(parts[:-1]) or name
 
 
+class StageConsequences:
+    """What a ZeRO stage shards and when it reduces, read from ``stage``: properties of the
+    plan (``ShardPlan``), and of the configuration (``ZeroConfig``) before a plan exists.
+    Code asks these, not the stage's number."""
+
+    stage: int
+
+    @property
+    def replicated(self) -> bool:
+        """Stage 0 (DDP): every rank holds whole parameters, gradients and optimizer state."""
+        return self.stage == 0
+
+    @property
+    def params_sharded(self) -> bool:
+        """Stage 3: parameters live as shards and are gathered where used; in stages
+        0-2 every rank keeps whole parameters."""
+        return self.stage == 3
+
+    @property
+    def grads_sharded(self) -> bool:
+        """Stages 2-3: each gradient is reduce-scattered as soon as it exists and only this
+        rank's shard is kept ([Note: where gradients are reduced] in passes/reduce_grads.py)."""
+        return self.stage >= 2
+
+    @property
+    def reduces_after_backward(self) -> bool:
+        """Stage 1: every whole gradient is kept until the end of the backward and
+        reduce-scattered there ([Note: where gradients are reduced])."""
+        return not self.replicated and not self.grads_sharded
+
+    @property
+    def gathers_after_step(self) -> bool:
+        """Stages 1-2: whole parameters are kept, so after the optimizer steps on the
+        shards each is all-gathered back into its parameter."""
+        return not self.replicated and not self.params_sharded
+
+
 @dataclass(frozen=True)
-class ShardPlan:
+class ShardPlan(StageConsequences):
     """The whole model's layout for one world size and stage. Computed once."""
 
     world_size: int
@@ -268,28 +304,11 @@ class ShardPlan:
     def reduces_in_graph(self) -> bool:
         """Gradients are reduced inside the compiled graph: always but in stages 0-1 with
         gradient accumulation, which accumulate locally and reduce once per optimizer step."""
-        return not (self.stage in (0, 1) and self.accumulation_steps > 1)
+        return self.grads_sharded or self.accumulation_steps <= 1
 
     def gather_dtype(self, layout: "ParamLayout") -> torch.dtype:
         """The dtype a parameter is all-gathered and computed in."""
         return self.compute_dtype or layout.dtype
-
-    @property
-    def replicated(self) -> bool:
-        """Stage 0 (DDP): every rank holds whole parameters, gradients and optimizer state."""
-        return self.stage == 0
-
-    @property
-    def params_sharded(self) -> bool:
-        """Stage 3: parameters live as shards and are gathered where used; in stages
-        0-2 every rank keeps whole parameters."""
-        return self.stage == 3
-
-    @property
-    def gathers_after_step(self) -> bool:
-        """Stages 1-2: whole parameters are kept, so after the optimizer steps on the
-        shards each is all-gathered back into its parameter."""
-        return not self.replicated and not self.params_sharded
 
     @property
     def shard_numel(self) -> int:
@@ -346,159 +365,6 @@ class ShardPlan:
             cache = {p.name: p for p in self.params}
             object.__setattr__(self, "_by_name_cache", cache)
         return cache
-
-
-def make_plan(
-    named_shapes: Iterable[tuple[str, Sequence[int], torch.dtype, bool]],
-    *,
-    world_size: int,
-    rank: int = 0,
-    stage: int = 3,
-    group_name: str = "",
-    resident: Iterable[str] = (),
-    bucket_bytes: Union[int, str] = 0,
-    prefetch: int = 0,
-    memory_budget_bytes: Optional[int] = None,
-    reduce_overlap_buckets: Optional[int] = None,
-    compute_dtype: Optional[torch.dtype] = None,
-    reduce_dtype: Optional[torch.dtype] = None,
-    loss_scaled: bool = False,
-    accumulation_steps: int = 1,
-    recompute: Any = None,
-    replicas: int = 1,
-    replicate_group_name: str = "",
-    collectives_average: bool = False,
-    expert_parallel: Optional[ExpertParallel] = None,
-    tensor_parallel: Optional[TensorParallel] = None,
-    offload: Optional[str] = None,
-    offload_step: str = "sync",
-    quantize_weights: tuple = (None, None),
-    quantize_gradients: Optional[str] = None,
-    quantize_block: int = 256,
-    secondary: Optional[SecondaryPartition] = None,
-    expert_units: Sequence[str] = (),
-) -> ShardPlan:
-    """Lay out parameters ``(name, shape, dtype, requires_grad)`` over ``world_size`` ranks.
-
-    The order of ``named_shapes`` is the order of the flat shard buffer; pass
-    ``model.named_parameters()`` order so that every rank agrees. The other
-    arguments are how the passes fuse, order and type collectives (see ``ShardPlan``).
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside the world of {world_size} ranks")
-    layouts = []
-    offset = 0
-    seen = set()
-    for name, shape, dtype, requires_grad in named_shapes:
-        if name in seen:
-            raise ValueError(f"parameter {name!r} appears twice in the plan")
-        seen.add(name)
-        numel = math.prod(shape)
-        split = expert_parallel is not None and expert_parallel.splits(name)
-        ranks = expert_parallel.data_size if split else world_size
-        shard_numel = -(-numel // ranks)  # ceil
-        held = expert_parallel is None or expert_parallel.holds(name)
-        layouts.append(
-            ParamLayout(
-                name=name,
-                shape=tuple(int(s) for s in shape),
-                dtype=dtype,
-                numel=numel,
-                shard_numel=shard_numel,
-                shard_offset=offset if held else -1,
-                requires_grad=requires_grad,
-                world_size=ranks,
-            )
-        )
-        offset += shard_numel if held else 0
-    resident = frozenset(resident) if stage == 3 else frozenset()
-    unknown = resident - seen
-    if unknown:
-        raise ValueError(f"resident parameters {sorted(unknown)} are not in the model")
-    if not (bucket_bytes == BLOCKS or isinstance(bucket_bytes, int) and bucket_bytes >= 0):
-        raise ValueError(f"bucket_bytes must be a number of bytes >= 0 or {BLOCKS!r}, got "
-                         f"{bucket_bytes!r}")
-    if prefetch < 0:
-        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-    if reduce_overlap_buckets is not None and reduce_overlap_buckets < 0:
-        raise ValueError(f"reduce_overlap_buckets must be >= 0, got {reduce_overlap_buckets}")
-    if accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
-    return ShardPlan(
-        world_size=world_size,
-        rank=rank,
-        stage=stage,
-        group_name=group_name,
-        params=tuple(layouts),
-        resident=resident,
-        bucket_bytes=bucket_bytes,
-        prefetch=prefetch,
-        memory_budget_bytes=memory_budget_bytes,
-        reduce_overlap_buckets=reduce_overlap_buckets,
-        compute_dtype=compute_dtype,
-        reduce_dtype=reduce_dtype,
-        loss_scaled=loss_scaled,
-        accumulation_steps=accumulation_steps,
-        recompute=recompute,
-        replicas=replicas,
-        replicate_group_name=replicate_group_name,
-        collectives_average=collectives_average,
-        expert_parallel=expert_parallel,
-        tensor_parallel=tensor_parallel,
-        offload=offload,
-        offload_step=offload_step,
-        quantize_weights=tuple(quantize_weights),
-        quantize_gradients=quantize_gradients,
-        quantize_block=quantize_block,
-        secondary=secondary,
-        expert_units=frozenset(expert_units),
-    )
-
-
-def plan_for_module(
-    module: torch.nn.Module,
-    *,
-    world_size: int,
-    rank: int = 0,
-    stage: int = 3,
-    group_name: str = "",
-    persistence_threshold: int = 0,
-    keep_resident: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
-    **schedule,
-) -> ShardPlan:
-    """Plan ``module``'s unique parameters (tied parameters appear once, by their first name).
-
-    In stage 3 a parameter of at most ``persistence_threshold`` elements, or
-    one for which ``keep_resident(name, param)`` is true, stays resident.
-    ``schedule``: the rest of ``make_plan``'s options (buckets, prefetch, budget,
-    precision, accumulation).
-    """
-    from ..capture.moe_blocks import routed_expert_modules
-
-    named = [(n, local_tensor(p), p) for n, p in module.named_parameters()]  # TP: local pieces
-    resident = [n for n, local, p in named
-                if local.numel() <= persistence_threshold or (keep_resident and keep_resident(n, p))]
-    parallel = schedule.get("expert_parallel")
-    rows = parallel.rows if parallel is not None else frozenset()
-
-    def planned_shape(name: str, local: torch.Tensor) -> tuple[int, ...]:
-        """A place's rows of experts held as 3-D parameters, which the model still holds
-        whole ([Note: experts held as 3-D parameters, split by rows])."""
-        shape = tuple(local.shape)
-        return (shape[0] // parallel.degree, *shape[1:]) if name in rows else shape
-
-    return make_plan(
-        ((n, planned_shape(n, local), local.dtype, p.requires_grad) for n, local, p in named),
-        world_size=world_size,
-        rank=rank,
-        stage=stage,
-        group_name=group_name,
-        resident=resident,
-        expert_units=routed_expert_modules(module),
-        **schedule,
-    )
 
 
 def plan_shard(plan: ShardPlan, name: str, full: torch.Tensor) -> torch.Tensor:

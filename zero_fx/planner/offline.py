@@ -19,7 +19,8 @@ from ..config import ZeroConfig
 from ..passes import build_pipeline, run_pipeline
 from ..passes.common.predicates import mark_step_graph
 from ..passes.common.splice import trace_to_aten
-from ..plan.layout import ShardPlan, plan_for_module
+from ..plan.build import PlanRanks, plan_for_module
+from ..plan.layout import ShardPlan
 from ..plan.secondary import planned as planned_secondary
 from .on_device import moved_to_device
 
@@ -61,10 +62,11 @@ def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch:
         world_size, replicas, secondary = planned_secondary(config.secondary_partition,
                                                             world_size, replicas)
         hybrid = replicas > 1 and stage != 0
-        plan = plan_for_module(model, world_size=world_size, stage=stage, group_name="planned",
-                               replicas=replicas if hybrid else 1,
-                               replicate_group_name="planned-replicas" if hybrid else "",
-                               secondary=secondary, **config.plan_options())
+        plan = plan_for_module(model, PlanRanks(world_size, group_name="planned",
+                                                replicas=replicas if hybrid else 1,
+                                                replicate_group_name="planned-replicas" if hybrid
+                                                else "", secondary=secondary),
+                               config.plan_options())
         tokens = torch.randint(0, vocab_size, (batch, seq))
         targets = torch.randint(0, vocab_size, (batch, seq))
 

@@ -8,7 +8,8 @@ import time
 from typing import Optional
 
 from ..config import DEFAULT_BUCKET_BYTES, DEFAULT_PERSISTENCE_THRESHOLD
-from ..plan.layout import ShardPlan, plan_for_module
+from ..plan.build import PlanOptions, PlanRanks, plan_for_module
+from ..plan.layout import ShardPlan
 from .expert_parallel import (ExpertParallelOptions, check_degrees, expert_blocks,
                               expert_parallel_row)
 from .models import ModelSource, on_meta
@@ -94,11 +95,10 @@ def plan_model(source: ModelSource, workload: Workload, *,
     mixed = item < 4
 
     def plan_over(ranks: int) -> ShardPlan:
-        return plan_for_module(model, world_size=ranks, stage=stage,
-                               persistence_threshold=DEFAULT_PERSISTENCE_THRESHOLD,
-                               bucket_bytes=DEFAULT_BUCKET_BYTES[stage],
-                               compute_dtype=dtype if mixed else None,
-                               reduce_dtype=dtype if mixed else None)
+        return plan_for_module(model, PlanRanks(ranks), PlanOptions(
+            stage=stage, resident_max_numel=DEFAULT_PERSISTENCE_THRESHOLD,
+            bucket_bytes=DEFAULT_BUCKET_BYTES[stage], compute_dtype=dtype if mixed else None,
+            reduce_dtype=dtype if mixed else None))
 
     experts = expert_blocks(model)
     shape, split = None, frozenset()

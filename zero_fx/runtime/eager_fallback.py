@@ -160,7 +160,7 @@ class EagerFallback:
             lines.append(f"holds every parameter whole for the call: "
                          f"{format_bytes(state.gathered_bytes())} gathered on this rank "
                          "(stage 3's memory saving is lost during the step)")
-        if plan.stage in (2, 3):
+        if plan.grads_sharded:
             lines.append("holds the whole gradients until the end of the backward "
                          "(the graph reduces each bucket as it is produced)")
         return "\n".join(lines)

@@ -47,9 +47,10 @@ from ..passes.common.predicates import is_param_input, tensor_bytes
 log = logging.getLogger("zero_fx")
 
 
-def modes_for(stage: int) -> tuple[Optional[str], ...]:
-    """The modes ``offload="auto"`` chooses from at ``stage``, least offload first."""
-    return (None, "optimizer", "parameters") if stage == 3 else (None, "optimizer")
+def modes_for(plan) -> tuple[Optional[str], ...]:
+    """The modes ``offload="auto"`` chooses from for ``plan``'s stage, least offload first:
+    the parameters' shards can move to the host only where they are shards (stage 3)."""
+    return (None, "optimizer", "parameters") if plan.params_sharded else (None, "optimizer")
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> int:
@@ -246,7 +247,7 @@ def choose_before_placing(plan, optimizer: torch.optim.Optimizer, budget: Option
     state_tensors = optimizer_state_tensors(optimizer)
     choice = OffloadChoice(budget, budget_source, verdicts=[
         ModeVerdict(mode, sum(state_bytes(plan, mode, state_tensors).values()))
-        for mode in modes_for(plan.stage)])
+        for mode in modes_for(plan)])
     if budget is None:
         choice.verdicts, choice.decided = choice.verdicts[:1], True
     else:

@@ -96,7 +96,7 @@ def current_world() -> World:
                  simulated=any(backend == "fake" for _, backend in backends), backends=backends)
 
 
-def world_of(mesh, stage: int) -> World:
+def world_of(mesh, replicated: bool) -> World:
     """The ranks a step with ``mesh`` (``zero_compile(mesh=...)``) shards over.
 
     [Note: hybrid sharding]
@@ -108,11 +108,11 @@ def world_of(mesh, stage: int) -> World:
     Ψ/shards elements per rank per step instead of every gather crossing the slow links.
     Everything that cuts shards reads ``size`` and ``rank`` (the shard group's); what
     speaks for the whole job (checkpoint files, RNG states, the ranks' agreement) reads
-    ``ranks`` and ``global_rank``. Stage 0 shards nothing, so it ignores the mesh and
-    all-reduces over every rank. A 1-D mesh is flat sharding over its ranks.
+    ``ranks`` and ``global_rank``. Stage 0 (``replicated``) shards nothing, so it ignores the
+    mesh and all-reduces over every rank. A 1-D mesh is flat sharding over its ranks.
     """
     world = current_world()
-    if mesh is None or stage == 0:
+    if mesh is None or replicated:
         return world
     if mesh.size() != world.size:
         raise ValueError(f"the mesh has {mesh.size()} ranks and the default process group "

@@ -19,7 +19,7 @@ from ..capture.moe_blocks import RoutedExperts
 from ..config import ZeroConfig
 from ..formatting import ranks_phrase
 from ..materialize import PretrainedWeights, materialize
-from ..plan import ShardPlan, plan_for_module
+from ..plan import PlanRanks, ShardPlan, plan_for_module
 from ..plan.tensor_parallel import local_tensor, tensor_parallel_of
 from .expert_groups import keep_place_rows, split_experts
 from .gloo_all_gather import use_gloo_single_tensor_all_gather
@@ -74,13 +74,13 @@ class Sharded:
         return optimizer_state_tensors(self.state.optimizer)
 
 
-def check_real_parameters(model: torch.nn.Module, stage: int) -> None:
+def check_real_parameters(model: torch.nn.Module, replicated: bool) -> None:
     """Stages 1-3 move parameters and gradients through all-gathers and reduce-scatters of
     flat real buffers (gloo has no complex all-gather): a complex parameter is refused
     before anything is sharded. Complex activations (a rotary embedding in complex
     arithmetic) are not parameters and train at every stage."""
     complex_names = [name for name, p in model.named_parameters() if p.is_complex()]
-    if stage >= 1 and complex_names:
+    if not replicated and complex_names:
         raise ValueError(
             f"parameter {complex_names[0]!r} is complex ({len(complex_names)} complex "
             f"parameter(s) in all); zero_fx shards only real parameters at stages 1-3. Hold it "
@@ -118,13 +118,13 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     rebound to shards. ``moe_blocks``: the model's rewritten mixture-of-experts blocks,
     whose experts ``config.expert_parallel`` splits over ranks; ``left_alone``: why the
     rewrite left others as they are."""
-    world = with_secondary_partition(world_of(config.mesh, config.stage),
+    world = with_secondary_partition(world_of(config.mesh, config.replicated),
                                      config.secondary_partition, current_world())
     experts = split_experts(model, moe_blocks, world, config.expert_parallel,
                             config.expert_capacity_factor, loading=pretrained is not None,
                             left_alone=left_alone)
     check_devices_match_backend(model.parameters())
-    check_real_parameters(model, config.stage)
+    check_real_parameters(model, config.replicated)
     device = training_device(model.parameters())
     check_current_cuda_device(device)
     # gloo moving CPU tensors, whatever the group's name: [Note: gloo's coalesced all-gather
@@ -132,14 +132,12 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     if world.backend_for("cpu") == "gloo":
         use_gloo_single_tensor_all_gather()
     claim(model, optimizer, step_name)
-    plan = plan_for_module(model, world_size=world.size, rank=world.rank, stage=config.stage,
-                           group_name=world.group_name, replicas=world.replicas,
-                           replicate_group_name=world.replicate_group_name,
-                           collectives_average=collectives_average(world, device),
-                           expert_parallel=experts,
-                           tensor_parallel=tensor_parallel_of(model, world),
-                           secondary=world.secondary,
-                           **config.plan_options(hardware_for(model)))
+    ranks = PlanRanks(world.size, world.rank, world.group_name, replicas=world.replicas,
+                      replicate_group_name=world.replicate_group_name,
+                      collectives_average=collectives_average(world, device),
+                      expert_parallel=experts, tensor_parallel=tensor_parallel_of(model, world),
+                      secondary=world.secondary)
+    plan = plan_for_module(model, ranks, config.plan_options(hardware_for(model)))
     plan = dataclasses.replace(plan, device_type=device.type)
     choice = None
     if config.offload is not None:  # [Note: choosing what to offload]
