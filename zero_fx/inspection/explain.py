@@ -28,7 +28,7 @@ from .report_sections import (_at, _bucket, _compilations_section, _device_copie
 from .step_facts import (DeviceCopy, GatheredLifetime, HostCopy, _device_copies, _host_copies,
                          _lifetimes)
 
-if TYPE_CHECKING:  # the report reads compilations; the compiler does not import it back
+if TYPE_CHECKING:  # a type for annotations only: the compiler sits above inspection/
     from ..compiler.backend import Compilation
 
 

@@ -11,7 +11,7 @@ from ..formatting import format_bytes, format_seconds
 from ..passes.recompute_activations import RecomputeSummary
 from .step_facts import DeviceCopy, HostCopy
 
-if TYPE_CHECKING:  # the report reads compilations; the compiler does not import it back
+if TYPE_CHECKING:  # a type for annotations only: the compiler sits above inspection/
     from ..compiler.backend import Compilation
 
 LIVE_AT_PEAK_SHOWN = 8
