@@ -104,8 +104,8 @@ def price_quantization(source: ModelSource, workload: Workload, *, hardware: str
                        steady_from: int, names: Optional[Sequence[str]] = None
                        ) -> list[QuantizedRow]:
     """Each configuration ``workload``'s stage allows (of ``names``), priced on ``hardware``
-    ([Note: when quantizing pays]); the first row is the step without quantization.
-    ``workload``'s recompute is not applied: each step is traced without it.
+    ([Note: when quantizing pays]); the first row is the step without quantization. Each
+    step is traced with ``workload``'s recompute, as ``zero_compile`` would run it.
     ``steady_from``: blocks traced before the one whose cost is extrapolated to the model's
     depth."""
     check_quantizable(workload.stage, workload.world_size)
@@ -123,7 +123,8 @@ def _priced(source: ModelSource, name: str, options: dict, workload: Workload, *
         gm, plan = rewritten_step_on_fake(
             lambda: source.build(layers), batch=workload.sequences, seq=workload.seq,
             vocab_size=source.vocab_size, world_size=workload.world_size,
-            stage=workload.stage, dtype=workload.dtype, loss_fn=causal_lm_loss, **options)
+            stage=workload.stage, dtype=workload.dtype, loss_fn=causal_lm_loss, **options,
+            **workload.recompute_options())
         guess = estimate(gm, plan, hardware)
         return (traffic_report(gm, plan).wire_bytes(), guess.communication_seconds,
                 guess.compute_seconds, guess.step_seconds, guess.peak_bytes)
