@@ -10,6 +10,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
+from .analysis.cost_model import node_seconds
+from .analysis.hardware import hardware as preset_hardware
 from .checks import (GRADIENT_FORMATS, MESH_DIM_NAMES, OFFLOAD_MODES, WEIGHT_FORMATS,  # noqa: F401
                      check_expert_parallel, check_mesh, check_offload, check_offload_update,
                      check_quantization, check_secondary_partition, weight_formats)
@@ -336,11 +338,8 @@ class ZeroConfig(StageConsequences):
                   else self.activation_budget_bytes)
         if self.recompute != "auto" and budget is None:
             return self.recompute
-        from .analysis.cost_model import node_seconds
-        from .analysis.hardware import hardware
-
         return ActivationBudget(DEFAULT_ACTIVATION_BUDGET if budget is None else budget,
-                                seconds=functools.partial(node_seconds, hw=hardware(preset)))
+                                seconds=functools.partial(node_seconds, hw=preset_hardware(preset)))
 
     # -- the options grouped as policies (policies.py) ----------------------------------
     @property

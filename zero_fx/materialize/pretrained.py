@@ -13,6 +13,7 @@ import torch.nn as nn
 from ..checkpoint_error import CheckpointError
 from ..formatting import format_bytes
 from ..plan import PlanOptions, PlanRanks, plan_for_module
+from .materialize import materialize
 from .model_tensors import ModelTensor, model_tensors
 from .safetensors_files import WeightFiles
 
@@ -106,8 +107,6 @@ def load_pretrained(target, path: str, model: Optional[nn.Module] = None,
     if owner is not None:
         raise RuntimeError(f"this model is sharded by the compiled step {owner!r}: load pretrained "
                            "weights through the step, before its first call")
-    from .materialize import materialize
-
     weights = PretrainedWeights(path, target, rename)
     materialize(target, plan_for_module(target, PlanRanks(1), PlanOptions(stage=0)),
                 pretrained=weights, device=torch.device("cpu"))

@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
+from ..capture.moe_blocks import routed_expert_modules
 from .expert_parallel import ExpertParallel
 from .layout import BLOCKS, ParamLayout, ShardPlan
 from .secondary import SecondaryPartition
@@ -149,8 +150,6 @@ def plan_for_module(module: torch.nn.Module, ranks: PlanRanks,
     In stage 3 a parameter of at most ``options.resident_max_numel`` elements, or one for
     which ``options.keep_resident(name, param)`` is true, stays resident.
     """
-    from ..capture.moe_blocks import routed_expert_modules
-
     named = [(n, local_tensor(p), p) for n, p in module.named_parameters()]  # TP: local pieces
     keep_resident = options.keep_resident
     resident = [n for n, local, p in named
