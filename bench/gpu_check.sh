@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
-# The cuda tier (pytest -m cuda: tests/test_cuda.py) on this machine's GPU, and one JSON
-# summary of it: bench/out/gpu_check.json (torch and CUDA versions, the device, each
-# test's outcome and seconds, and the figures the tests recorded: CUDA peaks against the
-# planner's estimate, parity errors). Made for one H100, in under 10 minutes.
+# Everything zero_fx checks on one GPU, in one run, and one JSON summary of it:
 #
-#     bench/gpu_check.sh              # everything marked cuda
-#     bench/gpu_check.sh -k memory    # more pytest options
+# 1. the cuda tier (pytest -m cuda: tests/test_cuda.py): stages 0-3 on an NCCL group of one
+#    with zero_fx's collectives kept (debug.keep_collectives_at_world_one), fp32, bf16 and
+#    fp16, experts with their exchanges, int8 quantized collectives, Triton code, the peak
+#    against the planner's estimate at a fake world of 8, ...;
+# 2. the peer benchmark at a fake world of 8, bf16 (python -m bench.peers): zero_fx-3 by
+#    regions and as one program, zero_fx-3 with recompute="blocks", FSDP2 eager and FSDP2
+#    with each block compiled, on GPT-2 small (seq 1024, batch 8) and a 1B GPT (width 2048,
+#    24 blocks, seq 2048, batch 4): tokens/s, MFU, peak, compile time, host enqueue time
+#    and a profile of one step.
+#
+# bench/out/gpu_check.json holds the torch, CUDA and NCCL versions, the git commit, each
+# test's outcome and seconds, the figures the tests recorded and the peers' tables. Its
+# verdict is "passed" only when every test passed and every peer ran with agreeing losses,
+# "failed" otherwise. Made for one H200 in under 8 minutes.
+#
+#     bench/gpu_check.sh                      # everything
+#     GPU_CHECK_PARTS=peers bench/gpu_check.sh    # only the peers (or: tier)
+#     bench/gpu_check.sh -k memory            # more pytest options for the tier
 #
 # Runs on whatever torch the machine has: it installs zero_fx with --no-deps (and without
 # build isolation, which would fetch setuptools), so pip touches neither torch nor anything
-# else, and the JSON records the torch, CUDA and NCCL versions and the git commit. Its
-# verdict is "passed" only when every test passed, "failed" when any failed or errored.
-#
-# Exits with pytest's status. Without a GPU every test is skipped, and the summary says so.
+# else. Exits 0 only when the verdict is "passed" (or "skipped": no GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=bench/out
 mkdir -p "$out"
+parts=${GPU_CHECK_PARTS:-tier,peers}
 torch_before=$(python -c "import torch; print(torch.__version__)")
 python -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 torch_after=$(python -c "import torch; print(torch.__version__)")
@@ -29,15 +40,30 @@ if [ "$commit" != unknown ] && [ -n "$(git status --porcelain --untracked-files=
     commit="$commit with uncommitted changes"
 fi
 figures="$out/gpu_check_figures.jsonl"
-rm -f "$figures" "$out/gpu_check.xml"
+rm -f "$figures" "$out/gpu_check.xml" "$out"/gpu-peers-*.json
 start=$(date +%s)
-# The limit only guards against a hang (a healthy run takes well under 10 minutes);
-# GPU_CHECK_LIMIT_S lowers it. At the limit pytest is interrupted (SIGINT),
-# so it still reports what ran and writes the XML the summary is read from.
-ZERO_FX_GPU_FIGURES="$figures" timeout -s INT -k 60 "${GPU_CHECK_LIMIT_S:-1500}" python -m pytest -m cuda -q -rfEs \
-    --junitxml="$out/gpu_check.xml" tests "$@"
-status=$?
+status=0
+if [[ $parts == *tier* ]]; then
+    # The limit only guards against a hang; at it pytest is interrupted (SIGINT), so it
+    # still reports what ran and writes the XML the summary is read from.
+    ZERO_FX_GPU_FIGURES="$figures" timeout -s INT -k 30 "${GPU_CHECK_TIER_LIMIT_S:-300}" \
+        python -m pytest -m cuda -q -rfEs --junitxml="$out/gpu_check.xml" tests "$@"
+    status=$?
+fi
+peer_results=()
+if [[ $parts == *peers* ]] && python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+    peers=(zero_fx-3 zero_fx-3-whole zero_fx-3-blocks fsdp2 fsdp2-compiled)
+    common=(--fake-world 8 --bf16 --steps 7 --warmup 3 --profile
+            --peer-limit-s "${GPU_CHECK_PEER_LIMIT_S:-150}" --peers "${peers[@]}")
+    # GPT-2 small compiles cold (its compile seconds are the figure); the 1B model's peers
+    # share Inductor's caches, to stay within the time (their compile seconds say so)
+    python -m bench.peers --model gpt2-125m --seq 1024 --batch 8 --name gpu-peers-gpt2-125m \
+        "${common[@]}"
+    python -m bench.peers --model gpt-1b --seq 2048 --batch 4 --name gpu-peers-gpt-1b \
+        --warm-cache "${common[@]}"
+    peer_results=("$out/gpu-peers-gpt2-125m.json" "$out/gpu-peers-gpt-1b.json")
+fi
 python -m bench.helpers.gpu_check_report --junit "$out/gpu_check.xml" --figures "$figures" \
     --status "$status" --seconds "$(( $(date +%s) - start ))" --commit "$commit" \
-    --out "$out/gpu_check.json"
-exit "$status"
+    --peers "${peer_results[@]}" --out "$out/gpu_check.json"
+python -c "import json, sys; sys.exit(json.load(open('$out/gpu_check.json'))['verdict'] == 'failed')"
