@@ -165,7 +165,8 @@ class DebugOptions:
     """At a world of one rank, issue every collective a world of N ranks would, on the process
     group of one, so that its backend (NCCL on one GPU, gloo) runs each kind zero_fx emits:
     the all-gathers and reduce-scatters of stages 1-3 (bucketed, prefetched and overlapped as
-    at N ranks), stage 0's all-reduce, the quantized gathers and reductions, NCCL's AVG reductions,
+    at N ranks), stage 0's all-reduce, the quantized gathers and reductions, the routed
+    experts' exchanges (an expert-parallel group of one, stages 1-3), NCCL's AVG reductions,
     the clipping norm's all-reduce, the ranks' check and NCCL's fences. Over one rank each
     is an identity, so the values are those of the step without it, but for quantized
     collectives, whose values pass through the quantized blocks as at N ranks. Needs a

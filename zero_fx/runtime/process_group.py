@@ -114,7 +114,13 @@ def keeping_collectives(world: World, keep: bool) -> World:
     the bucket, schedule and quantize passes, the gathers after the optimizer step (stages
     1-2) and of whole parameters, the clipping norm's all-reduce, the scheduler's mean, the
     ranks' check and NCCL's fences. Reductions average in the collective where NCCL moves the
-    tensors (``ShardPlan.collectives_average``), and sum on gloo, as at N ranks.
+    tensors (``ShardPlan.collectives_average``), and sum on gloo, as at N ranks. Stages 1-3 of
+    a model whose routed experts zero_fx rewrites from a list of expert modules split them
+    over an expert-parallel group of one, so that the dispatch and combine all-to-alls run
+    ([Note: expert parallelism] in zero_fx/plan/expert_parallel.py); such a step cannot then
+    run eagerly after a graph break, as an expert-parallel one cannot. Experts held as 3-D
+    parameters keep transformers' own forward, which expert parallelism would replace, and
+    exchange nothing.
 
     The values are the step's without the option, bit for bit: every kept collective
     computes the identity it stands for (the clipping norm is summed as it is, not as the

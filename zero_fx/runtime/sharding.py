@@ -124,7 +124,8 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     world = keeping_collectives(world, config.debug.keep_collectives_at_world_one)
     experts = split_experts(model, moe_blocks, world, config.expert_parallel,
                             config.expert_capacity_factor, loading=pretrained is not None,
-                            left_alone=left_alone)
+                            left_alone=left_alone,
+                            exchanges_at_one=world.keeps_collectives and not config.replicated)
     check_devices_match_backend(model.parameters())
     check_real_parameters(model, config.replicated)
     device = training_device(model.parameters())
