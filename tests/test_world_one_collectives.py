@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 import models
 from ranks import gloo_world_of_one
-from test_quantize import round_trip
 from training import relative_error, update_errors
 from zero_fx import DebugOptions, zero_compile
 from zero_fx.passes.common.predicates import is_token_exchange
+from zero_fx.passes.common.quantized_code import dequantize_rows, quantize_rows
 from zero_fx.runtime.process_group import World, keeping_collectives
 
 KEEP = DebugOptions(keep_collectives_at_world_one=True)
@@ -41,11 +41,12 @@ QUANTIZED = (("quantize_weights", "int8"), ("quantize_gradients", "int8"), ("buc
              *NONE_RESIDENT)
 """int8 gathers and reductions, one collective per parameter: each parameter's blocks then
 start at its first element, so the reference can round-trip each alone."""
-QUANTIZED_TOLERANCE = 3e-7
-"""Quantized at one rank against eager AdamW steps on round-tripped weights and gradients:
-relative error of each parameter after 3 steps. Measured 5.6e-8 (blocks.1.attn.proj.weight;
-the eager backward sums in another order); the round trip itself moves the parameters 9e-2
-from the unquantized step's."""
+QUANTIZED_TOLERANCE, QUANTIZED_UPDATE_TOLERANCE = 3e-7, 2e-6
+"""Quantized at one rank against eager AdamW steps on round-tripped weights and gradients,
+after 3 steps: relative error of each parameter, measured 5.6e-8 (blocks.1.attn.proj.weight;
+the eager backward sums in another order), and of each update, measured 4.9e-7
+(ln_f.weight). The round trip itself moves the parameters 9e-2 from the unquantized
+step's."""
 
 
 def build(model_name: str) -> torch.nn.Module:
@@ -174,31 +175,35 @@ def test_the_clipping_norm_is_all_reduced_at_one_rank_bit_for_bit():
 # -- quantized collectives --------------------------------------------------------------------
 
 def round_tripped(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as an int8 collective of blocks of 256 delivers it at one rank."""
-    return round_trip(tensor.detach().reshape(1, -1), "int8", 256).view(tensor.shape)
+    """``tensor`` as an int8 collective of blocks of 256 delivers it at one rank ([Note:
+    quantized blocks on the wire] in passes/common/quantized_code.py)."""
+    row = tensor.detach().reshape(1, -1)
+    return dequantize_rows(quantize_rows(row, "int8", 256), row.shape[1], "int8", 256,
+                           tensor.dtype).view(tensor.shape)
 
 
-def quantized_reference() -> dict:
-    """Eager AdamW steps of the test GPT in which every parameter is used as its int8 round
-    trip (the gathers) and every gradient is round-tripped before the step (the reductions,
-    summed over one rank): what the quantized collectives compute at one rank."""
-    model = models.build("gpt")
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+def quantized_reference(device: torch.device = torch.device("cpu"), steps: int = STEPS) -> dict:
+    """Eager AdamW steps of the test GPT on ``device`` in which every parameter is used as its
+    int8 round trip (the gathers) and every gradient is round-tripped before the step (the
+    reductions, summed over one rank): what the quantized collectives compute at one rank.
+    Parameters before and after, on the CPU."""
+    model = models.build("gpt").to(device)
+    initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     opt = models.make_optimizer(model)
     params = list(model.parameters())
-    for i in range(STEPS):
+    for i in range(steps):
         masters = [p.detach().clone() for p in params]
         with torch.no_grad():
             for p in params:
                 p.copy_(round_tripped(p))
-        models.loss_fn("gpt", model, *batch("gpt", i)).backward()
+        models.loss_fn("gpt", model, *(t.to(device) for t in batch("gpt", i))).backward()
         with torch.no_grad():
             for p, master in zip(params, masters):
                 p.copy_(master)
                 p.grad = round_tripped(p.grad)
         opt.step()
         opt.zero_grad()
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    return {"params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
             "initial": initial}
 
 
@@ -213,7 +218,7 @@ def test_quantized_gathers_and_reductions_at_one_rank_are_a_round_trip():
     errors = {n: relative_error(kept["params"][n], p) for n, p in reference["params"].items()}
     worst = max(errors, key=errors.get)
     assert errors[worst] < QUANTIZED_TOLERANCE, (worst, errors[worst])
-    assert max(update_errors([kept], reference).values()) < 1e-4
+    assert max(update_errors([kept], reference).values()) < QUANTIZED_UPDATE_TOLERANCE
     # it bites: quantizing moves the parameters far more than the tolerance
     unquantized = runs("gpt", 3, NONE_RESIDENT)[1]["params"]
     assert min(relative_error(kept["params"][n], p) for n, p in unquantized.items()
