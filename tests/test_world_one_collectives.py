@@ -71,7 +71,7 @@ def batch(model_name: str, step: int) -> tuple:
 def trained(model_name: str, stage: int, keep: bool, options: tuple) -> dict:
     """``STEPS`` AdamW steps of ``model_name`` at ``stage`` on this process's group, with the
     option or without: the parameters, the traffic report, the graph, the collectives
-    counted in the last step, the plan."""
+    counted in the last step, the plan, its ``explain``."""
     model = build(model_name)
     opt = models.make_optimizer(model)
     step = zero_compile(step_function(model_name), stage=stage, backend=BACKEND,
@@ -80,7 +80,8 @@ def trained(model_name: str, stage: int, keep: bool, options: tuple) -> dict:
         with step.counting_collectives() as counted:
             step(model, opt, *batch(model_name, i))
     return {"params": step.full_parameters(), "traffic": step.traffic(),
-            "graph": step.graphs[-1], "counted": counted, "plan": step.plan}
+            "graph": step.graphs[-1], "counted": counted, "plan": step.plan,
+            "explain": step.explain}
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,6 +160,7 @@ def test_stage_3_buckets_prefetches_and_overlaps_at_one_rank_as_at_n():
     assert any(len(c.bucket) > 1 for c in gathers) and any(len(c.bucket) > 1 for c in reductions)
     assert any(c.waited_at - c.issued_at > 1 for c in gathers)  # prefetched
     assert any(c.waited_at - c.issued_at > 1 for c in reductions)  # overlapped
+    assert "collectives kept at a world of one" in str(kept["explain"]())
 
 
 def test_the_clipping_norm_is_all_reduced_at_one_rank_bit_for_bit():
@@ -243,6 +245,7 @@ def test_routed_experts_exchange_their_rows_over_a_group_of_one():
     exchanges = sum(is_token_exchange(n) for n in kept["graph"].graph.nodes)
     assert exchanges == 5  # counts, rows out, rows back; the rows' two again in the backward
     assert kept["traffic"].launches_by_kind()["all_to_all"] == exchanges
+    assert set(nonzero(graph_collectives(kept["graph"])[0])) == IN_GRAPH[3]
     assert_traffic_is_what_ran(kept)
 
 
