@@ -32,7 +32,8 @@ def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
     off the graph and the plan only: the same on every rank.
     Resident parameters are bucketed with each other only, and so are those
     kept through the loss.
-    Does nothing when ``bucket_bytes`` is 0 or the world is one rank.
+    Does nothing when ``bucket_bytes`` is 0 or the world is one rank (unless it keeps its
+    collectives: [Note: collectives kept at a world of one] in zero_fx/runtime/process_group.py).
 
     [Note: resident parameters share buckets only with each other]
     A resident parameter (``plan.resident``: a norm weight, a bias) is gathered
@@ -47,7 +48,7 @@ def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
     gather_params.py): in a bucket with the last block's weights it would keep
     them alive into the backward.
     """
-    if plan.bucket_bytes == 0 or plan.world_size == 1:
+    if plan.bucket_bytes == 0 or not plan.issues_collectives:
         return gm
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     gathered = [n for n in gm.graph.nodes if gathered_param(n) is not None]

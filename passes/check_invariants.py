@@ -62,7 +62,8 @@ def check_invariants(gm: GraphModule, plan) -> GraphModule:
                     f"collective {node.name} must have exactly one user, a wait; has {list(node.users)}"
                 )
         elif is_host_copy(node):
-            _check_copied_after_reduction(node, reduced=plan.world_size * plan.replicas > 1)
+            _check_copied_after_reduction(node, reduced=plan.ranks_averaged > 1
+                                          or plan.keeps_collectives_at_one)
         elif is_device_copy(node) and [is_device_copy_wait(u) for u in node.users] != [True]:
             raise InvariantError(
                 f"{node.name} copies shards to the device; its one reader must be its wait "

@@ -28,7 +28,8 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
     and one right before the first backward use, so nothing full crosses from
     forward to backward. A parameter the backward does not read (a bias, an
     embedding table) is not gathered for it. World size 1 inserts no
-    collective, only the slice and view. A resident parameter
+    collective, only the slice and view, unless the plan keeps its collectives
+    (``plan.keeps_collectives_at_one``). A resident parameter
     (``plan.resident``) is gathered once, before its first use, and that full
     tensor serves forward and backward. So does the forward gather of a parameter
     whose last forward reader and first backward reader have no matmul, attention

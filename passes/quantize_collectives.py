@@ -32,11 +32,13 @@ def quantize_collectives(gm: GraphModule, plan) -> GraphModule:
     collective. Only ZeRO's collectives change: tensor parallelism's and expert
     parallelism's exchanges are left as they are. The masters and the shards the graph
     reads are untouched: only the copy on the wire is quantized.
-    Does nothing when neither option is set or the world is one rank.
+    Does nothing when neither option is set or the world is one rank (unless it keeps its
+    collectives: [Note: collectives kept at a world of one] in zero_fx/runtime/process_group.py).
     """
     forward_fmt, backward_fmt = plan.quantize_weights
     gradient_fmt = plan.quantize_gradients
-    if not (forward_fmt or backward_fmt or gradient_fmt) or plan.world_size * plan.replicas == 1:
+    one_rank = plan.ranks_averaged == 1 and not plan.keeps_collectives_at_one
+    if not (forward_fmt or backward_fmt or gradient_fmt) or one_rank:
         return gm
     block = plan.quantize_block
     for node in list(gm.graph.nodes):

@@ -58,7 +58,8 @@ def reduction(plan, names) -> functools.partial:
     if plan.replicated:
         return functools.partial(all_reduce_bucket, world_size=plan.world_size,
                                  group_name=plan.group_name, dtype=plan.reduce_dtype,
-                                 averages=plan.collectives_average)
+                                 averages=plan.collectives_average,
+                                 keep_at_one=plan.keeps_collectives_at_one)
     # a routed expert's bucket runs on its expert-data-parallel group, but its mean is over
     # every rank, which the collective's own average would not give ([Note: expert
     # parallelism] in zero_fx/plan/expert_parallel.py)
@@ -70,4 +71,5 @@ def reduction(plan, names) -> functools.partial:
                              replicate_group_name=plan.replicate_group_name,
                              averages=plan.collectives_average and not plan.is_expert(names[0]),
                              mean_over=plan.ranks_averaged,
-                             to_host=plan.offloads_optimizer)
+                             to_host=plan.offloads_optimizer,
+                             keep_at_one=plan.keeps_collectives_at_one)

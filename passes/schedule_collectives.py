@@ -56,10 +56,12 @@ def schedule_collectives(gm: GraphModule, plan) -> GraphModule:
     ``meta["zero_carries"]``. Ensures: the same nodes compute the same values
     (only positions change); no collective is issued before the inputs it
     reads nor waited after its first user.
-    Does nothing when ``prefetch`` and the reductions' overlap are 0 or the world is one rank.
+    Does nothing when ``prefetch`` and the reductions' overlap are 0 or the world is one rank
+    (unless it keeps its collectives: [Note: collectives kept at a world of one] in
+    zero_fx/runtime/process_group.py).
     """
     overlap = reduce_overlap(plan)
-    if (plan.prefetch == 0 and overlap == 0) or plan.world_size == 1:
+    if (plan.prefetch == 0 and overlap == 0) or not plan.issues_collectives:
         return gm
     if plan.prefetch:
         for phase in Phase:

@@ -175,6 +175,19 @@ def fake_world(size: int):
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def gloo_world_of_one():
+    """A real gloo process group of one rank in this process (its store a file in a folder of
+    its own), as ``init_process_group("gloo")`` alone on one machine makes it."""
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=0,
+                                world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
 def _forkserver():
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(PRELOADED)

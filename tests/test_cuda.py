@@ -5,8 +5,11 @@ Skipped where torch sees no GPU (tests/conftest.py); ``bench/gpu_check.sh`` runs
 (tests/gpu_figures.py). Everything fits one GPU:
 
 - a real NCCL group of one (``zero_fx.init_distributed`` under torchrun's variables, in a
-  fresh process: ``"cpu:gloo,cuda:nccl"`` bound to ``cuda:0``): stages 0-3 against plain
-  PyTorch on the same GPU, Inductor's Triton code, bf16 and fp16, fused AdamW skipping
+  fresh process: ``"cpu:gloo,cuda:nccl"`` bound to ``cuda:0``), its steps keeping every
+  collective a world of N issues (``DebugOptions.keep_collectives_at_world_one``, so NCCL
+  runs each kind, averaging in the collective): stages 0-3 against plain PyTorch on the
+  same GPU, Inductor's Triton code, bf16 and fp16, a Mixtral block's exchanges, int8
+  gathers and reductions against their round trip, fused AdamW skipping
   an overflowed fp16 step on the device, NCCL's completion check, a checkpoint round
   trip, a meta model loaded by ``load_pretrained`` into CUDA shards, and a steady-state
   step under ``torch.cuda.set_sync_debug_mode("error")`` (a host sync fails it);
@@ -46,7 +49,9 @@ from examples.gpt import GPT, CausalSelfAttention, GPTConfig
 from gpu_figures import record
 from test_mixed_precision import OVERFLOW_HISTORY
 from training import update_errors
-from zero_fx import MixedPrecision, init_distributed, load_pretrained, zero_compile
+from test_world_one_collectives import build, quantized_reference, step_function
+from test_world_one_collectives import batch as cpu_batch
+from zero_fx import DebugOptions, MixedPrecision, init_distributed, load_pretrained, zero_compile
 
 pytestmark = pytest.mark.cuda
 
@@ -73,6 +78,10 @@ UPDATE_TOLERANCE = 1e-3
 ``‖p − p_ref‖ / ‖p_ref − p_0‖``) against eager on the same GPU, the suite's bound. Not yet
 measured on a GPU: the figures each run records (``worst_update_error``) are what to set it
 from."""
+INT8_TOLERANCE, INT8_UPDATE_TOLERANCE = 1e-5, 1e-4
+"""int8 gathers and reductions against eager steps on round-tripped weights and gradients
+(each parameter, each update). Not yet measured on a GPU; the CPU's 3 steps: 5.6e-8 and
+4.9e-7 (tests/test_world_one_collectives.py)."""
 BF16_UPDATE_TOLERANCE, FP16_UPDATE_TOLERANCE = 4e-2, 6e-3
 """The same for mixed precision against fp32: tests/test_mixed_precision.py's bounds, from
 the CPU's measurement of the same model and steps (bf16 1.3e-2, fp16 2.0e-3); not yet
@@ -149,24 +158,39 @@ def entry(results, name: str):
 # -- training on the GPU ----------------------------------------------------------------
 
 def batch(model_name: str, step: int):
-    return tuple(t.to(DEVICE) for t in models.global_batch(model_name, step))
+    return tuple(t.to(DEVICE) for t in cpu_batch(model_name, step))
+
+
+KEEP = DebugOptions(keep_collectives_at_world_one=True)
+_c10d = torch.ops._c10d_functional
+REDUCTIONS = (_c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default)
 
 
 def train(stage: int, *, model_name="gpt", optimizer="adamw", backend="aot_eager", seed=0,
-          steps=STEPS, **options) -> dict:
-    """zero_fx on this process's group (or a world of one), on the GPU: losses, final full
-    parameters (CPU copies), the shards' devices and dtypes, and the CUDA peak."""
-    model = models.build(model_name, seed=seed).to(DEVICE)
+          steps=STEPS, debug=KEEP, **options) -> dict:
+    """zero_fx on this process's group (or a world of one), on the GPU, keeping the
+    collectives of a world of N by default: losses, final full parameters (CPU copies), the
+    shards' devices and dtypes, the CUDA peak, the collectives that ran in the last step
+    (launches per kind) and the ops the graph's reductions run with."""
+    model = (build(model_name) if model_name == "mixtral" else
+             models.build(model_name, seed=seed)).to(DEVICE)
     opt = models.make_optimizer(model, optimizer)
-    step = zero_compile(models.training_step(model_name), stage=stage, backend=backend, **options)
+    step = zero_compile(step_function(model_name), stage=stage, backend=backend, debug=debug,
+                        **options)
     torch.cuda.reset_peak_memory_stats(DEVICE)
-    losses = [step(model, opt, *batch(model_name, i)).item() for i in range(steps)]
+    losses = []
+    for i in range(steps):
+        with step.counting_collectives() as counted:
+            losses.append(step(model, opt, *batch(model_name, i)).item())
     return {"losses": losses,
             "params": {n: p.detach().cpu() for n, p in step.full_parameters().items()},
             "shard_devices": sorted({str(s.device) for s in step.state.shards.values()}),
             "shard_dtypes": sorted({str(s.dtype) for s in step.state.shards.values()}),
             "model_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-            "peak_bytes": torch.cuda.max_memory_allocated(DEVICE)}
+            "peak_bytes": torch.cuda.max_memory_allocated(DEVICE),
+            "collectives": {kind: n for kind, n in counted.launches.items() if n},
+            "reduce_ops": sorted({n.args[1] for n in step.graphs[-1].graph.nodes
+                                  if n.target in REDUCTIONS})}
 
 
 def reference(model_name="gpt", optimizer="adamw", steps=STEPS) -> dict:
@@ -211,6 +235,16 @@ BF16 = MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32)
 FP16 = MixedPrecision(param_dtype=torch.float16, output_dtype=torch.float32)
 
 
+INT8 = dict(quantize_weights="int8", quantize_gradients="int8", bucket_bytes=0,
+            resident_max_numel=0)
+"""tests/test_world_one_collectives.py's QUANTIZED: each parameter's blocks start at its first
+element, so the reference round-trips each alone."""
+COLLECTIVES_AT = {0: {"all_reduce"}, 1: {"all_gather", "reduce_scatter"},
+                  2: {"all_gather", "reduce_scatter"}, 3: {"all_gather", "reduce_scatter"}}
+"""The kinds a step of each stage runs on the NCCL group of one (stages 1-2 gather after
+the optimizer)."""
+
+
 def _training_grid() -> dict:
     return each(
         reference=lambda: reference(),
@@ -220,6 +254,11 @@ def _training_grid() -> dict:
         bf16=lambda: train(3, optimizer="sgd", mixed_precision=BF16),
         bf16_inductor=lambda: train(3, optimizer="sgd", backend="inductor", mixed_precision=BF16),
         fp16=lambda: train(3, optimizer="sgd", mixed_precision=FP16),
+        moe=lambda: train(3, model_name="mixtral", resident_max_numel=0),
+        moe_without_collectives=lambda: train(3, model_name="mixtral", resident_max_numel=0,
+                                              debug=DebugOptions()),
+        int8=lambda: train(3, **INT8),
+        int8_reference=lambda: quantized_reference(DEVICE, STEPS),
     )
 
 
@@ -236,8 +275,10 @@ def test_nccl_group_of_one_trains_like_pytorch_at_every_stage(stage):
     moved, update = worst_update(result, entry(runs, "reference"))
     record(f"nccl stage {stage} parity", loss_error=loss, worst_param=worst,
            worst_param_error=error, worst_update=moved, worst_update_error=update,
-           peak_bytes=result["peak_bytes"])
+           peak_bytes=result["peak_bytes"], collectives=result["collectives"])
     assert result["shard_devices"] == ["cuda:0"]
+    assert set(result["collectives"]) == COLLECTIVES_AT[stage], result["collectives"]
+    assert result["reduce_ops"] == ["avg"]  # NCCL averages in the collective
     assert loss < PARITY_TOLERANCE and error < PARITY_TOLERANCE, (loss, worst, error)
     assert update <= UPDATE_TOLERANCE, (moved, update)
 
@@ -249,7 +290,8 @@ def test_inductor_triton_step_trains_like_pytorch():
     moved, update = worst_update(result, entry(runs, "reference"))
     record("nccl stage 3 inductor parity", loss_error=loss, worst_param=worst,
            worst_param_error=error, worst_update=moved, worst_update_error=update,
-           peak_bytes=result["peak_bytes"])
+           peak_bytes=result["peak_bytes"], collectives=result["collectives"])
+    assert set(result["collectives"]) == COLLECTIVES_AT[3], result["collectives"]
     assert loss < INDUCTOR_TOLERANCE and error < INDUCTOR_TOLERANCE, (loss, worst, error)
     assert update <= UPDATE_TOLERANCE, (moved, update)
 
@@ -265,11 +307,44 @@ def test_mixed_precision_on_cuda_trains_like_fp32_with_fp32_masters(name, tolera
     moved, update = worst_update(result, entry(runs, "sgd_reference"))
     record(f"nccl stage 3 {name} against fp32", loss_error=loss, worst_param=worst,
            worst_param_error=error, worst_update=moved, worst_update_error=update,
-           peak_bytes=result["peak_bytes"])
+           peak_bytes=result["peak_bytes"], collectives=result["collectives"])
+    assert set(result["collectives"]) == COLLECTIVES_AT[3], result["collectives"]
+    assert result["reduce_ops"] == ["avg"]
     assert result["model_dtypes"] == [str(BF16.param_dtype if "bf16" in name else FP16.param_dtype)]
     assert result["shard_dtypes"] == ["torch.float32"]
     assert loss < tolerances[0] and error < tolerances[1], (loss, worst, error)
     assert update <= tolerances[2], (moved, update)
+
+
+def test_routed_experts_exchange_their_rows_on_an_nccl_group_of_one():
+    """A Mixtral block's dispatch and combine, and their backward, as NCCL all-to-alls of an
+    expert-parallel group of one, against the same steps with no collective at all."""
+    pytest.importorskip("transformers")
+    runs = training_grid()
+    result, without = entry(runs, "moe"), entry(runs, "moe_without_collectives")
+    loss, worst, error = parity(result, without)
+    record("nccl stage 3 mixtral exchanges kept against none", loss_error=loss,
+           worst_param=worst, worst_param_error=error, collectives=result["collectives"])
+    assert result["collectives"].get("all_to_all") == 5, result["collectives"]
+    assert without["collectives"] == {}
+    assert loss < PARITY_TOLERANCE and error < PARITY_TOLERANCE, (loss, worst, error)
+
+
+def test_int8_collectives_on_an_nccl_group_of_one_are_their_round_trip():
+    """int8 gathers, and reductions as all-to-alls, on NCCL: the steps of eager AdamW on
+    round-tripped weights and gradients on the same GPU (tests/test_world_one_collectives.py's
+    reference)."""
+    runs = training_grid()
+    result, expected = entry(runs, "int8"), entry(runs, "int8_reference")
+    errors = {n: relative(result["params"][n], p) for n, p in expected["params"].items()}
+    worst = max(errors, key=errors.get)
+    moved, update = worst_update(result, expected)
+    record("nccl stage 3 int8 collectives against their round trip", worst_param=worst,
+           worst_param_error=errors[worst], worst_update=moved, worst_update_error=update,
+           collectives=result["collectives"])
+    assert set(result["collectives"]) == {"all_gather", "all_to_all"}, result["collectives"]
+    assert errors[worst] < INT8_TOLERANCE, (worst, errors[worst])
+    assert update < INT8_UPDATE_TOLERANCE, (moved, update)
 
 
 # -- the NCCL group of one: the runtime's CUDA paths -------------------------------------
@@ -278,7 +353,7 @@ def completion_check_on_nccl() -> dict:
     """[Note: failures on NCCL]'s fences on a real NCCL group, as four calls would issue and
     settle them: issued and polled without a host sync, at most ``MAX_UNCONFIRMED`` left
     running, and all confirmed when asked (before a checkpoint). (zero_fx itself skips the
-    check at world size 1, where no peer can fail, so the step does not run it here.)"""
+    check at world size 1, where no peer can fail, unless the step keeps its collectives.)"""
     from zero_fx.runtime.failures import MAX_UNCONFIRMED, CompletionCheck
 
     check = CompletionCheck([dist.group.WORLD], DEVICE, timedelta(seconds=60))

@@ -214,8 +214,8 @@ class ZeroConfig(StageConsequences):
     parameters per rank between the forward and the backward. None: every gather spans the
     shard group."""
     debug: DebugOptions = field(default_factory=DebugOptions)
-    """Dumps, disabled passes, the ranks' agreement check and Inductor schedule pinning
-    (``DebugOptions``)."""
+    """Dumps, disabled passes, the ranks' agreement check, Inductor schedule pinning and
+    collectives kept at a world of one (``DebugOptions``)."""
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):

@@ -161,6 +161,18 @@ class DebugOptions:
     control dependencies ([Note: pinning the schedule through Inductor] in
     zero_fx/compiler/pin_schedule.py); ``explain()`` says whether the program runs it.
     False lets Inductor re-sort the collectives: for comparison only."""
+    keep_collectives_at_world_one: bool = False
+    """At a world of one rank, issue every collective a world of N ranks would, on the process
+    group of one, so that its backend (NCCL on one GPU, gloo) runs each kind zero_fx emits:
+    the all-gathers and reduce-scatters of stages 1-3 (bucketed, prefetched and overlapped as
+    at N ranks), stage 0's all-reduce, the quantized gathers and reductions, the routed
+    experts' exchanges (an expert-parallel group of one, stages 1-3), NCCL's AVG reductions,
+    the clipping norm's all-reduce, the ranks' check and NCCL's fences. Over one rank each
+    is an identity, so the values are those of the step without it, but for quantized
+    collectives, whose values pass through the quantized blocks as at N ranks. Needs a
+    process group (``zero_fx.init_distributed()`` or ``init_process_group`` with world size
+    1): without one it is an error. At more than one rank it changes nothing. [Note:
+    collectives kept at a world of one] in zero_fx/runtime/process_group.py."""
 
     def __post_init__(self):
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))

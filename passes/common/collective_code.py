@@ -78,13 +78,14 @@ def gather_code(plan, names: Sequence[str]) -> functools.partial:
     return functools.partial(gather_bucket, numels=[l.numel for l in layouts],
                              shapes=[l.shape for l in layouts], world_size=size,
                              group_name=group, dtype=plan.compute_dtype,
-                             from_host=plan.device_type if plan.offloads_parameters else None)
+                             from_host=plan.device_type if plan.offloads_parameters else None,
+                             keep_at_one=plan.keeps_collectives_at_one)
 
 
 def gather_bucket(*shards: torch.Tensor, numels: Sequence[int], shapes: Sequence,
                   world_size: int, group_name: str,
                   dtype: Optional[torch.dtype] = None,
-                  from_host: Optional[str] = None) -> list[torch.Tensor]:
+                  from_host: Optional[str] = None, keep_at_one: bool = False) -> list[torch.Tensor]:
     """Full parameters from this rank's shards (see [Note: flat layout] in zero_fx/plan/layout.py).
 
     The gathered buffer is rank-major: ``[rank 0: shard 1, shard 2, ...][rank 1: ...]``;
@@ -93,14 +94,14 @@ def gather_bucket(*shards: torch.Tensor, numels: Sequence[int], shapes: Sequence
     ``dtype`` (mixed precision): cast the shards first, so the collective moves that dtype.
     ``from_host``: the shards are in host memory, copied to the training device of that type
     first, in one buffer ([Note: shards brought from the host] in passes/common/host_copies.py).
+    ``keep_at_one``: gather over a group of one rank too ([Note: collectives kept at a world of
+    one] in zero_fx/runtime/process_group.py); otherwise one rank gathers nothing.
     """
     flat = cast(bucket_buffer(shards, from_host), dtype)
-    if len(shards) == 1:
-        if world_size > 1:
-            flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world_size, group_name))
-        return [unpadded(flat, numels[0], shapes[0])]
-    if world_size > 1:
+    if world_size > 1 or keep_at_one:
         flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world_size, group_name))
+    if len(shards) == 1:
+        return [unpadded(flat, numels[0], shapes[0])]
     columns = torch.split_with_sizes_copy(flat, [s.numel() for s in shards], dim=1)
     return [unpadded(column, numel, shape)
             for column, numel, shape in zip(columns, numels, shapes)]
@@ -118,8 +119,8 @@ def bucket_buffer(shards: Sequence[torch.Tensor], from_host: Optional[str]) -> t
 def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_size: int,
                           group_name: str, dtype: Optional[torch.dtype] = None, replicas: int = 1,
                           replicate_group_name: str = "", averages: bool = False,
-                          mean_over: Optional[int] = None,
-                          to_host: bool = False) -> list[torch.Tensor]:
+                          mean_over: Optional[int] = None, to_host: bool = False,
+                          keep_at_one: bool = False) -> list[torch.Tensor]:
     """This rank's 1-D shard of each gradient's mean over ranks, in ``dtype`` (None: the
     gradients' own); ``to_host``: copied to the host once reduced ([Note: gradients
     streamed to the host] in passes/common/host_copies.py).
@@ -133,11 +134,13 @@ def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_s
     by 1/N): no division op at all. ``mean_over``: the ranks whose batches the mean is over,
     where they are more than the group's (a routed expert's gradient under expert
     parallelism, reduced over its expert-data-parallel group and divided by every rank's
-    count: [Note: expert parallelism] in zero_fx/plan/expert_parallel.py).
+    count: [Note: expert parallelism] in zero_fx/plan/expert_parallel.py). ``keep_at_one``:
+    reduce-scatter over a group of one rank too ([Note: collectives kept at a world of one]
+    in zero_fx/runtime/process_group.py).
     """
     ranks = mean_over or world_size * replicas
     grads = [cast(g, dtype) for g in grads]
-    if world_size == 1:  # the whole gradient is this rank's shard (a routed expert's, say)
+    if world_size == 1 and not keep_at_one:  # the whole gradient is this rank's shard
         flat = [torch.nn.functional.pad(g.reshape(-1), (0, p)) if p else g.reshape(-1)
                 for g, p in zip(grads, paddings)]
         if replicas > 1:  # still summed across the replicas, in one collective
@@ -167,13 +170,14 @@ def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_s
 
 
 def all_reduce_bucket(*grads: torch.Tensor, world_size: int, group_name: str,
-                      dtype: Optional[torch.dtype] = None,
-                      averages: bool = False) -> list[torch.Tensor]:
+                      dtype: Optional[torch.dtype] = None, averages: bool = False,
+                      keep_at_one: bool = False) -> list[torch.Tensor]:
     """Each gradient, whole, averaged over ranks (stage 0), in ``dtype`` (None: its own):
     the bucket is flattened into one buffer in one op and divided before the sum
-    ([Note: divide before the sum])."""
+    ([Note: divide before the sum]). ``keep_at_one``: all-reduce over a group of one rank
+    too ([Note: collectives kept at a world of one] in zero_fx/runtime/process_group.py)."""
     grads = [cast(g, dtype) for g in grads]
-    if world_size == 1:
+    if world_size == 1 and not keep_at_one:
         return grads
     # (1, numel); _chunk_cat takes no 0-dim tensor (a learnt temperature, CLIP's logit_scale)
     buffer = grads[0] if len(grads) == 1 else torch._chunk_cat(

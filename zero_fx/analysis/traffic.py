@@ -252,7 +252,9 @@ def traffic_report(gm: GraphModule, plan, expert_prefixes: tuple[str, ...] = ())
     collectives = [_describe(node, position, plan) for node in gm.graph.nodes
                    if is_collective(node) or is_token_exchange(node)
                    or is_tensor_parallel_collective(node)]
-    if plan.world_size > 1 and not plan.reduces_in_graph:
+    # what the runtime issues outside the graph, where it issues collectives at all (at one
+    # rank if the plan keeps them: [Note: collectives kept at a world of one])
+    if plan.issues_collectives and not plan.reduces_in_graph:
         kind = "all_reduce" if plan.replicated else "reduce_scatter"
         collectives += _outside_graph(plan, kind, "after accumulation", plan.reduce_dtype,
                                       list(grad_slots(gm).values()))
@@ -260,13 +262,14 @@ def traffic_report(gm: GraphModule, plan, expert_prefixes: tuple[str, ...] = ())
             collectives += _outside_graph(plan, "all_reduce", "after accumulation",
                                           plan.reduce_dtype, list(grad_slots(gm).values()),
                                           group=REPLICATE_GROUP)
-    if plan.world_size > 1 and plan.gathers_after_step:
+    if plan.issues_collectives and plan.gathers_after_step:
         # under expert parallelism a rank gathers its own experts only, over the ranks
         # holding them, and nothing where it holds them alone ([Note: expert parallelism at
         # stages 1 and 2] in zero_fx/runtime/sharded_state.py)
         trainable = [layout.name for layout in plan.params
                      if layout.requires_grad and plan.holds(layout.name)
-                     and plan.collective_group(layout.name)[0] > 1]
+                     and (plan.collective_group(layout.name)[0] > 1
+                          or plan.keeps_collectives_at_one)]
         collectives += _outside_graph(plan, "all_gather", "after step", plan.compute_dtype,
                                       trainable)
     parallel = getattr(plan, "expert_parallel", None)

@@ -144,12 +144,12 @@ def hold_local_experts(model: nn.Module, blocks: list[RoutedExperts], degree: in
                        group_name: str, capacity_factor: Optional[float] = None) -> None:
     """Expert parallelism: every rewritten block of ``model`` runs only the experts of slice
     ``rank`` of ``degree`` and sends the other rows to their ranks ([Note: expert
-    parallelism] in zero_fx/plan/expert_parallel.py); ``degree`` 1 undoes it. ``degree``
-    divides every block's number of experts."""
+    parallelism] in zero_fx/plan/expert_parallel.py); ``degree`` 1 is a group of one rank,
+    whose rows go through the exchanges all the same (a world of one that keeps its
+    collectives). ``degree`` divides every block's number of experts."""
     for info in blocks:
-        held = (None if degree == 1 else
-                LocalExperts(degree, rank * info.num_experts // degree, group_name,
-                             capacity_factor))
+        held = LocalExperts(degree, rank * info.num_experts // degree, group_name,
+                            capacity_factor)
         if info.stacked:  # its parameters keep this place's rows once sharded
             model.get_submodule(info.experts).forward.parallel = held
         else:

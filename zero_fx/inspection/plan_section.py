@@ -106,6 +106,10 @@ def _plan_section(plan, moe_blocks: Sequence[RoutedExperts] = ()) -> str:
                 f"forward gathers across nodes (group {secondary.across_group_name!r}), keeping "
                 f"1/{secondary.size} of each parameter, then within the node (group "
                 f"{secondary.node_group_name!r}); the backward gathers within the node only")
+    if plan.keeps_collectives_at_one:
+        lines.append("  collectives kept at a world of one (keep_collectives_at_world_one): each "
+                     "runs on the group of one as it would at N ranks, an identity ([Note: "
+                     "collectives kept at a world of one])")
     lines += _tensor_parallel_lines(plan)
     lines.append("  buckets: one per repeated block (bucket_bytes='blocks')" if plan.bucket_bytes == BLOCKS
                  else f"  buckets of at most {format_bytes(plan.bucket_bytes)}"

@@ -32,6 +32,7 @@ class PlanRanks:
     expert_parallel: Optional[ExpertParallel] = None
     tensor_parallel: Optional[TensorParallel] = None
     secondary: Optional[SecondaryPartition] = None
+    keeps_collectives_at_one: bool = False
 
 
 @dataclass(frozen=True)

@@ -155,8 +155,8 @@ class ShardPlan(StageConsequences):
     rank: int
     stage: int
     group_name: str
-    """Process group the collectives run on ("" when world_size == 1): with a mesh, the
-    shard group, and ``world_size`` and ``rank`` are its."""
+    """Process group the collectives run on ("" for a world of one without a process group):
+    with a mesh, the shard group, and ``world_size`` and ``rank`` are its."""
     params: tuple[ParamLayout, ...]
     resident: frozenset = frozenset()
     """Stage 3: parameters gathered once per step and kept whole through forward
@@ -229,6 +229,16 @@ class ShardPlan(StageConsequences):
     secondary: Optional[SecondaryPartition] = None
     """Stage 3: the forward's gathers also leave a copy of each parameter sharded within the
     node, which the backward gathers from ([Note: the secondary partition] in secondary.py)."""
+    keeps_collectives_at_one: bool = False
+    """A world of one rank whose collectives are issued on its group of one all the same
+    (``DebugOptions.keep_collectives_at_world_one``; [Note: collectives kept at a world of one]
+    in zero_fx/runtime/process_group.py); False: at one rank they are left out."""
+
+    @property
+    def issues_collectives(self) -> bool:
+        """Whether the shard group's gathers and reductions are issued: it has more than one
+        rank, or a world of one keeps them ([Note: collectives kept at a world of one])."""
+        return self.world_size > 1 or self.keeps_collectives_at_one
 
     @property
     def offloads_optimizer(self) -> bool:

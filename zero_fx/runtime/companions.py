@@ -277,9 +277,10 @@ def _mean_over_ranks(update, value: torch.Tensor) -> torch.Tensor:
     rank's scheduler decides alike (a rank's own would set different learning rates on
     the shards of one model)."""
     plan = update.state.plan
-    for group, size in ((plan.group_name, plan.world_size),
-                        (plan.replicate_group_name, plan.replicas)):
-        if size > 1:
+    # a world of one may keep its collectives ([Note: collectives kept at a world of one])
+    for group, size, issued in ((plan.group_name, plan.world_size, plan.issues_collectives),
+                                (plan.replicate_group_name, plan.replicas, plan.replicas > 1)):
+        if issued:
             value = _c10d.wait_tensor(_c10d.all_reduce(value.float(), "sum", group)) / size
     return value
 

@@ -3,6 +3,7 @@ parallelism] in zero_fx/plan/expert_parallel.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 import torch
@@ -20,16 +21,19 @@ from .process_group import World, world_timeout
 
 def split_experts(model: torch.nn.Module, blocks: Sequence[RoutedExperts], world: World,
                   degree: int, capacity_factor: Optional[float] = None, *,
-                  loading: bool = False, left_alone: Sequence[str] = ()
-                  ) -> Optional[ExpertParallel]:
+                  loading: bool = False, left_alone: Sequence[str] = (),
+                  exchanges_at_one: bool = False) -> Optional[ExpertParallel]:
     """Expert parallelism of ``degree`` over ``world``: make its groups (on every rank, in
     the same order), point each block's forward at this rank's experts (each taking at most
     ``capacity_factor`` times an even spread's rows: [Note: expert capacity]), and say which
     rank holds which expert. None for ``degree`` 1. ``loading``: the model's values are to be
     read from pretrained weights. ``left_alone``: why the rewrite left modules that look like
-    experts as they are (``ExpertsRewrite.unrecognised``), for the error when none splits."""
+    experts as they are (``ExpertsRewrite.unrecognised``), for the error when none splits.
+    ``exchanges_at_one``: a world of one that keeps its collectives ([Note: collectives kept
+    at a world of one] in process_group.py): degree 1 is an expert-parallel group of this
+    rank alone, whose rows still go through the exchanges, where the blocks can be split."""
     if degree == 1:
-        return None
+        return _group_of_one(model, blocks, world, loading) if exchanges_at_one else None
     if not blocks:
         stacked = next((n for n, m in model.named_modules() if holds_stacked_experts(m)), None)
         why = (f"; {left_alone[0]}" if left_alone else "" if stacked is None else
@@ -75,16 +79,37 @@ def split_experts(model: torch.nn.Module, blocks: Sequence[RoutedExperts], world
             group = dist.new_group(ranks[place::degree], timeout=timeout)
             if world.global_rank in ranks[place::degree]:
                 mine_data = group
-    parallel = ExpertParallel(
+    return _held_experts(model, blocks, ExpertParallel(
         degree=degree, rank=world.rank % degree, group_name=mine_parallel.group_name,
         data_size=size, data_rank=world.rank // degree, data_group_name=mine_data.group_name,
-        capacity_factor=capacity_factor,
+        capacity_factor=capacity_factor))
+
+
+def _group_of_one(model: torch.nn.Module, blocks: Sequence[RoutedExperts], world: World,
+                  loading: bool) -> Optional[ExpertParallel]:
+    """Expert parallelism of degree 1 over a world of one that keeps its collectives: both
+    its groups are the world's; None where no block would be split (no blocks, or blocks
+    that expert parallelism refuses: identity experts, experts held as 3-D parameters when
+    loading pretrained weights)."""
+    if not blocks or any(b.identity_experts or (b.stacked and loading) for b in blocks):
+        return None
+    return _held_experts(model, blocks, ExpertParallel(
+        degree=1, rank=0, group_name=world.group_name, data_size=1, data_rank=0,
+        data_group_name=world.group_name))
+
+
+def _held_experts(model: torch.nn.Module, blocks: Sequence[RoutedExperts],
+                  parallel: ExpertParallel) -> ExpertParallel:
+    """``parallel`` with which rank holds which expert filled in, once each block's forward
+    runs this rank's experts and exchanges the other rows over its group."""
+    parallel = dataclasses.replace(
+        parallel,
         slices=expert_slices({b.experts: b.num_experts for b in blocks if not b.stacked},
-                             [n for n, _ in model.named_parameters()], degree),
-        rows=frozenset(f"{b.experts}.{name}" for b in stacked
+                             [n for n, _ in model.named_parameters()], parallel.degree),
+        rows=frozenset(f"{b.experts}.{name}" for b in blocks if b.stacked
                        for name in ("gate_up_proj", "down_proj")))
-    hold_local_experts(model, list(blocks), degree, parallel.rank, parallel.group_name,
-                       capacity_factor)
+    hold_local_experts(model, list(blocks), parallel.degree, parallel.rank, parallel.group_name,
+                       parallel.capacity_factor)
     return parallel
 
 

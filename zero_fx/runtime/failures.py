@@ -184,8 +184,9 @@ def completion_check(world: World, device: torch.device) -> Optional[CompletionC
     """The check for the step's groups (with hybrid sharding, the replicate group too) where
     the backend that moves the training device's tensors reports failures late (NCCL; [Note:
     the backend by device]); None where a failed collective raises at once, or there are no
-    other ranks."""
-    if world.size == 1 or world.simulated:
+    other ranks (unless a world of one keeps its collectives: [Note: collectives kept at a
+    world of one] in process_group.py)."""
+    if (world.size == 1 and not world.keeps_collectives) or world.simulated:
         return None
     names = [world.group_name] + ([world.replicate_group_name] if world.replicas > 1 else [])
     groups = [dist.distributed_c10d._resolve_process_group(name) for name in names]

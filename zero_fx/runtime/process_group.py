@@ -47,6 +47,9 @@ class World:
     ([Note: the secondary partition] in zero_fx/plan/secondary.py)."""
     mesh: Any = field(default=None, compare=False)
     """The user's multi-dimensional ``DeviceMesh`` (None: flat), for checkpoints' DTensors."""
+    keeps_collectives: bool = False
+    """A world of one rank that issues every collective a world of N would, on its group of
+    one ([Note: collectives kept at a world of one])."""
 
     def backend_for(self, device_type: str) -> str:
         """The backend that moves ``device_type`` tensors ("" if none does)."""
@@ -94,6 +97,49 @@ def current_world() -> World:
     backends = _backends(group)
     return World(size=dist.get_world_size(group), rank=dist.get_rank(group), group_name=group.group_name,
                  simulated=any(backend == "fake" for _, backend in backends), backends=backends)
+
+
+def keeping_collectives(world: World, keep: bool) -> World:
+    """``world``, keeping its collectives if it is one rank and ``keep`` is set
+    (``DebugOptions.keep_collectives_at_world_one``); at more ranks, ``world`` as it is.
+
+    [Note: collectives kept at a world of one]
+    At one rank every collective is an identity (a sum of one value, a division by 1, a
+    gather of the only shard), so the passes and the runtime leave them out: on a machine
+    with one GPU an NCCL group of one would run none of zero_fx's collectives, and a test
+    there would say nothing about them. ``keep_collectives_at_world_one`` keeps each where a
+    world of N issues it, on the group of one: the plan says so
+    (``ShardPlan.keeps_collectives_at_one``), and each place that leaves a collective out at
+    one rank asks it first: the gather and reduction code (passes/common/collective_code.py),
+    the bucket, schedule and quantize passes, the gathers after the optimizer step (stages
+    1-2) and of whole parameters, the clipping norm's all-reduce, the scheduler's mean, the
+    ranks' check and NCCL's fences. Reductions average in the collective where NCCL moves the
+    tensors (``ShardPlan.collectives_average``), and sum on gloo, as at N ranks. Stages 1-3 of
+    a model whose routed experts zero_fx rewrites from a list of expert modules split them
+    over an expert-parallel group of one, so that the dispatch and combine all-to-alls run
+    ([Note: expert parallelism] in zero_fx/plan/expert_parallel.py); such a step cannot then
+    run eagerly after a graph break, as an expert-parallel one cannot. Experts held as 3-D
+    parameters keep transformers' own forward, which expert parallelism would replace, and
+    exchange nothing.
+
+    The values are the step's without the option, bit for bit: every kept collective
+    computes the identity it stands for (the clipping norm is summed as it is, not as the
+    root of its square, which is not the norm where the square overflows or underflows),
+    and the graphs hold nothing of the rank or the device's index that they would not at N
+    ranks. Quantized collectives are the exception: their values go through the quantized
+    blocks as at N ranks (a round trip through int8 at one rank), which is what the option is
+    for. A world of one without a process group has no group to run them on: an error.
+    """
+    if not keep or world.ranks > 1:
+        return world
+    if not world.group_name:
+        raise ValueError(
+            "debug=DebugOptions(keep_collectives_at_world_one=True) issues zero_fx's "
+            "collectives on the process group of one rank, but no process group is initialised: "
+            "call zero_fx.init_distributed() (or torch.distributed.init_process_group with "
+            "world_size=1: 'gloo' on the CPU, 'nccl' on a GPU) before the step's first call, or "
+            "leave the option out")
+    return replace(world, keeps_collectives=True)
 
 
 def world_of(mesh, replicated: bool) -> World:

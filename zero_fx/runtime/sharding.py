@@ -25,7 +25,8 @@ from .expert_groups import keep_place_rows, split_experts
 from .gloo_all_gather import use_gloo_single_tensor_all_gather
 from .precision import LossScaler, cast_at_model_edge
 from .process_group import (check_current_cuda_device, check_devices_match_backend,
-                            collectives_average, current_world, training_device, world_of)
+                            collectives_average, current_world, keeping_collectives,
+                            training_device, world_of)
 from .offload_choice import (OffloadChoice, agreed_budget, bucket_state_bytes,
                              choose_before_placing, device_budget, optimizer_state_tensors,
                              with_mode)
@@ -120,9 +121,11 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     rewrite left others as they are."""
     world = with_secondary_partition(world_of(config.mesh, config.replicated),
                                      config.secondary_partition, current_world())
+    world = keeping_collectives(world, config.debug.keep_collectives_at_world_one)
     experts = split_experts(model, moe_blocks, world, config.expert_parallel,
                             config.expert_capacity_factor, loading=pretrained is not None,
-                            left_alone=left_alone)
+                            left_alone=left_alone,
+                            exchanges_at_one=world.keeps_collectives and not config.replicated)
     check_devices_match_backend(model.parameters())
     check_real_parameters(model, config.replicated)
     device = training_device(model.parameters())
@@ -136,7 +139,7 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
                       replicate_group_name=world.replicate_group_name,
                       collectives_average=collectives_average(world, device),
                       expert_parallel=experts, tensor_parallel=tensor_parallel_of(model, world),
-                      secondary=world.secondary)
+                      secondary=world.secondary, keeps_collectives_at_one=world.keeps_collectives)
     plan = plan_for_module(model, ranks, config.plan_options(hardware_for(model)))
     plan = dataclasses.replace(plan, device_type=device.type)
     choice = None
@@ -173,7 +176,9 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     update = OptimizerUpdate(state, accumulation_steps=config.accumulation_steps,
                              max_grad_norm=config.max_grad_norm, scaler=scaler,
                              delayed=config.offload_step == "overlap")
-    agreement = RankAgreement(world.ranks if config.debug.check_ranks and not world.simulated else 1)
+    checks_ranks = config.debug.check_ranks and not world.simulated
+    agreement = RankAgreement(world.ranks if checks_ranks else 1,
+                              at_one=checks_ranks and world.keeps_collectives)
     _log_plan(plan, world)
     sharded = Sharded(plan, state, update, scaler, agreement, choice, config, step_name)
     _SHARDED[model] = weakref.ref(sharded)

@@ -252,12 +252,17 @@ class OptimizerUpdate:
             return self.across_ranks(norm, "max")
         if not self._reduce_groups():
             return norm
+        if plan.keeps_collectives_at_one:
+            # the norm itself: the root of its square is the norm only where the square
+            # neither overflows nor underflows ([Note: collectives kept at a world of one])
+            return self.across_ranks(norm, "sum")
         return self.across_ranks(norm.square(), "sum").sqrt()
 
     def _reduce_groups(self) -> list[str]:
-        """The groups whose ranks hold different parts of the gradient."""
+        """The groups whose ranks hold different parts of the gradient (and a world of one's
+        that keeps its collectives: [Note: collectives kept at a world of one])."""
         plan = self.state.plan
-        groups = [] if plan.replicated or plan.world_size == 1 else [plan.group_name]
+        groups = [] if plan.replicated or not plan.issues_collectives else [plan.group_name]
         if plan.tensor_parallel is not None:
             groups.append(plan.tensor_parallel.group_name)
         return groups

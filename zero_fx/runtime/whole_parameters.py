@@ -112,7 +112,7 @@ class WholeParameters:
             for piece, layout in zip(send.split([l.shard_numel for l in layouts]), layouts):
                 piece.copy_(self.shards[layout.name].detach())  # casts as it copies
             gathered = gathered_bytes[:numel * size * gathered_dtype.itemsize].view(gathered_dtype)
-            if size > 1:
+            if self.plan.issues_collectives:  # [Note: collectives kept at a world of one]
                 _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(
                     send, size, self.world.group_name, out=gathered))
             else:
@@ -190,7 +190,8 @@ class WholeParameters:
         shards = [shard.to(self.device) for shard in shards]  # offloaded masters: a device copy
         return gather_bucket(*shards, numels=[l.numel for l in layouts],
                              shapes=[l.shape for l in layouts], world_size=size,
-                             group_name=group, dtype=dtype)
+                             group_name=group, dtype=dtype,
+                             keep_at_one=self.plan.keeps_collectives_at_one)
 
     def _gather_expert(self, name: str, shard: torch.Tensor,
                        dtype: Optional[torch.dtype] = None) -> torch.Tensor:
