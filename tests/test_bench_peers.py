@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -156,3 +157,44 @@ def test_hf_mixtral_builds_blocks_batches_and_its_own_loss_with_router_loss():
     assert out.aux_loss > 0
     assert loss.item() == pytest.approx(
         (ce + model.config.router_aux_loss_coef * out.aux_loss).item(), rel=1e-5)
+
+
+def _host_work(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_host_enqueue_time_is_the_host_part_and_a_wait_for_the_device_is_flagged():
+    """Against the CPU's stand-in for a device (a thread that sleeps for the hold; to
+    synchronize is to join it): a step that only works on the host measures its own time,
+    not the hold's; one that waits for the device is flagged as blocked."""
+    from bench.helpers.host_enqueue import ThreadHold, enqueue_time
+
+    hold = ThreadHold()
+    launch = enqueue_time(lambda: _host_work(0.05), hold, hold_s=1.0)
+    assert 0.045 <= launch.seconds < 0.5 and not launch.blocked
+    assert not hold.held()  # it returns after the device finished
+
+    def waits_for_the_device():
+        _host_work(0.01)
+        hold.synchronize()  # as an .item() would
+    waited = enqueue_time(waits_for_the_device, hold, hold_s=1.0)
+    assert waited.blocked and waited.seconds >= 1.0
+
+
+def test_mfu_counts_a_gpts_flops_by_hand():
+    """6·N + 12·L·d·S per token, N without the position embedding: the tiny GPT (vocabulary
+    64, width 32, 2 blocks, no biases) has N = 64·32 + 2·(12·32² + 2·32) + 32 = 26,784;
+    GPT-2 small's shape at 1,024 tokens: N = 123,587,328."""
+    from bench.helpers import mfu
+    from bench.peers.models import MODELS
+
+    assert mfu.gpt_flops_per_token(MODELS["tiny"].gpt, 16) == 6 * 26_784 + 12 * 2 * 32 * 16
+    assert mfu.gpt_flops_per_token(MODELS["gpt2-125m"].gpt, 1024) == 854_770_176
+    assert mfu.peak_bf16_flops("NVIDIA H200") == mfu.peak_bf16_flops("NVIDIA H100 80GB HBM3")
+    assert mfu.peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+    assert mfu.peak_bf16_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert mfu.peak_bf16_flops("cpu") is None and mfu.mfu(1000, 1e6, None) is None
+    # 1,000 FLOPs a token at 10⁹ tokens/s on a 4·10¹² FLOP/s device: a quarter
+    assert mfu.mfu(1000, 1e9, 4e12) == pytest.approx(0.25)
