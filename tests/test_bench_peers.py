@@ -39,6 +39,15 @@ def run_bench(*args):
                      env=extensions_environment())
 
 
+def bench_result(name: str, *args) -> tuple[dict, dict]:
+    """The benchmark run as ``name``: its JSON, and its summaries by peer."""
+    run = run_bench(*args, "--name", name)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(os.path.join(ROOT, "bench", "out", f"{name}.json")) as f:
+        result = json.load(f)
+    return result, {s["peer"]: s for s in result["summaries"]}
+
+
 def test_counting_allocator_sees_every_cpu_tensor_byte():
     code = (
         "import torch\n"
@@ -71,13 +80,9 @@ def test_loss_disagreement_is_reported():
 
 
 def test_peers_train_the_same_model_to_the_same_losses_and_meter_them():
-    run = run_bench("--model", "tiny", "--world", "2", "--peers", "ddp", "fsdp2", "zero_fx-3",
-                    "--backend", "aot_eager", "--steps", "4", "--warmup", "2",
-                    "--name", "peers-smoke-test")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    with open(os.path.join(ROOT, "bench", "out", "peers-smoke-test.json")) as f:
-        result = json.load(f)
-    by_peer = {s["peer"]: s for s in result["summaries"]}
+    result, by_peer = bench_result("peers-smoke-test", "--model", "tiny", "--world", "2",
+                                   "--peers", "ddp", "fsdp2", "zero_fx-3", "--backend",
+                                   "aot_eager", "--steps", "4", "--warmup", "2")
     assert set(by_peer) == {"ddp", "fsdp2", "zero_fx-3"}
     assert not result["loss_failures"]
     losses = [s["losses"] for s in by_peer.values()]
@@ -168,13 +173,10 @@ def test_fake_world_of_8_compares_zero_fx_and_fsdp2s_losses_and_reports_every_co
     from zero_fx.compat import release
 
     steps = 3
-    run = run_bench("--model", "tiny", "--fake-world", "8", "--peers", "zero_fx-3", "fsdp2",
-                    "fsdp2-compiled", "--backend", "aot_eager", "--steps", str(steps),
-                    "--warmup", "1", "--batch", "3", "--name", "peers-fake-test")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    with open(os.path.join(ROOT, "bench", "out", "peers-fake-test.json")) as f:
-        result = json.load(f)
-    by_peer = {s["peer"]: s for s in result["summaries"]}
+    result, by_peer = bench_result("peers-fake-test", "--model", "tiny", "--fake-world", "8",
+                                   "--peers", "zero_fx-3", "fsdp2", "fsdp2-compiled",
+                                   "--backend", "aot_eager", "--steps", str(steps),
+                                   "--warmup", "1", "--batch", "3")
     assert set(by_peer) == {"zero_fx-3", "fsdp2", "fsdp2-compiled"}
     assert not result["failed_peers"]
     columns = {"median_step_ms", "tokens_per_s", "mfu", "peak_mib", "held_mib", "compile_s",
