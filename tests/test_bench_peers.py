@@ -1,11 +1,13 @@
 """The peer benchmark measures what it says: its allocator meter counts bytes exactly, its
-wire counter sees what DDP's all-reduce sends, and one small run end to end trains every
-peer to the same losses. (Its timings are never asserted.)"""
+wire counter sees what DDP's all-reduce sends, the host enqueue time is the host's part of
+a step, MFU counts a GPT's FLOPs by hand, and small runs end to end (gloo, and the fake
+process group of 8) train every peer to the same losses. (Its timings are never asserted.)"""
 
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -35,6 +37,15 @@ def run_bench(*args):
     command = [sys.executable, "-m", "bench.peers", "--device", "cpu", *args]
     return cores.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
                      env=extensions_environment())
+
+
+def bench_result(name: str, *args) -> tuple[dict, dict]:
+    """The benchmark run as ``name``: its JSON, and its summaries by peer."""
+    run = run_bench(*args, "--name", name)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(os.path.join(ROOT, "bench", "out", f"{name}.json")) as f:
+        result = json.load(f)
+    return result, {s["peer"]: s for s in result["summaries"]}
 
 
 def test_counting_allocator_sees_every_cpu_tensor_byte():
@@ -69,13 +80,9 @@ def test_loss_disagreement_is_reported():
 
 
 def test_peers_train_the_same_model_to_the_same_losses_and_meter_them():
-    run = run_bench("--model", "tiny", "--world", "2", "--peers", "ddp", "fsdp2", "zero_fx-3",
-                    "--backend", "aot_eager", "--steps", "4", "--warmup", "2",
-                    "--name", "peers-smoke-test")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    with open(os.path.join(ROOT, "bench", "out", "peers-smoke-test.json")) as f:
-        result = json.load(f)
-    by_peer = {s["peer"]: s for s in result["summaries"]}
+    result, by_peer = bench_result("peers-smoke-test", "--model", "tiny", "--world", "2",
+                                   "--peers", "ddp", "fsdp2", "zero_fx-3", "--backend",
+                                   "aot_eager", "--steps", "4", "--warmup", "2")
     assert set(by_peer) == {"ddp", "fsdp2", "zero_fx-3"}
     assert not result["loss_failures"]
     losses = [s["losses"] for s in by_peer.values()]
@@ -156,3 +163,100 @@ def test_hf_mixtral_builds_blocks_batches_and_its_own_loss_with_router_loss():
     assert out.aux_loss > 0
     assert loss.item() == pytest.approx(
         (ce + model.config.router_aux_loss_coef * out.aux_loss).item(), rel=1e-5)
+
+
+def test_fake_world_of_8_compares_zero_fx_and_fsdp2s_losses_and_reports_every_column():
+    """``--fake-world 8``: one process as rank 0 of 8. zero_fx's flat shards are FSDP2's dim-0
+    chunks here, so both train the same (fake) thing: the same losses on every step where
+    the fake reduce-scatter returns the first chunk (torch 2.13 on), else on the first.
+    Each loss is the rank's own (not divided by 8), and ``--batch`` sets the rows per rank."""
+    from zero_fx.compat import release
+
+    steps = 3
+    result, by_peer = bench_result("peers-fake-test", "--model", "tiny", "--fake-world", "8",
+                                   "--peers", "zero_fx-3", "fsdp2", "fsdp2-compiled",
+                                   "--backend", "aot_eager", "--steps", str(steps),
+                                   "--warmup", "1", "--batch", "3")
+    assert set(by_peer) == {"zero_fx-3", "fsdp2", "fsdp2-compiled"}
+    assert not result["failed_peers"]
+    columns = {"median_step_ms", "tokens_per_s", "mfu", "peak_mib", "held_mib", "compile_s",
+               "enqueue_ms", "enqueue_blocked", "enqueue_vs_step", "losses", "loss_rel_diff"}
+    for s in by_peer.values():
+        assert columns <= set(s), columns - set(s)
+        assert s["mfu"] is None  # no GPU: no peak to divide by
+        assert s["enqueue_synchronous"] and not s["enqueue_blocked"]
+        # --batch 3 of 16-token rows
+        assert s["tokens_per_s"] == pytest.approx(3 * 16 / (s["median_step_ms"] / 1e3))
+    assert all(r["tokens_per_step"] == 3 * 16 for rows in result["ranks"].values() for r in rows)
+    assert {"torch", "cuda", "device_name", "peak_bf16_flops", "mfu_formula"} <= set(
+        result["environment"])
+    # the losses: each rank's own, vocabulary 64 at the start (ln 64 = 4.16), not a 1/8 of it
+    theirs = by_peer["fsdp2"]["losses"]
+    assert 3.5 < theirs[0] < 5.0
+    compared = by_peer["zero_fx-3"]["loss_steps_compared"]
+    assert compared == (steps if release(torch.__version__) >= (2, 13) else 1)
+    for peer in ("zero_fx-3", "fsdp2-compiled"):
+        assert by_peer[peer]["losses"][:compared] == pytest.approx(theirs[:compared], rel=2e-3)
+    assert not result["loss_failures"] and f"({compared} of {steps})" in result["losses_compared"]
+    table = open(os.path.join(ROOT, "bench", "out", "peers-fake-test.md")).read()
+    assert "tokens/s per rank (GPU)" in table and "MFU = (6·N + 12·L·d·S)" in table
+
+
+def _host_work(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_host_enqueue_time_is_the_host_part_and_a_wait_for_the_device_is_flagged():
+    """Against the CPU's stand-in for a device (a thread that sleeps for the hold; to
+    synchronize is to join it): a step that only works on the host measures its own time,
+    not the hold's; one that waits for the device is flagged as blocked."""
+    from bench.helpers.host_enqueue import ThreadHold, enqueue_time
+
+    hold = ThreadHold()
+    launch = enqueue_time(lambda: _host_work(0.05), hold, hold_s=1.0)
+    assert 0.045 <= launch.seconds < 0.5 and not launch.blocked
+    assert not hold.held()  # it returns after the device finished
+
+    def waits_for_the_device():
+        _host_work(0.01)
+        hold.synchronize()  # as an .item() would
+    waited = enqueue_time(waits_for_the_device, hold, hold_s=1.0)
+    assert waited.blocked and waited.seconds >= 1.0
+
+
+def test_mfu_counts_a_gpts_flops_by_hand():
+    """6·N + 12·L·d·S per token, N without the position embedding: the tiny GPT (vocabulary
+    64, width 32, 2 blocks, no biases) has N = 64·32 + 2·(12·32² + 2·32) + 32 = 26,784;
+    GPT-2 small's shape at 1,024 tokens: N = 123,587,328."""
+    from bench.helpers import mfu
+    from bench.peers.models import MODELS
+
+    assert mfu.gpt_flops_per_token(MODELS["tiny"].gpt, 16) == 6 * 26_784 + 12 * 2 * 32 * 16
+    assert mfu.gpt_flops_per_token(MODELS["gpt2-125m"].gpt, 1024) == 854_770_176
+    assert mfu.peak_bf16_flops("NVIDIA H200") == mfu.peak_bf16_flops("NVIDIA H100 80GB HBM3")
+    assert mfu.peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+    assert mfu.peak_bf16_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert mfu.peak_bf16_flops("cpu") is None and mfu.mfu(1000, 1e6, None) is None
+    # 1,000 FLOPs a token at 10⁹ tokens/s on a 4·10¹² FLOP/s device: a quarter
+    assert mfu.mfu(1000, 1e9, 4e12) == pytest.approx(0.25)
+
+
+def test_targets_know_which_way_is_better():
+    """Tokens/s is met at or above its aim, step time and memory at or below; a host
+    enqueue time that waited for the device is no measure."""
+    summaries = [{"peer": "zero_fx-3", "tokens_per_s": 130.0, "peak_mib": 90.0,
+                  "median_step_ms": 10.0, "enqueue_ms": 3.0, "enqueue_blocked": False,
+                  "enqueue_synchronous": False},
+                 {"peer": "fsdp2", "tokens_per_s": 100.0, "peak_mib": 100.0,
+                  "median_step_ms": 13.0},
+                 {"peer": "fsdp2-compiled", "tokens_per_s": 140.0, "median_step_ms": 9.0}]
+    met = {r["what"]: r["met"] for r in peers_report.targets(summaries)}
+    assert met["zero_fx-3 tokens/s vs FSDP2 eager (issue 68)"]            # 1.3 >= 1.2
+    assert not met["zero_fx-3 tokens/s vs FSDP2 compiled (issue 68)"]     # 0.93 < 1.0
+    assert not met["zero_fx-3 peak memory vs FSDP2 eager (issue 68)"]     # 0.9 > 0.85
+    assert met["zero_fx-3 host enqueue vs its step time (issue 68)"]      # 0.3 <= 0.5
+    summaries[0]["enqueue_blocked"] = True
+    met = {r["what"]: r["met"] for r in peers_report.targets(summaries)}
+    assert met["zero_fx-3 host enqueue vs its step time (issue 68)"] is None

@@ -4,20 +4,26 @@ batches, same steps, one run.
     python -m bench.peers --model gpt-small --world 2          # CPU, gloo, 2 ranks per peer
     python -m bench.peers --model gpt2-125m --world 8 --bf16   # a CUDA machine: NCCL
     python -m bench.peers --model gpt2-125m --fake-world 8     # one process simulating 8 ranks
+    python -m bench.peers --model gpt-1b --fake-world 8 --bf16 --peers zero_fx-3 fsdp2   # one GPU
     torchrun --nproc_per_node 8 -m bench.peers --model gpt2-125m --bf16   # a launcher of yours
 
 Each peer runs in fresh processes (``torchrun`` started by this script; under a
 torchrun of yours, one started by each rank), so one peer's compiled code,
 caches and memory cannot leak into the next one's numbers. Per peer it reports: the step time (the slowest rank's, median, min and
-max over the timed steps after warm-up), the peak and the held bytes of the
+max over the timed steps after warm-up), tokens/s per rank and MFU (GPT models on a
+GPU: bench/helpers/mfu.py), the peak and the held bytes of the
 allocator per rank (CUDA's statistics, or on CPU the counting allocator of
-bench/helpers/cpu_memory.py: the same meter for everyone), the first step's time and
+bench/helpers/cpu_memory.py: the same meter for everyone), the host's enqueue time of a
+step with the device held busy (bench/helpers/host_enqueue.py), the first step's time and
 the compile time (zero_fx's own measurement, for the others first step minus
 median step), the bytes each rank sent per step (gloo, bench/helpers/wire.py) and the
 losses. All peers must agree on the losses (the run fails otherwise: that is
-what shows they trained the same thing). Writes bench/out/peers-<model>-w<N>.json
-and .md. DeepSpeed is optional (``pip install -e ".[bench]"``); without it its
-rows are skipped with a note.
+what shows they trained the same thing); with ``--fake-world`` on the steps whose losses the
+fake group leaves shared ([Note: losses under the fake process group] in fake_group.py).
+A peer that fails or outlives ``--peer-limit-s`` is reported as failed, with its error, and
+the others still run; the exit status is then 1. Writes bench/out/peers-<model>-w<N>.json
+(every column, the versions, the device, the MFU formula and peak) and .md. DeepSpeed is
+optional (``pip install -e ".[bench]"``); without it its rows are skipped with a note.
 """
 
 from __future__ import annotations
@@ -37,8 +43,10 @@ from zero_fx.runtime.init_distributed import DistributedSetupError, resolve_devi
 
 from ..helpers import cpu_memory
 from ..helpers.runs import GROUP_TIMEOUT, machine, write_json
+from ..helpers.mfu import FORMULA as MFU_FORMULA
+from . import fake_group
 from . import report as peers_report
-from .launch import launch_peer, launch_peer_here, peer_environment
+from .launch import PEER_LIMIT_S, launch_peer, launch_peer_here, peer_environment
 from .models import MODELS, BenchModel
 from .trainers import MOE_ONLY_PEERS, OPTIONAL_PEERS, PEERS, REFERENCE, Setting
 
@@ -52,10 +60,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="gpt-small", choices=sorted(MODELS))
     p.add_argument("--layers", type=int, help="the GPT models with this many blocks")
     p.add_argument("--seq", type=int, help="tokens per sequence (default: the model's)")
+    p.add_argument("--batch", type=int, help="sequences per rank (default: the model's)")
     p.add_argument("--world", type=int, default=2, help="ranks per peer (torchrun's --nproc_per_node)")
     p.add_argument("--fake-world", type=int, default=0, metavar="N",
                    help="one process simulating N ranks with the fake process group: real "
-                        "per-rank memory, no real communication, losses not compared")
+                        "per-rank memory, no real communication; losses compared on the steps "
+                        "the fake group leaves shared (every step from torch 2.13, else the first)")
     p.add_argument("--peers", nargs="+", choices=list(PEERS), metavar="PEER",
                    help=f"default: all of {', '.join(PEERS)} (those for a mixture of experts, "
                         f"{', '.join(sorted(MOE_ONLY_PEERS))}, with hf-mixtral only)")
@@ -72,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warm-cache", action="store_true",
                    help="let compiled peers use Inductor's caches from earlier runs (default: "
                         "each peer compiles from scratch in an empty cache)")
+    p.add_argument("--peer-limit-s", type=float, default=PEER_LIMIT_S, metavar="SECONDS",
+                   help=f"a peer still running after this is killed and reported as failed "
+                        f"(default {PEER_LIMIT_S:g})")
     p.add_argument("--name", help="output name (default peers-<model>-w<N>)")
     p.add_argument("--worker-of", help=argparse.SUPPRESS)
     p.add_argument("--result-file", help=argparse.SUPPRESS)
@@ -103,10 +116,13 @@ def device_of(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
 
 
 def check_model_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--layers`` and ``--seq`` fit ``--model``, or ``p`` says what they take."""
+    """``--layers``, ``--seq`` and ``--batch`` fit ``--model``, or ``p`` says what they take."""
     if args.layers is not None and (args.layers < 1 or MODELS[args.model].gpt is None):
-        p.error(f"--layers takes a positive number of blocks for the GPT models (tiny, gpt-small, "
-                f"gpt2-125m), got {args.layers} for {args.model}")
+        gpts = ", ".join(name for name, spec in MODELS.items() if spec.gpt is not None)
+        p.error(f"--layers takes a positive number of blocks for the GPT models ({gpts}), "
+                f"got {args.layers} for {args.model}")
+    if args.batch is not None and args.batch < 1:
+        p.error(f"--batch takes a positive number of sequences per rank, got {args.batch}")
     gpt = MODELS[args.model].gpt
     if args.seq is not None and (args.seq < 1 or (gpt and args.seq > gpt.block_size)):
         longest = f"{gpt.block_size} (its position table)" if gpt else "the model's longest"
@@ -116,7 +132,8 @@ def check_model_options(p: argparse.ArgumentParser, args: argparse.Namespace) ->
 def model_of(args) -> BenchModel:
     spec = MODELS[args.model]
     spec = spec.with_layers(args.layers) if args.layers else spec
-    return dataclasses.replace(spec, seq=args.seq) if args.seq else spec
+    spec = dataclasses.replace(spec, seq=args.seq) if args.seq else spec
+    return dataclasses.replace(spec, batch_per_rank=args.batch) if args.batch else spec
 
 
 def setting_of(args) -> Setting:
@@ -148,10 +165,7 @@ def join(args) -> None:
     if dist.is_initialized():
         return
     if args.fake_world:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
-        os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed asks for it
+        fake_group.join(args.fake_world)
     elif "RANK" in os.environ:
         backend = "nccl" if args.device == "cuda" else "gloo"
         if args.store_prefix:  # started by a rank under torchrun: a group of the peer's own
@@ -182,50 +196,81 @@ def worker(args) -> None:
 
 # -- the driver --------------------------------------------------------------------
 
-def report(args, results: dict, notes: list[str], seconds: float) -> int:
+def environment(results: dict) -> dict:
+    """What the numbers were measured on: versions, the device (a rank's, as it saw it), the
+    MFU formula and the peak it divides by."""
+    row = next((rows[0] for rows in results.values()), {})
+    return {"torch": torch.__version__, "cuda": torch.version.cuda,
+            "python": sys.version.split()[0], "device_name": row.get("device_name"),
+            "peak_bf16_flops": row.get("peak_flops"), "mfu_formula": MFU_FORMULA}
+
+
+def compare_losses(args, summaries: list[dict]) -> tuple[list[str], str]:
+    """The peers whose losses disagree with the reference's (as failures), and which steps
+    were compared: all of them, or under the fake group those it leaves shared."""
+    if not any(s["peer"] == REFERENCE for s in summaries):
+        return [], f"losses not compared: {REFERENCE} did not run"
+    steps = min(s["loss_steps_compared"] for s in summaries)
+    if steps == 0:
+        return [], "losses not compared: " + summaries[0]["loss_steps_why"]
+    failures = peers_report.loss_disagreements(summaries, REFERENCE, LOSS_RTOL[args.bf16], steps)
+    which = summaries[0]["loss_steps_why"] if args.fake_world else "every step"
+    return failures, (f"losses compared with {REFERENCE}'s, relative tolerance "
+                      f"{LOSS_RTOL[args.bf16]:.0e}: {which} ({steps} of {args.steps})")
+
+
+def report(args, results: dict, notes: list[str], failed: dict, seconds: float) -> int:
     summaries = [peers_report.summarize(peer, ranks) for peer, ranks in results.items()]
-    failures = []
-    if not args.fake_world and any(s["peer"] == REFERENCE for s in summaries):
-        failures = peers_report.loss_disagreements(summaries, REFERENCE, LOSS_RTOL[args.bf16])
+    failures, compared = compare_losses(args, summaries) if summaries else ([], "")
     world = args.fake_world or args.world
     wire = args.device == "cpu" and not args.fake_world
     spec = model_of(args)
     mode = ("fake process group: one process, real per-rank memory, no communication "
             "(step times leave it out)" if args.fake_world else
             f"{args.device}, {'NCCL' if args.device == 'cuda' else 'gloo'}")
-    describe = (f"{machine()}; {mode}; world size {world}; {args.model}: {spec.about}; "
+    env = environment(results)
+    describe = (f"{machine()}; {env['device_name'] or args.device}; {mode}; world size {world}; "
+                f"{args.model}: {spec.about}; "
                 f"{spec.batch_per_rank} × {spec.seq} tokens per rank; AdamW; "
                 f"{'bf16 compute' if args.bf16 else 'fp32'}; compiled peers: {args.backend}; "
                 f"buckets: {'default' if args.bucket_mib is None else f'{args.bucket_mib:g} MiB'}; "
                 f"Inductor caches: {'warm' if args.warm_cache else 'empty (cold compiles)'}; "
                 f"{args.steps} steps, {args.warmup} untimed")
-    table = peers_report.markdown(summaries, REFERENCE, wire, losses=not args.fake_world)
+    peak = env["peak_bf16_flops"]
+    columns = peers_report.COLUMNS + (" No peak known here: no MFU." if peak is None else
+                                      f" Peak used: {peak:.4g} FLOP/s.")
+    table = (peers_report.markdown(summaries, REFERENCE, wire, losses=True)
+             if summaries else "no peer ran")
     targets = peers_report.targets(summaries)
     goals = peers_report.targets_markdown(targets)
     dagger = (["† trains the whole global batch in one process (no data parallelism)."]
               if any(s["whole_batch"] for s in summaries) else [])
-    text = "\n\n".join([describe, table, *dagger, goals, *notes, *failures])
+    text = "\n\n".join(filter(None, [describe, columns, table, *dagger, compared, goals, *notes,
+                                      *failures]))
     name = args.name or (f"peers-{args.model}" + (f"-L{args.layers}" if args.layers else "")
                          + f"-w{world}" + ("-fake" if args.fake_world else ""))
-    path = write_json(name, {"machine": machine(), "description": describe, "args": vars(args),
+    path = write_json(name, {"machine": machine(), "environment": env,
+                             "description": describe, "columns": columns, "args": vars(args),
                              "summaries": summaries, "ranks": results,
-                             "targets": targets, "notes": notes,
+                             "failed_peers": failed,
+                             "losses_compared": compared, "targets": targets, "notes": notes,
                              "loss_failures": failures, "seconds": seconds})
     with open(path[:-len(".json")] + ".md", "w") as f:
         f.write(text + "\n")
     print("\n" + text + f"\n\nwritten to {path} (and .md), {seconds / 60:.1f} min")
-    return 1 if failures else 0
+    return 1 if failures or failed or not summaries else 0
 
 
 def drive(args, argv: list[str], launch=launch_peer) -> int:
-    """Each peer in turn, in fresh processes (``launch``); the report on rank 0."""
+    """Each peer in turn, in fresh processes (``launch``); the report on rank 0. A peer that
+    fails is noted with its error and the next one runs."""
     start = time.perf_counter()
     leader = not dist.is_initialized() or dist.get_rank() == 0
     say = print if leader else (lambda *a, **k: None)
     if args.device == "cpu":
         os.environ.update(peer_environment(args))
         cpu_memory.build()  # once here, rather than by every rank at once
-    results, notes, failed = {}, [], False
+    results, notes, failed = {}, [], {}
     for i, peer in enumerate(args.peers, 1):
         if args.fake_world and peer in NOT_SIMULATED:
             notes.append(f"{peer}: not run with --fake-world: {NOT_SIMULATED[peer]}")
@@ -238,18 +283,14 @@ def drive(args, argv: list[str], launch=launch_peer) -> int:
         say(f"[{i}/{len(args.peers)}] {peer} ...", flush=True)
         rows, why = launch(args, peer, argv)
         if rows is None:
+            failed[peer] = why
             notes.append(f"{peer}: failed:\n\n```\n{why}\n```")
             say(notes[-1], flush=True)
-            failed = True
             continue
         results[peer] = rows
-    if not results:
-        say("no peer ran", file=sys.stderr)
-        return 1
     if not leader:
         return 1 if failed else 0
-    code = report(args, results, notes, time.perf_counter() - start)
-    return 1 if failed else code
+    return report(args, results, notes, failed, time.perf_counter() - start)
 
 
 def main(argv=None) -> int:

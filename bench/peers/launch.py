@@ -19,8 +19,9 @@ from ..helpers.runs import free_port, rows_of_every_rank
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PEER_LIMIT_S = 3600
-"""A peer still running after this is stuck, not slow (GPT-2 125M takes 16-40 minutes on 2
-CPU cores for every peer together): killed with its ranks, and reported as failed."""
+"""``--peer-limit-s``'s default: a peer still running after this is stuck, not slow (GPT-2
+125M takes 16-40 minutes on 2 CPU cores for every peer together): killed with its ranks,
+and reported as failed."""
 
 
 def peer_environment(args) -> dict:
@@ -56,7 +57,8 @@ def launch_peer(args, peer: str, argv: list[str]) -> tuple[list | None, str]:
         with open(log, "w") as out, subprocess.Popen(
                 command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 text=True, start_new_session=True) as process:  # torchrun and ranks: one group
-            watchdog = threading.Timer(PEER_LIMIT_S, os.killpg, (process.pid, signal.SIGKILL))
+            watchdog = threading.Timer(args.peer_limit_s, os.killpg,
+                                       (process.pid, signal.SIGKILL))
             watchdog.start()
             if progress.terminal:
                 progress.begin()
@@ -69,12 +71,14 @@ def launch_peer(args, peer: str, argv: list[str]) -> tuple[list | None, str]:
                     print(line, end="", flush=True)
             progress.close()
         watchdog.cancel()
-        if process.returncode == -signal.SIGKILL:
-            lines.append(f"killed: still running after {PEER_LIMIT_S} s")
         ranks = 1 if args.fake_world else args.world
         files = [f"{result}.{rank}" for rank in range(ranks)]
         if process.returncode != 0 or not all(os.path.exists(f) for f in files):
-            return None, f"{_first_error(lines)}\n(whole log: {os.path.relpath(log, ROOT)})"
+            why = _first_error(lines)
+            if process.returncode == -signal.SIGKILL:
+                why = (f"killed: still running after {args.peer_limit_s:g} s (--peer-limit-s); "
+                       "its last lines:\n" + "\n".join(lines[-20:]))
+            return None, f"{why}\n(whole log: {os.path.relpath(log, ROOT)})"
         rows = []
         for name in files:
             with open(name) as f:
@@ -95,9 +99,9 @@ def launch_peer_here(args, peer: str, argv: list[str], index: int) -> tuple[list
         # its output is this rank's: torchrun's (rank 0 prints the step lines)
         try:
             code = subprocess.run(command, cwd=ROOT, env=_fresh_environment(args, tmp),
-                                  timeout=PEER_LIMIT_S).returncode
+                                  timeout=args.peer_limit_s).returncode
         except subprocess.TimeoutExpired:
-            code = f"none: killed, still running after {PEER_LIMIT_S} s"
+            code = f"none: killed, still running after {args.peer_limit_s:g} s (--peer-limit-s)"
         row, why = None, f"rank {rank}: exit code {code}, no row (its output is above)"
         if code == 0 and os.path.exists(f"{result}.{rank}"):
             with open(f"{result}.{rank}") as f:

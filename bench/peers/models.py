@@ -43,7 +43,7 @@ class BenchModel:
     def with_layers(self, layers: int) -> "BenchModel":
         """The same model with ``layers`` blocks (GPT models only)."""
         if self.gpt is None:
-            raise ValueError("--layers applies to the GPT models (tiny, gpt-small, gpt2-125m)")
+            raise ValueError("--layers applies to the examples.gpt models only")
         config = dataclasses.replace(self.gpt, n_layer=layers)
         return dataclasses.replace(self, build=_gpt(config), gpt=config,
                                    about=f"{self.about}; here {layers} layers")
@@ -90,6 +90,11 @@ MODELS = {
                             vocab_size=50304, seq=512, batch_per_rank=1,
                             about="GPT-2 small's shape: 12 layers of width 768, vocabulary 50304 "
                                   "(124M parameters)"),
+    "gpt-1b": _gpt_model(GPTConfig(vocab_size=50304, block_size=2048, n_layer=24, n_head=16,
+                                   n_embd=2048, bias=False),
+                         vocab_size=50304, seq=2048, batch_per_rank=4,
+                         about="GPT, 24 layers of width 2048, 16 heads, vocabulary 50304 "
+                               "(1.32B parameters)"),
     "hf-gpt2": BenchModel(_hf("gpt2", vocab_size=8192, seq=256, layers=6, width=320, heads=5),
                           vocab_size=8192, seq=256, batch_per_rank=4, blocks=_hf_blocks, hf=True,
                           about="HuggingFace GPT2LMHeadModel from a config, 6 layers of width 320"),

@@ -1,4 +1,6 @@
-"""One peer on this rank: build the model, train it, measure the same things as for every peer."""
+"""One peer on this rank: build the model, train it, measure the same things as for every peer:
+each step's time and loss, the allocator's peak, and after the timed steps the host's
+enqueue time of a step (bench/helpers/host_enqueue.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..helpers import cpu_memory, wire
+from ..helpers import cpu_memory, host_enqueue, mfu, wire
+from . import fake_group
 from .models import BenchModel, global_batch, rank_batch
 from .trainers import PEERS, Setting
 
@@ -36,24 +39,39 @@ def _sync(device: torch.device) -> None:
 
 
 def _mean_over_ranks(value: torch.Tensor, world: int) -> float:
+    """The loss averaged over ranks; under the fake group this rank's own (its all-reduce
+    leaves the value as it is: [Note: losses under the fake process group])."""
     value = value.detach().float().clone()
-    if world > 1:
+    if world > 1 and not fake_group.active():
         dist.all_reduce(value)  # SUM then divide: gloo's AVG is unreliable
-    return value.item() / world
+        value /= world
+    return value.item()
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+ENQUEUE_STEPS = 2
+"""Steps after the timed ones whose host enqueue time is measured (the least is reported)."""
 
 
 def run_peer(name: str, spec: BenchModel, setting: Setting, steps: int, warmup: int,
              count_wire: bool = True) -> dict:
     """Train ``steps`` steps; the first ``warmup`` (which include the first, with any
     compilation) are not timed. Returns this rank's row; times are per step, memory
-    peaks over the timed steps."""
+    peaks over the timed steps. Then ``ENQUEUE_STEPS`` more, untimed and their losses
+    left out, measure the host's enqueue time."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = setting.device
     meter = memory_meter(device)
     torch.manual_seed(0)
-    model = spec.build().to(device)
+    with torch.device(device):  # built where it trains: a 1B model's init is slow on the host
+        model = spec.build()
     psi = sum(p.numel() for p in model.parameters())
+    loss_steps = (fake_group.comparable_loss_steps(model, device, steps) if fake_group.active()
+                  else None)
     trainer = PEERS[name](model, spec, setting)
 
     def batch(step):
@@ -85,18 +103,36 @@ def run_peer(name: str, spec: BenchModel, setting: Setting, steps: int, warmup: 
         if rank == 0:
             print(f"  {name}: step {step + 1}/{steps} {elapsed * 1e3:.0f} ms "
                   f"loss {losses[-1]:.4f}", flush=True)
+    peak_bytes, held_bytes = meter.max_allocated(), meter.allocated()
+    enqueue = _enqueue_times(trainer, batch, steps, statistics.median(times), device)
+    if rank == 0:
+        print(f"  {name}: host enqueue {min(e.seconds for e in enqueue) * 1e3:.1f} ms"
+              + (" (blocked: it waited for the device)" if any(e.blocked for e in enqueue) else ""),
+              flush=True)
+    device_name = _device_name(device)
     row = {
         "peer": name,
         "rank": rank,
         "pid": os.getpid(),
         "psi": psi,
+        "device_name": device_name,
         "first_step_s": first_step_s,
         "step_s": times,
         "median_step_s": statistics.median(times),
-        "peak_bytes": meter.max_allocated(),
-        "held_bytes": meter.allocated(),
+        "tokens_per_step": x.numel(),
+        "flops_per_token": (None if spec.gpt is None
+                            else mfu.gpt_flops_per_token(spec.gpt, spec.seq)),
+        "peak_flops": mfu.peak_bf16_flops(device_name) if device.type == "cuda" else None,
+        "enqueue_s": [e.seconds for e in enqueue],
+        "enqueue_blocked": any(e.blocked for e in enqueue),
+        "enqueue_hold_s": enqueue[0].hold_s,
+        "enqueue_synchronous": device.type == "cpu",  # the step's own time on the host
+        "peak_bytes": peak_bytes,
+        "held_bytes": held_bytes,
         "sent_bytes_per_step": statistics.median(sent) if count_wire else None,
         "losses": losses,
+        "loss_steps_compared": steps if loss_steps is None else loss_steps.steps,
+        "loss_steps_why": "every step" if loss_steps is None else loss_steps.why,
         "whole_batch": trainer.whole_batch,
     }
     if trainer.zero_fx_step is not None:
@@ -112,3 +148,18 @@ def run_peer(name: str, spec: BenchModel, setting: Setting, steps: int, warmup: 
         if lowered is not None:
             row["predicted_lowered_peak_bytes"] = timeline.persistent_bytes + lowered.peak_bytes
     return row
+
+
+def _enqueue_times(trainer, batch, steps: int, step_s: float,
+                   device: torch.device) -> list[host_enqueue.EnqueueTime]:
+    """``ENQUEUE_STEPS`` steps more, each launched behind a device hold ([Note: measuring
+    the host's enqueue time]); their batches are ready on the device before the hold."""
+    hold = host_enqueue.hold_for(device)
+    seconds = host_enqueue.hold_seconds(hold, step_s)
+    times = []
+    for step in range(steps, steps + ENQUEUE_STEPS):
+        x, y = batch(step)
+        if dist.is_initialized():
+            dist.barrier()
+        times.append(host_enqueue.enqueue_time(lambda: trainer.step(x, y), hold, seconds))
+    return times
