@@ -176,7 +176,7 @@ def test_fake_world_of_8_compares_zero_fx_and_fsdp2s_losses_and_reports_every_co
     result, by_peer = bench_result("peers-fake-test", "--model", "tiny", "--fake-world", "8",
                                    "--peers", "zero_fx-3", "fsdp2", "fsdp2-compiled",
                                    "--backend", "aot_eager", "--steps", str(steps),
-                                   "--warmup", "1", "--batch", "3")
+                                   "--warmup", "1", "--batch", "3", "--profile")
     assert set(by_peer) == {"zero_fx-3", "fsdp2", "fsdp2-compiled"}
     assert not result["failed_peers"]
     columns = {"median_step_ms", "tokens_per_s", "mfu", "peak_mib", "held_mib", "compile_s",
@@ -185,6 +185,8 @@ def test_fake_world_of_8_compares_zero_fx_and_fsdp2s_losses_and_reports_every_co
         assert columns <= set(s), columns - set(s)
         assert s["mfu"] is None  # no GPU: no peak to divide by
         assert s["enqueue_synchronous"] and not s["enqueue_blocked"]
+        # --profile: one step more under the profiler; on the CPU, no GPU figures
+        assert s["profile"]["aten_ops"] > 0 and s["profile"]["gpu_busy_ms"] is None
         # --batch 3 of 16-token rows
         assert s["tokens_per_s"] == pytest.approx(3 * 16 / (s["median_step_ms"] / 1e3))
     assert all(r["tokens_per_step"] == 3 * 16 for rows in result["ranks"].values() for r in rows)
@@ -200,6 +202,7 @@ def test_fake_world_of_8_compares_zero_fx_and_fsdp2s_losses_and_reports_every_co
     assert not result["loss_failures"] and f"({compared} of {steps})" in result["losses_compared"]
     table = open(os.path.join(ROOT, "bench", "out", "peers-fake-test.md")).read()
     assert "tokens/s per rank (GPU)" in table and "MFU = (6·N + 12·L·d·S)" in table
+    assert "Profile of one step" in table
 
 
 def _host_work(seconds: float) -> None:

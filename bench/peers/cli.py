@@ -85,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer-limit-s", type=float, default=PEER_LIMIT_S, metavar="SECONDS",
                    help=f"a peer still running after this is killed and reported as failed "
                         f"(default {PEER_LIMIT_S:g})")
+    p.add_argument("--profile", action="store_true",
+                   help="one more step per peer under torch.profiler: its GPU busy and idle "
+                        "time, kernels and launches (bench/helpers/profile_step.py)")
     p.add_argument("--name", help="output name (default peers-<model>-w<N>)")
     p.add_argument("--worker-of", help=argparse.SUPPRESS)
     p.add_argument("--result-file", help=argparse.SUPPRESS)
@@ -186,7 +189,7 @@ def worker(args) -> None:
 
     join(args)
     row = run_peer(args.worker_of, model_of(args), setting_of(args), args.steps, args.warmup,
-                   count_wire=args.device == "cpu" and not args.fake_world)
+                   count_wire=args.device == "cpu" and not args.fake_world, profile=args.profile)
     rank = dist.get_rank() if dist.is_initialized() and not args.fake_world else 0
     with open(f"{args.result_file}.{rank}", "w") as f:
         json.dump(row, f)
@@ -245,7 +248,8 @@ def report(args, results: dict, notes: list[str], failed: dict, seconds: float) 
     goals = peers_report.targets_markdown(targets)
     dagger = (["† trains the whole global batch in one process (no data parallelism)."]
               if any(s["whole_batch"] for s in summaries) else [])
-    text = "\n\n".join(filter(None, [describe, columns, table, *dagger, compared, goals, *notes,
+    profiles = peers_report.profile_lines(summaries)
+    text = "\n\n".join(filter(None, [describe, columns, table, *dagger, compared, profiles, goals, *notes,
                                       *failures]))
     name = args.name or (f"peers-{args.model}" + (f"-L{args.layers}" if args.layers else "")
                          + f"-w{world}" + ("-fake" if args.fake_world else ""))

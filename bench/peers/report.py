@@ -64,7 +64,27 @@ def summarize(name: str, ranks: list[dict]) -> dict:
     }
     if "ring_bytes_per_step" in row0:
         summary["ring_mib_per_step"] = row0["ring_bytes_per_step"] / MIB
+    if row0.get("profile"):
+        summary["profile"] = row0["profile"]
     return summary
+
+
+def profile_lines(summaries: list[dict]) -> str:
+    """Where each profiled peer's step went (``--profile``), one line each."""
+    lines = []
+    for s in summaries:
+        p = s.get("profile")
+        if not p:
+            continue
+        line = f"- {s['peer']}: one step {p['wall_ms']:.1f} ms, {p['aten_ops']} aten ops"
+        if p["gpu_busy_ms"] is not None:
+            top = ", ".join(f"{k['name'][:40]} {k['ms']:.1f} ms" for k in p["top_kernels"][:3])
+            line += (f", {p['launches']} launches, {p['kernels']} kernels; GPU busy "
+                     f"{p['gpu_busy_ms']:.1f} ms, idle {p['gpu_idle_ms']:.1f} ms "
+                     f"({100 * p['gpu_idle_fraction']:.0f} %); most time: {top}")
+        lines.append(line)
+    return "\n".join(["Profile of one step (torch.profiler; idle: wall time no kernel "
+                      "covered):", *lines]) if lines else ""
 
 
 def loss_disagreements(summaries: list[dict], reference: str, rtol: float,

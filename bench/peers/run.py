@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..helpers import cpu_memory, host_enqueue, mfu, wire
+from ..helpers.profile_step import profile_step
 from . import fake_group
 from .models import BenchModel, global_batch, rank_batch
 from .trainers import PEERS, Setting
@@ -57,11 +58,12 @@ ENQUEUE_STEPS = 2
 
 
 def run_peer(name: str, spec: BenchModel, setting: Setting, steps: int, warmup: int,
-             count_wire: bool = True) -> dict:
+             count_wire: bool = True, profile: bool = False) -> dict:
     """Train ``steps`` steps; the first ``warmup`` (which include the first, with any
     compilation) are not timed. Returns this rank's row; times are per step, memory
     peaks over the timed steps. Then ``ENQUEUE_STEPS`` more, untimed and their losses
-    left out, measure the host's enqueue time."""
+    left out, measure the host's enqueue time; with ``profile``, one more runs under the
+    profiler (bench/helpers/profile_step.py: kernels, launches, the GPU's idle time)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = setting.device
@@ -109,6 +111,10 @@ def run_peer(name: str, spec: BenchModel, setting: Setting, steps: int, warmup: 
         print(f"  {name}: host enqueue {min(e.seconds for e in enqueue) * 1e3:.1f} ms"
               + (" (blocked: it waited for the device)" if any(e.blocked for e in enqueue) else ""),
               flush=True)
+    profiled = None
+    if profile:
+        x, y = batch(steps + ENQUEUE_STEPS)
+        profiled = profile_step(lambda: trainer.step(x, y), device)
     device_name = _device_name(device)
     row = {
         "peer": name,
@@ -134,6 +140,7 @@ def run_peer(name: str, spec: BenchModel, setting: Setting, steps: int, warmup: 
         "loss_steps_compared": steps if loss_steps is None else loss_steps.steps,
         "loss_steps_why": "every step" if loss_steps is None else loss_steps.why,
         "whole_batch": trainer.whole_batch,
+        "profile": profiled,
     }
     if trainer.zero_fx_step is not None:
         report = trainer.zero_fx_step.traffic()
