@@ -7,7 +7,10 @@ the loss. The peers and what each compiles:
 
 - ``zero_fx-<s>``: ``@zero_compile(stage=s)`` over the whole step (one graph, each
   distinct run of compute compiled once); ``zero_fx-3-whole``: ``regional=False``,
-  the whole step as one Inductor program; ``zero_fx-3-blocks`` / ``zero_fx-3-auto``: with ``recompute="blocks"`` /
+  the whole step as one Inductor program; ``zero_fx-3-cudagraphs``: by regions, each body
+  Inductor compiles replayed as a CUDA graph (``torch._inductor.config.triton.cudagraphs``;
+  the collectives and the optimizer stay outside; on a CPU it is ``zero_fx-3``);
+  ``zero_fx-3-blocks`` / ``zero_fx-3-auto``: with ``recompute="blocks"`` /
   ``recompute="auto"`` (``activation_budget_fraction`` 0.5); ``zero_fx-3-ep2``: a
   mixture-of-experts model's experts split over 2 ranks (``expert_parallel=2``);
 - ``ddp`` / ``ddp-compiled``: ``DistributedDataParallel``; compiled is
@@ -113,9 +116,14 @@ def _autocast(setting: Setting):
 
 
 def zero_fx(stage: int, recompute: Optional[str] = None, regional: bool = True,
-            expert_parallel: int = 1):
+            expert_parallel: int = 1, cuda_graphs: bool = False):
     def make(model: nn.Module, spec: BenchModel, setting: Setting) -> Trainer:
         from zero_fx import MixedPrecision, zero_compile
+
+        if cuda_graphs:  # this peer's process only: every body Inductor compiles from here on
+            import torch._inductor.config as inductor_config
+
+            inductor_config.triton.cudagraphs = True
 
         opt = _adamw(model)
         precision = (MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -237,6 +245,7 @@ PEERS = {
     **{f"zero_fx-{s}": zero_fx(s) for s in range(4)},
     "zero_fx-3-whole": zero_fx(3, regional=False),
     "zero_fx-3-blocks": zero_fx(3, recompute="blocks"),
+    "zero_fx-3-cudagraphs": zero_fx(3, cuda_graphs=True),
     "zero_fx-3-auto": zero_fx(3, recompute="auto"),
     "zero_fx-3-ep2": zero_fx(3, expert_parallel=2),
     "ddp": _spmd_experts(ddp(compiled=False)),
