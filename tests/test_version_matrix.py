@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from bench.helpers import version_matrix as matrix
-from bench.helpers.gpu_check_report import verdict
+from bench.helpers.gpu_check_report import peer_runs, verdict
 
 
 COLLECT = """
@@ -94,3 +94,19 @@ def test_the_doc_has_the_tables_markers_once():
 ])
 def test_the_gpu_summary_says_failed_when_any_test_failed(status, counts, expected):
     assert verdict(status, counts) == expected
+
+
+def test_the_gpu_summary_says_failed_when_a_peer_benchmark_failed(tmp_path):
+    """The peers' results fold into the verdict: a crashed run (no file), a failed peer or
+    disagreeing losses fail it; runs that went well leave the tier's verdict."""
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps({"summaries": [{"peer": "fsdp2", "losses": [1.0]}],
+                                "failed_peers": {}, "loss_failures": []}))
+    bad.write_text(json.dumps({"summaries": [], "failed_peers": {"zero_fx-3": "timed out"},
+                               "loss_failures": []}))
+    runs = peer_runs([str(good), str(bad), str(tmp_path / "missing.json")])
+    assert [runs[n]["failed"] for n in ("good", "bad", "missing")] == [False, True, True]
+    assert "losses" not in runs["good"]["summaries"][0]  # the summary keeps the figures only
+    assert verdict(0, {"passed": 3}, {"good": runs["good"]}) == "passed"
+    assert verdict(0, {"passed": 3}, {"bad": runs["bad"]}) == "failed"
+    assert verdict(5, {}, {"good": runs["good"]}) == "passed"  # peers only, no tier
