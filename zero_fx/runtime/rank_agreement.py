@@ -133,14 +133,14 @@ def _describe(value) -> str:
 class RankAgreement:
     """Compares the graph each rank is about to run ([Note: checking that ranks agree])."""
 
-    def __init__(self, world_size: int, at_one: bool = False):
-        """``at_one``: check a world of one rank too, which keeps its collectives ([Note:
-        collectives kept at a world of one] in process_group.py)."""
+    def __init__(self, world_size: int, checked: bool):
+        """``checked``: compare the ranks' graphs at all (``DebugOptions.check_ranks``, where
+        there are other ranks to compare with, or a world of one keeps its collectives:
+        [Note: collectives kept at a world of one] in process_group.py)."""
         self.world_size = world_size
         # a collective over all ranks: created on the first call, which every rank makes
         self.group: Optional[dist.ProcessGroup] = (
-            dist.new_group(backend="gloo", timeout=world_timeout())
-            if world_size > 1 or at_one else None)
+            dist.new_group(backend="gloo", timeout=world_timeout()) if checked else None)
 
     def check(self, signature: CallSignature) -> None:
         if self.group is None:

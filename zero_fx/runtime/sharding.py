@@ -176,9 +176,8 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     update = OptimizerUpdate(state, accumulation_steps=config.accumulation_steps,
                              max_grad_norm=config.max_grad_norm, scaler=scaler,
                              delayed=config.offload_step == "overlap")
-    checks_ranks = config.debug.check_ranks and not world.simulated
-    agreement = RankAgreement(world.ranks if checks_ranks else 1,
-                              at_one=checks_ranks and world.keeps_collectives)
+    agreement = RankAgreement(world.ranks, checked=config.debug.check_ranks and not world.simulated
+                              and (world.ranks > 1 or world.keeps_collectives))
     _log_plan(plan, world)
     sharded = Sharded(plan, state, update, scaler, agreement, choice, config, step_name)
     _SHARDED[model] = weakref.ref(sharded)
