@@ -249,8 +249,8 @@ def report(args, results: dict, notes: list[str], failed: dict, seconds: float) 
     dagger = (["† trains the whole global batch in one process (no data parallelism)."]
               if any(s["whole_batch"] for s in summaries) else [])
     profiles = peers_report.profile_lines(summaries)
-    text = "\n\n".join(filter(None, [describe, columns, table, *dagger, compared, profiles, goals, *notes,
-                                      *failures]))
+    text = "\n\n".join(filter(None, [describe, columns, table, *dagger, compared, profiles,
+                                      goals, *notes, *failures]))
     name = args.name or (f"peers-{args.model}" + (f"-L{args.layers}" if args.layers else "")
                          + f"-w{world}" + ("-fake" if args.fake_world else ""))
     path = write_json(name, {"machine": machine(), "environment": env,
