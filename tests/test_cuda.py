@@ -174,6 +174,7 @@ def train(stage: int, *, model_name="gpt", optimizer="adamw", backend="aot_eager
     (launches per kind) and the ops the graph's reductions run with."""
     model = (build(model_name) if model_name == "mixtral" else
              models.build(model_name, seed=seed)).to(DEVICE)
+    initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     opt = models.make_optimizer(model, optimizer)
     step = zero_compile(step_function(model_name), stage=stage, backend=backend, debug=debug,
                         **options)
@@ -182,7 +183,7 @@ def train(stage: int, *, model_name="gpt", optimizer="adamw", backend="aot_eager
     for i in range(steps):
         with step.counting_collectives() as counted:
             losses.append(step(model, opt, *batch(model_name, i)).item())
-    return {"losses": losses,
+    return {"losses": losses, "initial": initial,
             "params": {n: p.detach().cpu() for n, p in step.full_parameters().items()},
             "shard_devices": sorted({str(s.device) for s in step.state.shards.values()}),
             "shard_dtypes": sorted({str(s.dtype) for s in step.state.shards.values()}),
@@ -323,11 +324,14 @@ def test_routed_experts_exchange_their_rows_on_an_nccl_group_of_one():
     runs = training_grid()
     result, without = entry(runs, "moe"), entry(runs, "moe_without_collectives")
     loss, worst, error = parity(result, without)
+    moved, update = worst_update(result, without)
     record("nccl stage 3 mixtral exchanges kept against none", loss_error=loss,
-           worst_param=worst, worst_param_error=error, collectives=result["collectives"])
+           worst_param=worst, worst_param_error=error, worst_update=moved,
+           worst_update_error=update, collectives=result["collectives"])
     assert result["collectives"].get("all_to_all") == 5, result["collectives"]
     assert without["collectives"] == {}
     assert loss < PARITY_TOLERANCE and error < PARITY_TOLERANCE, (loss, worst, error)
+    assert update <= UPDATE_TOLERANCE, (moved, update)
 
 
 def test_int8_collectives_on_an_nccl_group_of_one_are_their_round_trip():
