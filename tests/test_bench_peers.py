@@ -226,7 +226,9 @@ def test_host_enqueue_time_is_the_host_part_and_a_wait_for_the_device_is_flagged
         _host_work(0.01)
         hold.synchronize()  # as an .item() would
     waited = enqueue_time(waits_for_the_device, hold, hold_s=1.0)
-    assert waited.blocked and waited.seconds >= 1.0
+    # the hold starts just before the clock does (a thread start away: 0.3 ms measured under
+    # CI's load), so the wait it measures is the hold less that
+    assert waited.blocked and waited.seconds >= 0.99
 
 
 def test_mfu_counts_a_gpts_flops_by_hand():
