@@ -22,6 +22,7 @@ from .recompute_param_views import recompute_param_views
 from .reduce_grads import reduce_grads
 from .scale_loss import scale_loss
 from .schedule_collectives import schedule_collectives
+from .update_in_graph import update_in_graph
 
 log = logging.getLogger("zero_fx.passes")
 
@@ -68,6 +69,7 @@ PASS_ORDER = (
     ("bucket_collectives", bucket_collectives),
     ("quantize_collectives", quantize_collectives),
     ("schedule_collectives", schedule_collectives),
+    ("update_in_graph", update_in_graph),
     ("check_invariants", check_invariants),
 )
 """Our passes, in the order they run. Each is ``fn(gm, plan) -> gm``."""

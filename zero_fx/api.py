@@ -66,6 +66,7 @@ def zero_compile(
     mixed_precision: Optional[MixedPrecision] = None,
     accumulation_steps: int = 1,
     max_grad_norm: Optional[float] = None,
+    optimizer_update: str = "auto",
     init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
     recompute: Union[None, str, Callable[[torch.fx.Node], str], RecomputePolicy] = None,
     activation_budget_fraction: Optional[float] = None,
@@ -157,6 +158,11 @@ def zero_compile(
             every K-th call, with the mean gradient of the K micro-batches.
         max_grad_norm: clip the gradient to this global norm before each optimizer
             step; ``step.last_grad_norm`` is the norm before clipping.
+        optimizer_update: ``"auto"`` (the default) steps the optimizer inside the graph,
+            each bucket of shards right after its gradients are reduced (which frees them
+            there), where the step allows it, and after the graph otherwise; ``"graph"``
+            requires the former, ``"eager"`` always does the latter. ``step.explain()``
+            says which ran and why.
         init_fn: a model built on the meta device is initialized on the first call one
             module at a time, each rank keeping its shards; ``init_fn(module)`` is the
             model's own init after its modules are built (nanoGPT's ``self.apply(

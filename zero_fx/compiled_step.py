@@ -124,13 +124,13 @@ class CompiledStep(StepInspection, StepState):
         self.state.check_unchanged()
         args, kwargs = self._sizes.marked(args, kwargs)  # [Note: one dynamic graph for every length]
         host_effects.discard_recorded()
-        with self._deferred.deferring(optimizer):
+        update = self._sharded.update
+        with self._deferred.deferring(optimizer) as real_step, update.running_graph(real_step):
             try:
                 out = self._run(args, kwargs)
             except RuntimeError as err:
                 if is_communication_failure(err):
-                    raise self._deferred.error_before_update(
-                        self._sharded.update, self.plan.rank, err) from err
+                    raise self._deferred.error_in_graph(update, self.plan.rank, err) from err
                 raise
         try:
             self._deferred.run(self._sharded.update, self.plan.rank, self._observers)

@@ -36,6 +36,7 @@ DEFAULT_BUCKET_BYTES = {0: 25 * MiB, 1: 25 * MiB, 2: 25 * MiB, 3: BLOCKS}
 are working memory (with prefetch, two are alive at once on top of the shards): one
 repeated block of the model per bucket ([Note: buckets by block] in plan/layout.py)."""
 RECOMPUTE_MODES = (None, "blocks", "auto")
+OPTIMIZER_UPDATES = ("auto", "graph", "eager")
 DYNAMIC_SHAPES = ("auto", "static")
 """The values of ``ZeroConfig.dynamic_shapes``."""
 DEFAULT_ACTIVATION_BUDGET = 0.5
@@ -128,6 +129,11 @@ class ZeroConfig(StageConsequences):
     max_grad_norm: Optional[float] = None
     """Clip the gradient to this global 2-norm before each optimizer step
     (``clip_grad_norm_`` semantics). None: no clipping."""
+    optimizer_update: str = "auto"
+    """Where the optimizer steps: ``"graph"``, in the graph, each bucket as soon as its
+    reduction lands; ``"eager"``, after the graph, on every shard at once; ``"auto"``, in
+    the graph where the step allows it, else after ([Note: the update in the graph] in
+    zero_fx/runtime/graph_update.py)."""
     init_fn: Optional[Callable[[torch.nn.Module], None]] = None
     """A model built on the meta device: its own initialization after its modules are built,
     ``init_fn(module)`` for every module, children first ([Note: replaying construction] in
@@ -260,6 +266,9 @@ class ZeroConfig(StageConsequences):
         if self.max_grad_norm is not None and not (
                 isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a number > 0 or None, got {self.max_grad_norm!r}")
+        if self.optimizer_update not in OPTIMIZER_UPDATES:
+            raise ValueError(f"optimizer_update must be one of {', '.join(map(repr, OPTIMIZER_UPDATES))}"
+                             f", got {self.optimizer_update!r}")
         if self.recompute not in RECOMPUTE_MODES and not callable(self.recompute):
             raise ValueError(f"recompute must be None, 'blocks', 'auto' or a policy "
                              f"fn(node) -> 'save' | 'recompute'; got {self.recompute!r}")

@@ -96,4 +96,6 @@ class StepInspection:
                                          fallback.calls)
         return explain_graph(self.graphs[-1], self.plan, hardware=hardware, title=title,
                              compilations=self.compilations, moe_blocks=self.moe_blocks,
-                             offload_choice=self._sharded.offload_choice)
+                             offload_choice=self._sharded.offload_choice,
+                             update_reason=self.compilations[-1].update_reason
+                             if self.compilations else None)

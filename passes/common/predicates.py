@@ -37,6 +37,9 @@ CAPTURED_AT_META = "zero_captured_at"
 """Node meta key: the node's position in the captured graph, before any pass (copies of a
 node keep it): what ``check_invariants`` holds every in-place write's readers to ([Note:
 in-place writes keep their readers' sides])."""
+UPDATES_META = "zero_updates"
+"""Node meta key on an optimizer update in the graph (``update_in_graph``): the names of
+the parameters whose shards it steps (one bucket), in order."""
 KEPT_THROUGH_LOSS_META = "zero_kept_through_loss"
 """GraphModule meta key: the stage-3 parameters whose forward gather also serves the
 backward (``gather_params``, [Note: a weight kept through the loss])."""
@@ -159,6 +162,12 @@ def is_anchor_compute(node: Node) -> bool:
         return False
     name = node.target._schema.name.split("::")[-1]
     return name in ANCHOR_OPS or "scaled_dot_product" in name
+
+
+def is_update(node: Node) -> bool:
+    """An optimizer update in the graph (``update_in_graph``): it changes the bucket's
+    masters and optimizer state in place, and runs in the outer graph."""
+    return node.op == "call_function" and UPDATES_META in node.meta
 
 
 def is_view(node: Node) -> bool:

@@ -33,6 +33,21 @@ def _zero_grad(ctx) -> None:
     _traced.append("zero_grad")
 
 
+def _scheduler(ctx) -> None:
+    _traced.append("scheduler")
+
+
+def _reads_gradients(ctx) -> None:
+    _traced.append("reads gradients")
+
+
+def traced_calls() -> list[str]:
+    """The notes of the latest trace: "step", "zero_grad", "scheduler" (a scheduler's
+    ``step()``) and "reads gradients" (a clip, or a GradScaler's ``unscale_``/``step``), in
+    order."""
+    return list(_traced)
+
+
 def trace_started() -> None:
     """Call first in the traced step: the notes start over."""
     comptime(_start)
@@ -46,6 +61,17 @@ def traced_step() -> None:
 def traced_zero_grad() -> None:
     """Call from the recorder of ``opt.zero_grad()``."""
     comptime(_zero_grad)
+
+
+def traced_scheduler() -> None:
+    """Call from the recorder of a scheduler's ``step()``."""
+    comptime(_scheduler)
+
+
+def traced_gradient_reader() -> None:
+    """Call from the recorders of the companions that read the gradients (clips, a
+    GradScaler's ``unscale_`` and ``step``): the update must follow them."""
+    comptime(_reads_gradients)
 
 
 def check_step_calls(calls=None) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch.fx import GraphModule
 from torch.fx._lazy_graph_module import _make_graph_module
 
-from ..capture.step_calls import check_step_calls
+from ..capture.step_calls import check_step_calls, traced_calls
 from ..capture.step_graph import (CHECKPOINTED_META, CaptureError, capture_step_graph,
                                   fakes_like_dynamo, has_dynamic_shapes)
 from ..config import ZeroConfig, describe_backend
@@ -24,6 +24,7 @@ from ..passes import build_pipeline, run_pipeline
 from ..passes.common.predicates import LOSS_SCALE_META, grad_slots
 from ..runtime.rank_agreement import graph_signature
 from ..runtime.sharding import Sharded
+from ..runtime.graph_update import why_not_for_capture
 from ..runtime.step_runner import StepRunner
 from .lower import by_regions, lower
 from .lowered_memory import LoweredMemory
@@ -53,6 +54,10 @@ class Compilation:
     """The lowered program's code (Inductor's Python wrapper); empty for other backends."""
     regions: Optional[RegionReport] = None
     """The compiled bodies and where they run, when compiled by regions."""
+    update_reason: str = ""
+    """Why this graph leaves the optimizer's update to after the graph; "" when the graph
+    steps it, bucket by bucket ([Note: the update in the graph] in
+    zero_fx/runtime/graph_update.py)."""
 
 
 class StepCompiler:
@@ -85,6 +90,7 @@ class StepCompiler:
         start = time.perf_counter()
         reason = self._why_compiling()
         plan, state = self.sharded.plan, self.sharded.state
+        update_reason = self._update_after_graph(has_dynamic_shapes(dynamo_gm))
         names = [state.param_name(t) if isinstance(t, torch.Tensor) else None
                  for t in example_inputs]
         with CompileProgress(self.step_name) as progress:
@@ -93,7 +99,8 @@ class StepCompiler:
             dump = (GraphDump(self.config.debug.dump_dir, self.step_name, plan.rank,
                               len(self.compilations), plan) if self.config.debug.dump_dir else None)
             with progress.phase(f"rewriting its {len(gm.graph.nodes)} nodes with zero_fx's passes"):
-                gm = self._rewritten(gm, observe=dump.observe if dump else None)
+                gm = self._rewritten(gm, observe=dump.observe if dump else None,
+                                     in_graph=not update_reason)
             plan = self.sharded.plan  # offload="auto" may have offloaded more
             dynamic = has_dynamic_shapes(dynamo_gm)
             extra_inputs = self._extra_inputs(gm)
@@ -113,7 +120,8 @@ class StepCompiler:
         self.graphs.append(gm)
         self.compilations.append(Compilation(seconds=time.perf_counter() - start, reason=reason,
                                              order=lowered.order, memory=lowered.memory,
-                                             program=lowered.program, regions=lowered.regions))
+                                             program=lowered.program, regions=lowered.regions,
+                                             update_reason=update_reason))
         log.info("zero_fx: compiled %s with %s in %.1f s", self.step_name,
                  describe_backend(self.config.backend), self.compilations[-1].seconds)
         if dump:
@@ -121,7 +129,8 @@ class StepCompiler:
                 dump.write_regions(lowered.regions)
             dump.finish(self.explain())
         return StepRunner(lowered.run, names, grad_slots(gm), state, self.observers,
-                          agreement, signature, extra_inputs)
+                          agreement, signature, extra_inputs, update=self.sharded.update,
+                          updates_in_graph=not update_reason)
 
     def _why_compiling(self) -> str:
         if not self.compilations:
@@ -139,26 +148,49 @@ class StepCompiler:
                 self.step_name, RECOMPILES_WARNED_AT, reason)
         return reason
 
+    def _update_after_graph(self, dynamic: bool) -> str:
+        """Why this compilation leaves the optimizer's update to after the graph ("" when
+        the graph steps it: [Note: the update in the graph] in graph_update.py): what the
+        first call decided, or what the captured step shows."""
+        if self.forward_only:
+            return "an evaluation step has no update"
+        update = self.sharded.update
+        if not self.sharded.plan.updates_in_graph:
+            return update.in_graph.refused
+        why = why_not_for_capture(traced_calls(), dynamic, self.config.backend)
+        if why is not None and self.config.optimizer_update == "graph":
+            raise CaptureError(f"optimizer_update='graph' cannot step the optimizer in the "
+                               f"graph: {why}. Use optimizer_update='auto' (or 'eager') to "
+                               f"step it after the graph. Nothing was compiled.")
+        return why or ""
+
     @property
     def pipeline(self):
         """Our passes for the step's plan."""
+        return self._passes(in_graph=True)
+
+    def _passes(self, in_graph: bool):
+        """Our passes for the step's plan (without the update in the graph unless
+        ``in_graph``)."""
         plan = self.sharded.plan
-        if self._pipeline[0] is not plan:
+        if not in_graph and plan.updates_in_graph:
+            plan = dataclasses.replace(plan, updates_in_graph=False)
+        if self._pipeline[0] != plan:
             self._pipeline = (plan, build_pipeline(plan, disable=self.config.debug.disable_passes,
                                                    extra=self.config.passes))
         return self._pipeline[1]
 
-    def _rewritten(self, gm: GraphModule, observe) -> GraphModule:
+    def _rewritten(self, gm: GraphModule, observe, in_graph: bool) -> GraphModule:
         """``gm`` rewritten by our passes. With offload, on the first compilation, its device
         peak chooses where the update runs, and with ``offload="auto"`` the step is rewritten
         again for more offload while that peak is over the budget ([Note: choosing what to
         offload] in zero_fx/runtime/offload_choice.py)."""
         choice = self.sharded.offload_choice
         if choice is None or choice.decided:
-            return run_pipeline(gm, self._pipeline_for(gm), observe=observe)
+            return run_pipeline(gm, self._pipeline_for(gm, in_graph), observe=observe)
         while True:
             tried = _copied(gm) if choice.auto else gm
-            tried = run_pipeline(tried, self._pipeline_for(tried), observe=observe)
+            tried = run_pipeline(tried, self._pipeline_for(tried, in_graph), observe=observe)
             mode = choice.next_mode(tried, self.sharded.plan, self.sharded.optimizer_state_tensors)
             if mode is None:
                 self.sharded.choose_update(self.config.offload_update,
@@ -166,16 +198,17 @@ class StepCompiler:
                 return tried
             self.sharded.offload_more(mode)
 
-    def _pipeline_for(self, gm: GraphModule):
+    def _pipeline_for(self, gm: GraphModule, in_graph: bool):
         """Our passes; with ``recompute="blocks"`` when the model checkpoints activations
         itself and the user chose no recompute ([Note: torch.utils.checkpoint in a captured
         step] in inline_checkpoints.py)."""
         plan = self.sharded.plan
         if not gm.meta.get(CHECKPOINTED_META) or plan.recompute is not None:
-            return self.pipeline
+            return self._passes(in_graph)
         log.info("zero_fx: the model checkpoints %d region(s) with torch.utils.checkpoint; "
                  "zero_fx recomputes them with recompute='blocks'", gm.meta[CHECKPOINTED_META])
-        return build_pipeline(dataclasses.replace(plan, recompute="blocks"),
+        return build_pipeline(dataclasses.replace(plan, recompute="blocks",
+                                                  updates_in_graph=plan.updates_in_graph and in_graph),
                               disable=self.config.debug.disable_passes, extra=self.config.passes)
 
     def _extra_inputs(self, gm: GraphModule) -> list[torch.Tensor]:

@@ -46,8 +46,8 @@ from typing import Sequence
 import torch
 from torch.fx import GraphModule, Node
 
-from ..passes.common.predicates import (is_collective, is_view, is_wait, reads_the_same, storage_base,
-                                 written_in_place)
+from ..passes.common.predicates import (is_collective, is_update, is_view, is_wait, reads_the_same,
+                                        storage_base, written_in_place)
 
 MIN_REGION_OPS = 4
 """Runs with fewer ops that compute (neither views nor copies) run in the outer graph, op by op."""
@@ -83,7 +83,8 @@ def computes(node: Node) -> bool:
 def _runs_between_collectives(gm: GraphModule) -> list[list[Node]]:
     runs, current = [], []
     for node in gm.graph.nodes:
-        if node.op == "call_function" and not is_collective(node) and not is_wait(node):
+        if (node.op == "call_function" and not is_collective(node) and not is_wait(node)
+                and not is_update(node)):
             current.append(node)
         elif current:
             runs.append(current)

@@ -21,6 +21,7 @@ from ..analysis.traffic import ACROSS_NODES, NODE_GROUP, REPLICATE_GROUP
 from ..capture.graph_breaks import GraphBreak
 from ..capture.moe_blocks import RoutedExperts
 from ..formatting import format_bytes, format_seconds
+from ..passes.common.predicates import UPDATES_META, is_update
 from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary
 from .plan_section import _plan_section
 from .report_sections import (_at, _bucket, _compilations_section, _device_copies_section,
@@ -55,6 +56,12 @@ class Explanation:
     offload_choice: Optional[object] = None
     """With ``offload="auto"``: each mode's device bytes and the verdict (an
     ``OffloadChoice``, [Note: choosing what to offload])."""
+    updates: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    """Each optimizer update in the graph: its node index and the parameters it steps
+    ([Note: the update in the graph] in zero_fx/runtime/graph_update.py)."""
+    update_reason: Optional[str] = None
+    """Why the optimizer steps after the graph; "" when in it, None when not known (a graph
+    not compiled by a step)."""
 
     def __str__(self) -> str:
         plan = _plan_section(self.plan, self.moe_blocks)
@@ -63,7 +70,7 @@ class Explanation:
         sections = [self.title, plan,
                     _collectives_section(self), _host_copies_section(self.host_copies),
                     _device_copies_section(self.device_copies),
-                    _lifetimes_section(self),
+                    _lifetimes_section(self), _update_section(self),
                     _memory_section(self.memory, self.compilations, self.recompute),
                     f"Estimate\n  {self.estimate}", _compilations_section(self.compilations)]
         return "\n\n".join(s for s in sections if s) + "\n"
@@ -72,7 +79,8 @@ class Explanation:
 def explain_graph(gm: GraphModule, plan, *, hardware="cpu-gloo", title: str = "",
                   compilations: Sequence[Compilation] = (),
                   moe_blocks: Sequence[RoutedExperts] = (),
-                  offload_choice: Optional[object] = None) -> Explanation:
+                  offload_choice: Optional[object] = None,
+                  update_reason: Optional[str] = None) -> Explanation:
     """The explanation of ``gm``, a graph our passes rewrote for ``plan`` (from a compiled
     step's ``graphs``, or from ``rewritten_step_on_fake``); ``moe_blocks``: the model's
     mixture-of-experts blocks (``step.moe_blocks``), listed under the plan."""
@@ -91,7 +99,25 @@ def explain_graph(gm: GraphModule, plan, *, hardware="cpu-gloo", title: str = ""
         host_copies=tuple(_host_copies(gm)),
         device_copies=tuple(_device_copies(gm)),
         offload_choice=offload_choice,
+        updates=tuple((i, n.meta[UPDATES_META]) for i, n in enumerate(gm.graph.nodes)
+                      if is_update(n)),
+        update_reason=update_reason,
     )
+
+
+def _update_section(e: Explanation) -> str:
+    """Where the optimizer steps: in the graph, bucket by bucket (each bucket's update and
+    its node index), or after it, and why."""
+    if e.updates:
+        lines = [f"Optimizer update: in the graph, {len(e.updates)} buckets, each stepped right "
+                 f"after its gradients are reduced, which frees them there ([Note: the update "
+                 f"in the graph])"]
+        lines += [f"  {index:>6}  {_bucket(names)}" for index, names in e.updates]
+        return "\n".join(lines)
+    if e.update_reason:
+        return (f"Optimizer update: after the graph, on every shard at once, because "
+                f"{e.update_reason}")
+    return ""
 
 
 def _collectives_section(e: Explanation) -> str:

@@ -213,6 +213,10 @@ class ShardPlan(StageConsequences):
     offload_step: str = "sync"
     """``"overlap"``: the host's optimizer step overlaps the next call, whose parameters are
     one step stale ([Note: the delayed update] in zero_fx/runtime/update.py)."""
+    updates_in_graph: bool = False
+    """The graph steps the optimizer on each bucket right after its reduction (the pass
+    ``update_in_graph``; [Note: the update in the graph] in zero_fx/runtime/graph_update.py);
+    False: after the graph."""
     device_type: str = "cpu"
     """The training device's type ("cuda", "cpu"): where a shard kept on the host is copied
     to (offload="parameters"). Not its index, which differs by rank."""

@@ -60,7 +60,7 @@ from typing import Optional
 import torch
 from torch._dynamo.comptime import comptime
 
-from ..capture.step_calls import traced_step
+from ..capture.step_calls import traced_gradient_reader, traced_scheduler, traced_step
 from ..capture.step_graph import CaptureError
 
 _c10d = torch.ops._c10d_functional
@@ -109,6 +109,7 @@ class Recorders:
 
     def __init__(self, calls: list):
         def scheduler_step(scheduler, *args, **kwargs):
+            traced_scheduler()
             calls.append((SCHEDULER_STEP, scheduler, _detached(args),
                           {k: v.detach() if isinstance(v, torch.Tensor) else v
                            for k, v in kwargs.items()}))
@@ -124,10 +125,12 @@ class Recorders:
 
         def unscale_(scaler, optimizer):
             if scaler._enabled:
+                traced_gradient_reader()
                 calls.append((UNSCALE, scaler, optimizer))
 
         def scaler_step(scaler, optimizer, *args, **kwargs):
             if scaler._enabled:
+                traced_gradient_reader()
                 calls.append((SCALER_STEP, scaler, optimizer))
             traced_step()
             calls.append("step")
@@ -144,12 +147,14 @@ class Recorders:
             dtype = params[0].dtype if params else torch.float32
             device = params[0].device if params else None
             norm = torch.empty((), dtype=dtype, device=device)
+            traced_gradient_reader()
             calls.append((CLIP_NORM, norm, max_norm, float(norm_type), error_if_nonfinite,
                           len(params)))
             return norm
 
         def clip_grad_value_(parameters, clip_value, foreach=None):
             params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            traced_gradient_reader()
             calls.append((CLIP_VALUE, None, clip_value, len(params)))
 
         self.scheduler_step = scheduler_step

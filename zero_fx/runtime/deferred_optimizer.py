@@ -9,8 +9,8 @@ from typing import Optional
 
 from ..capture.step_calls import check_step_calls, traced_step, traced_zero_grad
 from .companions import Recorders, check_companions, outside_window, recording, run_window
-from .failures import (FenceFailed, failed_after_update, failed_before_update, fence_failed,
-                       is_communication_failure)
+from .failures import (FenceFailed, failed_after_update, failed_before_update,
+                       failed_in_graph_update, fence_failed, is_communication_failure)
 from .step_runner import entered
 from .update import OptimizerUpdate
 
@@ -31,13 +31,16 @@ class DeferredOptimizerCalls:
 
     @contextlib.contextmanager
     def deferring(self, optimizer):
-        """Inside, ``optimizer.step()`` and ``optimizer.zero_grad()`` only record that they ran."""
+        """Inside, ``optimizer.step()`` and ``optimizer.zero_grad()`` only record that they ran.
+        Yields the optimizer's own ``step`` (a scheduler's wrapper of it, if one wrapped it),
+        which the update in the graph calls ([Note: the update in the graph])."""
         self.calls.clear()
         saved = {k: optimizer.__dict__[k] for k in ("step", "zero_grad") if k in optimizer.__dict__}
+        real_step = saved.get("step") or type(optimizer).step.__get__(optimizer)
         optimizer.step, optimizer.zero_grad = self._record_step, self._record_zero_grad
         try:
             with recording(self._recorders, self._step_globals):
-                yield
+                yield real_step
         finally:
             del optimizer.step, optimizer.zero_grad
             optimizer.__dict__.update(saved)
@@ -78,6 +81,17 @@ class DeferredOptimizerCalls:
                     self.broken = str(failure)
                     raise failure from err
             update.fence()
+
+    def error_in_graph(self, update: OptimizerUpdate, rank: int,
+                       err: BaseException) -> BaseException:
+        """The error for a collective of the graph that failed: before any update, or, where
+        the graph had already stepped a bucket ([Note: the update in the graph]), after one:
+        ranks may then hold different parameters, and the step refuses further calls."""
+        if not update.in_graph.changed:
+            return self.error_before_update(update, rank, err)
+        failure = failed_in_graph_update(rank, err)
+        self.broken = str(failure)
+        return failure
 
     def error_before_update(self, update: OptimizerUpdate, rank: int,
                             err: BaseException) -> BaseException:

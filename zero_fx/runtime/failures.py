@@ -230,6 +230,14 @@ def failed_after_update(rank: int, err: BaseException) -> CollectiveFailedError:
         "parameters are stale and this step refuses further calls: restore from a checkpoint.")
 
 
+def failed_in_graph_update(rank: int, err: BaseException) -> CollectiveFailedError:
+    return CollectiveFailedError(
+        f"a collective of the step's graph failed on rank {rank}{where_it_failed(err)}: "
+        f"{_first_line(err)}\nThe graph had already stepped the optimizer on some buckets of "
+        "this rank's shards ([Note: the update in the graph]), so ranks may hold different "
+        "parameters and this step refuses further calls: restore from a checkpoint.")
+
+
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -23,6 +23,7 @@ from ..plan import PlanRanks, ShardPlan, plan_for_module
 from ..plan.tensor_parallel import local_tensor, tensor_parallel_of
 from .expert_groups import keep_place_rows, split_experts
 from .gloo_all_gather import use_gloo_single_tensor_all_gather
+from .graph_update import why_not_in_graph
 from .precision import LossScaler, cast_at_model_edge
 from .process_group import (check_current_cuda_device, check_devices_match_backend,
                             collectives_average, current_world, keeping_collectives,
@@ -151,6 +152,14 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
             plan = with_mode(plan, choice.mode)
         else:
             choice = OffloadChoice.given(config.offload, plan, optimizer, budget, source)
+    update_refused = why_not_in_graph(config, optimizer, plan)  # [Note: the update in the graph]
+    if update_refused is None:
+        plan = dataclasses.replace(plan, updates_in_graph=True)
+    elif config.optimizer_update == "graph":
+        claim(model, optimizer, None)
+        raise ValueError(f"optimizer_update='graph' cannot step the optimizer in the graph: "
+                         f"{update_refused}. Use optimizer_update='auto' (or 'eager') to step "
+                         f"it after the graph")
     if plan.tensor_parallel is not None and (pretrained is not None or any(
             local_tensor(p).is_meta for p in model.parameters())):
         claim(model, optimizer, None)
@@ -176,6 +185,7 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     update = OptimizerUpdate(state, accumulation_steps=config.accumulation_steps,
                              max_grad_norm=config.max_grad_norm, scaler=scaler,
                              delayed=config.offload_step == "overlap")
+    update.in_graph.refused = update_refused or ""
     agreement = RankAgreement(world.ranks, checked=config.debug.check_ranks and not world.simulated
                               and (world.ranks > 1 or world.keeps_collectives))
     _log_plan(plan, world)

@@ -16,8 +16,13 @@ class StepRunner:
 
     def __init__(self, compiled, param_names, slots, state: ShardedState, observers: list,
                  agreement: RankAgreement, signature: Optional[GraphSignature],
-                 extra_inputs: list):
+                 extra_inputs: list, update=None, updates_in_graph: bool = False):
         self.compiled = compiled
+        self.update = update
+        """The step's ``OptimizerUpdate``, told whether this graph steps the optimizer."""
+        self.updates_in_graph = updates_in_graph
+        """This graph steps the optimizer per bucket ([Note: the update in the graph] in
+        graph_update.py); its gradient outputs are None."""
         self.extra_inputs = extra_inputs
         """Inputs the graph takes after the step's own (the loss scale), read on every call."""
         self.agreement = agreement
@@ -35,6 +40,8 @@ class StepRunner:
         if self.signature is not None:
             others = [a for a, name in zip(args, self.param_names) if name is None]
             self.agreement.check(call_signature(self.signature, others))
+        if self.update is not None:
+            self.update.graph_stepped = self.updates_in_graph
         with entered(self.observers):
             outs = list(self.compiled(*inputs))
         if self.state.offloaded:  # the host reads them next ([Note: gradients streamed to the host])

@@ -62,6 +62,7 @@ from typing import Optional
 import torch
 
 from .failures import completion_check
+from .graph_update import GraphUpdate
 from .precision import LossScaler
 from .sharded_state import ShardedState
 from .streamed_update import step_through_device
@@ -103,9 +104,22 @@ class OptimizerUpdate:
         """Optimizer steps a ``GradScaler`` in the step skipped (runtime/companions.py)."""
         self._found_inf: Optional[torch.Tensor] = None
         """For an optimizer that skips on the device: this window's overflow flag."""
+        self.in_graph = GraphUpdate(state, accumulation_steps)
+        """The update the graph makes per bucket when the plan says so ([Note: the update in
+        the graph] in graph_update.py)."""
+        self.graph_stepped = False
+        """This call's graph steps the optimizer (or sums the gradients) itself, bucket by
+        bucket (its compilation's plan said so; ``StepRunner`` sets it)."""
         self.completion = completion_check(state.world, state.device)
         """NCCL: the fences that confirm each call's collectives finished ([Note: failures on
         NCCL] in failures.py); None on gloo, whose collectives raise where they fail."""
+
+    def running_graph(self, real_step):
+        """Around the call of the step's graph: its updates step ``real_step``, the
+        optimizer's own ``step``."""
+        self.graph_stepped = False
+        self.in_graph.micro_step = self.micro_step
+        return self.in_graph.running(real_step)
 
     @property
     def optimizer_steps(self) -> int:
@@ -123,6 +137,9 @@ class OptimizerUpdate:
         if self.micro_step < self.accumulation_steps:
             return False
         self.micro_step = 0
+        if self.graph_stepped:  # the graph has stepped every bucket
+            self.windows += 1
+            return True
         self.state.reduce_accumulated()
         grads = self.state.grads()
         self._unscale(grads)
@@ -188,6 +205,9 @@ class OptimizerUpdate:
         step); gradients cleared; parameters refreshed."""
         optimizer = self.state.optimizer
         fresh = frozenset()
+        if self.graph_stepped:  # stepped in the graph: the parameters refreshed only
+            self.state.refresh_parameters()
+            return
         if self._found_inf is not None:
             optimizer.found_inf = self._found_inf
             try:

@@ -1,0 +1,256 @@
+"""The optimizer's update in the graph, bucket by bucket ([Note: the update in the graph] in
+zero_fx/runtime/graph_update.py), against the update after the graph: the parameters and
+the optimizer's state bit for bit after every step, at stages 1-3 on 2 and 4 gloo ranks,
+fp32 and bf16, AdamW and SGD with momentum, a scheduler, accumulation; each parameter's
+update against single-process eager; what stays after the graph (clipping, fp16 loss
+scaling with an overflowed step) and says why; checkpoints passed both ways between the
+two modes. One launch per world size runs every case."""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+
+import pytest
+import torch
+
+import models
+from ranks import run_ranks
+from training import check_updates
+from zero_fx import MixedPrecision, zero_compile
+from zero_fx.passes.common.predicates import is_update, is_wait
+
+STEPS = 5
+OVERFLOW_STEP = 2
+"""fp16: the step whose loss is scaled past fp16's range, so the loss scaler skips it."""
+EXACT = 0.0
+"""The two modes' difference: torch's own step on the same shards, one bucket at a time, is
+elementwise the same arithmetic (measured 0 in every case)."""
+
+CASES = {
+    # name: (stage, optimizer, zero_compile options, with a scheduler)
+    "stage1_adamw": (1, "adamw", {}, True),
+    "stage2_adamw": (2, "adamw", {}, True),
+    "stage3_adamw": (3, "adamw", {}, True),
+    "stage3_sgd": (3, "sgd_nesterov", {}, True),
+    "stage2_bf16": (2, "adamw", {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)},
+                    True),
+    "stage3_bf16_sgd": (3, "sgd", {"mixed_precision": MixedPrecision(
+        param_dtype=torch.bfloat16)}, True),
+    "stage2_accumulated": (2, "adamw", {"accumulation_steps": 2}, True),
+    "stage3_accumulated": (3, "sgd", {"accumulation_steps": 2}, True),
+    "stage3_clipped": (3, "adamw", {"max_grad_norm": 0.05}, False),
+    "stage3_fp16": (3, "adamw", {"mixed_precision": MixedPrecision(param_dtype=torch.float16)},
+                    False),
+}
+WORLD_4_CASES = ("stage3_adamw", "stage1_adamw", "stage2_accumulated")
+FP32_CASES = ("stage1_adamw", "stage2_adamw", "stage3_adamw", "stage3_sgd", "stage2_accumulated",
+              "stage3_accumulated", "stage3_clipped")
+
+
+def _optimizer(model, kind: str) -> torch.optim.Optimizer:
+    if kind == "sgd_nesterov":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True,
+                               weight_decay=0.01)
+    return models.make_optimizer(model, kind)
+
+
+def _step_fn(scheduler):
+    def step(model, opt, x, y, scale):
+        loss = models.loss_fn("gpt", model, x, y) * scale
+        loss.backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
+def _built(case: str):
+    stage, kind, options, scheduled = CASES[case]
+    model = models.build("gpt")
+    opt = _optimizer(model, kind)
+    scheduler = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if scheduled
+                 else None)
+    return model, opt, _step_fn(scheduler)
+
+
+def _scale(case: str, step: int) -> torch.Tensor:
+    return torch.tensor(1e8 if case == "stage3_fp16" and step == OVERFLOW_STEP else 1.0)
+
+
+def _state(opt: torch.optim.Optimizer) -> list:
+    """The optimizer's state tensors (this rank's shards of them), parameter by parameter in
+    the groups' order (the update in the graph makes each parameter's state bucket by
+    bucket, in the backward's order), each one's by name."""
+    return [state[key].clone() for group in opt.param_groups for p in group["params"]
+            for state in [opt.state.get(p, {})] for key in sorted(state)
+            if isinstance(state[key], torch.Tensor)]
+
+
+def _train(rank, world_size, case, mode, steps=range(STEPS), step=None, built=None):
+    model, opt, fn = built or _built(case)
+    stage, _, options, _ = CASES[case]
+    step = step or zero_compile(fn, stage=stage, backend=models.BACKEND, bucket_bytes=4096,
+                                optimizer_update=mode, **options)
+    micro = options.get("accumulation_steps", 1)
+    losses, states = [], []
+    for i in steps:
+        x, y = models.global_batch("gpt", i)
+        per_rank = x.shape[0] // world_size
+        local = slice(rank * per_rank, (rank + 1) * per_rank)
+        outs = [step(model, opt, x[local].chunk(micro)[m], y[local].chunk(micro)[m], _scale(case, i))
+                for m in range(micro)]
+        losses.append(sum(loss.item() for loss in outs) / micro)
+        states.append(_state(opt))
+    return step, model, opt, {
+        "losses": losses, "states": states, "params": step.full_parameters(),
+        "reason": step.compilations[-1].update_reason, "compilations": len(step.compilations),
+        "lr": opt.param_groups[0]["lr"], "optimizer_steps": step.optimizer_steps,
+        "explain": str(step.explain())}
+
+
+def both_modes_rank(rank: int, world_size: int, cases: tuple) -> dict:
+    results = {case: {mode: _train(rank, world_size, case, mode)[3] for mode in ("auto", "eager")}
+               for case in cases}
+    if world_size == 2:
+        results["checkpoints"] = _checkpoints_both_ways(rank, world_size)
+    return results
+
+
+def _checkpoints_both_ways(rank: int, world_size: int) -> dict:
+    """Two steps in one mode, a checkpoint, three in the other, from the checkpoint."""
+    case = "stage3_adamw"
+    out = {}
+    folder = os.environ.get("ZERO_FX_TEST_CHECKPOINTS") or tempfile.gettempdir()
+    for first, then in (("auto", "eager"), ("eager", "auto")):
+        path = os.path.join(folder, f"update-in-graph-{first}-{os.getppid()}")
+        built = _built_unscheduled(case)
+        step, _, _, _ = _train(rank, world_size, case, first, range(2), built=built)
+        step.save_checkpoint(path)
+        model, opt, fn = _built_unscheduled(case)
+        resumed = zero_compile(fn, stage=3, backend=models.BACKEND, bucket_bytes=4096,
+                               optimizer_update=then)
+        resumed.load_checkpoint(path, model, opt)
+        out[f"{first}->{then}"] = _train(rank, world_size, case, then, range(2, STEPS),
+                                         step=resumed, built=(model, opt, fn))[3]
+    out["straight"] = _train(rank, world_size, case, "eager", built=_built_unscheduled(case))[3]
+    return out
+
+
+def _built_unscheduled(case: str):
+    model = models.build("gpt")
+    return model, _optimizer(model, CASES[case][1]), _step_fn(None)
+
+
+@functools.lru_cache(maxsize=None)
+def both_modes_run(world_size: int) -> list[dict]:
+    cases = tuple(CASES) if world_size == 2 else WORLD_4_CASES
+    return run_ranks(world_size, both_modes_rank, cases, shared=True)
+
+
+def _assert_same(graph: dict, eager: dict, what: str) -> None:
+    for i, (a, b) in enumerate(zip(graph["states"], eager["states"])):
+        assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)), (
+            f"{what}: the optimizer's state after step {i} differs between the modes")
+    for name, value in eager["params"].items():
+        assert torch.equal(graph["params"][name], value), f"{what}: {name} differs"
+    assert graph["losses"] == eager["losses"], what
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_update_in_the_graph_equals_the_update_after_it(world_size):
+    """Bit for bit, every step: parameters, optimizer state (moments, momentum buffers, step
+    counters), losses; the scheduler's rate read without recompiling."""
+    for rank, result in enumerate(both_modes_run(world_size)):
+        for case, modes in result.items():
+            if case == "checkpoints":
+                continue
+            graph, eager = modes["auto"], modes["eager"]
+            _assert_same(graph, eager, f"{case} at {world_size} ranks, rank {rank}")
+            assert graph["compilations"] == 1, case
+            assert eager["reason"] == "optimizer_update='eager'"
+            after = CASES[case][2].keys() & {"max_grad_norm"} or (
+                case == "stage3_fp16")
+            if after:
+                assert graph["reason"], case
+            else:
+                assert graph["reason"] == "", f"{case}: {graph['reason']}"
+                assert "update_bucket" in graph["explain"] or "in the graph" in graph["explain"]
+
+
+def test_what_needs_every_gradient_updates_after_the_graph_and_says_why():
+    result = both_modes_run(2)[0]
+    clipped = result["stage3_clipped"]["auto"]
+    assert "max_grad_norm" in clipped["reason"] and "max_grad_norm" in clipped["explain"]
+    fp16 = result["stage3_fp16"]["auto"]
+    assert "loss scaling" in fp16["reason"]
+    # the overflowed steps skipped alike (the scaler's first scale overflows too)
+    assert fp16["optimizer_steps"] == result["stage3_fp16"]["eager"]["optimizer_steps"] < STEPS
+
+
+@pytest.mark.parametrize("case", FP32_CASES)
+def test_each_parameter_updates_like_single_process_eager(case):
+    """``‖p − p_ref‖ / ‖p_ref − p_0‖`` against plain PyTorch on the whole batch."""
+    results = [r[case]["auto"] for r in both_modes_run(2)]
+    check_updates(results, _reference(case))
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(case: str) -> dict:
+    model = models.build("gpt")
+    opt = _optimizer(model, CASES[case][1])
+    scheduler = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+                 if CASES[case][3] else None)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    clip = CASES[case][2].get("max_grad_norm")
+    for i in range(STEPS):
+        x, y = models.global_batch("gpt", i)
+        models.loss_fn("gpt", model, x, y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        opt.zero_grad()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "initial": initial}
+
+
+def test_checkpoints_pass_both_ways_between_the_modes():
+    for rank, result in enumerate(both_modes_run(2)):
+        straight = result["checkpoints"]["straight"]
+        for way in ("auto->eager", "eager->auto"):
+            resumed = result["checkpoints"][way]
+            for name, value in straight["params"].items():
+                assert torch.equal(resumed["params"][name], value), f"{way}, rank {rank}: {name}"
+            assert resumed["losses"] == straight["losses"][2:], way
+
+
+def test_each_update_follows_its_reduction_and_the_last_read_of_its_masters(fake_world_of_two):
+    """In the rewritten graph: one update per reduction bucket, right after the wait that
+    lands it, each after every node that reads its parameters' shards; no gradient output."""
+    model, opt, fn = _built_unscheduled("stage3_adamw")
+    step = zero_compile(fn, stage=3, backend="eager", bucket_bytes=4096)
+    x, y = models.global_batch("gpt", 0)
+    step(model, opt, x[:4], y[:4], torch.tensor(1.0))
+    gm = step.graphs[-1]
+    nodes = list(gm.graph.nodes)
+    updates = [n for n in nodes if is_update(n)]
+    reductions = [n for n in nodes if "reduce_scatter" in str(n.target)]
+    assert len(updates) == len(reductions) > 1
+    updated = [name for u in updates for name in u.args[0]]
+    assert sorted(updated) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    position = {n: i for i, n in enumerate(nodes)}
+    shards = {n.meta["zero_param"]: n for n in nodes if "zero_param" in n.meta}
+    for update in updates:
+        for name in update.args[0]:  # every read of the shard, and the gathers' waits
+            readers = [u for u in shards[name].users]
+            readers += [w for r in readers for w in r.users if is_wait(w)]
+            assert all(position[r] < position[update] for r in readers), (name, update)
+    grads = [gm.graph.output_node().args[0][i] for i in gm.meta["zero_grad_slots"]]
+    assert all(g is None for g in grads)
+    explained = str(step.explain())
+    assert f"{len(updates)} buckets" in explained and "in the graph" in explained

@@ -1,0 +1,163 @@
+"""The optimizer's update inside the graph: each bucket's shards step as soon as that
+bucket's gradient reduction has landed, and its gradient shards are freed there.
+
+[Note: the update in the graph]
+Without it, the graph returns every gradient shard and the optimizer steps on all of them
+after the graph (update.py): each shard lives from its reduction to the end of the step,
+and the update cannot overlap the backward's tail. With it (``optimizer_update="auto"``,
+where it applies, or ``"graph"``), the pass ``update_in_graph`` puts one call of
+``update_bucket`` after each bucket's reduction in the graph (and after the last read of
+the bucket's masters: at stage 3 the graph reads them, and the update changes them in
+place). That call, run by the graph's own Python (regional compilation, or the "eager"
+backend), steps the user's optimizer on the bucket: its param groups narrowed to the
+bucket's shards, its own ``step`` called, as ``offload_update="device"`` steps one bucket
+at a time (streamed_update.py). So the update is torch's own code with the optimizer's
+hyperparameters as they are when it runs: a scheduler's new learning rate is read on the
+next call, with nothing recompiled, its state is torch.optim's (checkpoints pass between
+the two modes), and its numbers are those of the update after the graph, bit for bit,
+since SGD, Adam and AdamW compute each element from that element alone
+(``tests/test_update_in_graph.py``). Its hooks, if any, run once per bucket.
+
+With ``accumulation_steps=K`` (stages 2-3, which reduce every call), the call sums the
+bucket's reduced gradients into the shards' ``.grad`` on the first K-1 calls, as the
+update after the graph does, and on the K-th divides by K and steps.
+
+What needs every bucket's gradient before any element may change stays after the graph:
+
+- clipping by the global norm and fp16 loss scaling (the overflow check is the same
+  norm). Stepping early and rolling back exactly would need the bucket's masters and
+  state as they were (for AdamW three shards) kept until the norm is known: more memory
+  than the one gradient shard that updating early frees. Delaying only the last buckets
+  frees nothing either, as the first bucket's update waits for the last reduction. So a
+  step that clips, scales its loss or calls a GradScaler updates after the graph, exactly
+  as before;
+- offload, which has its own update (on the host, or streamed through the device);
+- stages 0-1 with accumulation, which reduce once after the last micro-batch, outside
+  the graph, and stage 0, whose update after the graph is kept (not built here yet);
+- a scheduler stepped before ``opt.step()`` in the step, whose new rate the update after
+  the graph uses;
+- optimizers other than SGD, Adam and AdamW, and those with step hooks;
+- whole-program lowering ("aot_eager", "inductor" with ``regional=False``, a custom
+  backend, dynamic shapes): AOTAutograd would trace through the call. Regional
+  compilation, the default, runs it in the outer graph.
+
+``explain()`` says which mode ran and why, and lists each bucket's update in the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..passes.common.update_code import ACTIVE_UPDATE
+
+STEPS_IN_GRAPH = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+"""The optimizers whose update the graph runs per bucket."""
+
+class GraphUpdate:
+    """What ``update_bucket`` does for one step: sum, or step the optimizer on a bucket."""
+
+    def __init__(self, state, accumulation_steps: int):
+        self.state = state
+        self.accumulation_steps = accumulation_steps
+        self.micro_step = 0
+        """Calls since the last update (the caller's ``OptimizerUpdate`` keeps it)."""
+        self.real_step: Optional[Callable] = None
+        """The optimizer's own ``step`` (the step's ``opt.step()`` only records, inside it)."""
+        self.changed = False
+        """This call's graph has stepped at least one bucket (its failure leaves ranks apart)."""
+        self.buckets_stepped = 0
+        """Buckets stepped in the graph, over all calls."""
+        self.refused = ""
+        """Why the first call left the update after the graph (``why_not_in_graph``); "": in
+        the graph, unless a compilation says otherwise (``why_not_for_capture``)."""
+
+    def update(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None:
+        shards = [self.state.shards[name] for name in names]
+        with torch.no_grad():
+            for shard, grad in zip(shards, grads):
+                # as commit_grads after the graph: the masters' dtype and device, summed
+                grad = grad.to(dtype=shard.dtype, device=shard.device)
+                shard.grad = grad if shard.grad is None else shard.grad + grad
+            if self.micro_step + 1 < self.accumulation_steps:
+                return
+            held = [shard for shard in shards if shard.grad is not None]
+            if self.accumulation_steps != 1 and held:
+                torch._foreach_div_([s.grad for s in held], float(self.accumulation_steps))
+        self.changed = True
+        step_on(self.state.optimizer, held, self.real_step)
+        for shard in held:
+            shard.grad = None
+        self.buckets_stepped += 1
+
+    @contextlib.contextmanager
+    def running(self, real_step: Callable):
+        """While the step's graph runs: its ``update_bucket`` calls step this update."""
+        self.real_step, self.changed = real_step, False
+        token = ACTIVE_UPDATE.set(self)
+        try:
+            yield
+        finally:
+            ACTIVE_UPDATE.reset(token)
+            self.real_step = None
+
+
+def step_on(optimizer: torch.optim.Optimizer, shards: Sequence[torch.Tensor],
+            step: Callable) -> None:
+    """``step()`` of ``optimizer`` on ``shards`` only: its param groups narrowed to them for
+    the call (each shard in its own group, with that group's hyperparameters)."""
+    chosen = {id(s) for s in shards}
+    groups = optimizer.param_groups
+    every_group = [group["params"] for group in groups]
+    try:
+        for group, params in zip(groups, every_group):
+            group["params"] = [p for p in params if id(p) in chosen]
+        step()
+    finally:
+        for group, params in zip(groups, every_group):
+            group["params"] = params
+
+
+def why_not_in_graph(config, optimizer: torch.optim.Optimizer, plan) -> Optional[str]:
+    """Why this step updates after the graph ([Note: the update in the graph]); None: in the
+    graph. Read at the first call; what only the capture shows is ``why_not_for_capture``."""
+    if config.optimizer_update == "eager":
+        return "optimizer_update='eager'"
+    if plan.replicated:
+        return "stage 0 keeps the update after the graph"
+    if config.offload is not None:
+        return "offload has its own update (on the host, or streamed through the device)"
+    if config.max_grad_norm is not None:
+        return ("max_grad_norm clips by the global norm, which needs every bucket's gradient "
+                "before any element is updated")
+    if plan.loss_scaled:
+        return ("fp16 loss scaling skips an overflowed step, which needs every bucket's gradient "
+                "before any element is updated")
+    if not plan.reduces_in_graph:
+        return (f"stage {plan.stage} with accumulation_steps={plan.accumulation_steps} reduces "
+                "the summed gradients once, after the last micro-batch, outside the graph")
+    if type(optimizer) not in STEPS_IN_GRAPH:
+        return (f"{type(optimizer).__name__} is not one the graph steps per bucket (SGD, Adam, "
+                "AdamW)")
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        return "the optimizer has step hooks, which would run once per bucket"
+    backend = config.backend
+    if not isinstance(backend, str) or not (backend == "eager" or config.regional):
+        return (f"backend {getattr(backend, '__name__', backend)!r} without regional compilation "
+                "traces the whole graph again, through the update's call")
+    return None
+
+
+def why_not_for_capture(calls: Sequence[str], dynamic: bool, backend) -> Optional[str]:
+    """What the captured step shows that keeps its update after the graph: the companions it
+    calls (``calls``: the trace's notes, capture/step_calls.py), dynamic shapes."""
+    if "reads gradients" in calls:
+        return ("the step clips its gradients or calls a GradScaler, which need every bucket's "
+                "gradient before any element is updated")
+    if "scheduler" in calls and calls.index("scheduler") < calls.index("step"):
+        return "the step calls scheduler.step() before opt.step(), which the update must see"
+    if dynamic and backend != "eager":
+        return "dynamic shapes lower the whole graph, not by regions"
+    return None
