@@ -254,3 +254,60 @@ def test_each_update_follows_its_reduction_and_the_last_read_of_its_masters(fake
     assert all(g is None for g in grads)
     explained = str(step.explain())
     assert f"{len(updates)} buckets" in explained and "in the graph" in explained
+
+
+def _mlp_step(**options):
+    model = models.build("mlp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, options
+
+
+def _plain(model, opt, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _clipping(model, opt, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_optimizer_update_graph_refuses_what_needs_every_gradient():
+    """"graph" raises, naming the reason, where "auto" would wait: an option at the first call,
+    a clip in the step before anything compiles."""
+    x, y = models.global_batch("mlp", 0)
+    model, opt, _ = _mlp_step()
+    with pytest.raises(ValueError, match="max_grad_norm clips by the global norm"):
+        zero_compile(_plain, stage=3, backend="eager", optimizer_update="graph",
+                     max_grad_norm=1.0)(model, opt, x, y)
+    model, opt, _ = _mlp_step()
+    with pytest.raises(Exception, match="clips its gradients or calls a GradScaler.*Nothing was "
+                                        "compiled"):
+        zero_compile(_clipping, stage=3, backend="eager", optimizer_update="graph")(model, opt, x, y)
+    with pytest.raises(ValueError, match="optimizer_update must be one of"):
+        zero_compile(_plain, optimizer_update="fused")
+
+
+def test_auto_waits_for_a_clip_in_the_step_and_for_step_hooks():
+    x, y = models.global_batch("mlp", 0)
+    model, opt, _ = _mlp_step()
+    step = zero_compile(_clipping, stage=3, backend="eager")
+    step(model, opt, x, y)
+    assert "clips its gradients" in step.compilations[-1].update_reason
+    assert "clips its gradients" in str(step.explain())
+    model, opt, _ = _mlp_step()
+    opt.register_step_post_hook(lambda *args: None)
+    step = zero_compile(_plain, stage=3, backend="eager")
+    step(model, opt, x, y)
+    assert "step hooks" in str(step.explain())
+    model, opt, _ = _mlp_step()
+    step = zero_compile(_plain, stage=3, backend="eager")
+    step(model, opt, x, y)
+    assert step.compilations[-1].update_reason == "" and "in the graph" in str(step.explain())

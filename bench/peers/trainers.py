@@ -11,7 +11,9 @@ the loss. The peers and what each compiles:
   Inductor compiles replayed as a CUDA graph (``torch._inductor.config.triton.cudagraphs``;
   the collectives and the optimizer stay outside; on a CPU it is ``zero_fx-3``);
   ``zero_fx-3-blocks`` / ``zero_fx-3-auto``: with ``recompute="blocks"`` /
-  ``recompute="auto"`` (``activation_budget_fraction`` 0.5); ``zero_fx-3-ep2``: a
+  ``recompute="auto"`` (``activation_budget_fraction`` 0.5); ``zero_fx-3-update-after``:
+  the optimizer steps after the graph (``optimizer_update="eager"``), where ``zero_fx-3``
+  steps each bucket in it as its gradients land; ``zero_fx-3-ep2``: a
   mixture-of-experts model's experts split over 2 ranks (``expert_parallel=2``);
 - ``ddp`` / ``ddp-compiled``: ``DistributedDataParallel``; compiled is
   ``torch.compile(DDP(model))`` (forward and backward; dynamo splits the graph at
@@ -116,7 +118,7 @@ def _autocast(setting: Setting):
 
 
 def zero_fx(stage: int, recompute: Optional[str] = None, regional: bool = True,
-            expert_parallel: int = 1, cuda_graphs: bool = False):
+            expert_parallel: int = 1, cuda_graphs: bool = False, optimizer_update: str = "auto"):
     def make(model: nn.Module, spec: BenchModel, setting: Setting) -> Trainer:
         from zero_fx import MixedPrecision, zero_compile
 
@@ -131,7 +133,7 @@ def zero_fx(stage: int, recompute: Optional[str] = None, regional: bool = True,
 
         @zero_compile(stage=stage, backend=setting.backend, mixed_precision=precision,
                       bucket_bytes=setting.bucket_bytes, recompute=recompute, regional=regional,
-                      expert_parallel=expert_parallel)
+                      expert_parallel=expert_parallel, optimizer_update=optimizer_update)
         def train_step(model, opt, x, y):
             loss = loss_of(spec, model, x, y)
             loss.backward()
@@ -244,6 +246,7 @@ def plain_compile(model: nn.Module, spec: BenchModel, setting: Setting) -> Train
 PEERS = {
     **{f"zero_fx-{s}": zero_fx(s) for s in range(4)},
     "zero_fx-3-whole": zero_fx(3, regional=False),
+    "zero_fx-3-update-after": zero_fx(3, optimizer_update="eager"),
     "zero_fx-3-blocks": zero_fx(3, recompute="blocks"),
     "zero_fx-3-cudagraphs": zero_fx(3, cuda_graphs=True),
     "zero_fx-3-auto": zero_fx(3, recompute="auto"),

@@ -141,13 +141,22 @@ def why_not_in_graph(config, optimizer: torch.optim.Optimizer, plan) -> Optional
     if type(optimizer) not in STEPS_IN_GRAPH:
         return (f"{type(optimizer).__name__} is not one the graph steps per bucket (SGD, Adam, "
                 "AdamW)")
-    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+    if _has_step_hooks(optimizer):
         return "the optimizer has step hooks, which would run once per bucket"
     backend = config.backend
     if not isinstance(backend, str) or not (backend == "eager" or config.regional):
         return (f"backend {getattr(backend, '__name__', backend)!r} without regional compilation "
                 "traces the whole graph again, through the update's call")
     return None
+
+
+def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Its own step hooks, or those registered for every optimizer."""
+    from torch.optim import optimizer as module
+
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or getattr(module, "_global_optimizer_pre_hooks", None)
+                or getattr(module, "_global_optimizer_post_hooks", None))
 
 
 def why_not_for_capture(calls: Sequence[str], dynamic: bool, backend) -> Optional[str]:
