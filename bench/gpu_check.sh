@@ -6,7 +6,8 @@
 #    fp16, experts with their exchanges, int8 quantized collectives, Triton code, the peak
 #    against the planner's estimate at a fake world of 8, ...;
 # 2. the peer benchmark at a fake world of 8, bf16 (python -m bench.peers): zero_fx-3 by
-#    regions and as one program, zero_fx-3 with recompute="blocks", FSDP2 eager and FSDP2
+#    regions and as one program, with its optimizer stepped after the graph instead of in
+#    it, zero_fx-3 with recompute="blocks", FSDP2 eager and FSDP2
 #    with each block compiled (and on GPT-2 small zero_fx-3 with its bodies as CUDA
 #    graphs), on GPT-2 small (seq 1024, batch 8) and a 1B GPT (width 2048,
 #    24 blocks, seq 2048, batch 4): tokens/s, MFU, peak, compile time, host enqueue time
@@ -53,7 +54,9 @@ if [[ $parts == *tier* ]]; then
 fi
 peer_results=()
 if [[ $parts == *peers* ]] && python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-    peers=(zero_fx-3 zero_fx-3-whole zero_fx-3-blocks fsdp2 fsdp2-compiled)
+    # zero_fx-3-update-after: the optimizer stepped after the graph, beside zero_fx-3's update
+    # in it (issue 70): the profiles' kernels and launches differ by the update's
+    peers=(zero_fx-3 zero_fx-3-update-after zero_fx-3-whole zero_fx-3-blocks fsdp2 fsdp2-compiled)
     common=(--fake-world 8 --bf16 --steps 7 --warmup 3 --profile
             --peer-limit-s "${GPU_CHECK_PEER_LIMIT_S:-150}")
     # GPT-2 small compiles cold (its compile seconds are the figure); the 1B model's peers

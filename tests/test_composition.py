@@ -47,7 +47,8 @@ def test_user_passes_run_where_they_are_placed():
     assert [p.name for p in step._compiler.pipeline] == pass_names(extra=step.config.passes) == [
         "first", "annotate_phases", "scale_loss", "recompute_activations", "recompute_param_views",
         "order_weight_grads", "gather_params", "after_gather", "accumulate_embedding_grads", "reduce_grads",
-        "bucket_collectives", "quantize_collectives", "schedule_collectives", "last", "check_invariants"]
+        "bucket_collectives", "quantize_collectives", "schedule_collectives", "update_in_graph", "last",
+        "check_invariants"]
 
 
 def test_a_user_pass_changes_what_runs():

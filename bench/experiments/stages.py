@@ -65,12 +65,14 @@ whole 9 MiB model would be one bucket, and stage 2 would hold every full
 gradient until that bucket is complete, like stage 1."""
 
 
-def measure_stage(stage: int, world_size: int, *, width: int, depth: int, steps: int = 3) -> dict:
+def measure_stage(stage: int, world_size: int, *, width: int, depth: int, steps: int = 3,
+                  **options) -> dict:
     """One stage on this rank: the first step compiles (and creates the optimizer
-    state); the peak is measured on the second; the median time over the rest."""
+    state); the peak is measured on the second; the median time over the rest.
+    ``options`` go to ``zero_compile`` (``optimizer_update="eager"``)."""
     bucket_bytes = LAYERS_PER_BUCKET * width * width * 4
     model, opt, train_step, x = mlp_training(stage, "aot_eager", width, depth,
-                                             bucket_bytes=bucket_bytes)
+                                             bucket_bytes=bucket_bytes, **options)
     train_step(model, opt, x)
     gc.collect()
     probe = LiveTensorBytes(list(train_step.state.held_tensors()) + [x])
@@ -82,7 +84,8 @@ def measure_stage(stage: int, world_size: int, *, width: int, depth: int, steps:
         train_step(model, opt, x)
         times.append(time.perf_counter() - start)
     psi = sum(p.numel() for p in model.parameters())
-    formula = model_state_bytes(stage, psi, world_size, optimizer_bytes=ADAM_STATE_BYTES)
+    formula = model_state_bytes(stage, psi, world_size, optimizer_bytes=ADAM_STATE_BYTES,
+                                updates_in_graph=not train_step.compilations[-1].update_reason)
     working_set = working_set_bytes(stage, bucket_bytes, train_step.config.prefetch_buckets)
     report = train_step.traffic()
     return {

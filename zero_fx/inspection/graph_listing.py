@@ -13,6 +13,7 @@ from torch.fx import GraphModule, Node
 from ..analysis.memory_timeline import is_view, tensor_bytes
 from ..formatting import format_bytes, short_dtype
 from ..passes.common.predicates import (
+    UPDATES_META,
     carried_params,
     gathered_param,
     grad_slots,
@@ -21,6 +22,7 @@ from ..passes.common.predicates import (
     is_all_to_all,
     is_param_input,
     is_reduce_scatter,
+    is_update,
     is_wait,
     param_name,
     phase_of,
@@ -132,6 +134,9 @@ def _kind_and_note(node: Node, plan) -> tuple[str, str]:
                           + (" across replicas" if runs_across_replicas(node, plan) else ""))
     if is_wait(node):
         return "wait", f"wait for {node.args[0].name}"
+    if is_update(node):
+        return "update", (f"zero_fx: steps the optimizer on {_members(node.meta[UPDATES_META])} "
+                          "and frees their gradients")
     gathered = gathered_param(node)
     if gathered:
         return "gathered", f"full {gathered[0]} for the {gathered[1].value}"

@@ -25,6 +25,7 @@ LEGEND = (
     ("param", "parameter input"),
     ("comm", "zero_fx copy in/out"),
     ("recomputed", "recomputed in the backward"),
+    ("update", "optimizer update of a bucket"),
 )
 
 _STYLE = """
@@ -45,6 +46,7 @@ td.lane { width: 6px; padding: 0; } td.lane.on { border-left: 3px solid #888; }
 tr.all_gather td, tr.reduce_scatter td, tr.all_reduce td, tr.all_to_all td { font-weight: 600; }
 .wait { background: #e6e6e6; } .gathered { background: #d9f2d9; } .param { background: #eef8e6; }
 .comm { background: #f7f7fb; } .recomputed { background: #fff1c2; }
+.update { background: #d6f5f0; } tr.update td { font-weight: 600; }
 tr.hl-in td { outline: 2px solid #2a2; } tr.hl-out td { outline: 2px solid #d22; }
 tr.hl td { outline: 2px solid #000; }
 #errors { color: #b00; font-weight: 600; }

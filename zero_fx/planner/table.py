@@ -41,7 +41,8 @@ TRAFFIC_IN_PSI = {
 
 def model_state_bytes(stage: int, psi: int, world_size: int, *, optimizer_bytes: int,
                       param_bytes: int = FP32, grad_bytes: int = FP32,
-                      master_bytes: int = FP32, reduce_bytes: Optional[int] = None) -> float:
+                      master_bytes: int = FP32, reduce_bytes: Optional[int] = None,
+                      updates_in_graph: bool = False) -> float:
     """Per-rank bytes of parameters, gradients, master and optimizer state at the peak of a step.
 
     Stage 3 excludes the gathered working set (the parameters in use and their
@@ -49,20 +50,24 @@ def model_state_bytes(stage: int, psi: int, world_size: int, *, optimizer_bytes:
     """
     return sum(model_state_breakdown(
         stage, psi, world_size, optimizer_bytes=optimizer_bytes, param_bytes=param_bytes,
-        grad_bytes=grad_bytes, master_bytes=master_bytes, reduce_bytes=reduce_bytes).values())
+        grad_bytes=grad_bytes, master_bytes=master_bytes, reduce_bytes=reduce_bytes,
+        updates_in_graph=updates_in_graph).values())
 
 
 def model_state_breakdown(stage: int, psi: int, world_size: int, *, optimizer_bytes: int,
                           param_bytes: int = FP32, grad_bytes: int = FP32,
-                          master_bytes: int = FP32, reduce_bytes: Optional[int] = None
-                          ) -> dict[str, float]:
+                          master_bytes: int = FP32, reduce_bytes: Optional[int] = None,
+                          updates_in_graph: bool = False) -> dict[str, float]:
     """``model_state_bytes`` by kind: parameters, gradients, masters, optimizer.
 
     Under mixed precision (``param_bytes`` < ``master_bytes``) the masters are a
     copy of their own, in stage 0 too; ``grad_bytes`` is the gradient the optimizer
     reads (the master's dtype), ``reduce_bytes`` the whole gradient the backward
     produces before it is reduced (default ``grad_bytes``), which stage 1 holds to
-    the end of the backward.
+    the end of the backward. ``updates_in_graph``: the optimizer steps each bucket as its
+    gradients land ([Note: the update in the graph] in zero_fx/runtime/graph_update.py), so
+    stages 2-3 hold no gradient shards at the peak beyond the buckets in flight (the
+    working set's).
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -71,7 +76,8 @@ def model_state_breakdown(stage: int, psi: int, world_size: int, *, optimizer_by
     own_master = m if p != m else 0  # fp32 training: the parameter is its own master
     return {
         "parameters": 0 if stage == 3 else p * psi,
-        "gradients": g * psi if stage == 0 else r * psi if stage == 1 else g * psi / n,
+        "gradients": (g * psi if stage == 0 else r * psi if stage == 1
+                      else 0 if updates_in_graph else g * psi / n),
         "masters": own_master * psi if stage == 0 else m * psi / n,
         "optimizer": o * psi if stage == 0 else o * psi / n,
     }
