@@ -44,7 +44,9 @@ CASES = {
     "stage3_fp16": (3, "adamw", {"mixed_precision": MixedPrecision(param_dtype=torch.float16)},
                     False),
 }
-WORLD_4_CASES = ("stage3_adamw", "stage1_adamw", "stage2_accumulated")
+WORLD_4_CASES = ("stage3_adamw", "stage2_accumulated")
+AFTER_THE_GRAPH = ("stage3_clipped", "stage3_fp16")
+"""Cases whose update waits for the graph in "auto" (the eager update itself: trained once)."""
 FP32_CASES = ("stage1_adamw", "stage2_adamw", "stage3_adamw", "stage3_sgd", "stage2_accumulated",
               "stage3_accumulated", "stage3_clipped")
 
@@ -113,7 +115,8 @@ def _train(rank, world_size, case, mode, steps=range(STEPS), step=None, built=No
 
 
 def both_modes_rank(rank: int, world_size: int, cases: tuple) -> dict:
-    results = {case: {mode: _train(rank, world_size, case, mode)[3] for mode in ("auto", "eager")}
+    results = {case: {mode: _train(rank, world_size, case, mode)[3]
+                      for mode in (("auto",) if case in AFTER_THE_GRAPH else ("auto", "eager"))}
                for case in cases}
     if world_size == 2:
         results["checkpoints"] = _checkpoints_both_ways(rank, world_size)
@@ -166,19 +169,14 @@ def test_the_update_in_the_graph_equals_the_update_after_it(world_size):
     counters), losses; the scheduler's rate read without recompiling."""
     for rank, result in enumerate(both_modes_run(world_size)):
         for case, modes in result.items():
-            if case == "checkpoints":
+            if case in ("checkpoints", *AFTER_THE_GRAPH):
                 continue
             graph, eager = modes["auto"], modes["eager"]
             _assert_same(graph, eager, f"{case} at {world_size} ranks, rank {rank}")
             assert graph["compilations"] == 1, case
             assert eager["reason"] == "optimizer_update='eager'"
-            after = CASES[case][2].keys() & {"max_grad_norm"} or (
-                case == "stage3_fp16")
-            if after:
-                assert graph["reason"], case
-            else:
-                assert graph["reason"] == "", f"{case}: {graph['reason']}"
-                assert "update_bucket" in graph["explain"] or "in the graph" in graph["explain"]
+            assert graph["reason"] == "", f"{case}: {graph['reason']}"
+            assert "Optimizer update: in the graph" in graph["explain"], case
 
 
 def test_what_needs_every_gradient_updates_after_the_graph_and_says_why():
@@ -187,8 +185,7 @@ def test_what_needs_every_gradient_updates_after_the_graph_and_says_why():
     assert "max_grad_norm" in clipped["reason"] and "max_grad_norm" in clipped["explain"]
     fp16 = result["stage3_fp16"]["auto"]
     assert "loss scaling" in fp16["reason"]
-    # the overflowed steps skipped alike (the scaler's first scale overflows too)
-    assert fp16["optimizer_steps"] == result["stage3_fp16"]["eager"]["optimizer_steps"] < STEPS
+    assert fp16["optimizer_steps"] < STEPS  # the overflowed step skipped
 
 
 @pytest.mark.parametrize("case", FP32_CASES)
