@@ -90,7 +90,8 @@ class StepCompiler:
         start = time.perf_counter()
         reason = self._why_compiling()
         plan, state = self.sharded.plan, self.sharded.state
-        update_reason = self._update_after_graph(has_dynamic_shapes(dynamo_gm))
+        dynamic = has_dynamic_shapes(dynamo_gm)
+        update_reason = self._update_after_graph(dynamic)
         names = [state.param_name(t) if isinstance(t, torch.Tensor) else None
                  for t in example_inputs]
         with CompileProgress(self.step_name) as progress:
@@ -102,7 +103,6 @@ class StepCompiler:
                 gm = self._rewritten(gm, observe=dump.observe if dump else None,
                                      in_graph=not update_reason)
             plan = self.sharded.plan  # offload="auto" may have offloaded more
-            dynamic = has_dynamic_shapes(dynamo_gm)
             extra_inputs = self._extra_inputs(gm)
             inputs = state.graph_inputs(names, example_inputs) + extra_inputs
             regional = by_regions(self.config.backend, self.config.regional, dynamic)

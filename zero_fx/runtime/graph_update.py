@@ -68,8 +68,6 @@ class GraphUpdate:
         """The optimizer's own ``step`` (the step's ``opt.step()`` only records, inside it)."""
         self.changed = False
         """This call's graph has stepped at least one bucket (its failure leaves ranks apart)."""
-        self.buckets_stepped = 0
-        """Buckets stepped in the graph, over all calls."""
         self.refused = ""
         """Why the first call left the update after the graph (``why_not_in_graph``); "": in
         the graph, unless a compilation says otherwise (``why_not_for_capture``)."""
@@ -90,7 +88,6 @@ class GraphUpdate:
         step_on(self.state.optimizer, held, self.real_step)
         for shard in held:
             shard.grad = None
-        self.buckets_stepped += 1
 
     @contextlib.contextmanager
     def running(self, real_step: Callable):
