@@ -25,6 +25,7 @@ import os
 import subprocess
 import tempfile
 import threading
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORES_PER_JOB = 2
@@ -34,6 +35,18 @@ _CHECKOUT = hashlib.sha1(ROOT.encode()).hexdigest()[:12]
 _held = threading.RLock()
 _depth = 0
 _lease = None
+_since = 0.0
+
+JOB_LOG = os.environ.get("ZERO_FX_TESTS_JOB_LOG")
+"""A file to which each job appends ``seconds held<TAB>test``: on 2 cores the suite takes
+about as long as its jobs one after another, so this says where its time goes (pytest's
+``--durations`` count the waits for the cores too)."""
+
+
+def _log_job(seconds: float) -> None:
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
+    with open(JOB_LOG, "a") as log:
+        log.write(f"{seconds:.1f}\t{test}\n")
 
 
 def _slot_path(slot: int) -> str:
@@ -58,16 +71,19 @@ def _take_a_slot():
 def the_cores():
     """Holds a slot of the machine's cores for a multi-process job: waits while other test
     processes hold them all."""
-    global _depth, _lease
+    global _depth, _lease, _since
     with _held:
         if _depth == 0:
             _lease = _take_a_slot()
+            _since = time.monotonic()
         _depth += 1
         try:
             yield
         finally:
             _depth -= 1
             if _depth == 0:
+                if JOB_LOG:
+                    _log_job(time.monotonic() - _since)
                 fcntl.flock(_lease, fcntl.LOCK_UN)
                 _lease.close()
                 _lease = None
