@@ -63,7 +63,8 @@ class GraphUpdate:
         self.state = state
         self.accumulation_steps = accumulation_steps
         self.micro_step = 0
-        """Calls since the last update (the caller's ``OptimizerUpdate`` keeps it)."""
+        """Calls since the last update, as the running call began (``OptimizerUpdate`` counts
+        them; ``running`` takes its count)."""
         self.real_step: Optional[Callable] = None
         """The optimizer's own ``step`` (the step's ``opt.step()`` only records, inside it)."""
         self.changed = False
@@ -90,9 +91,10 @@ class GraphUpdate:
             shard.grad = None
 
     @contextlib.contextmanager
-    def running(self, real_step: Callable):
-        """While the step's graph runs: its ``update_bucket`` calls step this update."""
-        self.real_step, self.changed = real_step, False
+    def running(self, real_step: Callable, micro_step: int):
+        """While the step's graph runs: its ``update_bucket`` calls step this update;
+        ``micro_step`` calls have summed their gradients since the last update."""
+        self.real_step, self.micro_step, self.changed = real_step, micro_step, False
         token = ACTIVE_UPDATE.set(self)
         try:
             yield

@@ -118,8 +118,7 @@ class OptimizerUpdate:
         """Around the call of the step's graph: its updates step ``real_step``, the
         optimizer's own ``step``."""
         self.graph_stepped = False
-        self.in_graph.micro_step = self.micro_step
-        return self.in_graph.running(real_step)
+        return self.in_graph.running(real_step, self.micro_step)
 
     @property
     def optimizer_steps(self) -> int:
