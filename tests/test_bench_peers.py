@@ -265,3 +265,62 @@ def test_targets_know_which_way_is_better():
     summaries[0]["enqueue_blocked"] = True
     met = {r["what"]: r["met"] for r in peers_report.targets(summaries)}
     assert met["zero_fx-3 host enqueue vs its step time (issue 68)"] is None
+
+
+def test_rounds_alternate_the_order_and_pool_every_rounds_steps(monkeypatch, capsys):
+    """``--rounds 3`` runs the peers as listed, reversed, as listed; the table's step time is
+    the median of every round's timed steps (the slowest rank's at each step), each round's
+    median is printed, and a round whose losses differ from the first's fails the run."""
+    from bench.peers import cli
+
+    monkeypatch.setattr(cli.cpu_memory, "build", lambda: None)  # no peer runs on this CPU
+    launched = []
+    step_ms = {"zero_fx-3": [[10, 12, 11], [20, 22, 21], [30, 32, 31]],
+               "fsdp2": [[40, 41, 42], [50, 51, 52], [60, 61, 62]]}
+    drift = {"zero_fx-3": 0.0, "fsdp2": 0.0}  # of the last loss, in rounds after the first
+
+    def launch(args, peer, argv):
+        number = sum(name == peer for name in launched)
+        launched.append(peer)
+        rows = []
+        for rank in range(2):  # rank 1 is the slower by 1 ms at every step
+            times = [(ms + rank) / 1e3 for ms in step_ms[peer][number]]
+            rows.append({"peer": peer, "rank": rank, "psi": 100, "device_name": "cpu",
+                         "first_step_s": 1.0, "step_s": times,
+                         "median_step_s": sorted(times)[1], "tokens_per_step": 64,
+                         "flops_per_token": None, "peak_flops": None, "enqueue_s": [0.01],
+                         "enqueue_blocked": False, "enqueue_hold_s": 0.0,
+                         "enqueue_synchronous": True, "peak_bytes": 2 ** 20 * (number + 1),
+                         "held_bytes": 2 ** 20, "sent_bytes_per_step": 4000,
+                         "losses": [4.0, 3.5, 3.0, 2.5 + (drift[peer] if number else 0)],
+                         "loss_steps_compared": 4,
+                         "loss_steps_why": "every step", "whole_batch": False,
+                         "profile": None})
+        return rows, ""
+
+    argv = ["--device", "cpu", "--peers", "zero_fx-3", "fsdp2", "--rounds", "3", "--steps", "4",
+            "--warmup", "1", "--name", "test-rounds"]
+    assert cli.drive(cli.parse_args(argv), argv, launch=launch) == 0
+    assert launched == ["zero_fx-3", "fsdp2", "fsdp2", "zero_fx-3", "zero_fx-3", "fsdp2"]
+    with open(os.path.join(ROOT, "bench", "out", "test-rounds.json")) as f:
+        summaries = {s["peer"]: s for s in json.load(f)["summaries"]}
+    ours = summaries["zero_fx-3"]
+    assert ours["median_step_ms"] == pytest.approx(22)  # of 11-13, 21-23, 31-33
+    assert ours["round_median_step_ms"] == pytest.approx([12, 22, 32])
+    assert ours["peak_mib"] == pytest.approx(3)  # the highest round's
+    assert "- fsdp2: 42.0, 52.0, 62.0" in capsys.readouterr().out
+
+    drift["fsdp2"] = 0.1  # its later rounds train differently
+    launched.clear()
+    assert cli.drive(cli.parse_args(argv), argv, launch=launch) == 1
+    out = capsys.readouterr().out
+    assert "fsdp2: round 2's losses differ from round 1's" in out
+    assert "fsdp2: round 3's losses differ from round 1's" in out
+
+
+def test_a_nonpositive_number_of_rounds_is_refused(capsys):
+    from bench.peers import cli
+
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--device", "cpu", "--rounds", "0"])
+    assert "--rounds takes a positive number of runs of the peers, got 0" in capsys.readouterr().err

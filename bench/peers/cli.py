@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import itertools
 import json
 import os
 import sys
@@ -71,6 +72,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"{', '.join(sorted(MOE_ONLY_PEERS))}, with hf-mixtral only)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first, the first compiles")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the peers this many times, in alternating order (as listed, then "
+                        "reversed), each time in fresh processes; the step times pool every "
+                        "round's, so the machine's drift over the run (the first peer's "
+                        "cold caches, another job) weighs on every peer alike")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of compiled peers")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto (default): CUDA where there is a GPU per rank of this machine, "
@@ -99,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.fake_world and "RANK" in os.environ and not args.worker_of:
         p.error("--fake-world simulates the ranks in one process: start it with python, "
                 "not torchrun")
+    if args.rounds < 1:
+        p.error(f"--rounds takes a positive number of runs of the peers, got {args.rounds}")
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): nothing would be timed")
     check_model_options(p, args)
@@ -225,6 +233,7 @@ def compare_losses(args, summaries: list[dict]) -> tuple[list[str], str]:
 def report(args, results: dict, notes: list[str], failed: dict, seconds: float) -> int:
     summaries = [peers_report.summarize(peer, ranks) for peer, ranks in results.items()]
     failures, compared = compare_losses(args, summaries) if summaries else ([], "")
+    failures += peers_report.round_disagreements(summaries, LOSS_RTOL[args.bf16])
     world = args.fake_world or args.world
     wire = args.device == "cpu" and not args.fake_world
     spec = model_of(args)
@@ -238,7 +247,8 @@ def report(args, results: dict, notes: list[str], failed: dict, seconds: float) 
                 f"{'bf16 compute' if args.bf16 else 'fp32'}; compiled peers: {args.backend}; "
                 f"buckets: {'default' if args.bucket_mib is None else f'{args.bucket_mib:g} MiB'}; "
                 f"Inductor caches: {'warm' if args.warm_cache else 'empty (cold compiles)'}; "
-                f"{args.steps} steps, {args.warmup} untimed")
+                f"{args.steps} steps, {args.warmup} untimed"
+                + (f"; {args.rounds} rounds, in alternating order" if args.rounds > 1 else ""))
     peak = env["peak_bf16_flops"]
     columns = peers_report.COLUMNS + (" No peak known here: no MFU." if peak is None else
                                       f" Peak used: {peak:.4g} FLOP/s.")
@@ -249,7 +259,8 @@ def report(args, results: dict, notes: list[str], failed: dict, seconds: float) 
     dagger = (["† trains the whole global batch in one process (no data parallelism)."]
               if any(s["whole_batch"] for s in summaries) else [])
     profiles = peers_report.profile_lines(summaries)
-    text = "\n\n".join(filter(None, [describe, columns, table, *dagger, compared, profiles,
+    rounds = peers_report.round_lines(summaries)
+    text = "\n\n".join(filter(None, [describe, columns, table, *dagger, rounds, compared, profiles,
                                       goals, *notes, *failures]))
     name = args.name or (f"peers-{args.model}" + (f"-L{args.layers}" if args.layers else "")
                          + f"-w{world}" + ("-fake" if args.fake_world else ""))
@@ -266,34 +277,44 @@ def report(args, results: dict, notes: list[str], failed: dict, seconds: float) 
 
 
 def drive(args, argv: list[str], launch=launch_peer) -> int:
-    """Each peer in turn, in fresh processes (``launch``); the report on rank 0. A peer that
-    fails is noted with its error and the next one runs."""
+    """Each peer in turn, in fresh processes (``launch``), ``--rounds`` times in alternating
+    order; the report on rank 0. A peer that fails is noted with its error, is not run
+    again, and the next one runs."""
     start = time.perf_counter()
     leader = not dist.is_initialized() or dist.get_rank() == 0
     say = print if leader else (lambda *a, **k: None)
     if args.device == "cpu":
         os.environ.update(peer_environment(args))
         cpu_memory.build()  # once here, rather than by every rank at once
-    results, notes, failed = {}, [], {}
-    for i, peer in enumerate(args.peers, 1):
+    rounds, notes, failed = {}, [], {}
+    runnable = []
+    for peer in args.peers:
         if args.fake_world and peer in NOT_SIMULATED:
             notes.append(f"{peer}: not run with --fake-world: {NOT_SIMULATED[peer]}")
-            continue
-        missing = missing_package(peer)
-        if missing:
+        elif missing := missing_package(peer):
             notes.append(f"{peer}: skipped, `{missing}` is not installed (pip install -e \".[bench]\")")
             say(notes[-1], flush=True)
-            continue
-        say(f"[{i}/{len(args.peers)}] {peer} ...", flush=True)
-        rows, why = launch(args, peer, argv)
-        if rows is None:
-            failed[peer] = why
-            notes.append(f"{peer}: failed:\n\n```\n{why}\n```")
-            say(notes[-1], flush=True)
-            continue
-        results[peer] = rows
+        else:
+            runnable.append(peer)
+    for number in range(args.rounds):
+        order = runnable if number % 2 == 0 else runnable[::-1]
+        for i, peer in enumerate(order, 1):
+            if peer in failed:
+                continue
+            round_ = f"round {number + 1}/{args.rounds}, " if args.rounds > 1 else ""
+            say(f"[{round_}{i}/{len(order)}] {peer} ...", flush=True)
+            rows, why = launch(args, peer, argv)
+            if rows is None:
+                failed[peer] = why
+                rounds.pop(peer, None)
+                notes.append(f"{peer}: failed:\n\n```\n{why}\n```")
+                say(notes[-1], flush=True)
+                continue
+            rounds.setdefault(peer, []).append(rows)
     if not leader:
         return 1 if failed else 0
+    results = {peer: rows[0] if len(rows) == 1 else peers_report.pool_rounds(rows)
+               for peer, rows in ((p, rounds[p]) for p in runnable if p in rounds)}
     return report(args, results, notes, failed, time.perf_counter() - start)
 
 
@@ -308,8 +329,9 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo")
         args.world = dist.get_world_size()
         try:
+            launches = itertools.count()  # each launch's store keys its own, round after round
             return drive(args, argv, launch=lambda args, peer, argv: launch_peer_here(
-                args, peer, argv, args.peers.index(peer)))
+                args, peer, argv, next(launches)))
         finally:
             dist.destroy_process_group()
     return drive(args, argv)

@@ -22,6 +22,48 @@ MIB = 2 ** 20
 FP32 = 4
 
 
+def pool_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One peer's rows of several rounds (``--rounds``) as the rows of one run, rank by rank:
+    the first round's, with every round's timed steps one after another (each round has as
+    many, so a step's times stay side by side over the ranks), the highest peak and held
+    bytes, and each round's own step times and losses kept (``round_step_s``,
+    ``round_losses``) for the report to show and compare."""
+    pooled = []
+    for rows in zip(*rounds):
+        row = dict(rows[0])
+        row["step_s"] = [t for r in rows for t in r["step_s"]]
+        row["median_step_s"] = statistics.median(row["step_s"])
+        row["peak_bytes"] = max(r["peak_bytes"] for r in rows)
+        row["held_bytes"] = max(r["held_bytes"] for r in rows)
+        row["round_step_s"] = [r["step_s"] for r in rows]
+        row["round_losses"] = [r["losses"] for r in rows]
+        pooled.append(row)
+    return pooled
+
+
+def round_disagreements(summaries: list[dict], rtol: float) -> list[str]:
+    """Peers whose later rounds' losses differ from their first round's by more than
+    ``rtol`` at any step: the same training run again must give the same losses."""
+    bad = []
+    for s in summaries:
+        first, *later = s.get("round_losses", [[]])
+        for number, losses in enumerate(later, 2):
+            worst = max((abs(a - b) / abs(b) for a, b in zip(losses, first)), default=0.0)
+            if not worst <= rtol:
+                bad.append(f"{s['peer']}: round {number}'s losses differ from round 1's by "
+                           f"{worst:.2e} (> {rtol:.0e})")
+    return bad
+
+
+def round_lines(summaries: list[dict]) -> str:
+    """Each peer's median step in each round (``--rounds``), one line each."""
+    lines = [f"- {s['peer']}: " + ", ".join(f"{ms:.1f}" for ms in s["round_median_step_ms"])
+             for s in summaries if len(s.get("round_median_step_ms", [])) > 1]
+    return "\n".join(["Median step ms in each round (the rounds ran the peers in alternating "
+                      "order; the table pools every round's timed steps):", *lines]
+                     ) if lines else ""
+
+
 def summarize(name: str, ranks: list[dict]) -> dict:
     """One peer over all ranks: per step the slowest rank's time, then median/min/max and
     the tokens/s and MFU of that median; the highest peak over ranks; the slowest rank's
@@ -66,6 +108,11 @@ def summarize(name: str, ranks: list[dict]) -> dict:
         summary["ring_mib_per_step"] = row0["ring_bytes_per_step"] / MIB
     if row0.get("profile"):
         summary["profile"] = row0["profile"]
+    if "round_step_s" in row0:
+        summary["round_median_step_ms"] = [
+            1e3 * statistics.median(max(times) for times in zip(*steps))
+            for steps in zip(*(r["round_step_s"] for r in ranks))]
+        summary["round_losses"] = row0["round_losses"]
     return summary
 
 
