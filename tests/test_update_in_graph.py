@@ -1,7 +1,7 @@
 """The optimizer's update in the graph, bucket by bucket ([Note: the update in the graph] in
 zero_fx/runtime/graph_update.py), against the update after the graph: the parameters and
 the optimizer's state bit for bit after every step, at stages 1-3 on 2 and 4 gloo ranks,
-fp32 and bf16, AdamW and SGD with momentum, a scheduler, accumulation; each parameter's
+fp32 and bf16, AdamW (its fused kernel too) and SGD with momentum, a scheduler, accumulation; each parameter's
 update against single-process eager; what stays after the graph (clipping, fp16 loss
 scaling with an overflowed step) and says why; checkpoints passed both ways between the
 two modes. One launch per world size runs every case."""
@@ -31,7 +31,7 @@ elementwise the same arithmetic (measured 0 in every case)."""
 CASES = {
     # name: (stage, optimizer, zero_compile options, with a scheduler)
     "stage1_adamw": (1, "adamw", {}, True),
-    "stage2_adamw": (2, "adamw", {}, True),
+    "stage2_adamw": (2, "adamw_fused", {}, True),
     "stage3_adamw": (3, "adamw", {}, True),
     "stage3_sgd": (3, "sgd_nesterov", {}, True),
     "stage2_bf16": (2, "adamw", {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)},
@@ -52,6 +52,8 @@ FP32_CASES = ("stage1_adamw", "stage2_adamw", "stage3_adamw", "stage3_sgd", "sta
 
 
 def _optimizer(model, kind: str) -> torch.optim.Optimizer:
+    if kind == "adamw_fused":  # one fused kernel over the tensors it steps (each bucket's)
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     if kind == "sgd_nesterov":
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True,
                                weight_decay=0.01)
@@ -326,3 +328,24 @@ def test_the_peak_drops_by_the_gradient_shards(stage, kept_layers):
              for mode in ("auto", "eager")}
     drop = peaks["eager"]["peak_bytes"] - peaks["auto"]["peak_bytes"]
     assert drop == pytest.approx((depth - kept_layers) * layer, rel=0.01), (drop, layer)
+
+
+def test_the_optimizer_kernel_benchmark_buckets_in_order_and_times_each_implementation():
+    """bench/experiments/optimizer_kernels.py: buckets are runs of the parameters in order,
+    each at most the cap unless one parameter is larger; a run on the tiny model reports
+    every implementation, whole and per bucket."""
+    import json
+
+    from bench.experiments import optimizer_kernels
+
+    params = [torch.empty(n) for n in (10, 10, 30, 5, 5, 5)]  # 4 bytes an element
+    buckets = optimizer_kernels.buckets_of(params, bucket_bytes=80)
+    assert [[p.numel() for p in b] for b in buckets] == [[10, 10], [30], [5, 5, 5]]
+    assert optimizer_kernels.main(["--model", "tiny", "--steps", "2", "--bucket-mib",
+                                   "0.002"]) == 0
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "bench", "out", "optimizer-kernels-tiny-cpu.json")) as f:
+        result = json.load(f)
+    assert result["buckets"] > 1
+    assert [r["implementation"] for r in result["rows"]] == list(optimizer_kernels.IMPLEMENTATIONS)
+    assert all(r["whole_ms"] > 0 and r["per_bucket_ms"] > 0 for r in result["rows"])
