@@ -179,6 +179,11 @@ def test_the_update_in_the_graph_equals_the_update_after_it(world_size):
             assert eager["reason"] == "optimizer_update='eager'"
             assert graph["reason"] == "", f"{case}: {graph['reason']}"
             assert "Optimizer update: in the graph" in graph["explain"], case
+            kind = CASES[case][1]
+            kernels = ("fused kernel (fused=True)" if kind == "adamw_fused" else
+                       "loop over each tensor (torch's default on a CPU); fused=True runs one")
+            optimizer = "SGD" if kind.startswith("sgd") else "AdamW"
+            assert f"  kernels: {optimizer}'s {kernels}" in graph["explain"], case
 
 
 def test_what_needs_every_gradient_updates_after_the_graph_and_says_why():

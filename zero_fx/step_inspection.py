@@ -15,6 +15,7 @@ from .capture.moe_blocks import RoutedExperts
 from .config import describe_backend
 from .formatting import ranks_phrase
 from .inspection.explain import Explanation, GraphBreakExplanation, explain_graph
+from .runtime.graph_update import kernels_of
 
 
 class StepInspection:
@@ -98,4 +99,5 @@ class StepInspection:
                              compilations=self.compilations, moe_blocks=self.moe_blocks,
                              offload_choice=self._sharded.offload_choice,
                              update_reason=self.compilations[-1].update_reason
-                             if self.compilations else None)
+                             if self.compilations else None,
+                             update_kernels=kernels_of(self.state.optimizer))

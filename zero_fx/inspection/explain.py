@@ -62,6 +62,8 @@ class Explanation:
     update_reason: Optional[str] = None
     """Why the optimizer steps after the graph; "" when in it, None when not known (a graph
     not compiled by a step)."""
+    update_kernels: Optional[str] = None
+    """Which of the optimizer's implementations each bucket's update runs (``kernels_of``)."""
 
     def __str__(self) -> str:
         plan = _plan_section(self.plan, self.moe_blocks)
@@ -80,7 +82,8 @@ def explain_graph(gm: GraphModule, plan, *, hardware="cpu-gloo", title: str = ""
                   compilations: Sequence[Compilation] = (),
                   moe_blocks: Sequence[RoutedExperts] = (),
                   offload_choice: Optional[object] = None,
-                  update_reason: Optional[str] = None) -> Explanation:
+                  update_reason: Optional[str] = None,
+                  update_kernels: Optional[str] = None) -> Explanation:
     """The explanation of ``gm``, a graph our passes rewrote for ``plan`` (from a compiled
     step's ``graphs``, or from ``rewritten_step_on_fake``); ``moe_blocks``: the model's
     mixture-of-experts blocks (``step.moe_blocks``), listed under the plan."""
@@ -102,6 +105,7 @@ def explain_graph(gm: GraphModule, plan, *, hardware="cpu-gloo", title: str = ""
         updates=tuple((i, n.meta[UPDATES_META]) for i, n in enumerate(gm.graph.nodes)
                       if is_update(n)),
         update_reason=update_reason,
+        update_kernels=update_kernels,
     )
 
 
@@ -112,6 +116,8 @@ def _update_section(e: Explanation) -> str:
         lines = [f"Optimizer update: in the graph, {len(e.updates)} buckets, each stepped right "
                  f"after its gradients are reduced, which frees them there ([Note: the update "
                  f"in the graph])"]
+        if e.update_kernels:
+            lines.append(f"  kernels: {e.update_kernels}")
         lines += [f"  {index:>6}  {_bucket(names)}" for index, names in e.updates]
         return "\n".join(lines)
     if e.update_reason:

@@ -119,6 +119,26 @@ def step_on(optimizer: torch.optim.Optimizer, shards: Sequence[torch.Tensor],
             group["params"] = params
 
 
+def kernels_of(optimizer: torch.optim.Optimizer) -> str:
+    """Which of torch.optim's implementations the optimizer's ``step`` runs, from its first
+    group's settings and where its shards are (torch's default: foreach kernels on a GPU, a
+    loop of element-wise operations over each tensor on a CPU)."""
+    group = optimizer.param_groups[0]
+    name = type(optimizer).__name__
+    if group.get("fused"):
+        return f"{name}'s fused kernel (fused=True)"
+    if group.get("foreach"):
+        return f"{name}'s foreach kernels (foreach=True)"
+    on_gpu = any(p.device.type != "cpu" for g in optimizer.param_groups for p in g["params"])
+    default = group.get("foreach") is None
+    kernels = "foreach kernels" if on_gpu and default else "loop over each tensor"
+    chosen = (f"torch's default on a {'GPU' if on_gpu else 'CPU'}" if default
+              else "foreach=False")
+    hint = ("; fused=True runs one fused kernel instead (docs/training-features.md has the "
+            "figures)") if "fused" in group else ""
+    return f"{name}'s {kernels} ({chosen}){hint}"
+
+
 def why_not_in_graph(config, optimizer: torch.optim.Optimizer, plan) -> Optional[str]:
     """Why this step updates after the graph ([Note: the update in the graph]); None: in the
     graph. Read at the first call; what only the capture shows is ``why_not_for_capture``."""
