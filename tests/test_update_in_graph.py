@@ -1,10 +1,10 @@
 """The optimizer's update in the graph, bucket by bucket ([Note: the update in the graph] in
 zero_fx/runtime/graph_update.py), against the update after the graph: the parameters and
 the optimizer's state bit for bit after every step, at stages 1-3 on 2 and 4 gloo ranks,
-fp32 and bf16, AdamW (its fused kernel too) and SGD with momentum, a scheduler, accumulation; each parameter's
-update against single-process eager; what stays after the graph (clipping, fp16 loss
-scaling with an overflowed step) and says why; checkpoints passed both ways between the
-two modes. One launch per world size runs every case."""
+fp32 and bf16, AdamW (its fused kernel too) and SGD with momentum, a scheduler,
+accumulation; each parameter's update against single-process eager; what stays after the
+graph (clipping, fp16 loss scaling with an overflowed step) and says why; checkpoints passed
+both ways between the two modes. One launch per world size runs every case."""
 
 from __future__ import annotations
 
@@ -343,7 +343,7 @@ def test_the_optimizer_kernel_benchmark_buckets_in_order_and_times_each_implemen
 
     from bench.experiments import optimizer_kernels
 
-    params = [torch.empty(n) for n in (10, 10, 30, 5, 5, 5)]  # 4 bytes an element
+    params = torch.nn.ParameterList(torch.empty(n) for n in (10, 10, 30, 5, 5, 5))  # fp32
     buckets = optimizer_kernels.buckets_of(params, bucket_bytes=80)
     assert [[p.numel() for p in b] for b in buckets] == [[10, 10], [30], [5, 5, 5]]
     assert optimizer_kernels.main(["--model", "tiny", "--steps", "2", "--bucket-mib",

@@ -21,6 +21,9 @@ import time
 
 import torch
 
+from zero_fx.plan.build import PlanOptions, PlanRanks, plan_for_module
+from zero_fx.runtime.graph_update import step_on
+
 from ..helpers.runs import machine, write_json
 from ..peers.models import MODELS
 
@@ -40,39 +43,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def buckets_of(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
-    """Runs of ``params`` in order, each at most ``bucket_bytes`` unless one parameter is
-    larger."""
-    buckets, size = [[]], 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += nbytes
-    return buckets
+def buckets_of(model: torch.nn.Module, bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """The model's trainable parameters cut into buckets as zero_fx's passes cut them
+    (``ShardPlan.buckets``: runs of at most ``bucket_bytes``, whole parameters, one dtype
+    each), in the model's order."""
+    plan = plan_for_module(model, PlanRanks(world_size=1),
+                           PlanOptions(stage=3, bucket_bytes=bucket_bytes))
+    params = dict(model.named_parameters())
+    trainable = [layout.name for layout in plan.params if layout.requires_grad]
+    return [[params[name] for name in bucket] for bucket in plan.buckets(trainable)]
 
 
 def step_seconds(params: list[torch.Tensor], options: dict, buckets, steps: int,
                  device: torch.device) -> float:
     """The median time of one update of every parameter: ``step()`` over all of them, or
-    (``buckets``) once per bucket, each call given that bucket's parameters only."""
+    (``buckets``) once per bucket, narrowed to it as the update in the graph narrows it
+    (``step_on``)."""
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, **options)
-    groups = [[p for p in params]] if buckets is None else buckets
     times = []
     for i in range(steps + 2):  # the first two make the state, untimed
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        for group in groups:
-            opt.param_groups[0]["params"] = group
+        if buckets is None:
             opt.step()
+        for bucket in buckets or ():
+            step_on(opt, bucket, opt.step)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i >= 2:
             times.append(time.perf_counter() - start)
-    opt.param_groups[0]["params"] = params
     return statistics.median(times)
 
 
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.randn_like(p)
-    buckets = buckets_of(params, int(args.bucket_mib * 2 ** 20))
+    buckets = buckets_of(model, int(args.bucket_mib * 2 ** 20))
     psi = sum(p.numel() for p in params)
     rows = []
     for name, options in IMPLEMENTATIONS.items():

@@ -313,8 +313,8 @@ def drive(args, argv: list[str], launch=launch_peer) -> int:
             rounds.setdefault(peer, []).append(rows)
     if not leader:
         return 1 if failed else 0
-    results = {peer: rows[0] if len(rows) == 1 else peers_report.pool_rounds(rows)
-               for peer, rows in ((p, rounds[p]) for p in runnable if p in rounds)}
+    pooled = (lambda rows: rows[0]) if args.rounds == 1 else peers_report.pool_rounds
+    results = {peer: pooled(rounds[peer]) for peer in runnable if peer in rounds}
     return report(args, results, notes, failed, time.perf_counter() - start)
 
 

@@ -48,8 +48,8 @@ def round_disagreements(summaries: list[dict], rtol: float) -> list[str]:
     for s in summaries:
         first, *later = s.get("round_losses", [[]])
         for number, losses in enumerate(later, 2):
-            worst = max((abs(a - b) / abs(b) for a, b in zip(losses, first)), default=0.0)
-            if not worst <= rtol:
+            worst = _worst_relative_difference(losses, first)
+            if not worst <= rtol:  # a NaN disagrees
                 bad.append(f"{s['peer']}: round {number}'s losses differ from round 1's by "
                            f"{worst:.2e} (> {rtol:.0e})")
     return bad
@@ -68,7 +68,7 @@ def summarize(name: str, ranks: list[dict]) -> dict:
     """One peer over all ranks: per step the slowest rank's time, then median/min/max and
     the tokens/s and MFU of that median; the highest peak over ranks; the slowest rank's
     host enqueue time (the least of its measures); rank 0's losses (means over ranks)."""
-    slowest = [max(times) for times in zip(*(r["step_s"] for r in ranks))]
+    slowest = _slowest_rank([r["step_s"] for r in ranks])
     median = statistics.median(slowest)
     tokens_per_s = ranks[0]["tokens_per_step"] / median
     enqueue_s = max(min(r["enqueue_s"]) for r in ranks)
@@ -110,10 +110,15 @@ def summarize(name: str, ranks: list[dict]) -> dict:
         summary["profile"] = row0["profile"]
     if "round_step_s" in row0:
         summary["round_median_step_ms"] = [
-            1e3 * statistics.median(max(times) for times in zip(*steps))
+            1e3 * statistics.median(_slowest_rank(steps))
             for steps in zip(*(r["round_step_s"] for r in ranks))]
         summary["round_losses"] = row0["round_losses"]
     return summary
+
+
+def _slowest_rank(step_s: list[list[float]]) -> list[float]:
+    """Per step, the slowest rank's time (``step_s``: each rank's step times)."""
+    return [max(times) for times in zip(*step_s)]
 
 
 def profile_lines(summaries: list[dict]) -> str:
@@ -141,12 +146,17 @@ def loss_disagreements(summaries: list[dict], reference: str, rtol: float,
     ref = next(s for s in summaries if s["peer"] == reference)["losses"][:steps]
     bad = []
     for s in summaries:
-        diffs = [abs(a - b) / abs(b) for a, b in zip(s["losses"], ref)]
-        worst = math.nan if any(map(math.isnan, diffs)) else max(diffs, default=0.0)
+        worst = _worst_relative_difference(s["losses"], ref)
         s["loss_rel_diff"] = worst
         if not worst <= rtol:  # a NaN disagrees
             bad.append(f"{s['peer']}: losses differ from {reference}'s by {worst:.2e} (> {rtol:.0e})")
     return bad
+
+
+def _worst_relative_difference(losses: list[float], reference: list[float]) -> float:
+    """The largest ``|loss - ref| / |ref|`` over the steps both have; NaN if any is NaN."""
+    diffs = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
+    return math.nan if any(map(math.isnan, diffs)) else max(diffs, default=0.0)
 
 
 def _ratio(value, ref):
