@@ -77,6 +77,49 @@ def test_cells_say_what_passed_and_what_did_not():
     assert "- torch-2.11, parity: `tests/test_x.py::test_y` failed: AssertionError" in text
 
 
+def _junit(cases: dict) -> str:
+    """A JUnit XML of pytest's shape: node id -> outcome."""
+    rows = []
+    for node, outcome in cases.items():
+        path, name = node.split("::", 1)
+        body = {"passed": "", "failed": '<failure message="AssertionError: off"/>',
+                "skipped": '<skipped message="no GPU"/>'}[outcome]
+        rows.append(f'<testcase classname="{path[:-3].replace("/", ".")}" name="{name}" '
+                    f'time="2.0">{body}</testcase>')
+    return f'<testsuites><testsuite>{"".join(rows)}</testsuite></testsuites>'
+
+
+@pytest.mark.parametrize("status, failing, expected", [
+    (0, None, {"import": "2 passed", "parity": "1 passed"}),
+    (1, "tests/test_parity.py::test_parity_aot_eager[3-2-gpt]",
+     {"import": "2 passed", "parity": "**1 failed**"}),
+    (1, None, {"import": "**2 passed**", "parity": "**1 passed**"}),  # the session failed
+])
+def test_the_smoke_reads_each_checks_outcome_from_its_one_pytest_process(
+        monkeypatch, tmp_path, status, failing, expected):
+    checks = [matrix.Check("import", "", (), smoke=("tests/test_api.py",)),
+              matrix.Check("parity", "", (), smoke=(
+                  "tests/test_parity.py::test_parity_aot_eager[3-2-gpt]",))]
+    cases = {"tests/test_api.py::test_a": "passed", "tests/test_api.py::test_b[x]": "passed",
+             "tests/test_parity.py::test_parity_aot_eager[3-2-gpt]": "passed"}
+    if failing:
+        cases[failing] = "failed"
+    commands = []
+
+    def fake_run(command, **kwargs):
+        commands.append(command)
+        junit = next(c for c in command if str(c).startswith("--junitxml="))
+        open(junit.split("=", 1)[1], "w").write(_junit(cases))
+        return subprocess.CompletedProcess(command, status, "", "")
+
+    monkeypatch.setattr(matrix, "_run", fake_run)
+    results = matrix.run_smoke("python", matrix.ENVIRONMENTS[0], checks, tmp_path)
+    assert len(commands) == 1 and commands[0][-2:] == [
+        "tests/test_api.py", "tests/test_parity.py::test_parity_aot_eager[3-2-gpt]"]
+    assert {name: matrix.cell(r) for name, r in results.items()} == expected
+    assert results["import"]["seconds"] == 4
+
+
 def test_the_doc_has_the_tables_markers_once():
     doc = matrix.DOC.read_text()
     assert doc.count(matrix.START) == 1 and doc.count(matrix.END) == 1

@@ -16,7 +16,9 @@ CUDA build (it runs on the CPU). pip runs with ``PIP_CONFIG_FILE=/dev/null``: a 
 pip configuration may cap torch below the newest release.
 
 Every check is a list of pytest node ids or ``-k`` selections run in the repository with the
-venv's Python; its cell says how many passed and failed (from pytest's JUnit XML), and the
+venv's Python (the smoke's checks, node ids and files only, in one pytest process per
+environment, and its two environments at once: see ``SMOKE_AT_ONCE``); its cell says how many
+passed and failed (from pytest's JUnit XML), and the
 JSON (bench/out/version_matrix.json) keeps each test's outcome and the first line of why.
 A full run writes its table, dated and with the commit, into docs/testing.md between the
 ``version-matrix`` markers, and the tests that failed below it. The exit status is 1 when any
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .gpu_check_report import count_outcomes, outcomes
@@ -71,6 +74,13 @@ ENVIRONMENTS = [
 ]
 SMOKE_ENVIRONMENTS = ("torch-2.11", "torch-2.15")
 """The oldest and the newest supported torch: what CI runs beside the main suite."""
+SMOKE_AT_ONCE = 2
+"""How many of the smoke's environments are tested at the same time (built one after the
+other: each editable install writes this checkout's egg-info). On the 2-core
+CI box the smoke took 265 s one environment and one check after another, 8 pytest processes
+each paying ~10 s to import torch and collect while the other core idled; the multi-rank
+tests still take turns on the cores (tests/cores.py), since both environments test this
+checkout. The full matrix stays one environment at a time: a new venv downloads ~3 GB."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +207,46 @@ def run_check(python: str, env: Environment, check: Check, smoke: bool, logs: Pa
             "tests": [t for t in tests if t["outcome"] not in ("passed", "skipped")]}
 
 
+def _selected_by(entry: str, test: str) -> bool:
+    """Whether the smoke selection ``entry`` (a file or a node id) selects the test ``test``."""
+    return test == entry or test.startswith(entry + "::") or test.startswith(entry + "[")
+
+
+def run_smoke(python: str, env: Environment, checks: list[Check], logs: Path) -> dict:
+    """Every check's smoke part in one pytest process: check name -> run_check's result, each
+    from its own tests' outcomes in the one JUnit XML (its seconds: its tests' own)."""
+    selections = list(dict.fromkeys(entry for c in checks for entry in c.smoke))
+    if any(entry.startswith("-") for entry in selections):
+        raise ValueError(f"a smoke selection must be files or node ids, not options: {selections}")
+    junit = logs / f"{env.name}-smoke.xml"
+    junit.unlink(missing_ok=True)
+    command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
+               f"--junitxml={junit}", *selections]
+    try:
+        done = _run(command, cwd=REPO, timeout=CHECK_TIMEOUT_S)
+        status, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as timeout:
+        status, output = None, f"timed out after {CHECK_TIMEOUT_S} s\n{timeout.stdout or ''}"
+    (logs / f"{env.name}-smoke.log").write_text(
+        " ".join(map(str, command)) + "\n" + (output if isinstance(output, str) else ""))
+    tests = outcomes(str(junit))
+    # pytest failed with no test failing (a selection that collects nothing, the session's
+    # teardown): every check shares that failure, as its own process would have
+    unexplained = status != 0 and not any(t["outcome"] in ("failed", "error") for t in tests)
+    results = {}
+    for check in checks:
+        own = [t for t in tests if any(_selected_by(e, t["test"]) for e in check.smoke)]
+        counts = count_outcomes(own)
+        failed = counts.get("failed", 0) + counts.get("error", 0)
+        own_status = status if status is None or failed or unexplained else 0
+        results[check.name] = {
+            "status": own_status, "counts": counts,
+            "seconds": round(sum(t["seconds"] for t in own)),
+            "ok": own_status == 0 and not failed and counts.get("passed", 0) > 0,
+            "tests": [t for t in own if t["outcome"] not in ("passed", "skipped")]}
+    return results
+
+
 def cell(result: dict) -> str:
     if result is None:
         return "not run"
@@ -280,27 +330,39 @@ def main(argv=None) -> int:
     def log(text: str) -> None:
         print(f"[{time.monotonic() - started:6.0f} s] {text}", flush=True)
 
-    results: dict[str, dict] = {}
-    for env in envs:
+    results: dict[str, dict] = {env.name: {} for env in envs}
+
+    def build_one(env: Environment) -> None:
         log(f"{env.name}: torch {env.torch}, transformers {env.transformers}")
-        built = build(env, log)
-        results[env.name] = {"install": built}
+        built = results[env.name]["install"] = build(env, lambda text: log(f"{env.name}: {text.strip()}"))
         if "error" in built:
-            log(f"  {built['error']}")
-            continue
-        log(f"  has torch {built['torch']}, transformers {built['transformers']}; "
+            log(f"{env.name}: {built['error']}")
+            return
+        log(f"{env.name}: has torch {built['torch']}, transformers {built['transformers']}; "
             f"the install {'kept' if built['kept'] else 'CHANGED'} them ({built['seconds']} s)")
-    if args.build_only:
-        return 0 if all("error" not in r["install"] for r in results.values()) else 1
-    for env in envs:
+
+    def test_one(env: Environment) -> None:
         built = results[env.name]["install"]
         if "error" in built:
-            continue
-        for check in checks:
-            log(f"{env.name}: {check.name} ...")
-            result = run_check(built["python"], env, check, args.smoke, logs)
-            results[env.name][check.name] = result
-            log(f"{env.name}: {check.name}: {cell(result)} in {result['seconds']} s")
+            return
+        if args.smoke:
+            log(f"{env.name}: {', '.join(c.name for c in checks)} (one pytest process) ...")
+            found = run_smoke(built["python"], env, checks, logs)
+        else:
+            found = {}
+            for check in checks:
+                log(f"{env.name}: {check.name} ...")
+                found[check.name] = run_check(built["python"], env, check, args.smoke, logs)
+        for name, result in found.items():
+            results[env.name][name] = result
+            log(f"{env.name}: {name}: {cell(result)} in {result['seconds']} s")
+
+    for env in envs:  # one at a time: each editable install writes the checkout's egg-info
+        build_one(env)
+    if args.build_only:
+        return 0 if all("error" not in r["install"] for r in results.values()) else 1
+    with ThreadPoolExecutor(max_workers=SMOKE_AT_ONCE if args.smoke else 1) as pool:
+        list(pool.map(test_one, envs))  # list(): raises what a worker raised
     seconds = time.monotonic() - started
     text = table(envs, results, checks)
     print(text)
