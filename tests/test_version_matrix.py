@@ -118,6 +118,8 @@ def test_the_smoke_reads_each_checks_outcome_from_its_one_pytest_process(
         "tests/test_api.py", "tests/test_parity.py::test_parity_aot_eager[3-2-gpt]"]
     assert {name: matrix.cell(r) for name, r in results.items()} == expected
     assert results["import"]["seconds"] == 4
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["torch-2.11-smoke.log",
+                                                         "torch-2.11-smoke.xml"]
 
 
 def test_the_doc_has_the_tables_markers_once():

@@ -185,22 +185,29 @@ def build(env: Environment, log) -> dict:
             "seconds": round(time.monotonic() - started)}
 
 
-def run_check(python: str, env: Environment, check: Check, smoke: bool, logs: Path) -> dict:
-    """One check in one venv: pytest's counts, each test's outcome, the seconds it took."""
-    junit = logs / f"{env.name}-{check.name}.xml"
+def _pytest(python: str, selection, stem: Path) -> tuple[int | None, list[dict]]:
+    """pytest on ``selection`` with the venv's Python: its exit status (None: timed out) and
+    each test's outcome; its output goes to ``stem``.log, its JUnit XML to ``stem``.xml."""
+    junit = Path(f"{stem}.xml")  # not with_suffix: "torch-2.11-smoke" has the suffix ".11-smoke"
     junit.unlink(missing_ok=True)
     command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
-               f"--junitxml={junit}", *(check.smoke if smoke else check.tests)]
-    started = time.monotonic()
+               f"--junitxml={junit}", *selection]
     try:
         done = _run(command, cwd=REPO, timeout=CHECK_TIMEOUT_S)
         status, output = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as timeout:
         status, output = None, f"timed out after {CHECK_TIMEOUT_S} s\n{timeout.stdout or ''}"
-    seconds = round(time.monotonic() - started)
-    (logs / f"{env.name}-{check.name}.log").write_text(
+    Path(f"{stem}.log").write_text(
         " ".join(map(str, command)) + "\n" + (output if isinstance(output, str) else ""))
-    tests = outcomes(str(junit))
+    return status, outcomes(str(junit))
+
+
+def run_check(python: str, env: Environment, check: Check, smoke: bool, logs: Path) -> dict:
+    """One check in one venv: pytest's counts, each test's outcome, the seconds it took."""
+    started = time.monotonic()
+    status, tests = _pytest(python, check.smoke if smoke else check.tests,
+                            logs / f"{env.name}-{check.name}")
+    seconds = round(time.monotonic() - started)
     counts = count_outcomes(tests)
     ok = status == 0 and counts.get("passed", 0) > 0
     return {"status": status, "counts": counts, "seconds": seconds, "ok": ok,
@@ -218,18 +225,7 @@ def run_smoke(python: str, env: Environment, checks: list[Check], logs: Path) ->
     selections = list(dict.fromkeys(entry for c in checks for entry in c.smoke))
     if any(entry.startswith("-") for entry in selections):
         raise ValueError(f"a smoke selection must be files or node ids, not options: {selections}")
-    junit = logs / f"{env.name}-smoke.xml"
-    junit.unlink(missing_ok=True)
-    command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
-               f"--junitxml={junit}", *selections]
-    try:
-        done = _run(command, cwd=REPO, timeout=CHECK_TIMEOUT_S)
-        status, output = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as timeout:
-        status, output = None, f"timed out after {CHECK_TIMEOUT_S} s\n{timeout.stdout or ''}"
-    (logs / f"{env.name}-smoke.log").write_text(
-        " ".join(map(str, command)) + "\n" + (output if isinstance(output, str) else ""))
-    tests = outcomes(str(junit))
+    status, tests = _pytest(python, selections, logs / f"{env.name}-smoke")
     # pytest failed with no test failing (a selection that collects nothing, the session's
     # teardown): every check shares that failure, as its own process would have
     unexplained = status != 0 and not any(t["outcome"] in ("failed", "error") for t in tests)
