@@ -17,9 +17,9 @@ pip configuration may cap torch below the newest release.
 
 Every check is a list of pytest node ids or ``-k`` selections run in the repository with the
 venv's Python (the smoke's checks, node ids and files only, in one pytest process per
-environment, and its two environments at once: see ``SMOKE_AT_ONCE``); its cell says how many
-passed and failed (from pytest's JUnit XML), and the
-JSON (bench/out/version_matrix.json) keeps each test's outcome and the first line of why.
+environment, and its two environments at once: see ``SMOKE_AT_ONCE``); its cell says how
+many passed and failed (from pytest's JUnit XML), and the JSON
+(bench/out/version_matrix.json) keeps each test's outcome and the first line of why.
 A full run writes its table, dated and with the commit, into docs/testing.md between the
 ``version-matrix`` markers, and the tests that failed below it. The exit status is 1 when any
 check failed.
@@ -76,11 +76,12 @@ SMOKE_ENVIRONMENTS = ("torch-2.11", "torch-2.15")
 """The oldest and the newest supported torch: what CI runs beside the main suite."""
 SMOKE_AT_ONCE = 2
 """How many of the smoke's environments are tested at the same time (built one after the
-other: each editable install writes this checkout's egg-info). On the 2-core
-CI box the smoke took 265 s one environment and one check after another, 8 pytest processes
-each paying ~10 s to import torch and collect while the other core idled; the multi-rank
-tests still take turns on the cores (tests/cores.py), since both environments test this
-checkout. The full matrix stays one environment at a time: a new venv downloads ~3 GB."""
+other: each editable install writes this checkout's egg-info). On the 2-core CI box the
+smoke took 265 s one environment and one check after another, 8 pytest processes each
+paying ~10 s to import torch and collect while the other core idled; 133 s this way. The
+multi-rank tests still take turns on the cores (tests/cores.py), since both environments
+test this checkout. The full matrix stays one environment at a time: a new venv downloads
+~3 GB."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,16 +203,22 @@ def _pytest(python: str, selection, stem: Path) -> tuple[int | None, list[dict]]
     return status, outcomes(str(junit))
 
 
+def _check_result(status: int | None, tests: list[dict], seconds: float) -> dict:
+    """A check's result: pytest's status for it, its counts, its seconds, whether it passed
+    (some test passed, none failed), and the tests that neither passed nor were skipped."""
+    counts = count_outcomes(tests)
+    failed = counts.get("failed", 0) + counts.get("error", 0)
+    return {"status": status, "counts": counts, "seconds": round(seconds),
+            "ok": status == 0 and not failed and counts.get("passed", 0) > 0,
+            "tests": [t for t in tests if t["outcome"] not in ("passed", "skipped")]}
+
+
 def run_check(python: str, env: Environment, check: Check, smoke: bool, logs: Path) -> dict:
     """One check in one venv: pytest's counts, each test's outcome, the seconds it took."""
     started = time.monotonic()
     status, tests = _pytest(python, check.smoke if smoke else check.tests,
                             logs / f"{env.name}-{check.name}")
-    seconds = round(time.monotonic() - started)
-    counts = count_outcomes(tests)
-    ok = status == 0 and counts.get("passed", 0) > 0
-    return {"status": status, "counts": counts, "seconds": seconds, "ok": ok,
-            "tests": [t for t in tests if t["outcome"] not in ("passed", "skipped")]}
+    return _check_result(status, tests, time.monotonic() - started)
 
 
 def _selected_by(entry: str, test: str) -> bool:
@@ -232,14 +239,9 @@ def run_smoke(python: str, env: Environment, checks: list[Check], logs: Path) ->
     results = {}
     for check in checks:
         own = [t for t in tests if any(_selected_by(e, t["test"]) for e in check.smoke)]
-        counts = count_outcomes(own)
-        failed = counts.get("failed", 0) + counts.get("error", 0)
+        failed = any(t["outcome"] in ("failed", "error") for t in own)
         own_status = status if status is None or failed or unexplained else 0
-        results[check.name] = {
-            "status": own_status, "counts": counts,
-            "seconds": round(sum(t["seconds"] for t in own)),
-            "ok": own_status == 0 and not failed and counts.get("passed", 0) > 0,
-            "tests": [t for t in own if t["outcome"] not in ("passed", "skipped")]}
+        results[check.name] = _check_result(own_status, own, sum(t["seconds"] for t in own))
     return results
 
 
@@ -330,7 +332,8 @@ def main(argv=None) -> int:
 
     def build_one(env: Environment) -> None:
         log(f"{env.name}: torch {env.torch}, transformers {env.transformers}")
-        built = results[env.name]["install"] = build(env, lambda text: log(f"{env.name}: {text.strip()}"))
+        built = build(env, lambda text: log(f"{env.name}: {text.strip()}"))
+        results[env.name]["install"] = built
         if "error" in built:
             log(f"{env.name}: {built['error']}")
             return
