@@ -28,6 +28,11 @@ all three, so none reads a version):
 - The size assert in Inductor's generated code: ``assert_size_stride`` in 2.11 and 2.13,
   ``assert_tensor_metadata`` in 2.15; the lowered-memory reader takes both
   (compiler/lowered_memory.py, ``_ASSERT``).
+- Dynamo reads ``opt.param_groups`` in a traced step with setup for its compiled optimizer:
+  it marks every parameter a static address and writes ``capturable=True`` into each group
+  it reconstructs; 2.15 stops the write from reaching the user's dict, 2.11 and 2.13 do not.
+  zero_fx turns the setup off while it traces (``optimizer_read_plainly``, [Note: the
+  optimizer as dynamo reads it]).
 - An outer-product ``bmm`` (``[B,M,1] x [B,1,N]``): 2.13 and 2.15 decompose it into a
   multiply, 2.11 keeps the kernel. ``inductor_keeps_as_kernel`` asks the release's own
   decomposition table, so each release is read as it lowers.
@@ -50,6 +55,7 @@ Met by the version matrix (bench/helpers/version_matrix.py) on transformers 4.57
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any, Iterable, Optional
 
@@ -138,3 +144,48 @@ def one_post_grad_pass(existing: Any, ours: Iterable[CustomGraphPass]) -> Custom
     else:
         users = (existing,)
     return _PassesInOrder((*users, *ours))
+
+
+@contextlib.contextmanager
+def optimizer_read_plainly():
+    """While zero_fx traces a step, dynamo reads ``opt.param_groups`` as any attribute.
+
+    [Note: the optimizer as dynamo reads it]
+    Dynamo wraps an optimizer in ``OptimizerVariable``, which prepares a step it compiles
+    itself: on reading ``param_groups`` it marks every parameter a static address (with a
+    guard) and sets ``capturable=True`` in each group it tracks. zero_fx never lets dynamo
+    trace ``opt.step()`` (the step only records it: runtime/deferred_optimizer.py), so that
+    setup has nothing to prepare, and it does harm where a step reads or writes a group (a
+    learning rate set by hand, as nanoGPT sets it):
+
+    - the groups dynamo writes back hold ``capturable=True`` (2.11, 2.13), and torch.optim's
+      next Adam or AdamW step on the CPU fails its capturable assertion;
+    - at stage 0 the optimizer holds the model's own parameters, which dynamo then reads as
+      static constants of the graph, and the capture fails ("convert all Tensors to
+      FakeTensors first").
+
+    Inside this context the setup is skipped: 2.11 and 2.13 (``var_getattr`` handles the
+    name) and 2.15 (``tp_getset``) alike fall through to the generic attribute read, so the
+    groups are plain dicts to dynamo, their writes replayed as any dict's."""
+    from torch._dynamo.variables import optimizer as dynamo_optimizer
+    from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
+
+    cls = dynamo_optimizer.OptimizerVariable
+    saved = {name: cls.__dict__[name] for name in ("tp_getset", "var_getattr")
+             if name in cls.__dict__}
+    if "tp_getset" in saved and "param_groups" in saved["tp_getset"]:
+        cls.tp_getset = {k: v for k, v in saved["tp_getset"].items() if k != "param_groups"}
+    if "var_getattr" in saved:
+        own = saved["var_getattr"]
+
+        def var_getattr(self, tx, name):
+            if name == "param_groups":
+                return UserDefinedObjectVariable.var_getattr(self, tx, name)
+            return own(self, tx, name)
+
+        cls.var_getattr = var_getattr
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(cls, name, value)

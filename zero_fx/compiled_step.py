@@ -23,9 +23,9 @@ from .capture.hints import capture_failed, capture_hint
 from .capture.routed_experts import (ExpertsRewrite, route_experts_with_fixed_shapes,
                                      unrecognised_experts_error)
 from .capture.dynamic_shapes import ChangingSizes
-from .capture.step_calls import trace_started
+from .capture.step_calls import trace_ended, trace_started
 from .capture.step_graph import CaptureError
-from .compat import hf_install_output_hooks
+from .compat import hf_install_output_hooks, optimizer_read_plainly
 from .compiler.backend import Compilation, StepCompiler
 from . import evaluation
 from .config import ZeroConfig
@@ -185,7 +185,8 @@ class CompiledStep(StepInspection, StepState):
     def _run_compiled(self, args: tuple, kwargs: dict, on_break: Optional[Callable] = None):
         """The compiled step, called; our errors while compiling raised as themselves; a
         graph break handed to ``on_break`` (None: raised as a CaptureError)."""
-        with torch._dynamo.config.patch(**DYNAMO_CONFIG), host_effects.recording():
+        with torch._dynamo.config.patch(**DYNAMO_CONFIG), host_effects.recording(), \
+                optimizer_read_plainly(), self._sizes.ints_traced_as_symbols(args, kwargs):
             try:
                 return self._compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as err:
@@ -243,6 +244,7 @@ class CompiledStep(StepInspection, StepState):
     def _traced_step(self, *args, **kwargs):
         trace_started()  # the optimizer calls this trace makes, checked before compiling
         out = self._fn(*args, **kwargs)
+        trace_ended()
         # The backward has consumed the graph; what is returned is a value, not a node.
         return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
 

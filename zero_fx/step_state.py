@@ -74,6 +74,14 @@ class StepState:
         self._sharded.update.restore_counters(counters)
         return extra
 
+    def full_optimizer_state(self) -> dict[str, dict]:
+        """The optimizer's state by parameter name, each tensor whole (in the parameter's
+        shape), as torch.optim holds it when it steps the whole model: to compare with eager,
+        or to read a moment. A collective: call it on every rank."""
+        state = self._sharded_state()
+        self._confirm_collectives()
+        return state.full_optimizer_state()
+
     def full_state_dict(self, dtype: Optional[torch.dtype] = None, *,
                         cpu_offload: Optional[bool] = None) -> dict[str, torch.Tensor]:
         """The model's whole ``state_dict()`` (fp32 masters, or ``dtype`` for floating-point

@@ -97,6 +97,17 @@ def gather_bucket(*shards: torch.Tensor, numels: Sequence[int], shapes: Sequence
     ``keep_at_one``: gather over a group of one rank too ([Note: collectives kept at a world of
     one] in zero_fx/runtime/process_group.py); otherwise one rank gathers nothing.
     """
+    if any(s.numel() == 0 for s in shards):  # [Note: parameters with no elements]
+        kept = [i for i, s in enumerate(shards) if s.numel()]
+        fulls = gather_bucket(*(shards[i] for i in kept), numels=[numels[i] for i in kept],
+                              shapes=[shapes[i] for i in kept], world_size=world_size,
+                              group_name=group_name, dtype=dtype, from_host=from_host,
+                              keep_at_one=keep_at_one) if kept else []
+        # made from each member (read, not copied), so every result stays the member's chain
+        return _with_empty(fulls, kept, [
+            s.new_empty(shape, dtype=dtype or s.dtype,
+                        device=s.device if from_host is None else from_host)
+            for s, shape in zip(shards, shapes)])
     flat = cast(bucket_buffer(shards, from_host), dtype)
     if world_size > 1 or keep_at_one:
         flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world_size, group_name))
@@ -138,6 +149,16 @@ def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_s
     reduce-scatter over a group of one rank too ([Note: collectives kept at a world of one]
     in zero_fx/runtime/process_group.py).
     """
+    if any(g.numel() == 0 for g in grads):  # [Note: parameters with no elements]
+        kept = [i for i, g in enumerate(grads) if g.numel()]
+        shards = reduce_scatter_bucket(
+            *(grads[i] for i in kept), paddings=[paddings[i] for i in kept],
+            world_size=world_size, group_name=group_name, dtype=dtype, replicas=replicas,
+            replicate_group_name=replicate_group_name, averages=averages, mean_over=mean_over,
+            to_host=to_host, keep_at_one=keep_at_one) if kept else []
+        return _with_empty(shards, kept, [
+            g.new_empty(0, dtype=dtype or g.dtype, device="cpu" if to_host else g.device)
+            for g in grads])
     ranks = mean_over or world_size * replicas
     grads = [cast(g, dtype) for g in grads]
     if world_size == 1 and not keep_at_one:  # the whole gradient is this rank's shard
@@ -177,6 +198,12 @@ def all_reduce_bucket(*grads: torch.Tensor, world_size: int, group_name: str,
     ([Note: divide before the sum]). ``keep_at_one``: all-reduce over a group of one rank
     too ([Note: collectives kept at a world of one] in zero_fx/runtime/process_group.py)."""
     grads = [cast(g, dtype) for g in grads]
+    if any(g.numel() == 0 for g in grads):  # [Note: parameters with no elements]
+        kept = [i for i, g in enumerate(grads) if g.numel()]
+        summed = all_reduce_bucket(*(grads[i] for i in kept), world_size=world_size,
+                                   group_name=group_name, averages=averages,
+                                   keep_at_one=keep_at_one) if kept else []
+        return _with_empty(summed, kept, [g.new_empty(g.shape) for g in grads])
     if world_size == 1 and not keep_at_one:
         return grads
     # (1, numel); _chunk_cat takes no 0-dim tensor (a learnt temperature, CLIP's logit_scale)
@@ -188,6 +215,24 @@ def all_reduce_bucket(*grads: torch.Tensor, world_size: int, group_name: str,
         return [summed]
     return [part.view(g.shape) for part, g in zip(summed.split([g.numel() for g in grads], 1),
                                                    grads)]
+
+
+def _with_empty(results: Sequence[torch.Tensor], kept: Sequence[int],
+                empty: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One tensor per member of a bucket: ``results`` for the members ``kept`` (in order), the
+    member's own of ``empty`` for the others.
+
+    [Note: parameters with no elements]
+    A parameter with no elements (``nn.Parameter(torch.empty(0, 4))``, ``nn.Linear(4, 0)``)
+    has nothing to move, and ``_chunk_cat`` refuses an empty member. Each bucket's code
+    moves its other members as it would without it, and gives it an empty tensor of its
+    own (its whole shape gathered, a shard of 0 elements reduced); a bucket of nothing
+    else issues no collective. Its optimizer state has no elements either: it trains, and
+    never moves."""
+    out = list(empty)
+    for index, result in zip(kept, results):
+        out[index] = result
+    return out
 
 
 def cast(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:

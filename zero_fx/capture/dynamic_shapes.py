@@ -32,12 +32,25 @@ a static one. A dynamic graph is lowered whole, not by regions (``by_regions`` i
 compiler/lower.py): regional compilation keys its bodies by static layouts. The cost of
 the symbols at run time is measured by bench/experiments/dynamic_lengths.py. ``dynamic_shapes=
 "static"`` keeps one graph per distinct shape, for a user who buckets lengths to a few
-values and wants each graph specialised. Python numbers among the arguments are not
-marked: a changing int compiles a graph per value, as before.
+values and wants each graph specialised.
+
+[Note: a changing int argument]
+A step given the iteration number, as a nanoGPT loop moved into the step computes its
+learning rate from it (``lr = get_lr(it)``), would compile a graph per value: dynamo
+specialises Python ints. With ``dynamic_shapes="auto"``, an int argument of the step
+(positional or keyword, not a bool) that differs from the first call's is named in
+``torch.compiler.config.dynamic_sources`` for every later call (``number_sources``), so
+dynamo traces it as a symbol from then on: one more compilation, and the learning rate
+computed from it is a value the graph hands back, written into the optimizer's groups
+after the graph ([Note: hyperparameters written inside the step] in step_calls.py). A
+branch on it (a warm-up's ``if it < warmup``) is one of dynamo's guards, and crossing it
+compiles once more. Floats are not named: dynamo specialises a float argument whatever its
+sources say, and a float that changes compiles a graph per value.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -56,6 +69,36 @@ class ChangingSizes:
         """The first call's argument structure and each argument's size (None: not a tensor)."""
         self.changed: set[tuple[int, int]] = set()
         """(argument position in the flattened arguments, dimension) that have differed."""
+        self._first_ints: Optional[dict[str, int]] = None
+        """The first call's int arguments, by dynamo's name for them."""
+        self.changed_ints: set[str] = set()
+        """Dynamo's names of the int arguments that have differed ([Note: a changing int
+        argument])."""
+
+    def ints_traced_as_symbols(self, args: tuple, kwargs: dict):
+        """While the step is called: the int arguments that have changed traced as symbols
+        ([Note: a changing int argument]), beside any sources the user named."""
+        sources = self.number_sources(args, kwargs)
+        if not sources:
+            return contextlib.nullcontext()
+        given = torch.compiler.config.dynamic_sources
+        return torch.compiler.config.patch(
+            dynamic_sources=",".join(s for s in (given, sources) if s))
+
+    def number_sources(self, args: tuple, kwargs: dict) -> str:
+        """The step's int arguments that have changed since the first call, as dynamo's
+        ``dynamic_sources`` names them in the traced step (``CompiledStep._traced_step(self,
+        *args, **kwargs)``); "" for none ([Note: a changing int argument])."""
+        if not self.enabled:
+            return ""
+        ints = {f"L['args'][{i}]": a for i, a in enumerate(args) if _is_int(a)}
+        ints.update({f"L['kwargs'][{k!r}]": v for k, v in kwargs.items() if _is_int(v)})
+        if self._first_ints is None:
+            self._first_ints = ints
+            return ""
+        self.changed_ints.update(name for name, value in ints.items()
+                                 if name in self._first_ints and self._first_ints[name] != value)
+        return ",".join(sorted(name for name in self.changed_ints if name in ints))
 
     def marked(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``args`` and ``kwargs`` with the dimensions that changed marked dynamic, on tensors
@@ -87,6 +130,10 @@ class ChangingSizes:
             leaves[position] = handed[id(leaf)]
             torch._dynamo.maybe_mark_dynamic(leaves[position], dims)
         return tree_unflatten(leaves, spec) if handed else (args, kwargs)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 USER_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_static_indices",

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from .fused_experts import install_where_reproduced
+from .moe_blocks import tensor_without_running
 from .rewrite_check import what_differs
 
 Tensor = torch.Tensor
@@ -51,7 +52,7 @@ class _GroupedGemm:
 def is_looping_grouped_gemm(module: nn.Module) -> bool:
     """A module of the note's shape: a 3-D ``weight`` of ``groups`` experts, its forward
     called with ``(input, tokens_per_expert)``."""
-    weight = getattr(module, "weight", None)
+    weight = tensor_without_running(module, "weight")  # [Note: recognition runs no parametrization]
     if not (isinstance(weight, nn.Parameter) and weight.dim() == 3
             and getattr(module, "groups", None) == weight.shape[0]):
         return False

@@ -116,12 +116,33 @@ def _same_structure(modules) -> bool:
     return bool(shapes[0]) and all(s == shapes[0] for s in shapes)
 
 
+def tensor_without_running(module: nn.Module, name: str) -> Optional[torch.Tensor]:
+    """``module``'s tensor attribute ``name`` as recognition reads it, without running code.
+
+    [Note: recognition runs no parametrization]
+    Reading a parametrized attribute (``spectral_norm``'s ``weight``) runs its
+    parametrization, and spectral norm's, in training mode, takes a step of its power
+    iteration and writes its buffers ``_u`` and ``_v`` in place: one more step than eager
+    takes, before the first call's graph has run. So structure is read from what the
+    module holds: a parametrized attribute is its ``original`` (the tensor the
+    parametrization is applied to, of the same shape for spectral norm and orthogonal
+    maps), or None where it has several (weight norm's ``original0`` and ``original1``)."""
+    from torch.nn.utils import parametrize
+
+    if parametrize.is_parametrized(module, name):
+        return getattr(module.parametrizations[name], "original", None)
+    value = module._parameters.get(name, module._buffers.get(name))
+    if value is None and name not in module._parameters and name not in module._buffers:
+        value = module.__dict__.get(name)
+    return value if isinstance(value, torch.Tensor) else None
+
+
 def _routes_over(router: nn.Module, num_experts: int) -> bool:
     """An nn.Linear of one output per expert, a module with such a ``weight``, or a module
     whose scoring layer is one (LongCat-Flash's ``router.classifier``)."""
     if isinstance(router, nn.Linear):
         return router.out_features == num_experts
-    weight = getattr(router, "weight", None)
+    weight = tensor_without_running(router, "weight")  # [Note: recognition runs no parametrization]
     if isinstance(weight, torch.Tensor):
         return weight.dim() == 2 and weight.shape[0] == num_experts
     return any(isinstance(c, nn.Linear) and c.out_features == num_experts

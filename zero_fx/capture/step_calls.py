@@ -9,9 +9,35 @@ run time), and the backend checks the notes first, before capture, our passes, o
 Inductor/aot_eager start. A trace that dynamo restarts starts the notes over
 (``trace_started``). The functions ``comptime`` runs may not close over anything, so
 the notes live in this module: dynamo traces one frame at a time.
+
+[Note: hyperparameters written inside the step]
+A step may set its optimizer's hyperparameters itself, as nanoGPT's loop sets the learning
+rate (``for g in opt.param_groups: g["lr"] = lr``). Dynamo does not write such a dict while
+it runs the graph: it replays the write after the compiled graph has returned. So the
+update in the graph, which steps during the graph, would read the groups as the call found
+them, and the update after the graph reads them as the call leaves them. Eager's
+``opt.step()`` reads them as they are at that line. The notes say which the step does, from
+dynamo's own record of what it will replay (``side_effects.is_modified`` of each group's
+dict, read through ``comptime``):
+
+- "writes param groups": a group was written before ``opt.step()``. The update runs after
+  the graph, where the groups hold what the step wrote (graph_update.py,
+  ``why_not_for_capture``);
+- "writes param groups after step": the groups were first written after ``opt.step()`` (a
+  schedule by hand at the end of the step). The update in the graph reads them before the
+  write, as eager does; the update after the graph steps with the groups as the call found
+  them (``OptimizerUpdate.apply``) and then leaves them as the step wrote them.
+
+A group written both before and after ``opt.step()`` is seen as the first case: the update
+reads what the step left, which is right unless the second write changes a value the step
+used. Whatever the step writes, nothing of it is a constant of the graph: the groups are
+plain dicts to dynamo ([Note: the optimizer as dynamo reads it] in zero_fx/compat.py), read
+by torch.optim's own ``step`` when it runs.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from torch._dynamo.comptime import comptime
 
@@ -20,13 +46,34 @@ from .step_graph import CaptureError
 _traced: list[str] = []
 """The optimizer calls of the trace under way, in order."""
 
+_groups: list[dict] = []
+"""The param groups of the optimizer whose step is being called (``watching``)."""
+
+
+def _groups_written(ctx) -> bool:
+    """Whether dynamo will write back any of ``_groups`` after the graph."""
+    tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
+    side_effects = tx.output.side_effects
+    for group in _groups:
+        variable = side_effects.id_to_variable.get(id(group))
+        if variable is not None and side_effects.is_modified(variable):
+            return True
+    return False
+
 
 def _start(ctx) -> None:
     _traced.clear()
 
 
 def _step(ctx) -> None:
+    if _groups_written(ctx):
+        _traced.append("writes param groups")
     _traced.append("step")
+
+
+def _end(ctx) -> None:
+    if "writes param groups" not in _traced and _groups_written(ctx):
+        _traced.append("writes param groups after step")
 
 
 def _zero_grad(ctx) -> None:
@@ -37,14 +84,21 @@ def _scheduler(ctx) -> None:
     _traced.append("scheduler")
 
 
+def _zero_grad_keeping(ctx) -> None:
+    _traced.append("zero_grad")
+    _traced.append("zero_grad keeps zeros")
+
+
 def _reads_gradients(ctx) -> None:
     _traced.append("reads gradients")
 
 
 def traced_calls() -> list[str]:
     """The notes of the latest trace: "step", "zero_grad", "scheduler" (a scheduler's
-    ``step()``) and "reads gradients" (a clip, or a GradScaler's ``unscale_``/``step``), in
-    order."""
+    ``step()``), "zero_grad keeps zeros" (after "zero_grad", for ``set_to_none=False``),
+    "reads gradients" (a clip, or a GradScaler's ``unscale_``/``step``), "writes
+    param groups" (before "step") and "writes param groups after step" ([Note:
+    hyperparameters written inside the step]), in order."""
     return list(_traced)
 
 
@@ -53,14 +107,34 @@ def trace_started() -> None:
     comptime(_start)
 
 
+def trace_ended() -> None:
+    """Call last in the traced step, after the user's function returned."""
+    comptime(_end)
+
+
+@contextlib.contextmanager
+def watching(groups: list[dict]):
+    """While the step runs (and dynamo may trace it): the optimizer's ``param_groups``,
+    whose writes the notes report ([Note: hyperparameters written inside the step])."""
+    _groups[:] = groups
+    try:
+        yield
+    finally:
+        _groups.clear()
+
+
 def traced_step() -> None:
     """Call from the recorder of ``opt.step()``."""
     comptime(_step)
 
 
-def traced_zero_grad() -> None:
-    """Call from the recorder of ``opt.zero_grad()``."""
-    comptime(_zero_grad)
+def traced_zero_grad(keeps_zeros: bool = False) -> None:
+    """Call from the recorder of ``opt.zero_grad()``; ``keeps_zeros``: it was given
+    ``set_to_none=False`` (a constant of the trace)."""
+    if keeps_zeros:
+        comptime(_zero_grad_keeping)
+    else:
+        comptime(_zero_grad)
 
 
 def traced_scheduler() -> None:

@@ -87,6 +87,7 @@ class StepCompiler:
         # would fail after its first call ([Note: checking the step's calls before compiling]).
         if not self.forward_only:
             check_step_calls()
+        calls = traced_calls()
         start = time.perf_counter()
         reason = self._why_compiling()
         plan, state = self.sharded.plan, self.sharded.state
@@ -130,7 +131,8 @@ class StepCompiler:
             dump.finish(self.explain())
         return StepRunner(lowered.run, names, grad_slots(gm), state, self.observers,
                           agreement, signature, extra_inputs, update=self.sharded.update,
-                          updates_in_graph=not update_reason)
+                          updates_in_graph=not update_reason,
+                          writes_groups_after_step="writes param groups after step" in calls)
 
     def _why_compiling(self) -> str:
         if not self.compilations:

@@ -225,9 +225,11 @@ def check_companions(calls: list, update) -> None:
                 f"{kind}() is given {call[-1]} tensors, not all of the model's parameters "
                 f"({max(counts)}); zero_fx clips the gradient of the whole model, over all "
                 f"ranks: pass model.parameters(). Nothing was updated.")
-        if kind == CLIP_NORM and call[3] not in (2.0, math.inf):
+        if kind == CLIP_NORM and not (call[3] > 0):
             raise CaptureError(f"clip_grad_norm_(norm_type={call[3]}) is not supported inside a "
-                               "zero_fx step; use norm_type 2.0 or inf. Nothing was updated.")
+                               "zero_fx step: zero_fx combines the ranks' norms, which takes a "
+                               "p-norm with p > 0 or inf (1.0, 2.0, inf, ...). Nothing was "
+                               "updated.")
 
 
 def _parameter_counts(model: torch.nn.Module) -> set[int]:

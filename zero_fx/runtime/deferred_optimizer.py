@@ -7,12 +7,17 @@ from __future__ import annotations
 import contextlib
 from typing import Optional
 
-from ..capture.step_calls import check_step_calls, traced_step, traced_zero_grad
+from ..capture.step_calls import check_step_calls, traced_step, traced_zero_grad, watching
 from .companions import Recorders, check_companions, outside_window, recording, run_window
 from .failures import (FenceFailed, failed_after_update, failed_before_update,
                        failed_in_graph_update, fence_failed, is_communication_failure)
 from .step_runner import entered
 from .update import OptimizerUpdate
+
+
+ZERO_GRAD_KEEPS_ZEROS = "zero_grad keeps zeros"
+"""Recorded after "zero_grad" for ``opt.zero_grad(set_to_none=False)`` ([Note:
+zero_grad(set_to_none=False)] in update.py)."""
 
 
 class DeferredOptimizerCalls:
@@ -39,7 +44,7 @@ class DeferredOptimizerCalls:
         real_step = saved.get("step") or type(optimizer).step.__get__(optimizer)
         optimizer.step, optimizer.zero_grad = self._record_step, self._record_zero_grad
         try:
-            with recording(self._recorders, self._step_globals):
+            with recording(self._recorders, self._step_globals), watching(optimizer.param_groups):
                 yield real_step
         finally:
             del optimizer.step, optimizer.zero_grad
@@ -52,15 +57,18 @@ class DeferredOptimizerCalls:
         traced_step()
         self.calls.append("step")
 
-    def _record_zero_grad(self, *args, **kwargs):
-        traced_zero_grad()
+    def _record_zero_grad(self, set_to_none: bool = True):
+        traced_zero_grad(keeps_zeros=not set_to_none)
         self.calls.append("zero_grad")
+        if not set_to_none:
+            self.calls.append(ZERO_GRAD_KEEPS_ZEROS)
 
     def run(self, update: OptimizerUpdate, rank: int, observers: list) -> None:
         """Check the step made the calls zero_fx needs, then accumulate the gradient shards
         and, at the end of an accumulation window, update the shards."""
         check_step_calls([c for c in self.calls if isinstance(c, str)])
         check_companions(self.calls, update)
+        update.keeps_zero_grads = ZERO_GRAD_KEEPS_ZEROS in self.calls
         with entered(observers):
             try:
                 ready = update.accumulate()

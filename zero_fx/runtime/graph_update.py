@@ -35,7 +35,10 @@ What needs every bucket's gradient before any element may change stays after the
 - stages 0-1 with accumulation, which reduce once after the last micro-batch, outside
   the graph, and stage 0, whose update after the graph is kept (not built here yet);
 - a scheduler stepped before ``opt.step()`` in the step, whose new rate the update after
-  the graph uses;
+  the graph uses, and hyperparameters the step writes itself before ``opt.step()``
+  ([Note: hyperparameters written inside the step] in capture/step_calls.py);
+- ``opt.zero_grad(set_to_none=False)``, whose zero gradients step parameters the call did
+  not use ([Note: zero_grad(set_to_none=False)] in update.py);
 - optimizers other than SGD, Adam and AdamW, and those with step hooks;
 - whole-program lowering ("aot_eager", "inductor" with ``regional=False``, a custom
   backend, dynamic shapes): AOTAutograd would trace through the call. Regional
@@ -69,12 +72,16 @@ class GraphUpdate:
         """The optimizer's own ``step`` (the step's ``opt.step()`` only records, inside it)."""
         self.changed = False
         """This call's graph has stepped at least one bucket (its failure leaves ranks apart)."""
+        self.stepped: set[str] = set()
+        """The parameters stepped in the graph since the last update ([Note: what the update
+        refreshes] in sharded_state.py)."""
         self.refused = ""
         """Why the first call left the update after the graph (``why_not_in_graph``); "": in
         the graph, unless a compilation says otherwise (``why_not_for_capture``)."""
 
     def update(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None:
         shards = [self.state.shards[name] for name in names]
+        self.state.grads_seen.update(names)
         with torch.no_grad():
             for shard, grad in zip(shards, grads):
                 # as commit_grads after the graph: the masters' dtype and device, summed
@@ -86,9 +93,15 @@ class GraphUpdate:
             if self.accumulation_steps != 1 and held:
                 torch._foreach_div_([s.grad for s in held], float(self.accumulation_steps))
         self.changed = True
+        self.stepped.update(name for name, shard in zip(names, shards) if shard.grad is not None)
         step_on(self.state.optimizer, held, self.real_step)
         for shard in held:
             shard.grad = None
+
+    def take_stepped(self) -> set[str]:
+        """The parameters stepped since the last update; forgotten here."""
+        stepped, self.stepped = self.stepped, set()
+        return stepped
 
     @contextlib.contextmanager
     def running(self, real_step: Callable, micro_step: int):
@@ -186,6 +199,12 @@ def why_not_for_capture(calls: Sequence[str], dynamic: bool, backend) -> Optiona
                 "gradient before any element is updated")
     if "scheduler" in calls and calls.index("scheduler") < calls.index("step"):
         return "the step calls scheduler.step() before opt.step(), which the update must see"
+    if "writes param groups" in calls:
+        return ("the step sets the optimizer's hyperparameters (param_groups) before "
+                "opt.step(), which the graph only writes back after it has run")
+    if "zero_grad keeps zeros" in calls:
+        return ("opt.zero_grad(set_to_none=False) keeps zero gradients, with which every "
+                "parameter the call did not use steps too")
     if dynamic and backend != "eager":
         return "dynamic shapes lower the whole graph, not by regions"
     return None

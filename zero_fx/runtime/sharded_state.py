@@ -78,6 +78,13 @@ class ShardedState(WholeParameters):
         since the last optimizer step, reduced by ``reduce_accumulated``."""
         self.gathered = False
         """Inside ``gathered_parameters()`` (stage 3): the model's parameters hold values."""
+        self.stepped: set[str] = set()
+        """The parameters the latest update stepped: those whose shard had a gradient. Only
+        these changed, so only these are refreshed ([Note: what the update refreshes])."""
+        self.grads_seen: set[str] = set()
+        """The parameters whose ``.grad`` eager would hold as a tensor: given a gradient since
+        the last ``zero_grad()`` that set gradients to None ([Note: zero_grad(set_to_none=
+        False)] in runtime/update.py)."""
         self.device = device or next(local_tensor(p) for p in self.params.values()).device
         """Where this rank trains: the parameters', and every collective's, device."""
         self.device_shards: dict[str, torch.Tensor] = {}
@@ -263,6 +270,7 @@ class ShardedState(WholeParameters):
             # whole gradients awaiting their reduction stay on the device; shards go to the
             # masters (the host, offloaded: [Note: optimizer offload])
             grad = grad.to(dtype=shard.dtype, device=shard.device if into is None else None)
+            self.grads_seen.add(name)
             if into is not None:
                 into[name] = grad if name not in into else into[name] + grad
             else:
@@ -289,15 +297,36 @@ class ShardedState(WholeParameters):
         """The gradients the optimizer will step with (this rank's shards of them)."""
         return [s.grad for s in self.shards.values() if s.grad is not None]
 
+    def note_stepped(self) -> None:
+        """Before the optimizer steps after the graph: the shards it will change are those
+        with a gradient ([Note: what the update refreshes])."""
+        self.stepped = {name for name, shard in self.shards.items() if shard.grad is not None}
+
+    def keep_zero_grads(self) -> None:
+        """Before the optimizer steps: a parameter eager would hold a ``.grad`` for (zeroed,
+        not None) but that this window gave none steps with a zero gradient, as in eager
+        ([Note: zero_grad(set_to_none=False)] in runtime/update.py)."""
+        for name in self.grads_seen:
+            shard = self.shards[name]
+            if shard.grad is None:
+                shard.grad = torch.zeros_like(shard)
+
     @torch.no_grad()
     def refresh_parameters(self, frozen: bool = False, fresh: frozenset = frozenset()) -> None:
         """Copy the updated masters into the model's parameters.
 
+        [Note: what the update refreshes]
+        torch.optim skips a parameter whose ``.grad`` is None, so an update changes exactly
+        the shards that held a gradient when it ran (``stepped``). Those are refreshed, and
+        no others: which parameters those are is read at each update, never fixed at the
+        first call, so a parameter frozen or unfrozen between calls (``requires_grad``
+        toggled, ``model.requires_grad_(True)`` after training some layers frozen) is
+        refreshed exactly when the optimizer moved it.
+
         Stage 0 with mixed precision: a cast copy of each master. Stages 1-2:
         all-gather the updated shards (cast to the compute dtype) into the whole
-        parameters, one collective per bucket (``plan.buckets``, in plan order);
-        frozen parameters never change and are skipped unless ``frozen`` (after
-        loading a checkpoint). A no-op in stage 0
+        parameters, one collective per bucket (``plan.buckets``, in plan order); every
+        parameter when ``frozen`` (after loading a checkpoint). A no-op in stage 0
         without mixed precision (the optimizer stepped on the parameters) and in
         stage 3 (the next step gathers where it uses them). ``fresh``: offloaded stage 3,
         the shards the update already wrote on the device ([Note: the update streamed
@@ -305,17 +334,22 @@ class ShardedState(WholeParameters):
         """
         if self.plan.params_sharded and self.offloaded:  # [Note: optimizer offload]
             for name, device_shard in self.device_shards.items():
-                if name not in fresh and (frozen or self.shards[name].requires_grad):
+                if name not in fresh and (frozen or name in self.stepped):
                     device_shard.copy_(self.shards[name].detach(), non_blocking=True)
             return
         if self.plan.params_sharded or self.shards_are_params:
             return
         if self.plan.replicated:
             for name, param in self.params.items():
-                param.copy_(self.shards[name])
+                if frozen or name in self.stepped:
+                    param.copy_(self.shards[name])
             return
+        # the same names on every rank: the graph, the same on each, gave each rank's shards
+        # gradients for the same parameters (a rank's routed experts, which other ranks do
+        # not hold, are gathered by their holders alone: kept in as the plan has them)
         self._gather_into_parameters(
-            [layout.name for layout in self.plan.params if frozen or layout.requires_grad])
+            [layout.name for layout in self.plan.params if frozen or layout.name in self.stepped
+             or (layout.requires_grad and self.plan.is_expert(layout.name))])
 
     def zero_grad(self) -> None:
         for shard in self.shards.values():

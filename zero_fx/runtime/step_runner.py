@@ -16,13 +16,17 @@ class StepRunner:
 
     def __init__(self, compiled, param_names, slots, state: ShardedState, observers: list,
                  agreement: RankAgreement, signature: Optional[GraphSignature],
-                 extra_inputs: list, update=None, updates_in_graph: bool = False):
+                 extra_inputs: list, update=None, updates_in_graph: bool = False,
+                 writes_groups_after_step: bool = False):
         self.compiled = compiled
         self.update = update
         """The step's ``OptimizerUpdate``, told whether this graph steps the optimizer."""
         self.updates_in_graph = updates_in_graph
         """This graph steps the optimizer per bucket ([Note: the update in the graph] in
         graph_update.py); its gradient outputs are None."""
+        self.writes_groups_after_step = writes_groups_after_step
+        """The step writes its optimizer's param groups after ``opt.step()`` only ([Note:
+        hyperparameters written inside the step] in capture/step_calls.py)."""
         self.extra_inputs = extra_inputs
         """Inputs the graph takes after the step's own (the loss scale), read on every call."""
         self.agreement = agreement
@@ -42,6 +46,7 @@ class StepRunner:
             self.agreement.check(call_signature(self.signature, others))
         if self.update is not None:
             self.update.graph_stepped = self.updates_in_graph
+            self.update.groups_written_after_step = self.writes_groups_after_step
         with entered(self.observers):
             outs = list(self.compiled(*inputs))
         if self.state.offloaded:  # the host reads them next ([Note: gradients streamed to the host])

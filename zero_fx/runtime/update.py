@@ -41,6 +41,18 @@ steps from those after k - 1 (``tests/test_offload.py`` applies this by hand). A
 that reads the masters (a checkpoint, ``full_parameters``) waits for the update first
 (``settle()``); the update's errors surface there or at the next call.
 
+[Note: zero_grad(set_to_none=False)]
+torch.optim steps every parameter whose ``.grad`` is a tensor, a zero one included: with
+momentum or weight decay a parameter the call did not use still moves. Eager holds a
+``.grad`` tensor for every parameter given a gradient since the last ``zero_grad()`` that
+set gradients to None; ``zero_grad(set_to_none=False)`` zeroes them and keeps them. zero_fx's
+shards hold a gradient only for what the call's graph differentiated, so the state counts
+the parameters eager would hold a ``.grad`` for (``grads_seen``), and when the step's
+``zero_grad`` keeps zeros (``keeps_zero_grads``, read from the call's recorded calls) each of
+them without a gradient this window steps with a zero one, as in eager. The update then
+runs after the graph (graph_update.py, ``why_not_for_capture``): the update in the graph
+steps only the buckets whose gradients the graph reduces.
+
 Nothing of this reads a value on the host: the gradients are divided by the
 scale (a device tensor), the overflow flag and the new scale are computed on
 the device (``LossScaler``). Skipping the optimizer step is the one place
@@ -55,6 +67,7 @@ uninitialised (``torch.optim.sgd._fused_sgd`` allocates them with
 
 from __future__ import annotations
 
+import contextlib
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
@@ -62,7 +75,7 @@ from typing import Optional
 import torch
 
 from .failures import completion_check
-from .graph_update import GraphUpdate
+from .graph_update import GraphUpdate, step_on
 from .precision import LossScaler
 from .sharded_state import ShardedState
 from .streamed_update import step_through_device
@@ -110,6 +123,16 @@ class OptimizerUpdate:
         self.graph_stepped = False
         """This call's graph steps the optimizer (or sums the gradients) itself, bucket by
         bucket (its compilation's plan said so; ``StepRunner`` sets it)."""
+        self.keeps_zero_grads = False
+        """The step's ``opt.zero_grad`` keeps zeroed gradients (``set_to_none=False``: [Note:
+        zero_grad(set_to_none=False)]); set from each call's recorded calls."""
+        self.groups_at_call: list[dict] = []
+        """The optimizer's hyperparameters as this call found them (each group less its
+        ``params``)."""
+        self.groups_written_after_step = False
+        """This call's graph writes the param groups after ``opt.step()`` only, so the update
+        after the graph steps with ``groups_at_call`` ([Note: hyperparameters written inside
+        the step] in capture/step_calls.py; ``StepRunner`` sets it)."""
         self.completion = completion_check(state.world, state.device)
         """NCCL: the fences that confirm each call's collectives finished ([Note: failures on
         NCCL] in failures.py); None on gloo, whose collectives raise where they fail."""
@@ -118,6 +141,9 @@ class OptimizerUpdate:
         """Around the call of the step's graph: its updates step ``real_step``, the
         optimizer's own ``step``."""
         self.graph_stepped = False
+        self.groups_written_after_step = False
+        self.groups_at_call = [{k: v for k, v in group.items() if k != "params"}
+                               for group in self.state.optimizer.param_groups]
         return self.in_graph.running(real_step, self.micro_step)
 
     @property
@@ -202,11 +228,68 @@ class OptimizerUpdate:
     def apply(self) -> None:
         """The optimizer steps on the shards (or skips, on the device, an overflowed fp16
         step); gradients cleared; parameters refreshed."""
+        if self.graph_stepped:  # stepped in the graph: the parameters refreshed only
+            self._step_what_the_graph_left()
+            self.state.stepped = self.in_graph.take_stepped()
+            self.state.refresh_parameters()
+            self._forget_grads()
+            return
+        if self.keeps_zero_grads:
+            self.state.keep_zero_grads()
+        self.state.note_stepped()
+        with self._hyperparameters_of_the_call():
+            fresh = self._step()
+        if self._pending is not None:
+            return
+        self.state.zero_grad()
+        self.state.refresh_parameters(fresh=fresh)
+        self._forget_grads()
+
+    def _step_what_the_graph_left(self) -> None:
+        """With accumulation, the shards that only earlier calls of the window gave a gradient
+        (a branch the last micro-batch did not take): the graph's update steps only the
+        buckets the last call reduced, so these step here, averaged as the graph averages."""
+        left = [shard for shard in self.state.shards.values() if shard.grad is not None]
+        if not left:
+            return
+        if self.accumulation_steps != 1:
+            torch._foreach_div_([shard.grad for shard in left], float(self.accumulation_steps))
+        optimizer = self.state.optimizer
+        self.in_graph.stepped.update(name for name, shard in self.state.shards.items()
+                                     if shard.grad is not None)
+        step_on(optimizer, left, optimizer.step)
+        self.state.zero_grad()
+
+    def _forget_grads(self) -> None:
+        """After the update: a ``zero_grad()`` that sets to None forgets which parameters had
+        a ``.grad`` ([Note: zero_grad(set_to_none=False)])."""
+        if not self.keeps_zero_grads:
+            self.state.grads_seen.clear()
+
+    @contextlib.contextmanager
+    def _hyperparameters_of_the_call(self):
+        """While the optimizer steps after the graph: its groups hold what ``opt.step()`` saw
+        in the step. That is what they hold now, unless the step wrote them after its
+        ``opt.step()`` only, when it is what they held as the call began ([Note:
+        hyperparameters written inside the step] in capture/step_calls.py)."""
+        groups = self.state.optimizer.param_groups
+        if not self.groups_written_after_step or len(groups) != len(self.groups_at_call):
+            yield
+            return
+        written = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        for group, before in zip(groups, self.groups_at_call):
+            group.update(before)
+        try:
+            yield
+        finally:
+            for group, after in zip(groups, written):
+                group.update(after)
+
+    def _step(self) -> frozenset:
+        """The optimizer's step on the shards, after the graph; the shards it already wrote on
+        the device (offloaded stage 3, streamed)."""
         optimizer = self.state.optimizer
         fresh = frozenset()
-        if self.graph_stepped:  # stepped in the graph: the parameters refreshed only
-            self.state.refresh_parameters()
-            return
         if self._found_inf is not None:
             optimizer.found_inf = self._found_inf
             try:
@@ -214,15 +297,13 @@ class OptimizerUpdate:
             finally:
                 del optimizer.found_inf
                 self._found_inf = None
-        elif self.delayed:
+        elif self.delayed and not self.groups_written_after_step:
             self._pending = self._host_thread.submit(optimizer.step)
-            return
         elif self.steps_through_device:
             fresh = step_through_device(self.state)
         else:
             optimizer.step()
-        self.state.zero_grad()
-        self.state.refresh_parameters(fresh=fresh)
+        return fresh
 
     def skip(self) -> None:
         """The window's optimizer step skipped (a ``GradScaler`` found inf or NaN): its
@@ -239,6 +320,7 @@ class OptimizerUpdate:
         pending.result()
         self.state.zero_grad()
         self.state.refresh_parameters()
+        self._forget_grads()
 
     def fence(self) -> None:
         """After the call's last collective (NCCL): a fence, not waited for."""
@@ -252,8 +334,9 @@ class OptimizerUpdate:
             self.completion.settle(everything=everything)
 
     def grad_norm(self, grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-        """The ``norm_type``-norm (2 or inf) of the whole gradient from this rank's part of it
-        ([Note: clipping and overflow]); float32, a scalar, the same on every rank."""
+        """The ``norm_type``-norm (any p > 0, or inf) of the whole gradient from this rank's
+        part of it ([Note: clipping and overflow]); float32, a scalar, the same on every rank.
+        The ranks' p-norms combine as the p-th root of the sum of their p-th powers."""
         plan = self.state.plan
         parallel = plan.tensor_parallel
         if parallel is not None and parallel.rank != 0:
@@ -275,7 +358,9 @@ class OptimizerUpdate:
             # the norm itself: the root of its square is the norm only where the square
             # neither overflows nor underflows ([Note: collectives kept at a world of one])
             return self.across_ranks(norm, "sum")
-        return self.across_ranks(norm.square(), "sum").sqrt()
+        if norm_type == 2.0:
+            return self.across_ranks(norm.square(), "sum").sqrt()
+        return self.across_ranks(norm.pow(norm_type), "sum").pow(1.0 / norm_type)
 
     def _reduce_groups(self) -> list[str]:
         """The groups whose ranks hold different parts of the gradient (and a world of one's

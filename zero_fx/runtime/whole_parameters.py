@@ -35,6 +35,28 @@ class WholeParameters:
         return {name: self._whole(name, self._gather([name], [shard.detach()])[0].clone())
                 for name, shard in self.shards.items()}
 
+    def full_optimizer_state(self) -> dict[str, dict]:
+        """The optimizer's state of every parameter it has state for, by parameter name, as
+        torch.optim would hold it for the whole parameter: each tensor of a shard's size
+        gathered whole, in the parameter's shape; numbers and scalars (``step``) as they are.
+        A collective in stages 1-3: call it on every rank."""
+        out = {}
+        for name, shard in self.shards.items():
+            state = self.optimizer.state.get(shard)
+            if not state:
+                continue
+            out[name] = {key: self._whole_state(name, value) for key, value in state.items()}
+        return out
+
+    def _whole_state(self, name: str, value):
+        """One entry of a shard's optimizer state, whole (``full_optimizer_state``)."""
+        if not isinstance(value, torch.Tensor) or self.plan.replicated or value.ndim != 1:
+            return value.detach().clone() if isinstance(value, torch.Tensor) else value
+        layout = self.plan.layout(name)
+        if value.numel() != layout.shard_numel:
+            return value.detach().clone()
+        return self._whole(name, self._gather([name], [value.detach()])[0].clone())
+
     def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """Parameter ``name``'s whole value from its whole local piece: under tensor
         parallelism a collective over "tp" for a split one, else ``local`` itself."""
