@@ -57,6 +57,42 @@ records the user's stack at every side effect it replays, for its info log (each
 parameter's ``.grad`` the backward sets): 2.3 of 12.7 s of its trace of a 48-block GPT-2."""
 
 
+# [Note: the Python state a step reads]
+# What the step reads that is not a tensor input of the graph, and how each reaches the
+# compiled step. Each is read at run time, an input, or a guard that recompiles (logged
+# with dynamo's reason, step.explain() lists them); none is baked in silently.
+#
+# - Every hyperparameter of every param group (lr, betas, weight decay, momentum, ...):
+#   read by torch.optim's own step when it runs, in the graph or after it. Set between
+#   calls (by hand or a scheduler): nothing recompiles, the groups are not guarded
+#   ([Note: the optimizer as dynamo reads it] in compat.py). Set inside the step before
+#   opt.step(): dynamo writes them after the graph, so the update runs after the graph
+#   and reads them there; set after opt.step(): the update steps with the groups as the
+#   call found them ([Note: hyperparameters written inside the step] in
+#   capture/step_calls.py). Computed from an int argument that changes (nanoGPT's
+#   get_lr(it)): the int is a symbol after its first change ([Note: a changing int
+#   argument] in capture/dynamic_shapes.py).
+# - Flags dynamo's optimizer tracing would leave in the groups (capturable): none is left.
+# - Each parameter's requires_grad: a guard (dynamo recompiles when it changes); the
+#   update steps and refreshes exactly the shards that hold a gradient ([Note: what the
+#   update refreshes] in runtime/sharded_state.py).
+# - zero_grad's set_to_none: recorded per call; set_to_none=False keeps zero gradients
+#   for every parameter eager holds a .grad for ([Note: zero_grad(set_to_none=False)] in
+#   runtime/update.py).
+# - Accumulation: every shard any call of the window gave a gradient steps at the window's
+#   end (OptimizerUpdate._step_what_the_graph_left).
+# - The module's training mode (module.training): a guard, read by dynamo's trace.
+# - Buffers written in place by the forward (BatchNorm's running statistics, spectral
+#   norm's _u and _v, an EMA): inputs of the graph, written back by it after each call,
+#   per rank as in DDP. Nothing of zero_fx runs the forward, or a parametrization, outside
+#   the step ([Note: recognition runs no parametrization] in capture/moe_blocks.py).
+# - Parametrizations: run inside the traced forward, on the gathered parameter.
+# - Parameters with no elements: in the plan and the buckets, moving nothing ([Note:
+#   parameters with no elements] in passes/common/collective_code.py).
+# - A float argument that changes: specialised by dynamo, one compilation per value.
+# tests/test_step_state.py trains each against eager, comparing after every call.
+
+
 class CompiledStep(StepInspection, StepState):
     """A training step compiled by ``zero_compile``. Call it like the original function.
 
