@@ -234,10 +234,13 @@ SCENARIOS = {
     "lr_by_hand_after_step": Scenario(Branchy, lr_by_hand_after_step, "adamw"),
     "lr_read_first": Scenario(Branchy, lr_read_first, "adamw", most_compilations=1),
     "accumulated_branches": Scenario(Branchy, branch_per_call, accumulation=2),
+    "accumulated_branches_adamw": Scenario(Branchy, branch_per_call, "adamw", accumulation=2),
     "zero_grad_keeps_zeros_sgd": Scenario(Branchy, zero_grad_keeps_zeros),
     "zero_grad_keeps_zeros_adamw": Scenario(Branchy, zero_grad_keeps_zeros, "adamw"),
     "requires_grad_toggled": Scenario(Branchy, plain_step, "sgd", toggle_every_other),
+    "requires_grad_toggled_adamw": Scenario(Branchy, plain_step, "adamw", toggle_every_other),
     "unfrozen_late": Scenario(Branchy, plain_step, "sgd", unfreeze_late),
+    "unfrozen_late_adamw": Scenario(Branchy, plain_step, "adamw", unfreeze_late),
     "parametrized": Scenario(Parametrized, plain_step, "adamw"),
     "empty_parameters": Scenario(Empty, plain_step, "adamw"),
     "clip_1_norm": Scenario(Branchy, clipped_by(1.0)),
@@ -470,3 +473,35 @@ def test_a_planted_fault_fails():
     change, 5-20 %)."""
     runs = run_ranks(2, _planted_rank)
     assert any("update" in p for p in _problems(runs[0])), _problems(runs[0])
+
+
+def _users_loop(call: int, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """A loop's own changes between calls: a learning rate set by hand, a layer frozen for
+    the first calls and unfrozen after."""
+    for group in opt.param_groups:
+        group["lr"] = nanogpt_lr(FIRST_IT + call)
+    model.a.requires_grad_(call >= 2)
+
+
+def _verify_rank(rank: int, world_size: int, stage: int) -> dict:
+    import zero_fx
+
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = _optimizer("sgd_momentum", model)
+    step = zero_compile(plain_step, stage=stage, backend="eager")
+    x, y = _batch(0)
+    rows = x.shape[0] // world_size
+    mine = slice(rank * rows, (rank + 1) * rows)
+    report = zero_fx.verify(step, model, opt, x[mine], y[mine], steps=4, between=_users_loop)
+    return {"ok": report.ok, "worst": report.worst, "text": str(report),
+            "a_checked": "a.weight" in report.update_errors}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_verify_runs_the_users_loop_between_calls(stage):
+    """``verify(..., between=...)`` applies the loop's changes to both copies before each
+    call: a layer unfrozen at the third call is compared too, and the step passes."""
+    report = run_ranks(2, _verify_rank, stage)[0]
+    assert report["ok"] and report["worst"][1] < 1e-5, report["text"]
+    assert report["a_checked"], report["text"]

@@ -31,7 +31,7 @@ import copy
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -115,6 +115,7 @@ class Verification:
 
 
 def verify(step: CompiledStep, *args: Any, steps: int = 1, tolerance: float = TOLERANCE,
+           between: Optional[Callable[[int, torch.nn.Module, torch.optim.Optimizer], None]] = None,
            **kwargs: Any) -> Verification:
     """Check a step against eager PyTorch on your own model: ``print(zero_fx.verify(
     train_step, model, opt, x, y))``, before the step's first call, on every rank.
@@ -125,6 +126,10 @@ def verify(step: CompiledStep, *args: Any, steps: int = 1, tolerance: float = TO
     (this rank's). The result lists each parameter's update error, ``‖p − p_eager‖ /
     ‖p_eager − p_0‖``, worst first, and ``ok`` says whether the worst is within
     ``tolerance``. ``step``, the model and the optimizer are not changed.
+
+    ``between(call, model, optimizer)``, if given, runs before each call on each copy: your
+    loop's own changes between steps (a learning rate set by hand, layers frozen or
+    unfrozen, ``model.eval()``), so the check covers the pattern you train with.
 
     It holds two more copies of the model and optimizer while it runs: use it on models
     small enough to copy, or on a small config of yours ([Note: checking a step against
@@ -149,18 +154,25 @@ def verify(step: CompiledStep, *args: Any, steps: int = 1, tolerance: float = TO
     (zero_model, zero_opt, zero_args, zero_kwargs), dropouts_off = _copy(model, optimizer, args,
                                                                          kwargs)
     (eager_model, eager_opt, eager_args, eager_kwargs), _ = _copy(model, optimizer, args, kwargs)
-    initial = {n: p.detach().clone() for n, p in eager_model.named_parameters() if p.requires_grad}
+    # every parameter: one frozen now may be unfrozen by ``between``
+    initial = {n: p.detach().clone() for n, p in eager_model.named_parameters()
+               if p.requires_grad or between is not None}
 
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     devices = [p.device for p in model.parameters() if p.device.type == "cuda"][:1]
     with torch.random.fork_rng(devices=devices):
         zero_step = CompiledStep(step._fn, config, model=None, optimizer=None)
-        for _ in range(steps):
+        for call in range(steps):
+            if between is not None:
+                between(call, zero_model, zero_opt)
             zero_out = zero_step(*zero_args, **zero_kwargs)
         trained = zero_step.full_parameters()
     with torch.random.fork_rng(devices=devices):
         averaged = _DataParallelOptimizer(eager_opt, eager_model, world_size, config)
-        for _ in range(steps):
+        for call in range(steps):
+            if between is not None:
+                between(call, eager_model, eager_opt)
+                averaged.params = [p for p in eager_model.parameters() if p.requires_grad]
             eager_out = averaged.call(step._fn, eager_args, eager_kwargs)
     errors = {name: _update_error(trained[name], p.detach(), initial[name])
               for name, p in eager_model.named_parameters() if name in initial}
