@@ -73,9 +73,10 @@ parameter's ``.grad`` the backward sets): 2.3 of 12.7 s of its trace of a 48-blo
 #   get_lr(it)): the int is a symbol after its first change ([Note: a changing int
 #   argument] in capture/dynamic_shapes.py).
 # - Flags dynamo's optimizer tracing would leave in the groups (capturable): none is left.
-# - Each parameter's requires_grad: a guard (dynamo recompiles when it changes); the
-#   update steps and refreshes exactly the shards that hold a gradient ([Note: what the
-#   update refreshes] in runtime/sharded_state.py).
+# - Each parameter's requires_grad: a guard ([Note: the trainable parameters are guarded]
+#   in _traced_step: a change recompiles); the update steps and refreshes exactly the
+#   shards that hold a gradient ([Note: what the update refreshes] in
+#   runtime/sharded_state.py).
 # - zero_grad's set_to_none: recorded per call; set_to_none=False keeps zero gradients
 #   for every parameter eager holds a .grad for ([Note: zero_grad(set_to_none=False)] in
 #   runtime/update.py).
@@ -126,6 +127,9 @@ class CompiledStep(StepInspection, StepState):
         self._fallback: Optional[EagerFallback] = None
         """Set at the step's first graph break: runs every later call eagerly."""
         self._observers: list[TorchDispatchMode] = []
+        self._trainable: tuple[bool, ...] = ()
+        """Each parameter's ``requires_grad`` as this call found it ([Note: the trainable
+        parameters are guarded] in ``_traced_step``)."""
         self._sizes = ChangingSizes(config.dynamic_shapes)  # [Note: one dynamic graph for every length]
         # Dynamo caches compiled frames per code object: each compiled step gets
         # its own copy of `_traced_step`, or steps would share (and exhaust)
@@ -158,6 +162,7 @@ class CompiledStep(StepInspection, StepState):
             raise RuntimeError("the step was called inside `with step.gathered_parameters():`; "
                                "train outside that block (it is for evaluation)")
         self.state.check_unchanged()
+        self._trainable = tuple(p.requires_grad for p in self.state.params.values())
         args, kwargs = self._sizes.marked(args, kwargs)  # [Note: one dynamic graph for every length]
         host_effects.discard_recorded()
         update = self._sharded.update
@@ -279,6 +284,16 @@ class CompiledStep(StepInspection, StepState):
 
     def _traced_step(self, *args, **kwargs):
         trace_started()  # the optimizer calls this trace makes, checked before compiling
+        # [Note: the trainable parameters are guarded]
+        # Which parameters get a gradient is fixed in the graph. Dynamo guards each
+        # parameter's requires_grad itself in 2.13 and 2.15, but 2.11 did not see a frozen
+        # parameter unfrozen (model.requires_grad_(True) after training some layers frozen):
+        # the graph of the frozen call ran again, and the layer never moved. Branching on
+        # each flag, as the call found it, makes each one a guard of dynamo's on every
+        # release: a change compiles again, with the flag named as the reason.
+        for trainable in self._trainable:
+            if trainable:
+                pass
         out = self._fn(*args, **kwargs)
         trace_ended()
         # The backward has consumed the graph; what is returned is a value, not a node.
