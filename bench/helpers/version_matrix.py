@@ -115,6 +115,12 @@ CHECKS = [
           smoke=(f"{PARITY}::test_parity_inductor_whole_program_stage_3",)),
     Check("idioms", "the twelve step idioms at stages 1 and 3, 2 ranks",
           ("tests/test_step_idioms.py", "-k", "1-2 or 3-2")),
+    Check("step-state", "the Python state a step reads (hyperparameters written in the step, "
+          "requires_grad toggled, zero_grad modes, buffers) against eager, stages 0-3 at 1 and "
+          "2 ranks", ("tests/test_step_state.py",),
+          smoke=_ids("tests/test_step_state.py::test_state_the_step_reads_trains_as_eager",
+                     ["3-2-auto-unfrozen_late", "3-2-auto-lr_by_hand_adamw",
+                      "0-2-auto-lr_read_first"])),
     Check("hf-dense", "HF GPT-2 and Llama, stages 0-3 at 2 ranks",
           ("tests/test_hf_models.py", "-k", "gpt2 or llama"),
           smoke=("tests/test_hf_models.py::test_hf_model_trains_as_single_process[hf_llama-3]",)),
