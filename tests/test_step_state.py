@@ -17,14 +17,20 @@ Where the scenarios come from:
   AdamW; the groups read before the forward; accumulation over branches; ``zero_grad(
   set_to_none=False)`` with a branch used every other call; ``requires_grad`` toggled and a
   model unfrozen late; spectral norm; parameters with no elements; a 1-norm clip;
-- DeepSpeed's zero tests: frozen parameters and parameters that get no gradient in some
-  steps (``test_zero_unused_parameters``, ``test_zero_frozen_weights``), a learning rate
-  changed between steps (its lr schedules), clipping by other norms;
+- DeepSpeed's zero tests (``tests/unit/v1/zero/test_zero.py`` and ``tests/unit/runtime/
+  zero/``): parameters that get no gradient in some steps (``TestZeroUnbalancedGradients``,
+  ``test_ignore_unused_parameters``), a layer frozen from the start
+  (``TestZeroFrozenWeights``), one layer run several times in the forward
+  (``TestZero3RepeatForwardLoop``), param groups with an empty one
+  (``TestEmptyParameterGroup``), training and evaluation modes switched
+  (``TestZero3SwitchModes``), Adam's step count (``TestZeroAdamOptimizerStepCount``, here in
+  the state compared), parameters with no elements and a submodule of nothing else
+  (``test_zero_empty_param``), clipping (``test_zero_grad_clip``);
 - FSDP2's tests: ``zero_grad(set_to_none=False)`` (``test_fully_shard_training``'s
   ``set_to_none`` cases), ``requires_grad`` mixed in one module (``test_fully_shard_frozen``),
   parametrizations and buffers written in the forward (``test_fully_shard_state``,
-  ``test_fully_shard_init``'s buffers), clipping with norm types 1 and 2
-  (``test_fully_shard_clip_grad_norm_``);
+  ``test_fully_shard_init``'s buffers), clipping with norm types 2, 1, 3 and inf, the returned
+  total norm equal to the reference's (``test_fully_shard_clip_grad_norm_``);
 - ``torch.nn``'s layers that carry state: every parametrization of
   ``torch.nn.utils.parametrizations`` (orthogonal, spectral norm, weight norm), an EMA
   buffer updated in the forward, an LSTM; BatchNorm's running statistics at one rank (at two,
@@ -94,9 +100,36 @@ class Empty(Branchy):
         super().__init__()
         self.nothing = nn.Parameter(torch.empty(0, 4))
         self.none = nn.Linear(4, 0)
+        self.only_empty = OnlyEmpty()
 
     def forward(self, x, branch: int = 0):
-        return super().forward(x) + self.nothing.sum() + self.none(x[:, :4]).sum()
+        return (super().forward(x) + self.nothing.sum() + self.none(x[:, :4]).sum()
+                + self.only_empty(x))
+
+
+class OnlyEmpty(nn.Module):
+    """A submodule whose parameters all have no elements (DeepSpeed's ``OnlyEmptyBlock``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Parameter(torch.empty(0, 8)), nn.Parameter(torch.empty(0, 8))
+
+    def forward(self, x):
+        return (x @ self.first.t()).sum() + (x @ self.second.t()).sum()
+
+
+class Repeated(nn.Module):
+    """One layer run three times in the forward (DeepSpeed's ``TestZero3RepeatForwardLoop``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.loop, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x, branch: int = 0):
+        h = torch.tanh(self.inp(x))
+        for _ in range(3):
+            h = torch.tanh(self.loop(h))
+        return self.out(h)
 
 
 class Recurrent(nn.Module):
@@ -199,6 +232,23 @@ def clipped_by(norm_type: float):
     return step
 
 
+def lr_by_hand_per_group(model, opt, x, y, it: int = 0):
+    """A rate per group, as a loop with weight-decay and no-decay groups sets them."""
+    for index, group in enumerate(opt.param_groups):
+        group["lr"] = nanogpt_lr(it) / (index + 1)
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def frozen_from_start(model, call: int) -> None:
+    """DeepSpeed's ``TestZeroFrozenWeights``: a layer frozen before the first call."""
+    if call == 0:
+        model.a.requires_grad_(False)
+
+
 def toggle_every_other(model, call: int) -> None:
     for index, param in enumerate(model.parameters()):
         param.requires_grad_((index + call) % 2 == 0)
@@ -243,8 +293,13 @@ SCENARIOS = {
     "unfrozen_late_adamw": Scenario(Branchy, plain_step, "adamw", unfreeze_late),
     "parametrized": Scenario(Parametrized, plain_step, "adamw"),
     "empty_parameters": Scenario(Empty, plain_step, "adamw"),
+    "frozen_from_start": Scenario(Branchy, plain_step, "adamw", frozen_from_start),
+    "repeated_layer": Scenario(Repeated, plain_step, "adamw"),
+    "param_groups_with_an_empty_one": Scenario(Branchy, lr_by_hand_per_group, "grouped_adamw",
+                                               most_compilations=2),
     "clip_1_norm": Scenario(Branchy, clipped_by(1.0)),
     "clip_3_norm": Scenario(Branchy, clipped_by(3.0), "adamw"),
+    "clip_inf_norm": Scenario(Branchy, clipped_by(math.inf)),
     "lstm": Scenario(Recurrent, plain_step, "adamw"),
     "batch_norm": Scenario(Normed, plain_step, "adamw", one_rank_only=True),
     "batch_norm_evaluation_mode_once": Scenario(Normed, plain_step, "adamw", evaluation_mode_once,
@@ -255,6 +310,12 @@ SCENARIOS = {
 def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.5)
+    if kind == "grouped_adamw":  # DeepSpeed's TestEmptyParameterGroup: decay, none, and empty
+        weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        others = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+        return torch.optim.AdamW([{"params": weights, "weight_decay": 0.1},
+                                  {"params": others, "weight_decay": 0.0},
+                                  {"params": [], "weight_decay": 0.5}], lr=0.05)
     if kind == "sgd_momentum":
         return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
     return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
@@ -330,11 +391,16 @@ def _train(name: str, rank: int, world_size: int, stage: int, update: str,
             scenario.between(reference, call)
             scenario.between(model, call)
         x, y = _batch(call)
-        expected = _loss_of(eager_step(reference, reference_opt, x, y, it)).item()
+        eager_out = eager_step(reference, reference_opt, x, y, it)
+        expected = _loss_of(eager_out).item()
         rows = x.shape[0] // world_size
         mine = slice(rank * rows, (rank + 1) * rows)
         with _frozen_learning_rate() if planted else _nothing():
-            loss = _loss_of(compiled(model, opt, x[mine], y[mine], it)).detach().reshape(1)
+            out = compiled(model, opt, x[mine], y[mine], it)
+        loss = _loss_of(out).detach().reshape(1)
+        # what else the step returns (a clip's total norm, a rate it read) is eager's
+        returned = [(float(a), float(b)) for a, b in zip(out[1:], eager_out[1:])
+                    ] if isinstance(out, tuple) else []
         if world_size > 1:
             torch.distributed.all_reduce(loss)
         whole = compiled.full_parameters()
@@ -356,7 +422,7 @@ def _train(name: str, rank: int, world_size: int, stage: int, update: str,
             "groups": _groups(opt), "expected_groups": _groups(reference_opt),
             "state_errors": _state_errors(compiled.full_optimizer_state(),
                                           _eager_state(reference, reference_opt)),
-            "buffer_errors": buffer_errors})
+            "buffer_errors": buffer_errors, "returned": returned})
     return {"calls": calls, "compilations": len(compiled.compilations)}
 
 
@@ -434,6 +500,9 @@ def _problems(run) -> list[str]:
             if errors and max(errors.values()) > bound:
                 worst = max(errors, key=errors.get)
                 problems.append(f"{where}: {label} {worst} off by {errors[worst]:.2e}")
+        for got, want in seen["returned"]:
+            if abs(got - want) > LOSS_TOLERANCE * abs(want):
+                problems.append(f"{where}: returned {got} against eager's {want}")
         if seen["moved_wrongly"]:
             problems.append(f"{where}: moved where eager did not: {seen['moved_wrongly']}")
         if seen["groups"] != seen["expected_groups"]:
@@ -443,7 +512,7 @@ def _problems(run) -> list[str]:
 
 
 GRID = [(stage, world_size, "auto") for stage in (0, 1, 2, 3) for world_size in (1, 2)] + [
-    (stage, 2, "eager") for stage in (2, 3)]
+    (stage, 2, "eager") for stage in (1, 2, 3)]
 """Every stage at one and two ranks with the default update (in the graph where it applies);
 the update after the graph at two ranks where the default would run it in the graph."""
 
