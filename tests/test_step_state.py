@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from ranks import run_ranks
 from zero_fx import zero_compile
+from zero_fx.runtime.update import hyperparameters
 
 CALLS = 4
 LOSS_TOLERANCE = 1e-5
@@ -345,10 +346,6 @@ def _loss_of(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _groups(opt) -> list[dict]:
-    return [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
-
-
 def _state_errors(whole: dict, expected: dict) -> dict[str, float]:
     errors = {}
     for name, entries in expected.items():
@@ -419,7 +416,7 @@ def _train(name: str, rank: int, world_size: int, stage: int, update: str,
         calls.append({
             "loss": loss.item() / world_size, "expected_loss": expected,
             "update_errors": update_errors, "moved_wrongly": moved_wrongly,
-            "groups": _groups(opt), "expected_groups": _groups(reference_opt),
+            "groups": hyperparameters(opt), "expected_groups": hyperparameters(reference_opt),
             "state_errors": _state_errors(compiled.full_optimizer_state(),
                                           _eager_state(reference, reference_opt)),
             "buffer_errors": buffer_errors, "returned": returned})

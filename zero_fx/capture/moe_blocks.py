@@ -131,9 +131,7 @@ def tensor_without_running(module: nn.Module, name: str) -> Optional[torch.Tenso
 
     if parametrize.is_parametrized(module, name):
         return getattr(module.parametrizations[name], "original", None)
-    value = module._parameters.get(name, module._buffers.get(name))
-    if value is None and name not in module._parameters and name not in module._buffers:
-        value = module.__dict__.get(name)
+    value = getattr(module, name, None)
     return value if isinstance(value, torch.Tensor) else None
 
 

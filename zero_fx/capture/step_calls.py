@@ -46,6 +46,15 @@ from .step_graph import CaptureError
 _traced: list[str] = []
 """The optimizer calls of the trace under way, in order."""
 
+WRITES_GROUPS = "writes param groups"
+"""The note of a param group written before ``opt.step()`` ([Note: hyperparameters written
+inside the step])."""
+WRITES_GROUPS_AFTER_STEP = "writes param groups after step"
+"""The note of param groups first written after ``opt.step()``."""
+ZERO_GRAD_KEEPS_ZEROS = "zero_grad keeps zeros"
+"""Noted (and recorded) after "zero_grad" for ``opt.zero_grad(set_to_none=False)`` ([Note:
+zero_grad(set_to_none=False)] in runtime/update.py)."""
+
 _groups: list[dict] = []
 """The param groups of the optimizer whose step is being called (``watching``)."""
 
@@ -67,13 +76,13 @@ def _start(ctx) -> None:
 
 def _step(ctx) -> None:
     if _groups_written(ctx):
-        _traced.append("writes param groups")
+        _traced.append(WRITES_GROUPS)
     _traced.append("step")
 
 
 def _end(ctx) -> None:
-    if "writes param groups" not in _traced and _groups_written(ctx):
-        _traced.append("writes param groups after step")
+    if WRITES_GROUPS not in _traced and _groups_written(ctx):
+        _traced.append(WRITES_GROUPS_AFTER_STEP)
 
 
 def _zero_grad(ctx) -> None:
@@ -86,7 +95,7 @@ def _scheduler(ctx) -> None:
 
 def _zero_grad_keeping(ctx) -> None:
     _traced.append("zero_grad")
-    _traced.append("zero_grad keeps zeros")
+    _traced.append(ZERO_GRAD_KEEPS_ZEROS)
 
 
 def _reads_gradients(ctx) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch.fx import GraphModule
 from torch.fx._lazy_graph_module import _make_graph_module
 
-from ..capture.step_calls import check_step_calls, traced_calls
+from ..capture.step_calls import WRITES_GROUPS_AFTER_STEP, check_step_calls, traced_calls
 from ..capture.step_graph import (CHECKPOINTED_META, CaptureError, capture_step_graph,
                                   fakes_like_dynamo, has_dynamic_shapes)
 from ..config import ZeroConfig, describe_backend
@@ -132,7 +132,7 @@ class StepCompiler:
         return StepRunner(lowered.run, names, grad_slots(gm), state, self.observers,
                           agreement, signature, extra_inputs, update=self.sharded.update,
                           updates_in_graph=not update_reason,
-                          writes_groups_after_step="writes param groups after step" in calls)
+                          writes_groups_after_step=WRITES_GROUPS_AFTER_STEP in calls)
 
     def _why_compiling(self) -> str:
         if not self.compilations:

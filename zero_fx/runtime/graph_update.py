@@ -54,6 +54,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..capture.step_calls import WRITES_GROUPS, ZERO_GRAD_KEEPS_ZEROS
 from ..passes.common.update_code import ACTIVE_UPDATE
 
 STEPS_IN_GRAPH = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -199,10 +200,10 @@ def why_not_for_capture(calls: Sequence[str], dynamic: bool, backend) -> Optiona
                 "gradient before any element is updated")
     if "scheduler" in calls and calls.index("scheduler") < calls.index("step"):
         return "the step calls scheduler.step() before opt.step(), which the update must see"
-    if "writes param groups" in calls:
+    if WRITES_GROUPS in calls:
         return ("the step sets the optimizer's hyperparameters (param_groups) before "
                 "opt.step(), which the graph only writes back after it has run")
-    if "zero_grad keeps zeros" in calls:
+    if ZERO_GRAD_KEEPS_ZEROS in calls:
         return ("opt.zero_grad(set_to_none=False) keeps zero gradients, with which every "
                 "parameter the call did not use steps too")
     if dynamic and backend != "eager":

@@ -46,7 +46,8 @@ class StepRunner:
             self.agreement.check(call_signature(self.signature, others))
         if self.update is not None:
             self.update.graph_stepped = self.updates_in_graph
-            self.update.groups_written_after_step = self.writes_groups_after_step
+            if self.writes_groups_after_step:  # before the graph writes them back
+                self.update.take_groups_at_call()
         with entered(self.observers):
             outs = list(self.compiled(*inputs))
         if self.state.offloaded:  # the host reads them next ([Note: gradients streamed to the host])

@@ -126,13 +126,12 @@ class OptimizerUpdate:
         self.keeps_zero_grads = False
         """The step's ``opt.zero_grad`` keeps zeroed gradients (``set_to_none=False``: [Note:
         zero_grad(set_to_none=False)]); set from each call's recorded calls."""
-        self.groups_at_call: list[dict] = []
-        """The optimizer's hyperparameters as this call found them (each group less its
-        ``params``)."""
-        self.groups_written_after_step = False
-        """This call's graph writes the param groups after ``opt.step()`` only, so the update
-        after the graph steps with ``groups_at_call`` ([Note: hyperparameters written inside
-        the step] in capture/step_calls.py; ``StepRunner`` sets it)."""
+        self.groups_at_call: Optional[list[dict]] = None
+        """The optimizer's hyperparameters as this call found them, taken only where its graph
+        writes the param groups after ``opt.step()``: the update after the graph then steps
+        with them ([Note: hyperparameters written inside the step] in capture/step_calls.py;
+        ``StepRunner`` takes them, before its graph runs). None: it steps with the groups as
+        they are."""
         self.completion = completion_check(state.world, state.device)
         """NCCL: the fences that confirm each call's collectives finished ([Note: failures on
         NCCL] in failures.py); None on gloo, whose collectives raise where they fail."""
@@ -141,10 +140,13 @@ class OptimizerUpdate:
         """Around the call of the step's graph: its updates step ``real_step``, the
         optimizer's own ``step``."""
         self.graph_stepped = False
-        self.groups_written_after_step = False
-        self.groups_at_call = [{k: v for k, v in group.items() if k != "params"}
-                               for group in self.state.optimizer.param_groups]
+        self.groups_at_call = None
         return self.in_graph.running(real_step, self.micro_step)
+
+    def take_groups_at_call(self) -> None:
+        """Before a graph that writes the param groups after ``opt.step()`` runs: keep the
+        hyperparameters this call found (``groups_at_call``)."""
+        self.groups_at_call = hyperparameters(self.state.optimizer)
 
     @property
     def optimizer_steps(self) -> int:
@@ -249,15 +251,16 @@ class OptimizerUpdate:
         """With accumulation, the shards that only earlier calls of the window gave a gradient
         (a branch the last micro-batch did not take): the graph's update steps only the
         buckets the last call reduced, so these step here, averaged as the graph averages."""
-        left = [shard for shard in self.state.shards.values() if shard.grad is not None]
+        left = {name: shard for name, shard in self.state.shards.items()
+                if shard.grad is not None}
         if not left:
             return
         if self.accumulation_steps != 1:
-            torch._foreach_div_([shard.grad for shard in left], float(self.accumulation_steps))
+            torch._foreach_div_([shard.grad for shard in left.values()],
+                                float(self.accumulation_steps))
         optimizer = self.state.optimizer
-        self.in_graph.stepped.update(name for name, shard in self.state.shards.items()
-                                     if shard.grad is not None)
-        step_on(optimizer, left, optimizer.step)
+        self.in_graph.stepped.update(left)
+        step_on(optimizer, list(left.values()), optimizer.step)
         self.state.zero_grad()
 
     def _forget_grads(self) -> None:
@@ -273,10 +276,10 @@ class OptimizerUpdate:
         ``opt.step()`` only, when it is what they held as the call began ([Note:
         hyperparameters written inside the step] in capture/step_calls.py)."""
         groups = self.state.optimizer.param_groups
-        if not self.groups_written_after_step or len(groups) != len(self.groups_at_call):
+        if self.groups_at_call is None or len(groups) != len(self.groups_at_call):
             yield
             return
-        written = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        written = hyperparameters(self.state.optimizer)
         for group, before in zip(groups, self.groups_at_call):
             group.update(before)
         try:
@@ -297,7 +300,7 @@ class OptimizerUpdate:
             finally:
                 del optimizer.found_inf
                 self._found_inf = None
-        elif self.delayed and not self.groups_written_after_step:
+        elif self.delayed and self.groups_at_call is None:
             self._pending = self._host_thread.submit(optimizer.step)
         elif self.steps_through_device:
             fresh = step_through_device(self.state)
@@ -377,3 +380,8 @@ class OptimizerUpdate:
         for group in self._reduce_groups():
             value = _c10d.wait_tensor(_c10d.all_reduce(value, op, group))
         return value
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group of ``optimizer`` less its ``params``: its hyperparameters."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
