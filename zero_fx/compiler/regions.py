@@ -167,7 +167,21 @@ def traced_strides(value) -> Optional[tuple[int, ...]]:
         return None
     if not all(isinstance(n, int) for n in (*value.shape, *value.stride())):
         return None
+    if _overlapping(tuple(value.shape), tuple(value.stride())):
+        return None  # an expanded view (a stride of 0): no copy can be laid out so
     return tuple(value.stride())
+
+
+def _overlapping(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether two elements of a tensor of ``shape`` and ``strides`` may share a location:
+    each dimension's stride, smallest first, must reach past all that the smaller ones
+    span."""
+    span = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(strides, shape) if sz > 1):
+        if stride < span:
+            return True
+        span += (size - 1) * stride
+    return False
 
 
 def compile_regions(gm: GraphModule, compile_body: BodyCompiler) -> tuple[GraphModule, RegionReport]:
