@@ -48,7 +48,7 @@ def zero_compile(
     *,
     config: Optional[ZeroConfig] = None,
     model: Optional[torch.nn.Module] = None,
-    optimizer: Optional[torch.optim.Optimizer] = None,
+    optimizer: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]] = None,
     stage: int = 3,
     backend: Union[BackendName, Compiler] = "inductor",
     regional: bool = True,
@@ -116,7 +116,8 @@ def zero_compile(
             override the fields it leaves at their defaults; a keyword for a field the
             config sets to something else raises ``ValueError``.
         model, optimizer: name them when the step closes over them instead of
-            taking them as arguments.
+            taking them as arguments; ``optimizer=[muon, adamw]`` for several, each stepped
+            once per call (docs/optimizers.md).
 
     Options (keywords, or fields of ``ZeroConfig``; the FSDP2 and DeepSpeed settings
     closest to each are in the docs' comparison):
@@ -145,7 +146,9 @@ def zero_compile(
             elements (default 16384), or those ``keep_resident(name, param)`` picks,
             stay resident: gathered once per step and kept (``explain()`` lists them).
         elementwise_optimizer: declare that an optimizer zero_fx does not know
-            updates each element independently.
+            updates each element independently, so every rank steps its flat shard;
+            otherwise such an optimizer steps whole tensors, each on its owner rank
+            ([Note: update rules] in zero_fx/runtime/optimizer.py).
         passes: your own FX passes, run among ours: ``zero_fx.before("reduce_grads",
             fn)``, ``zero_fx.after("gather_params", fn)``, or a bare ``fn`` (after our
             rewrites, before ``check_invariants``). ``fn(gm) -> gm`` (or None after

@@ -36,6 +36,7 @@ from .runtime.deferred_optimizer import DeferredOptimizerCalls
 from .runtime.eager_fallback import EagerFallback, why_not_eager
 from .runtime.failures import is_communication_failure
 from .runtime.sharded_state import ShardedState
+from .runtime.optimizer_set import same_optimizers
 from .runtime.sharding import Sharded, find_model_and_optimizer, shard
 from .step_inspection import StepInspection
 from .step_state import StepState
@@ -152,9 +153,11 @@ class CompiledStep(StepInspection, StepState):
         model, optimizer = find_model_and_optimizer(args, kwargs, self._model, self._optimizer)
         if self.state is None:
             self._shard(model, optimizer)
-        elif model is not self.state.model or optimizer is not self.state.optimizer:
+        elif model is not self.state.model or not same_optimizers(optimizer,
+                                                                  self.state.optimizer):
             raise ValueError("this compiled step was first called with another model or optimizer; "
                              "decorate a separate function for each model")
+        optimizer = self.state.optimizer
         if self._deferred.broken:
             raise RuntimeError(self._deferred.broken)
         self._deferred.confirm(self._sharded.update, self.plan.rank)  # earlier calls' fences, NCCL

@@ -100,4 +100,5 @@ class StepInspection:
                              offload_choice=self._sharded.offload_choice,
                              update_reason=self.compilations[-1].update_reason
                              if self.compilations else None,
-                             update_kernels=kernels_of(self.state.optimizer))
+                             update_kernels=kernels_of(self.state.optimizer),
+                             parameter_updates=self.state.updates)

@@ -10,6 +10,7 @@ import torch
 
 from .checkpoint import save_load as checkpoint, state_dict
 from .runtime.sharded_state import ShardedState
+from .runtime.optimizer_set import OptimizerSet, same_optimizers
 
 
 class StepState:
@@ -61,13 +62,15 @@ class StepState:
         """Load a checkpoint written by ``save_checkpoint`` (at any world size and stage) and
         return its ``extra``. Before the step's first call, pass the model and optimizer to
         shard (the same objects the step is then called with). A collective."""
+        if isinstance(optimizer, (list, tuple)):  # [Note: several optimizers in one step]
+            optimizer = optimizer[0] if len(optimizer) == 1 else OptimizerSet(optimizer)
         if self.state is None:
             if model is None or optimizer is None:
                 raise ValueError("load_checkpoint before the step's first call needs the model and "
                                  "optimizer to shard: step.load_checkpoint(path, model, optimizer)")
             self._shard(model, optimizer)
         elif (model is not None and model is not self.state.model) or (
-                optimizer is not None and optimizer is not self.state.optimizer):
+                optimizer is not None and not same_optimizers(optimizer, self.state.optimizer)):
             raise ValueError("this compiled step already shards another model or optimizer")
         self._sharded.update.settle()  # an update still running would overwrite what loads
         counters, extra = checkpoint.load(self.state, path)

@@ -272,6 +272,7 @@ def traffic_report(gm: GraphModule, plan, expert_prefixes: tuple[str, ...] = ())
                           or plan.keeps_collectives_at_one)]
         collectives += _outside_graph(plan, "all_gather", "after step", plan.compute_dtype,
                                       trainable)
+    collectives += _owner_exchanges(plan)
     parallel = getattr(plan, "expert_parallel", None)
     tensor_parallel = getattr(plan, "tensor_parallel", None)
     return TrafficReport(stage=plan.stage, world_size=plan.world_size, psi=plan.total_numel,
@@ -318,6 +319,29 @@ def _outside_graph(plan, kind: str, phase: str, dtype, names: list[str],
                        bucket=tuple(bucket), phase=phase, issued_at=None, waited_at=None, node="",
                        group=group)
             for bucket in plan.buckets(ordered)]
+
+
+def _owner_exchanges(plan) -> list[Collective]:
+    """The two all-to-alls of whole-tensor updates after the graph, per dtype: every rank's
+    gradient shards to the owners ("to owners"), then each owner's updated tensors cut into
+    every rank's shards ("from owners"): [Note: whole-tensor updates on owner ranks] in
+    zero_fx/runtime/whole_tensor_updates.py. Each counts this rank's send buffer, the
+    shards it sends to itself included, as a counter of what runs does."""
+    owners = [(plan.layout(name), rank) for name, rank in getattr(plan, "owners", ())
+              if plan.layout(name).requires_grad]
+    if plan.world_size < 2 or not owners:
+        return []
+    out = []
+    for phase in ("to owners", "from owners"):
+        for dtype in dict.fromkeys(layout.dtype for layout, _ in owners):
+            members = [(l, r) for l, r in owners if l.dtype == dtype]
+            sent = [l for l, r in members if phase == "to owners" or r == plan.rank]
+            numel = sum(l.shard_numel for l in sent) * (1 if phase == "to owners"
+                                                        else plan.world_size)
+            out.append(Collective(kind=ALL_TO_ALL, dtype=dtype, numel=numel,
+                                  bucket=tuple(l.name for l in sent), phase=phase,
+                                  issued_at=None, waited_at=None, node=""))
+    return out
 
 
 def _position(index: Optional[int]) -> str:

@@ -29,7 +29,11 @@ log = logging.getLogger("zero_fx")
 
 def save(state: ShardedState, path: str, counters: dict, extra: Any = None) -> None:
     """Write ``state`` (and the runtime's ``counters``, ``extra``) to ``path``; a collective."""
-    path = os.fspath(path)
+    with state.optimizer_state_as_shards():  # [Note: checkpoints of whole-tensor updates]
+        _save(state, os.fspath(path), counters, extra)
+
+
+def _save(state: ShardedState, path: str, counters: dict, extra: Any) -> None:
     world = state.world
     _on_rank_0(world, path, prepare_save, path)
     entries = _tensors(state, _mesh(state))
@@ -61,6 +65,11 @@ def load(state: ShardedState, path: str) -> tuple[dict, Any]:
     _check_files_on_all_ranks(state, path, manifest)
     _check_same_model(state, manifest)
     _initialize_optimizer_state(state)
+    with state.optimizer_state_as_shards(loading=True):  # [Note: checkpoints of whole-tensor updates]
+        return _load(state, path, manifest)
+
+
+def _load(state: ShardedState, path: str, manifest: dict) -> tuple[dict, Any]:
     saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     entries = _tensors(state, _mesh(state))
     _check_same_optimizer(entries, saved_keys, manifest, state)
@@ -176,7 +185,8 @@ def _initialize_optimizer_state(state: ShardedState) -> None:
     """Create the optimizer's state (one step with zero gradients and a zero learning rate)
     so that loading has tensors to read into; the load then overwrites all of it."""
     optimizer = state.optimizer
-    trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    trainable = [p for g in optimizer.param_groups for p in g["params"]
+                 if p.requires_grad and state.steps_here(p)]
     if all(p in optimizer.state for p in trainable):
         return
     saved_lr = [group["lr"] for group in optimizer.param_groups]

@@ -64,6 +64,9 @@ class Explanation:
     not compiled by a step)."""
     update_kernels: Optional[str] = None
     """Which of the optimizer's implementations each bucket's update runs (``kernels_of``)."""
+    parameter_updates: tuple = ()
+    """Each parameter's update rule, the rank it runs on and why (``ParameterUpdate``s:
+    [Note: update rules] in zero_fx/runtime/optimizer.py)."""
 
     def __str__(self) -> str:
         plan = _plan_section(self.plan, self.moe_blocks)
@@ -73,6 +76,7 @@ class Explanation:
                     _collectives_section(self), _host_copies_section(self.host_copies),
                     _device_copies_section(self.device_copies),
                     _lifetimes_section(self), _update_section(self),
+                    rules_section(self.parameter_updates, self.plan.world_size),
                     _memory_section(self.memory, self.compilations, self.recompute),
                     f"Estimate\n  {self.estimate}", _compilations_section(self.compilations)]
         return "\n\n".join(s for s in sections if s) + "\n"
@@ -83,7 +87,8 @@ def explain_graph(gm: GraphModule, plan, *, hardware="cpu-gloo", title: str = ""
                   moe_blocks: Sequence[RoutedExperts] = (),
                   offload_choice: Optional[object] = None,
                   update_reason: Optional[str] = None,
-                  update_kernels: Optional[str] = None) -> Explanation:
+                  update_kernels: Optional[str] = None,
+                  parameter_updates: Sequence = ()) -> Explanation:
     """The explanation of ``gm``, a graph our passes rewrote for ``plan`` (from a compiled
     step's ``graphs``, or from ``rewritten_step_on_fake``); ``moe_blocks``: the model's
     mixture-of-experts blocks (``step.moe_blocks``), listed under the plan."""
@@ -106,7 +111,37 @@ def explain_graph(gm: GraphModule, plan, *, hardware="cpu-gloo", title: str = ""
                       if is_update(n)),
         update_reason=update_reason,
         update_kernels=update_kernels,
+        parameter_updates=tuple(parameter_updates),
     )
+
+
+def rules_section(updates: Sequence, world_size: int) -> str:
+    """Which update rule steps each parameter, on which rank, and why: one line when one
+    elementwise optimizer steps them all, else a row per parameter and each owner's load."""
+    if not updates:
+        return ""
+    rules = {(u.optimizer, u.rule) for u in updates if u.rule != "none"}
+    if len(rules) == 1 and next(iter(rules))[1] == "flat":
+        held = [u for u in updates if u.rule == "flat"]
+        return (f"Optimizer rules: {held[0].reason}: every rank steps its 1/N shard of each of "
+                f"the {len(held)} parameters it holds ([Note: update rules])")
+    width = max(len(u.name) for u in updates)
+    kind = max(len(u.optimizer) for u in updates)
+    lines = ["Optimizer rules: which update steps each parameter, where, and why "
+             "([Note: update rules])",
+             f"  {'parameter':<{width}}  {'optimizer':<{kind}}  {'rule':<17}  "
+             f"{'runs on':<21}  why"]
+    lines += [f"  {u.name:<{width}}  {u.optimizer or '-':<{kind}}  {u.rule:<17}  "
+              f"{u.where:<21}  {u.reason}" for u in updates]
+    owned = [u for u in updates if u.owner is not None]
+    if owned:
+        loads = [0.0] * world_size
+        for u in owned:
+            loads[u.owner] += u.cost
+        total = sum(loads) or 1.0
+        lines.append("  whole-tensor work per rank (share of the total): " + ", ".join(
+            f"rank {r} {load / total:.0%}" for r, load in enumerate(loads)))
+    return "\n".join(lines)
 
 
 def _update_section(e: Explanation) -> str:

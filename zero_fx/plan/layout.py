@@ -233,10 +233,28 @@ class ShardPlan(StageConsequences):
     secondary: Optional[SecondaryPartition] = None
     """Stage 3: the forward's gathers also leave a copy of each parameter sharded within the
     node, which the backward gathers from ([Note: the secondary partition] in secondary.py)."""
+    owners: tuple = ()
+    """``(name, rank)`` for each parameter whose update needs the whole tensor (an optimizer
+    that is not elementwise, stages 1-3): the rank that steps it ([Note: whole-tensor updates
+    on owner ranks] in zero_fx/runtime/whole_tensor_updates.py; chosen by ``plan/owners.py``).
+    Every other parameter is stepped on its flat shards by every rank."""
     keeps_collectives_at_one: bool = False
     """A world of one rank whose collectives are issued on its group of one all the same
     (``DebugOptions.keep_collectives_at_world_one``; [Note: collectives kept at a world of one]
     in zero_fx/runtime/process_group.py); False: at one rank they are left out."""
+
+    def owner_of(self, name: str) -> "Optional[int]":
+        """The rank that steps parameter ``name`` whole, or None where every rank steps its
+        shard ([Note: whole-tensor updates on owner ranks])."""
+        return self._owner_by_name.get(name)
+
+    @property
+    def _owner_by_name(self) -> Mapping[str, int]:
+        cache = self.__dict__.get("_owner_cache")
+        if cache is None:
+            cache = dict(self.owners)
+            object.__setattr__(self, "_owner_cache", cache)
+        return cache
 
     @property
     def issues_collectives(self) -> bool:

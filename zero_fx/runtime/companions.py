@@ -62,6 +62,7 @@ from torch._dynamo.comptime import comptime
 
 from ..capture.step_calls import traced_gradient_reader, traced_scheduler, traced_step
 from ..capture.step_graph import CaptureError
+from .optimizer_set import members
 
 _c10d = torch.ops._c10d_functional
 
@@ -215,8 +216,13 @@ def check_companions(calls: list, update) -> None:
             continue
         kind = call[0]
         if kind in (UNSCALE, SCALER_STEP) and call[2] is not state.optimizer:
-            raise CaptureError(f"{kind}(optimizer) is called with another optimizer than the one "
-                               "zero_fx shards; pass the step's optimizer. Nothing was updated.")
+            raise CaptureError(
+                f"{kind}(optimizer) is called with another optimizer than the one zero_fx shards; "
+                "pass the step's optimizer. Nothing was updated." if call[2] not in members(
+                    state.optimizer) else
+                f"{kind}(optimizer) in a step of several optimizers is not supported yet; use "
+                "zero_compile(mixed_precision=MixedPrecision(param_dtype=torch.float16)), which "
+                "scales the loss itself, or one optimizer. Nothing was updated.")
         if kind in (CLIP_NORM, CLIP_VALUE, UNSCALE) and after_step:
             raise CaptureError(f"the step calls {kind}() after opt.step(); call it between "
                                "loss.backward() and opt.step(). Nothing was updated.")

@@ -9,11 +9,56 @@ from typing import Optional
 
 from ..capture.step_calls import (ZERO_GRAD_KEEPS_ZEROS, check_step_calls, traced_step,
                                   traced_zero_grad, watching)
+from ..capture.step_graph import CaptureError
 from .companions import Recorders, check_companions, outside_window, recording, run_window
 from .failures import (FenceFailed, failed_after_update, failed_before_update,
                        failed_in_graph_update, fence_failed, is_communication_failure)
 from .step_runner import entered
+from .optimizer_set import members
 from .update import OptimizerUpdate
+
+MEMBER_STEP = "member step"
+"""The event of the k-th optimizer's ``step()`` (k >= 1) in a step of several; the first's is
+"step", at which the update of all of them runs."""
+MEMBER_ZERO_GRAD = "member zero_grad"
+"""The event of the k-th optimizer's ``zero_grad()``."""
+
+
+class _MemberRecorder:
+    """What the k-th optimizer's ``step`` and ``zero_grad`` (k >= 1) become inside the step."""
+
+    def __init__(self, calls: list, index: int):
+        self.calls, self.index = calls, index
+
+    def step(self, *args, **kwargs):
+        self.calls.append((MEMBER_STEP, self.index))
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.calls.append((MEMBER_ZERO_GRAD, self.index, set_to_none))
+
+
+def check_members_called(calls: list, optimizers: list) -> None:
+    """Raise ``CaptureError`` unless each of several optimizers was stepped once and zeroed the
+    way the first was ([Note: several optimizers in one step])."""
+    if len(optimizers) < 2:
+        return
+    keeps_zeros = ZERO_GRAD_KEEPS_ZEROS in calls
+    for index, optimizer in enumerate(optimizers[1:], start=1):
+        name = f"the step's optimizer {index + 1} ({type(optimizer).__name__})"
+        steps = sum(1 for c in calls if isinstance(c, tuple) and c[:2] == (MEMBER_STEP, index))
+        if steps != 1:
+            raise CaptureError(f"{name} is stepped {steps} times in a call; zero_fx updates every "
+                               f"optimizer of the step together, once per call: call its step() "
+                               f"once, after loss.backward(). Nothing was updated.")
+        zeroed = [c[2] for c in calls if isinstance(c, tuple) and c[:2] == (MEMBER_ZERO_GRAD, index)]
+        if not zeroed:
+            raise CaptureError(f"{name} is never zeroed; call its zero_grad() after its step(). "
+                               f"Nothing was updated.")
+        if any(set_to_none == keeps_zeros for set_to_none in zeroed):
+            raise CaptureError(
+                "the step's optimizers zero their gradients differently (set_to_none=False for "
+                "some, True for others); zero_fx keeps one kind for the whole step: give every "
+                "zero_grad() the same set_to_none. Nothing was updated.")
 
 
 class DeferredOptimizerCalls:
@@ -26,25 +71,38 @@ class DeferredOptimizerCalls:
         self._recorders = Recorders(self.calls)
         self._step_globals = step_globals
         """The step's module globals: a clipping function imported there is swapped too."""
+        self._members: list[_MemberRecorder] = []
+        """The recorders of the second optimizer on, for several ([Note: several optimizers in
+        one step]); made once, so dynamo's guards on them hold."""
         self.broken = ""
         """Why the step refuses calls (an update failed half-way, so ranks may differ);
         "" if it does not."""
 
     @contextlib.contextmanager
     def deferring(self, optimizer):
-        """Inside, ``optimizer.step()`` and ``optimizer.zero_grad()`` only record that they ran.
-        Yields the optimizer's own ``step`` (a scheduler's wrapper of it, if one wrapped it),
-        which the update in the graph calls ([Note: the update in the graph])."""
+        """Inside, ``optimizer.step()`` and ``optimizer.zero_grad()`` only record that they ran
+        (each optimizer's, for several: [Note: several optimizers in one step] in
+        optimizer_set.py). Yields the optimizer's own ``step`` (a scheduler's wrapper of it, if
+        one wrapped it), which the update in the graph calls ([Note: the update in the
+        graph])."""
         self.calls.clear()
-        saved = {k: optimizer.__dict__[k] for k in ("step", "zero_grad") if k in optimizer.__dict__}
-        real_step = saved.get("step") or type(optimizer).step.__get__(optimizer)
-        optimizer.step, optimizer.zero_grad = self._record_step, self._record_zero_grad
+        optimizers = members(optimizer)
+        while len(self._members) < len(optimizers) - 1:
+            self._members.append(_MemberRecorder(self.calls, len(self._members) + 1))
+        saved = [{k: o.__dict__[k] for k in ("step", "zero_grad") if k in o.__dict__}
+                 for o in optimizers]
+        first = optimizers[0]
+        real_step = saved[0].get("step") or type(first).step.__get__(first)
+        first.step, first.zero_grad = self._record_step, self._record_zero_grad
+        for member, recorder in zip(optimizers[1:], self._members):
+            member.step, member.zero_grad = recorder.step, recorder.zero_grad
         try:
             with recording(self._recorders, self._step_globals), watching(optimizer.param_groups):
                 yield real_step
         finally:
-            del optimizer.step, optimizer.zero_grad
-            optimizer.__dict__.update(saved)
+            for member, kept in zip(optimizers, saved):
+                del member.step, member.zero_grad
+                member.__dict__.update(kept)
 
     # Same function objects on every call, so dynamo's guards on them hold.
     # Each also notes the call while dynamo traces, so the backend checks the calls before
@@ -63,6 +121,7 @@ class DeferredOptimizerCalls:
         """Check the step made the calls zero_fx needs, then accumulate the gradient shards
         and, at the end of an accumulation window, update the shards."""
         check_step_calls([c for c in self.calls if isinstance(c, str)])
+        check_members_called(self.calls, members(update.state.optimizer))
         check_companions(self.calls, update)
         update.keeps_zero_grads = ZERO_GRAD_KEEPS_ZEROS in self.calls
         with entered(observers):

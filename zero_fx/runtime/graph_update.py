@@ -56,6 +56,7 @@ import torch
 
 from ..capture.step_calls import WRITES_GROUPS, ZERO_GRAD_KEEPS_ZEROS
 from ..passes.common.update_code import ACTIVE_UPDATE
+from .optimizer_set import OptimizerSet
 
 STEPS_IN_GRAPH = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 """The optimizers whose update the graph runs per bucket."""
@@ -137,6 +138,8 @@ def kernels_of(optimizer: torch.optim.Optimizer) -> str:
     """Which of torch.optim's implementations the optimizer's ``step`` runs, from its first
     group's settings and where its shards are (torch's default: foreach kernels on a GPU, a
     loop of element-wise operations over each tensor on a CPU)."""
+    if isinstance(optimizer, OptimizerSet):
+        return "; ".join(kernels_of(member) for member in optimizer.members)
     group = optimizer.param_groups[0]
     name = type(optimizer).__name__
     if group.get("fused"):
@@ -171,6 +174,11 @@ def why_not_in_graph(config, optimizer: torch.optim.Optimizer, plan) -> Optional
     if not plan.reduces_in_graph:
         return (f"stage {plan.stage} with accumulation_steps={plan.accumulation_steps} reduces "
                 "the summed gradients once, after the last micro-batch, outside the graph")
+    if isinstance(optimizer, OptimizerSet):
+        return (f"the step has {len(optimizer.members)} optimizers, which update together after "
+                "the graph ([Note: several optimizers in one step])")
+    if plan.owners:
+        return "whole-tensor updates run on their owners after the graph"
     if type(optimizer) not in STEPS_IN_GRAPH:
         return (f"{type(optimizer).__name__} is not one the graph steps per bucket (SGD, Adam, "
                 "AdamW)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterator, Optional
 
 import torch
@@ -12,10 +13,12 @@ from ..plan.layout import plan_shard
 from ..plan.tensor_parallel import local_tensor, set_values
 from ..passes.common.host_copies import wait_for_host_copies
 from .offload import to_host
-from .optimizer import check_elementwise, rebind_to_shards
+from .optimizer import check_shapes, rebind_to_shards
+from .optimizer_set import members
 from .process_group import World
 from .refuse_conversion import RefuseConversion
 from .whole_parameters import WholeParameters
+from .whole_tensor_updates import WholeTensorUpdates
 
 
 class ShardedState(WholeParameters):
@@ -57,11 +60,9 @@ class ShardedState(WholeParameters):
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 plan: ShardPlan, world: World, *, elementwise_optimizer: Optional[bool] = None,
+                 plan: ShardPlan, world: World, *,
                  masters: Optional[dict[str, torch.Tensor]] = None,
                  device: Optional[torch.device] = None):
-        if not plan.replicated:
-            check_elementwise(optimizer, elementwise_optimizer)
         self.model = model
         self.optimizer = optimizer
         self.plan = plan
@@ -69,6 +70,14 @@ class ShardedState(WholeParameters):
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         self._name_of = {id(p): name for name, p in self.params.items()}
         self._check_optimizer_params()
+        for member in members(optimizer):
+            check_shapes(member, self._name_of)
+        self.updates: tuple = ()
+        """Each parameter's update rule and where it runs (``ParameterUpdate``s, set by
+        ``shard``; ``explain()`` lists them)."""
+        self.whole: Optional[WholeTensorUpdates] = None
+        """The whole tensors of the updates that need them, on their owners ([Note: whole-tensor
+        updates on owner ranks] in whole_tensor_updates.py); None when every update is flat."""
         if not plan.replicated:
             self._check_optimizer_covers_trainable()
         self.shards: dict[str, torch.nn.Parameter] = {}
@@ -108,13 +117,11 @@ class ShardedState(WholeParameters):
                                                 if plan.offloads_parameters else shard)
                 master = to_host(master.detach(), self.device)
             self.shards[name] = torch.nn.Parameter(master, requires_grad=param.requires_grad)
-        rebind_to_shards(
-            optimizer,
-            {param: self.shards[name] for name, param in self.params.items()},
-            lambda param, tensor: (tensor.detach().clone() if plan.replicated else
-                                   plan_shard(plan, self._name_of[id(param)],
-                                              local_tensor(tensor))),
-        )
+        if plan.owners:
+            self.whole = WholeTensorUpdates(plan, self.shards, self.device)
+        whole = self.whole.tensors if self.whole is not None else {}
+        for member in members(optimizer):
+            self._rebind(member, whole)
         with torch.no_grad():
             for param in self.params.values():
                 param.grad = None
@@ -136,6 +143,21 @@ class ShardedState(WholeParameters):
         for module in model.modules():
             if any(True for _ in module.parameters()):
                 module._apply = RefuseConversion(module)
+
+    def _rebind(self, optimizer: torch.optim.Optimizer, whole: dict) -> None:
+        """Make ``optimizer`` step what zero_fx keeps for each of its parameters: its flat
+        shard, or the whole tensor of an update its owner runs (``whole``)."""
+        plan = self.plan
+        rebind_to_shards(
+            optimizer,
+            {param: whole.get(name, self.shards[name]) for name, param in self.params.items()},
+            lambda param, tensor: (tensor.detach().clone()
+                                   if plan.replicated or self._name_of[id(param)] in whole else
+                                   plan_shard(plan, self._name_of[id(param)],
+                                              local_tensor(tensor))),
+            stateless=frozenset(param for name, param in self.params.items()
+                                if name in whole and not self.whole.owns(name)),
+        )
 
     @torch.no_grad()
     def move_to_host(self, plan: ShardPlan) -> None:
@@ -223,14 +245,51 @@ class ShardedState(WholeParameters):
                 f"the model's parameters changed after zero_compile sharded them ({what}); the plan "
                 "and the shards are made on the first call, so finish building the model first: a "
                 "changed model needs a new model object, optimizer and decorated step")
-        known = {id(t) for t in self.shards.values()}
+        known = {id(t) for t in self.shards.values()} | {
+            id(t) for t in (self.whole.tensors.values() if self.whole is not None else ())}
         if any(id(p) not in known for g in self.optimizer.param_groups for p in g["params"]):
             raise ValueError("the optimizer gained parameters after zero_compile sharded it "
                              "(add_param_group?); give all parameter groups before the first call")
 
     def shard_names(self) -> dict[int, str]:
-        """``{id(shard): parameter name}`` for the tensors the optimizer holds."""
-        return {id(shard): name for name, shard in self.shards.items()}
+        """``{id(shard): parameter name}`` for the tensors the optimizer holds (a whole-tensor
+        update's tensor, on its owner or empty elsewhere, and the flat shards)."""
+        names = {id(shard): name for name, shard in self.shards.items()}
+        if self.whole is not None:
+            names.update({id(t): name for name, t in self.whole.tensors.items()})
+        return names
+
+    def stepped_tensor(self, name: str) -> torch.nn.Parameter:
+        """What the optimizer steps for parameter ``name``: its flat shard, or the tensor of its
+        whole-tensor update ([Note: whole-tensor updates on owner ranks])."""
+        if self.whole is not None and name in self.whole:
+            return self.whole.tensors[name]
+        return self.shards[name]
+
+    def steps_here(self, tensor: torch.Tensor) -> bool:
+        """Whether this rank steps ``tensor`` of the optimizer's groups: all but the empty
+        stand-ins of whole-tensor updates other ranks own."""
+        return self.whole is None or all(
+            tensor is not t or self.whole.owns(n) for n, t in self.whole.tensors.items())
+
+    def optimizer_state_as_shards(self, loading: bool = False):
+        """Inside, the optimizer's state is that of flat shards for every parameter
+        (``WholeTensorUpdates.state_in_shard_form``); a no-op when every update is flat."""
+        if self.whole is None:
+            return contextlib.nullcontext()
+        return self.whole.state_in_shard_form(members(self.optimizer), self.shards, loading)
+
+    def before_step(self) -> list[str]:
+        """Right before the optimizer steps after the graph: the gradients of whole-tensor
+        updates sent to their owners; returns their names ([Note: whole-tensor updates on owner
+        ranks])."""
+        return self.whole.send_grads(self.shards) if self.whole is not None else []
+
+    def after_step(self, exchanged: list[str]) -> None:
+        """Right after it: each rank's shard of each whole tensor the owners stepped, into its
+        master."""
+        if self.whole is not None:
+            self.whole.return_values(self.shards, exchanged)
 
     def local(self, name: str) -> torch.Tensor:
         """The model's parameter ``name`` as zero_fx shards it: its local piece for a
@@ -354,6 +413,8 @@ class ShardedState(WholeParameters):
     def zero_grad(self) -> None:
         for shard in self.shards.values():
             shard.grad = None
+        if self.whole is not None:
+            self.whole.zero_grad()
         self._unreduced.clear()
 
     def _refuse_sharded_forward(self, module, args) -> None:
@@ -400,5 +461,7 @@ class ShardedState(WholeParameters):
             if shard.grad is not None:
                 yield shard.grad
         yield from self._unreduced.values()
+        if self.whole is not None:
+            yield from self.whole.held_tensors()
         for state in self.optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))

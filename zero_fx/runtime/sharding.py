@@ -20,6 +20,7 @@ from ..config import ZeroConfig
 from ..formatting import ranks_phrase
 from ..materialize import PretrainedWeights, materialize
 from ..plan import PlanRanks, ShardPlan, plan_for_module
+from ..plan.owners import assign_owners
 from ..plan.tensor_parallel import local_tensor, tensor_parallel_of
 from .expert_groups import keep_place_rows, split_experts
 from .gloo_all_gather import use_gloo_single_tensor_all_gather
@@ -28,6 +29,8 @@ from .precision import LossScaler, cast_at_model_edge
 from .process_group import (check_current_cuda_device, check_devices_match_backend,
                             collectives_average, current_world, keeping_collectives,
                             training_device, world_of)
+from .optimizer import WHOLE, parameter_updates, update_rule, whole_tensor_costs
+from .optimizer_set import OptimizerSet, members
 from .offload_choice import (OffloadChoice, agreed_budget, bucket_state_bytes,
                              choose_before_placing, device_budget, optimizer_state_tensors,
                              with_mode)
@@ -90,16 +93,23 @@ def check_real_parameters(model: torch.nn.Module, replicated: bool) -> None:
             f"where the model reads it), or train at stage=0")
 
 
-def find_model_and_optimizer(args, kwargs, model: Optional[torch.nn.Module],
-                             optimizer: Optional[torch.optim.Optimizer]):
+def find_model_and_optimizer(args, kwargs, model: Optional[torch.nn.Module], optimizer):
     """The model and optimizer the step shards: those named to ``zero_compile``, else the one
-    of each among the call's arguments."""
+    model among the call's arguments and its optimizers. Several optimizers (given as a list to
+    ``optimizer=``, or among the arguments) are one ``OptimizerSet`` ([Note: several optimizers
+    in one step] in optimizer_set.py)."""
     leaves = tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(
         x, (torch.nn.Module, torch.optim.Optimizer)))
     if model is None:
         model = _the_one(leaves, torch.nn.Module, "model", "model=")
     if optimizer is None:
-        optimizer = _the_one(leaves, torch.optim.Optimizer, "optimizer", "optimizer=")
+        found = list({id(x): x for x in leaves if isinstance(x, torch.optim.Optimizer)}.values())
+        if not found:
+            raise ValueError("no optimizer among the step's arguments; pass it as an argument or "
+                             "name it with @zero_compile(optimizer=...)")
+        optimizer = found
+    if isinstance(optimizer, (list, tuple)):
+        optimizer = optimizer[0] if len(optimizer) == 1 else OptimizerSet(optimizer)
     return model, optimizer
 
 
@@ -152,6 +162,7 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
             plan = with_mode(plan, choice.mode)
         else:
             choice = OffloadChoice.given(config.offload, plan, optimizer, budget, source)
+    plan = with_owners(plan, model, optimizer, config)  # [Note: whole-tensor updates on owner ranks]
     update_refused = why_not_in_graph(config, optimizer, plan)  # [Note: the update in the graph]
     if update_refused is None:
         plan = dataclasses.replace(plan, updates_in_graph=True)
@@ -175,8 +186,10 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
         claim(model, optimizer, None)
         raise
     keep_place_rows(model, plan)  # [Note: experts held as 3-D parameters, split by rows]
-    state = ShardedState(model, optimizer, plan, world, masters=masters,
-                         elementwise_optimizer=config.elementwise_optimizer, device=device)
+    updates = parameter_updates(members(optimizer), list(model.named_parameters()), plan,
+                                config.elementwise_optimizer)  # before the groups hold shards
+    state = ShardedState(model, optimizer, plan, world, masters=masters, device=device)
+    state.updates = updates
     precision = config.mixed_precision
     if precision is not None:
         cast_at_model_edge(model, precision)
@@ -192,6 +205,34 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     sharded = Sharded(plan, state, update, scaler, agreement, choice, config, step_name)
     _SHARDED[model] = weakref.ref(sharded)
     return sharded
+
+
+def with_owners(plan: ShardPlan, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                config: ZeroConfig) -> ShardPlan:
+    """``plan`` with an owner for each parameter whose update needs the whole tensor (stages
+    1-3; [Note: update rules] in optimizer.py), or refused where that cannot run yet."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    costs, whole = {}, []
+    for member in members(optimizer):
+        costs.update(whole_tensor_costs(member, name_of, config.elementwise_optimizer))
+        whole += [type(member).__name__] if update_rule(member, config.elementwise_optimizer) == WHOLE else []
+    if plan.replicated or not costs:
+        return plan
+    what = f"{' and '.join(whole)} update{'s' if len(whole) == 1 else ''} whole tensors on owner ranks"
+    refusal = (
+        "with offload (the owners' update runs on the device)" if config.offload is not None else
+        "with tensor parallelism (a rank holds a piece of each tensor, not the whole)"
+        if plan.tensor_parallel is not None else
+        "for routed experts split by expert parallelism" if any(plan.is_expert(n) for n in costs)
+        else None)
+    if refusal is not None:
+        claim(model, optimizer, None)
+        raise NotImplementedError(
+            f"{what}, which zero_fx does not support {refusal} yet. Use an elementwise optimizer "
+            f"(AdamW) there, or stage=0")
+    order = [layout.name for layout in plan.params]
+    owners = assign_owners(costs, plan.world_size, order)
+    return dataclasses.replace(plan, owners=tuple((n, owners[n]) for n in order if n in owners))
 
 
 _SHARDED: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
@@ -232,7 +273,7 @@ def claim(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_name: O
     """One model and one optimizer belong to one compiled step: a second step would shard
     what is already sharded (in stage 3, parameters whose storage is gone). None: release them."""
     if step_name is None:
-        for obj in (optimizer, *model.parameters()):
+        for obj in (*members(optimizer), *model.parameters()):
             obj.__dict__.pop(_OWNER_ATTRIBUTE, None)
         _SHARDED.pop(model, None)
         return
@@ -243,13 +284,15 @@ def claim(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_name: O
                 f"parameter {name!r} is already sharded by the compiled step {owner!r}; a model "
                 f"(and its optimizer) belong to one @zero_compile step: call that step, or build "
                 f"a new model for {step_name!r}")
-    owner = getattr(optimizer, _OWNER_ATTRIBUTE, None)
-    if owner is not None:
-        raise ValueError(f"this optimizer already steps on the shards of {owner!r}; give "
-                         f"{step_name!r} its own optimizer over its own model")
+    for member in members(optimizer):
+        owner = getattr(member, _OWNER_ATTRIBUTE, None)
+        if owner is not None:
+            raise ValueError(f"this optimizer already steps on the shards of {owner!r}; give "
+                             f"{step_name!r} its own optimizer over its own model")
     for param in model.parameters():
         setattr(param, _OWNER_ATTRIBUTE, step_name)
-    setattr(optimizer, _OWNER_ATTRIBUTE, step_name)
+    for member in members(optimizer):
+        setattr(member, _OWNER_ATTRIBUTE, step_name)
 
 
 def _the_one(leaves, cls, what: str, keyword: str):

@@ -239,8 +239,10 @@ class OptimizerUpdate:
         if self.keeps_zero_grads:
             self.state.keep_zero_grads()
         self.state.note_stepped()
+        exchanged = self.state.before_step()  # [Note: whole-tensor updates on owner ranks]
         with self._hyperparameters_of_the_call():
             fresh = self._step()
+        self.state.after_step(exchanged)
         if self._pending is not None:
             return
         self.state.zero_grad()

@@ -21,7 +21,7 @@ class WholeParameters:
     """``ShardedState``'s whole values, made from its shards (the experts of other ranks in
     stages 1-2 too: [Note: expert parallelism at stages 1 and 2] in sharded_state.py). A base
     of ``ShardedState``: it reads the state's ``plan``, ``world``, ``device``, ``params``,
-    ``shards``, ``gathered``, ``masters_sharded`` and ``local``."""
+    ``shards``, ``gathered``, ``masters_sharded``, ``local`` and ``optimizer_state_as_shards``."""
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """A copy of every parameter as the optimizer holds it (fp32 masters under mixed
@@ -40,6 +40,10 @@ class WholeParameters:
         torch.optim would hold it for the whole parameter: each tensor of a shard's size
         gathered whole, in the parameter's shape; numbers and scalars (``step``) as they are.
         A collective in stages 1-3: call it on every rank."""
+        with self.optimizer_state_as_shards():  # [Note: checkpoints of whole-tensor updates]
+            return self._full_optimizer_state()
+
+    def _full_optimizer_state(self) -> dict[str, dict]:
         out = {}
         for name, shard in self.shards.items():
             state = self.optimizer.state.get(shard)
