@@ -241,6 +241,32 @@ def verify_sample() -> str:
     return _command_output(VERIFY_COMMAND)
 
 
+def optimizer_rules_sample() -> str:
+    """``explain()``'s table of update rules for the recipe of docs/optimizers.md (Muon over
+    the hidden matrices, AdamW over the rest) on a 2-block example GPT at stage 3 over 4
+    ranks, as the first call plans it (the plan and the owners only: nothing trains)."""
+    import torch
+
+    from examples.gpt import GPT, GPTConfig
+    from zero_fx.config import ZeroConfig
+    from zero_fx.inspection.explain import rules_section
+    from zero_fx.plan import PlanOptions, PlanRanks, plan_for_module
+    from zero_fx.runtime.optimizer import parameter_updates
+    from zero_fx.runtime.optimizer_set import OptimizerSet
+    from zero_fx.runtime.sharding import with_owners
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128,
+                          bias=False))
+    named = list(model.named_parameters())
+    hidden = [p for n, p in named if p.ndim == 2 and "wte" not in n and "wpe" not in n]
+    rest = [p for n, p in named if not any(p is h for h in hidden)]
+    optimizers = [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=3e-4)]
+    plan = plan_for_module(model, PlanRanks(4), PlanOptions(stage=3))
+    plan = with_owners(plan, model, OptimizerSet(optimizers), ZeroConfig(stage=3))
+    return rules_section(parameter_updates(optimizers, named, plan, None), 4)
+
+
 def _committed_date(path: str) -> str:
     """The date the file was last committed (YYYY-MM-DD); its modification date outside git."""
     try:
@@ -366,6 +392,8 @@ SAMPLES = {s.name: s for s in (
     Sample("dump-files", lambda: gpt_step_samples()["dump-files"],
            "the files of the same step's dump folder after one call",
            optional_lines=_missing_without_matplotlib),
+    Sample("optimizer-rules", optimizer_rules_sample,
+           "explain()'s update rules for Muon and AdamW on a 2-block GPT, stage 3, 4 ranks"),
     Sample("plan", plan_sample, " ".join(PLAN_COMMAND)),
     Sample("plan-moe", plan_moe_sample, " ".join(PLAN_MOE_COMMAND)),
     Sample("estimate", estimate_sample, " ".join(ESTIMATE_COMMAND)),

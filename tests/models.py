@@ -213,6 +213,9 @@ def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if name == "mlp":
         return MLP()
+    if name == "gpt4":  # the optimizers' tests: four blocks, many matrices to own
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=2, n_embd=32,
+                             bias=False))
     if name in ("gpt", "gpt_dropout"):
         return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32,
                              bias=False, dropout=0.1 if name == "gpt_dropout" else 0.0))

@@ -98,7 +98,9 @@ def test_non_elementwise_optimizer_says_why():
         zero_compile(standard_step, backend="eager")(model, opt, *batch())
 
 
-def test_unknown_optimizer_can_be_declared_elementwise():
+def test_unknown_optimizer_steps_whole_tensors_unless_declared_elementwise():
+    """An optimizer zero_fx does not know takes the whole-tensor rule ([Note: update rules]),
+    where each tensor's owner steps it whole; declared elementwise, it steps flat shards."""
     class MySGD(torch.optim.Optimizer):
         def __init__(self, params):
             super().__init__(params, {"lr": 0.1})
@@ -110,12 +112,12 @@ def test_unknown_optimizer_can_be_declared_elementwise():
                     if p.grad is not None:
                         p.sub_(group["lr"] * p.grad)
 
-    model = tiny()
-    with pytest.raises(TypeError, match="elementwise_optimizer=True"):
-        zero_compile(standard_step, backend="eager")(model, MySGD(model.parameters()), *batch())
-    model = tiny()
-    zero_compile(standard_step, backend="eager", elementwise_optimizer=True)(
-        model, MySGD(model.parameters()), *batch())
+    for declared, shape in ((None, (6, 4)), (True, (24,))):
+        model = tiny()
+        step = zero_compile(standard_step, backend="eager", stage=1, elementwise_optimizer=declared)
+        opt = MySGD(model.parameters())
+        step(model, opt, *batch())
+        assert tuple(opt.param_groups[0]["params"][0].shape) == shape
 
 
 def test_step_without_backward_is_an_error():
