@@ -21,6 +21,7 @@ from ..analysis.traffic import ACROSS_NODES, NODE_GROUP, REPLICATE_GROUP
 from ..capture.graph_breaks import GraphBreak
 from ..capture.moe_blocks import RoutedExperts
 from ..formatting import format_bytes, format_seconds
+from ..plan.owners import loads_of
 from ..passes.common.predicates import UPDATES_META, is_update
 from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary
 from .plan_section import _plan_section
@@ -135,9 +136,8 @@ def rules_section(updates: Sequence, world_size: int) -> str:
               f"{u.where:<21}  {u.reason}" for u in updates]
     owned = [u for u in updates if u.owner is not None]
     if owned:
-        loads = [0.0] * world_size
-        for u in owned:
-            loads[u.owner] += u.cost
+        loads = loads_of({u.name: u.owner for u in owned}, {u.name: u.cost for u in owned},
+                         world_size)
         total = sum(loads) or 1.0
         lines.append("  whole-tensor work per rank (share of the total): " + ", ".join(
             f"rank {r} {load / total:.0%}" for r, load in enumerate(loads)))

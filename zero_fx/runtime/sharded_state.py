@@ -259,13 +259,6 @@ class ShardedState(WholeParameters):
             names.update({id(t): name for name, t in self.whole.tensors.items()})
         return names
 
-    def stepped_tensor(self, name: str) -> torch.nn.Parameter:
-        """What the optimizer steps for parameter ``name``: its flat shard, or the tensor of its
-        whole-tensor update ([Note: whole-tensor updates on owner ranks])."""
-        if self.whole is not None and name in self.whole:
-            return self.whole.tensors[name]
-        return self.shards[name]
-
     def steps_here(self, tensor: torch.Tensor) -> bool:
         """Whether this rank steps ``tensor`` of the optimizer's groups: all but the empty
         stand-ins of whole-tensor updates other ranks own."""

@@ -75,15 +75,8 @@ class WholeTensorUpdates:
                                                         else (0,))
             self.tensors[name] = torch.nn.Parameter(value, requires_grad=shards[name].requires_grad)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
     def owns(self, name: str) -> bool:
         return self.plan.owner_of(name) == self.plan.rank
-
-    @property
-    def owned(self) -> list[str]:
-        return [name for name in self.names if self.owns(name)]
 
     @torch.no_grad()
     def send_grads(self, shards: dict[str, torch.nn.Parameter]) -> list[str]:
@@ -159,7 +152,7 @@ class WholeTensorUpdates:
         try:
             yield
         finally:
-            written = {n: _take_state(o, shards[n]) for n, (o, _) in held.items()}
+            written = {n: o.state.pop(shards[n], None) for n, (o, _) in held.items()}
             for name, (optimizer, _) in held.items():
                 _swap(optimizer, shards[name], self.tensors[name])
             if not loading:
@@ -269,11 +262,6 @@ def _swap(optimizer: torch.optim.Optimizer, old: torch.Tensor, new: torch.Tensor
     """``new`` in ``old``'s place in ``optimizer``'s param groups."""
     for group in optimizer.param_groups:
         group["params"] = [new if p is old else p for p in group["params"]]
-
-
-def _take_state(optimizer: torch.optim.Optimizer, key: torch.Tensor):
-    """``optimizer``'s state for ``key``, taken out (None if it has none)."""
-    return optimizer.state.pop(key, None)
 
 
 def _by_dtype(names, tensors, dtype_of=None):
