@@ -34,6 +34,7 @@ The samples (``SAMPLES``):
   all three (see ``gpt_step_samples``).
 - ``plan``: ``python -m zero_fx.plan`` (``PLAN_COMMAND``), its standard output.
 - ``plan-moe``: the same for a mixture-of-experts model (``PLAN_MOE_COMMAND``).
+- ``plan-muon``: the same with ``--optimizer muon`` (``PLAN_MUON_COMMAND``).
 - ``estimate``: ``python -m zero_fx.estimate`` (``ESTIMATE_COMMAND``), its standard output.
 - ``verify``: ``torchrun --standalone --nproc_per_node 2 examples/verify_step.py``
   (``VERIFY_COMMAND``), its standard output: ``zero_fx.verify`` on the README's model.
@@ -103,6 +104,11 @@ PLAN_COMMAND = ("python", "-m", "zero_fx.plan", "--model", "llama3-8b", "--world
 PLAN_MOE_COMMAND = ("python", "-m", "zero_fx.plan", "--model", "mixtral-8x7b", "--world", "8",
                     "--dtype", "bf16")
 """The ``plan-moe`` sample's command: the experts line and states of a mixture of experts."""
+
+PLAN_MUON_COMMAND = ("python", "-m", "zero_fx.plan", "--model", "llama3-8b", "--world", "8",
+                     "--dtype", "bf16", "--optimizer", "muon")
+"""The ``plan-muon`` sample's command: Muon's owners priced ([Note: planning whole-tensor
+updates])."""
 
 VERIFY_COMMAND = ("torchrun", "--standalone", "--nproc_per_node", "2", "examples/verify_step.py")
 """The ``verify`` sample's command: ``zero_fx.verify`` on the README's model at 2 ranks."""
@@ -231,6 +237,10 @@ def plan_sample() -> str:
 
 def plan_moe_sample() -> str:
     return _command_output(PLAN_MOE_COMMAND)
+
+
+def plan_muon_sample() -> str:
+    return _command_output(PLAN_MUON_COMMAND)
 
 
 def estimate_sample() -> str:
@@ -396,6 +406,7 @@ SAMPLES = {s.name: s for s in (
            "explain()'s update rules for Muon and AdamW on a 2-block GPT, stage 3, 4 ranks"),
     Sample("plan", plan_sample, " ".join(PLAN_COMMAND)),
     Sample("plan-moe", plan_moe_sample, " ".join(PLAN_MOE_COMMAND)),
+    Sample("plan-muon", plan_muon_sample, " ".join(PLAN_MUON_COMMAND)),
     Sample("estimate", estimate_sample, " ".join(ESTIMATE_COMMAND)),
     Sample("verify", verify_sample, " ".join(VERIFY_COMMAND)),
     Sample("performance", performance_sample,
@@ -445,7 +456,8 @@ def produce_many(names) -> dict:
 
     names = list(dict.fromkeys(names))
     commands = [n for n in names if SAMPLES[n].produce in (plan_sample, plan_moe_sample,
-                                                                  estimate_sample, verify_sample)]
+                                                                  plan_muon_sample, estimate_sample,
+                                                                  verify_sample)]
     with ThreadPoolExecutor(max_workers=max(len(commands), 1)) as pool:
         running = {n: pool.submit(attempt, n) for n in commands}
         here = {n: attempt(n) for n in names if n not in running}

@@ -32,7 +32,11 @@ from ranks import run_ranks
 from training import update_error
 from zero_fx import zero_compile
 from zero_fx.capture.step_graph import CaptureError
-from zero_fx.plan.owners import assign_owners, loads_of
+from zero_fx import plan_for_module
+from zero_fx.config import ZeroConfig
+from zero_fx.plan import PlanRanks
+from zero_fx.plan.owners import assign_owners, loads_of, newton_schulz_cost
+from zero_fx.planner.whole_updates import muon_matrices, plan_whole_updates
 from zero_fx.runtime.optimizer import update_cost
 from zero_fx.runtime.update import hyperparameters
 
@@ -317,6 +321,43 @@ def test_owners_balance_newton_schulz_work():
         assert owners == assign_owners(costs, world)
         loads = loads_of(owners, costs, world)
         assert max(loads) / (sum(loads) / world) < 1.06, (world, loads)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_exchanges_are_counted_as_they_run_and_priced_by_the_planner(stage):
+    """The owners' two all-to-alls, counted as they run on 2 gloo ranks, equal the step's
+    ``traffic()``; the planner's ``--optimizer muon`` chooses the same owners for the same
+    matrices and prices the exchanges' send buffers at what ran."""
+    runs = run_ranks(2, _exchanges_rank, stage)
+    plan = plan_for_module(models.build("gpt4"), PlanRanks(2), ZeroConfig(stage=stage).plan_options())
+    priced = plan_whole_updates(plan).row(stage)
+    for rank, run in enumerate(runs):
+        # the clip's norm is one all-reduced element, which the report leaves out
+        assert run["counted"].pop("all_reduce") == 1, f"rank {rank}"
+        assert run["reported"].pop("all_reduce") == 0, f"rank {rank}"
+        assert run["counted"] == run["reported"], f"rank {rank}"
+        assert run["owners"] == dict(runs[0]["owners"]), f"rank {rank}"
+    assert set(muon_matrices(plan)) == set(runs[0]["owners"])
+    assert max(run["counted"]["all_to_all"] for run in runs) * 4 == priced.exchange_buffer_bytes
+    costs = {n: newton_schulz_cost(plan.layout(n).shape) for n in muon_matrices(plan)}
+    assert runs[0]["owners"] == assign_owners(costs, 2, [layout.name for layout in plan.params])
+
+
+def _exchanges_rank(rank: int, world_size: int, stage: int) -> dict:
+    model = models.build("gpt4")
+    pairs = make_optimizers("muon_adamw", model)
+    step = zero_compile(two_optimizer_step, stage=stage, backend="eager")
+    for call in range(2):
+        x, y = models.global_batch("gpt4", call)
+        rows = x.shape[0] // world_size
+        mine = slice(rank * rows, (rank + 1) * rows)
+        if call == 0:
+            step(model, *_step_args(pairs), x[mine], y[mine], "gpt4")
+            continue
+        with step.counting_collectives() as counted:
+            step(model, *_step_args(pairs), x[mine], y[mine], "gpt4")
+    return {"counted": dict(counted.numel), "reported": step.traffic().numel_by_kind(),
+            "owners": dict(step.state.plan.owners)}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -1,6 +1,7 @@
 """The planner (python -m zero_fx.plan): its numbers against the ZeRO formulas and the paper."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -337,3 +338,50 @@ def test_the_command_line_shows_the_experts_of_mixtral(plan_command):
     assert "46.703B parameters" in out.stdout
     assert ("Mixture of experts: 32 blocks of 8 experts, top-2. 45.097B expert parameters, "
             "all sharded and stored; 12.880B parameters active per token") in out.stdout
+
+
+def test_muon_is_momentum_on_the_owners_and_adamw_on_the_rest():
+    """[Note: planning whole-tensor updates]: Muon's fp32 momentum and the owner's whole fp32
+    copy of each matrix, on the rank owning the most; AdamW's 8 bytes flat on the rest; the
+    two exchanges on top of AdamW's traffic; the owners balanced by Newton-Schulz work."""
+    from zero_fx.plan.layout import in_block
+    from zero_fx.plan.owners import assign_owners, newton_schulz_cost
+    n, source = 8, model_source("examples.gpt:gpt_1b")
+    adamw = plan_model(source, Workload(world_size=n, dtype=torch.float32))
+    muon = plan_model(source, Workload(world_size=n, dtype=torch.float32, optimizer="muon"))
+    model = on_meta(lambda: source.build(None))
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()
+              if p.ndim == 2 and in_block(name)}
+    psi, psi_m = muon.psi, sum(math.prod(s) for s in shapes.values())
+    owners = assign_owners({k: newton_schulz_cost(s) for k, s in shapes.items()}, n,
+                           [name for name, _ in model.named_parameters()])
+    owned = max(sum(math.prod(shapes[k]) for k, r in owners.items() if r == rank)
+                for rank in range(n))
+    assert psi_m / psi > 0.85 and muon.whole_updates.matrices == len(shapes)
+    assert muon.stages[0].states["optimizer"] == 8 * (psi - psi_m) + 4 * psi_m
+    for stage in (1, 2, 3):
+        states, flat = muon.stages[stage].states, adamw.stages[stage].states
+        assert states["optimizer"] == pytest.approx(8 * (psi - psi_m) / n + 4 * owned)
+        assert states["masters"] == pytest.approx(flat["masters"] + 4 * owned)
+        assert states["gradients"] == flat["gradients"]
+        assert states["parameters"] == flat["parameters"]
+        row = muon.whole_updates.row(stage)
+        assert muon.stages[stage].wire_bytes == pytest.approx(adamw.stages[stage].wire_bytes
+                                                              + row.exchange_bytes)
+        # each exchange sends about (N-1)/N^2 of the matrices' fp32 elements
+        assert row.exchange_bytes == pytest.approx(2 * 4 * psi_m * (n - 1) / n ** 2, rel=0.1)
+        assert row.flops / row.mean_flops < 1.06
+    assert "all_to_all" not in muon.stages[0].traffic
+    assert muon.whole_updates.row(0).flops == pytest.approx(n * muon.whole_updates.row(1).mean_flops)
+
+
+def test_the_command_prices_muon_and_refuses_what_training_refuses(plan_command):
+    out = plan_command("--model", "examples.gpt:gpt_1b", "--world", "8", "--optimizer", "muon")
+    assert out.returncode == 0, out.stderr
+    assert "| stage | all-reduce | reduce-scatter | all-gather | all-to-all |" in out.stdout
+    assert "Muon (--optimizer muon) on the blocks'" in out.stdout
+    assert "| 0 | " in out.stdout and "(every rank, every matrix)" in out.stdout
+    assert "| 1-3 | " in out.stdout and "less than a Muon that orthogonalises" in out.stdout
+    out = plan_command("--model", "examples.gpt:gpt_1b", "--world", "8", "--optimizer", "muon",
+                       "--tp", "2")
+    assert out.returncode != 0 and "without --tp" in out.stderr

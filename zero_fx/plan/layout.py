@@ -110,6 +110,11 @@ def block_of(name: str) -> str:
     return ".".join(parts[:-1]) or name
 
 
+def in_block(name: str) -> bool:
+    """Whether parameter ``name`` is inside one of the model's repeated blocks."""
+    return any(part.isdigit() for part in block_of(name).split("."))
+
+
 class StageConsequences:
     """What a ZeRO stage shards and when it reduces, read from ``stage``: properties of the
     plan (``ShardPlan``), and of the configuration (``ZeroConfig``) before a plan exists.

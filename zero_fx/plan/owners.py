@@ -10,8 +10,26 @@ to the lowest rank, so the choice reads nothing but the plan's data.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
+
+NEWTON_SCHULZ_STEPS = 5
+"""torch.optim.Muon's default ``ns_steps``, for a group that does not say."""
+
+
+def newton_schulz_cost(shape: Sequence[int], ns_steps: int = NEWTON_SCHULZ_STEPS) -> float:
+    """Multiply-adds of Muon's orthogonalisation of a matrix of ``shape``: each of its
+    ``ns_steps`` Newton-Schulz iterations multiplies X (s x l, sides s <= l) by its transpose
+    (s^2 l), squares the result (s^3) and multiplies it back into X (s^2 l):
+    ``ns_steps * s^2 * (2l + s)``."""
+    short, long = sorted(shape)
+    return float(ns_steps * short * short * (2 * long + short))
+
+
+def element_cost(shape: Sequence[int]) -> float:
+    """The work of any other whole-tensor update, counted by its elements."""
+    return float(math.prod(shape))
 
 
 def assign_owners(costs: Mapping[str, float], world_size: int,

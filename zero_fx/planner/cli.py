@@ -9,6 +9,7 @@
         --hardware 1xv100-32gb-pcie3 --device-memory 32 --seq 1024 --recompute blocks
     python -m zero_fx.plan --model gpt2 --world 32 --dtype bf16 --seq 512 --quantize \
         --hardware 4x8xh100-ib
+    python -m zero_fx.plan --model llama3-8b --world 8 --dtype bf16 --optimizer muon
 
 Nothing is allocated: the model is built on the meta device (see [Note: what the
 planner counts] in zero_fx/planner/report.py).
@@ -36,6 +37,7 @@ from .plan_model import plan_model
 from .printing import format_report
 from .question import Workload
 from .report import OPTIMIZER_BYTES
+from .whole_updates import MUON
 from .tensor_parallel import TensorParallelOptions
 
 
@@ -51,7 +53,10 @@ def make_parser() -> argparse.ArgumentParser:
     add_dtype_argument(parser, default="fp32",
                        help="compute dtype, default fp32; bf16/fp16 mean mixed precision with fp32 "
                             "masters")
-    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES))
+    parser.add_argument("--optimizer", default="adamw", choices=sorted([*OPTIMIZER_BYTES, MUON]),
+                        help="muon: Muon on the blocks' 2-D weights, each stepped whole on one "
+                             "owner rank, AdamW on the rest (its owners' compute, memory and "
+                             "exchanges are priced)")
     parser.add_argument("--seq", type=int, default=None,
                         help="tokens per sequence: trace the step's working set at this length")
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank (with --seq)")

@@ -21,6 +21,7 @@ from .stages import hybrid_levels, psi_per_rank, stage_buckets, stage_plan
 from .tensor_parallel import (TensorParallelOptions, check_tensor_parallel, divisors,
                               largest_block, tensor_parallel_collectives, tensor_parallel_row,
                               tensor_parallel_shape, tensor_parallel_split)
+from .whole_updates import MUON, plan_whole_updates
 from .working_set import STEADY_FROM, traced_working_set
 
 
@@ -81,6 +82,10 @@ def plan_model(source: ModelSource, workload: Workload, *,
     if degrees and seq is None:
         raise ValueError("expert parallelism is planned from the step's working set: give seq "
                          "(--seq) too")
+    if workload.optimizer == MUON and (tp > 1 or degrees or offload.mode != "none"):
+        raise ValueError("--optimizer muon steps each matrix whole on one owner rank, which "
+                         "training does not combine with tensor parallelism, expert parallelism "
+                         "or offload yet: plan it without --tp, --expert-parallel and --offload")
     if quantize:
         check_quantizable(stage, world_size)
     if quantize and seq is None:
@@ -115,8 +120,10 @@ def plan_model(source: ModelSource, workload: Workload, *,
         buckets=stage_buckets(plan, item, tp, split), bucket_cap=plan.bucket_bytes,
         resident=len(plan.resident), experts=experts, tensor_parallel=tp,
         sequence_parallel=sequence_parallel, psi_per_rank=psi_per_rank(plan, tp, split))
+    if workload.optimizer == MUON:
+        report.whole_updates = plan_whole_updates(plan)
     offloading = offload.mode != "none"
-    if degrees or tp > 1 or offloading or quantize:
+    if degrees or tp > 1 or offloading or quantize or report.whole_updates is not None:
         report.hardware = hardware or ("8xh100-nvlink" if world_size <= 8 else "4x8xh100-ib")
     if degrees:
         check_degrees(degrees, world_size, report.experts)

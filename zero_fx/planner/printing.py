@@ -11,6 +11,7 @@ from .expert_parallel import buffer_rows
 from .offload import largest_model, offload_fits
 from .quantization import format_quantization
 from .report import GB, OPTIMIZER_BYTES, PlanReport
+from .whole_updates import format_whole_updates
 
 
 def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = None,
@@ -46,14 +47,16 @@ def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = Non
         lines += ["", "The paper counts 2-byte gradients; zero_fx keeps the gradient the optimizer "
                   "reads in fp32: 2Ψ/N more in stage 2, 2Ψ more in stage 0, the same in stages 1 "
                   "and 3."]
+    exchanges = ("all_to_all",) if any("all_to_all" in s.traffic for s in report.stages) else ()
     lines += ["", f"Traffic per step per rank ({dtype} collectives; stage 3's all-gather counts "
               "the backward's re-gather, an upper bound):", "",
-              "| stage | all-reduce | reduce-scatter | all-gather | sent over a ring | in Ψ"
+              "| stage | all-reduce | reduce-scatter | all-gather | "
+              + ("all-to-all | " if exchanges else "") + "sent over a ring | in Ψ"
               + ("_T |" if tp > 1 else " |"),
-              "|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|" + ("---|" if exchanges else "")]
     for s in report.stages:
         cells = [f"{s.traffic[k] / GB:.2f}" if k in s.traffic else "—"
-                 for k in ("all_reduce", "reduce_scatter", "all_gather")]
+                 for k in ("all_reduce", "reduce_scatter", "all_gather", *exchanges)]
         in_psi = sum(s.traffic.values()) / (report.psi_per_rank * report.dtype.itemsize)
         lines.append(f"| {s.stage} | " + " | ".join(cells) + f" | {s.wire_bytes / GB:.2f} | "
                      f"{in_psi:.2f} |")
@@ -76,6 +79,9 @@ def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = Non
                          + (f" … {b.names[-1]} ({len(b.names)})" if len(b.names) > 1 else ""))
         if len(shown) < len(buckets):
             lines.append(f"    … {len(buckets) - len(shown)} more (--buckets lists them all)")
+    if report.whole_updates is not None:
+        lines += ["", *format_whole_updates(report.whole_updates, report.psi, report.tensors,
+                                            report.hardware, report.world_size)]
     if report.levels:
         lines += ["", *_format_levels(report)]
     lines.append("")

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..plan.layout import ShardPlan, block_of
+from ..plan.layout import ShardPlan
 from .report import OPTIMIZER_BYTES, Bucket, LevelRow, PlanReport, StagePlan, peak_of
 from .table import TRAFFIC_IN_PSI, model_state_breakdown, zero_paper_bytes
+from .whole_updates import MUON, plan_whole_updates
 
 
 def _piece(numel: int, degree: int) -> int:
@@ -26,10 +27,6 @@ def psi_per_rank(plan: ShardPlan, tp: int, split: frozenset) -> int:
     return sum(rank_pieces(plan, tp, split).values())
 
 
-def in_block(name: str) -> bool:
-    return any(part.isdigit() for part in block_of(name).split("."))
-
-
 def _padded_pieces(plan: ShardPlan, tp: int, split: frozenset) -> dict[str, int]:
     """Each parameter's elements on a rank, padded to a multiple of ``plan``'s ranks."""
     n = plan.world_size
@@ -43,8 +40,16 @@ def stage_plan(stage: int, plan: ShardPlan, item: int, mixed: bool, optimizer: s
     piece (``split`` parameters 1/tp each) over ``plan``'s ranks ([Note: planning tensor
     parallelism])."""
     psi, n = psi_per_rank(plan, tp, split), plan.world_size
-    states = model_state_breakdown(stage, psi, n, optimizer_bytes=OPTIMIZER_BYTES[optimizer],
+    muon = plan_whole_updates(plan) if optimizer == MUON else None
+    flat_optimizer = "adamw" if optimizer == MUON else optimizer
+    states = model_state_breakdown(stage, psi, n, optimizer_bytes=OPTIMIZER_BYTES[flat_optimizer],
                                    param_bytes=item, reduce_bytes=item)
+    if muon is not None:  # [Note: planning whole-tensor updates]
+        row = muon.row(stage)
+        flat_numel = psi - muon.numel
+        states["optimizer"] = (OPTIMIZER_BYTES["adamw"] * flat_numel / (1 if stage == 0 else n)
+                               + row.state_bytes)
+        states["masters"] += row.whole_copy_bytes
     padded_of = _padded_pieces(plan, tp, split)
     padded = sum(padded_of.values())
     resident = sum(padded_of[name] for name in plan.resident) if stage == 3 else 0
@@ -55,6 +60,9 @@ def stage_plan(stage: int, plan: ShardPlan, item: int, mixed: bool, optimizer: s
     traffic = {kind: count * item for kind, count in elements.items() if count}
     ring = (n - 1) / n
     wire = sum(size * ring * (2 if kind == "all_reduce" else 1) for kind, size in traffic.items())
+    if muon is not None and muon.row(stage).exchange_bytes:
+        traffic["all_to_all"] = muon.row(stage).exchange_buffer_bytes
+        wire += muon.row(stage).exchange_bytes
     paper = zero_paper_bytes(stage, psi, n) if mixed else float("nan")
     return StagePlan(stage=stage, states=states, paper_bytes=paper, traffic=traffic,
                      wire_bytes=wire)

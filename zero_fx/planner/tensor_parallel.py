@@ -68,9 +68,9 @@ from ..analysis.transfer_seconds import (TP_COLLECTIVES_PER_BLOCK, data_parallel
 from ..analysis.hardware import hardware
 from ..analysis.memory_timeline import memory_timeline, peak_alive
 from ..passes.common.predicates import carried_params, is_param_input, is_view, param_name
-from ..plan.layout import ShardPlan, block_of
+from ..plan.layout import ShardPlan, block_of, in_block
 from .report import ExpertBlocks, PlanReport, TensorParallelRow, TensorParallelShape, peak_of
-from .stages import in_block, rank_pieces, stage_plan
+from .stages import rank_pieces, stage_plan
 
 
 @dataclass(frozen=True)

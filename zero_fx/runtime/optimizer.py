@@ -21,12 +21,11 @@ SparseAdam's sparse gradients) is refused, and a parameter Muon would refuse is 
 from __future__ import annotations
 
 import collections
-import math
 from typing import Mapping, Optional, Sequence
 
 import torch
 
-from ..plan.owners import ParameterUpdate
+from ..plan.owners import NEWTON_SCHULZ_STEPS, ParameterUpdate, element_cost, newton_schulz_cost
 
 # Optimizers whose update of each element reads only that element's gradient,
 # state and hyper-parameters, so stepping on a flat shard equals stepping on
@@ -59,9 +58,6 @@ REFUSED = {
 
 MATRICES_ONLY = ("Muon",)
 """Optimizers (by class name, subclasses included) that update 2-D parameters only."""
-
-NEWTON_SCHULZ_STEPS = 5
-"""torch.optim.Muon's default ``ns_steps``, for a group that does not say."""
 
 
 def update_rule(optimizer: torch.optim.Optimizer, declared: Optional[bool]) -> str:
@@ -108,10 +104,8 @@ def update_cost(optimizer: torch.optim.Optimizer, group: dict, shape: tuple[int,
     ``ns_steps * s^2 * (2l + s)`` for a matrix of sides ``s <= l``; for any other, its
     elements."""
     if any(cls.__name__ in MATRICES_ONLY for cls in type(optimizer).__mro__) and len(shape) == 2:
-        short, long = sorted(shape)
-        return float(group.get("ns_steps", NEWTON_SCHULZ_STEPS) * short * short
-                     * (2 * long + short))
-    return float(math.prod(shape))
+        return newton_schulz_cost(shape, group.get("ns_steps", NEWTON_SCHULZ_STEPS))
+    return element_cost(shape)
 
 
 def whole_tensor_costs(optimizer: torch.optim.Optimizer, name_of: Mapping[int, str],

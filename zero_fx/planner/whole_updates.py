@@ -1,0 +1,183 @@
+"""What Muon costs each rank (``--optimizer muon``): the owners' Newton-Schulz work, their
+whole-tensor memory and the two exchanges, per stage.
+
+[Note: planning whole-tensor updates]
+``--optimizer muon`` plans the recipe Moonlight, Kimi K2 and GLM-4.5 publish: Muon for the
+2-D weights inside the repeated blocks, AdamW for the embeddings, the head, the norms and the
+biases. Training steps each Muon matrix once, whole, on its owner ([Note: whole-tensor updates
+on owner ranks] in zero_fx/runtime/whole_tensor_updates.py); the planner chooses the owners as
+training does (``assign_owners`` over the same costs in the same order), so the rank it calls
+the busiest is the one training will have. For each stage it prices, on the rank with the most
+of each:
+
+- compute: the owner's Newton-Schulz FLOPs (two per multiply-add of ``newton_schulz_cost``),
+  beside the mean over the ranks (the balance) and beside every rank orthogonalising every
+  matrix (stage 0, and a Muon that gathers every matrix on every rank);
+- memory: Muon's momentum (fp32, whole on the owner, none elsewhere) and the owner's whole
+  fp32 copy of each matrix it steps, besides its shard: both in the model states; while it
+  steps, the whole gradients and the largest matrix's Newton-Schulz temporaries (bf16 X, its
+  successor, and three s x s products, with one fp32 copy for the Nesterov blend);
+- traffic: the two all-to-alls after the graph, in fp32: each rank's gradient shards of the
+  matrices others own, and each owner's updated matrices cut into the others' shards. They are
+  the price of exchanging shards after the same reduction AdamW's gradients get; the traffic
+  table adds them.
+
+Stage 0 steps every matrix whole on every rank, as DDP: no owner, no exchange.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..plan.layout import ShardPlan, in_block
+from ..plan.owners import assign_owners, loads_of, newton_schulz_cost
+
+MUON = "muon"
+"""``--optimizer`` of the Muon + AdamW recipe."""
+MUON_STATE_BYTES = 4
+"""Muon's state per element: the fp32 momentum buffer."""
+WHOLE_MASTER_BYTES = 4
+"""The owner's whole copy and gradient of each matrix it steps are fp32, as the masters."""
+NEWTON_SCHULZ_ITEM = 2
+"""torch.optim.Muon orthogonalises in bf16."""
+
+
+def muon_matrices(plan: ShardPlan) -> list[str]:
+    """The recipe's Muon parameters, in plan order: the trainable 2-D weights inside the
+    repeated blocks."""
+    return [layout.name for layout in plan.params
+            if layout.requires_grad and len(layout.shape) == 2 and in_block(layout.name)]
+
+
+@dataclass(frozen=True)
+class WholeUpdateRow:
+    """One stage's price of the Muon updates, on the rank with the most of each."""
+
+    stage: int
+    flops: float
+    """Newton-Schulz FLOPs per step of the busiest rank."""
+    mean_flops: float
+    """The same, averaged over the ranks: what a perfect balance would give each."""
+    state_bytes: float
+    """Muon's momentum on the rank holding the most."""
+    whole_copy_bytes: float
+    """The owner's whole fp32 copies of its matrices, besides their shards (0 at stage 0)."""
+    stepping_bytes: float
+    """Held only while the owner steps: its whole gradients and the Newton-Schulz
+    temporaries of its largest matrix."""
+    exchange_bytes: float
+    """Bytes the rank sending the most sends to other ranks in the two exchanges."""
+    exchange_buffer_bytes: float
+    """The same rank's send buffers of the two exchanges (what the traffic table counts for
+    every collective: its own shards included)."""
+
+
+@dataclass(frozen=True)
+class WholeUpdates:
+    matrices: int
+    numel: int
+    """Elements Muon steps (Ψ_M)."""
+    total_flops: float
+    """Newton-Schulz FLOPs per step over every matrix."""
+    rows: tuple[WholeUpdateRow, ...]
+
+    def row(self, stage: int) -> WholeUpdateRow:
+        return self.rows[stage]
+
+
+def plan_whole_updates(plan: ShardPlan) -> Optional[WholeUpdates]:
+    """The Muon updates of ``plan``'s model at its world size, each stage; None without a
+    Muon matrix."""
+    names = muon_matrices(plan)
+    if not names:
+        return None
+    layouts = {name: plan.layout(name) for name in names}
+    costs = {name: newton_schulz_cost(layouts[name].shape) for name in names}
+    total = 2 * sum(costs.values())
+    numel = sum(layout.numel for layout in layouts.values())
+    n = plan.world_size
+    every_rank = WholeUpdateRow(
+        stage=0, flops=total, mean_flops=total, state_bytes=MUON_STATE_BYTES * numel,
+        whole_copy_bytes=0.0, stepping_bytes=_temporaries(layouts.values()),
+        exchange_bytes=0.0, exchange_buffer_bytes=0.0)
+    if n == 1:
+        return WholeUpdates(len(names), numel, total, (every_rank,) * 4)
+    owners = assign_owners(costs, n, [layout.name for layout in plan.params])
+    loads = loads_of(owners, costs, n)
+    owned = [[layouts[name] for name in names if owners[name] == r] for r in range(n)]
+    owned_numel = [sum(layout.numel for layout in mine) for mine in owned]
+    shard = {name: layouts[name].shard_numel for name in names}
+    sent = [WHOLE_MASTER_BYTES * (sum(shard[x] for x in names if owners[x] != r)
+                                  + (n - 1) * sum(shard[x] for x in names if owners[x] == r))
+            for r in range(n)]
+    buffers = [WHOLE_MASTER_BYTES * (sum(shard.values())
+                                     + n * sum(shard[x] for x in names if owners[x] == r))
+               for r in range(n)]
+    sharded = [WholeUpdateRow(
+        stage=stage, flops=2 * max(loads), mean_flops=total / n,
+        state_bytes=MUON_STATE_BYTES * max(owned_numel),
+        whole_copy_bytes=WHOLE_MASTER_BYTES * max(owned_numel),
+        stepping_bytes=max(WHOLE_MASTER_BYTES * owned_numel[r] + _temporaries(owned[r])
+                           for r in range(n)),
+        exchange_bytes=max(sent), exchange_buffer_bytes=max(buffers)) for stage in (1, 2, 3)]
+    return WholeUpdates(len(names), numel, total, (every_rank, *sharded))
+
+
+def _temporaries(layouts) -> float:
+    """Bytes of the Newton-Schulz temporaries of the largest of ``layouts``: X and the next X
+    (s x l each) and three s x s products in bf16, and one fp32 s x l copy."""
+    largest = 0.0
+    for layout in layouts:
+        short, long = sorted(layout.shape)
+        largest = max(largest, NEWTON_SCHULZ_ITEM * (2 * short * long + 3 * short * short)
+                      + 4 * short * long)
+    return largest
+
+
+def format_whole_updates(updates: WholeUpdates, psi: int, tensors: int, hardware_name: str,
+                         world_size: int) -> list[str]:
+    """The Muon section of the planner's report."""
+    from ..analysis.hardware import hardware
+    hw = hardware(hardware_name)
+    every, sharded = updates.row(0), updates.row(1)
+
+    def seconds(flops: float) -> str:
+        return f"{flops / hw.flops * 1e3:.2f} ms"
+
+    def exchange_time(row: WholeUpdateRow) -> str:
+        if not row.exchange_bytes:
+            return "—"
+        return f"{(row.exchange_bytes / hw.link_bandwidth + 2 * (world_size - 1) * hw.link_latency) * 1e3:.2f} ms"
+
+    def row_of(label: str, row: WholeUpdateRow, note: str = "") -> str:
+        return (f"| {label} | {row.flops / 1e12:.3f} / {row.mean_flops / 1e12:.3f}{note} | "
+                f"{seconds(row.flops)} | {(row.state_bytes + row.whole_copy_bytes) / 1e9:.2f} | "
+                f"{row.stepping_bytes / 1e9:.2f} | {row.exchange_bytes / 1e9:.2f} | "
+                f"{exchange_time(row)} |")
+
+    lines = [
+        f"Muon (--optimizer muon) on the blocks' {updates.matrices} matrices, Ψ_M = "
+        f"{updates.numel / 1e9:.3f}B ({100 * updates.numel / psi:.0f} % of Ψ), each stepped whole "
+        f"once, on its owner rank; AdamW on the other {tensors - updates.matrices} tensors. Per "
+        f"step, on the rank with the most of each (times on {hw.name}, at its matmul FLOP/s and "
+        "link bandwidth):",
+        "",
+        "| stage | Newton-Schulz TFLOP (busiest / mean) | its time | Muon state + whole copies GB "
+        "| while stepping GB | exchanges sent GB | their time |",
+        "|---|---|---|---|---|---|---|",
+        row_of("0", every, " (every rank, every matrix)"),
+    ]
+    if world_size > 1:
+        lines.append(row_of("1-3", sharded))
+        lines += [
+            "",
+            f"The owners are balanced by Newton-Schulz work (longest first): the busiest does "
+            f"{sharded.flops / sharded.mean_flops:.2f}x the mean, {every.flops / sharded.flops:.1f}x "
+            f"less than a Muon that orthogonalises every matrix on every rank. The owner holds "
+            f"its matrices' momentum and a whole fp32 copy of each (in the model states above); "
+            f"while it steps, their whole gradients and the largest one's Newton-Schulz "
+            f"temporaries. The two exchanges (gradient shards to the owners, updated shards back, "
+            f"fp32) are in the traffic table's all-to-all.",
+        ]
+    return lines
