@@ -8,6 +8,8 @@ case."""
 import copy
 import inspect
 import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -232,6 +234,31 @@ def test_an_lstm_and_a_gru_train_in_one_graph_at_stage_3(two_ranks):
     for r in results:
         assert r["breaks"] == 0 and r["compilations"] == 1
         assert "breaks the graph" not in r["explain"]
+
+
+def test_tracing_with_onednn_off_prints_no_warning_of_torchs():
+    """[Note: RNNs in the step]: oneDNN is off while tracing, and only it: switching it with
+    ``torch.backends.mkldnn.flags`` wrote TF32's flag back too, and torch warned "TF32
+    acceleration on top of oneDNN is available for Intel GPUs" at every user's first call."""
+    code = ("import torch, warnings\n"
+            "warnings.simplefilter('always')\n"
+            "from zero_fx import zero_compile\n"
+            "model = torch.nn.LSTM(4, 4)\n"
+            "opt = torch.optim.AdamW(model.parameters())\n"
+            "@zero_compile(stage=0, backend='eager')\n"
+            "def step(model, opt, x):\n"
+            "    loss = model(x)[0].sum()\n"
+            "    loss.backward()\n"
+            "    opt.step()\n"
+            "    opt.zero_grad()\n"
+            "    return loss\n"
+            "step(model, opt, torch.randn(3, 2, 4))\n"
+            "assert torch.backends.mkldnn.enabled\n"
+            "print('stepped')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and "stepped" in run.stdout, run.stderr[-3000:]
+    assert "TF32" not in run.stderr, run.stderr[-3000:]
 
 
 def test_on_graph_break_error_raises_naming_the_line():

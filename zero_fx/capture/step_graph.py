@@ -15,6 +15,7 @@ functional, with parameters as placeholders and gradients as outputs.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence
 
 import torch
@@ -126,17 +127,31 @@ def _trace(dynamo_gm: GraphModule, example_inputs: Sequence) -> GraphModule:
         # 2.11's C++ linear reads a symbolic size as an int, and the graph fits one length
         # ([Note: what differs between torch releases] in zero_fx/compat.py).
         fakes = fakes_like_dynamo(example_inputs)
-        with torch._guards.TracingContext.get().fake_mode, torch.backends.mkldnn.flags(
-                enabled=False), enable_python_dispatcher():
+        with torch._guards.TracingContext.get().fake_mode, onednn_off(), \
+                enable_python_dispatcher():
             return trace_to_aten(step, decompositions=layout_safe_decompositions())(*fakes)
     # A fresh fake mode with static shapes, outside dynamo's tracing context:
     # anything our passes compute on shapes must not become a dynamo guard.
     # [Note: RNNs in the step]: no oneDNN RNN layers in the graph
-    with outside_dynamo_tracing(), torch.backends.mkldnn.flags(enabled=False):
+    with outside_dynamo_tracing(), onednn_off():
         fake_mode = FakeTensorMode()
         fakes = static_fakes(example_inputs, fake_mode)
         with fake_mode:
             return trace_to_aten(step, decompositions=layout_safe_decompositions())(*fakes)
+
+
+@contextlib.contextmanager
+def onednn_off():
+    """oneDNN off inside ([Note: RNNs in the step]), its other flags untouched:
+    ``torch.backends.mkldnn.flags`` writes TF32's back too, which on builds without Intel GPU
+    support warns ("TF32 acceleration on top of oneDNN is available for Intel GPUs") once per
+    process, at the user's first call."""
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = enabled
 
 
 def static_fakes(values: Sequence, fake_mode: FakeTensorMode) -> list:
