@@ -99,6 +99,21 @@ def test_peers_train_the_same_model_to_the_same_losses_and_meter_them():
     assert "| zero_fx-3 |" in open(os.path.join(ROOT, "bench", "out", "peers-smoke-test.md")).read()
 
 
+def test_muon_and_adamw_train_the_same_losses_in_every_peer():
+    """``--optimizer muon``: torch.optim.Muon on the blocks' matrices and AdamW on the rest,
+    in DDP (whole tensors), FSDP2 (DTensor shards) and zero_fx (each matrix on its owner), to
+    the same losses; zero_fx's traffic report counts its two exchanges."""
+    result, by_peer = bench_result("peers-muon-test", "--model", "tiny", "--world", "2",
+                                   "--optimizer", "muon", "--muon-iterations", "fp32",
+                                   "--peers", "ddp", "fsdp2", "zero_fx-1", "--backend",
+                                   "aot_eager", "--steps", "3", "--warmup", "1")
+    assert set(by_peer) == {"ddp", "fsdp2", "zero_fx-1"}
+    assert not result["loss_failures"], result["loss_failures"]
+    assert "Muon (lr 0.02) on the blocks' matrices" in result["description"]
+    zero_fx = result["ranks"]["zero_fx-1"][0]
+    assert zero_fx["traffic_psi"]["all_to_all"] > 0
+
+
 def test_under_torchrun_each_peer_still_runs_in_fresh_processes():
     """The GPU mode's `torchrun -m bench.peers`: each rank starts a process per peer, which
     joins a group of the peer's own; on CPU here, the same code path."""

@@ -29,6 +29,7 @@ import torch.optim._muon as muon_module
 
 import models
 from ranks import run_ranks
+from bench.peers.optimizers import orthogonalised_in_fp32
 from training import update_error
 from zero_fx import zero_compile
 from zero_fx.capture.step_graph import CaptureError
@@ -76,24 +77,12 @@ class LAMB(torch.optim.Optimizer):
                 p.sub_(group["lr"] * trust * update)
 
 
-def orthogonalised_in_fp32(grad, ns_coefficients, ns_steps, eps):
-    """torch.optim.Muon's Newton-Schulz iterations (``_zeropower_via_newtonschulz``) in fp32
-    instead of bf16: bf16's rounding turns the reduction order's 1e-7 into update errors of
-    about 1e-2 after a few steps (``BF16_UPDATE_TOLERANCE``), which would hide a real error."""
-    a, b, c = ns_coefficients
-    x = grad.float()
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if grad.size(0) > grad.size(1) else x
-
-
 @contextlib.contextmanager
 def newton_schulz_in(precision: str):
-    """Muon's iterations in ``precision`` ("fp32", or "bf16": torch's own) while inside."""
+    """Muon's iterations in ``precision`` ("fp32", or "bf16": torch's own) while inside. In
+    fp32 (``orthogonalised_in_fp32``): bf16's rounding turns the reduction order's 1e-7 into
+    update errors of about 1e-2 after a few steps (``BF16_UPDATE_TOLERANCE``), which would hide
+    a real error."""
     original = muon_module._zeropower_via_newtonschulz
     if precision == "fp32":
         muon_module._zeropower_via_newtonschulz = orthogonalised_in_fp32

@@ -5,6 +5,7 @@ batches, same steps, one run.
     python -m bench.peers --model gpt2-125m --world 8 --bf16   # a CUDA machine: NCCL
     python -m bench.peers --model gpt2-125m --fake-world 8     # one process simulating 8 ranks
     python -m bench.peers --model gpt-1b --fake-world 8 --bf16 --peers zero_fx-3 fsdp2   # one GPU
+    python -m bench.peers --model gpt-small --world 2 --optimizer muon   # Muon + AdamW
     torchrun --nproc_per_node 8 -m bench.peers --model gpt2-125m --bf16   # a launcher of yours
 
 Each peer runs in fresh processes (``torchrun`` started by this script; under a
@@ -49,7 +50,14 @@ from . import fake_group
 from . import report as peers_report
 from .launch import PEER_LIMIT_S, launch_peer, launch_peer_here, peer_environment
 from .models import MODELS, BenchModel
+from .optimizers import MUON_ITERATIONS, OPTIMIZERS
 from .trainers import MOE_ONLY_PEERS, OPTIONAL_PEERS, PEERS, REFERENCE, Setting
+
+MUON_PEERS = ("zero_fx-0", "zero_fx-1", "zero_fx-2", "zero_fx-3", "ddp", "fsdp2", "fsdp2-compiled",
+              "deepspeed-1", "deepspeed-2", "deepspeed-3")
+"""The peers ``--optimizer muon`` runs unless ``--peers`` says."""
+OPTIMIZER_WORDS = {"adamw": "AdamW",
+                   "muon": "Muon (lr 0.02) on the blocks' matrices, AdamW on the rest"}
 
 LOSS_RTOL = {False: 2e-3, True: 3e-2}
 """How far any step's loss may be from the reference's: fp32 (Inductor's fused
@@ -82,6 +90,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="auto (default): CUDA where there is a GPU per rank of this machine, "
                         "else the CPU; cuda: one GPU per rank or an error")
     p.add_argument("--bf16", action="store_true", help="bfloat16 compute (GPU mode)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="muon: torch.optim.Muon on the blocks' matrices and AdamW on the rest "
+                        "(DeepSpeed: its own Muon); default peers then: "
+                        + " ".join(MUON_PEERS))
+    p.add_argument("--muon-iterations", choices=MUON_ITERATIONS, default="bf16",
+                   help="torch.optim.Muon's Newton-Schulz in its own bf16 (default) or in fp32, "
+                        "as DeepSpeed's runs on a CPU")
     p.add_argument("--bucket-mib", type=float,
                    help="cap of a fused collective for zero_fx and DeepSpeed (default: zero_fx's, "
                         "25 MiB, 16 MiB in stage 3)")
@@ -99,6 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--result-file", help=argparse.SUPPRESS)
     p.add_argument("--store-prefix", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.peers is None and args.optimizer == "muon":
+        args.peers = list(MUON_PEERS)
     if args.peers is None:
         args.peers = [peer for peer in PEERS
                       if peer not in MOE_ONLY_PEERS or args.model == "hf-mixtral"]
@@ -154,7 +171,8 @@ def setting_of(args) -> Setting:
     else:
         device = torch.device("cpu")
     bucket = None if args.bucket_mib is None else int(args.bucket_mib * 2 ** 20)
-    return Setting(device=device, backend=args.backend, bf16=args.bf16, bucket_bytes=bucket)
+    return Setting(device=device, backend=args.backend, bf16=args.bf16, bucket_bytes=bucket,
+                   optimizer=args.optimizer, muon_iterations=args.muon_iterations)
 
 
 NOT_SIMULATED = {"ddp": "DDP's C++ reducer needs a real process group",
@@ -224,10 +242,14 @@ def compare_losses(args, summaries: list[dict]) -> tuple[list[str], str]:
     steps = min(s["loss_steps_compared"] for s in summaries)
     if steps == 0:
         return [], "losses not compared: " + summaries[0]["loss_steps_why"]
-    failures = peers_report.loss_disagreements(summaries, REFERENCE, LOSS_RTOL[args.bf16], steps)
+    own_muon = [s for s in summaries if args.optimizer == "muon" and s["peer"].startswith("deepspeed")]
+    compared = [s for s in summaries if s not in own_muon]
+    failures = peers_report.loss_disagreements(compared, REFERENCE, LOSS_RTOL[args.bf16], steps)
     which = summaries[0]["loss_steps_why"] if args.fake_world else "every step"
+    left_out = (f"; not {', '.join(s['peer'] for s in own_muon)}: DeepSpeed's own Muon picks its "
+                "matrices by name and runs its own Newton-Schulz" if own_muon else "")
     return failures, (f"losses compared with {REFERENCE}'s, relative tolerance "
-                      f"{LOSS_RTOL[args.bf16]:.0e}: {which} ({steps} of {args.steps})")
+                      f"{LOSS_RTOL[args.bf16]:.0e}: {which} ({steps} of {args.steps}){left_out}")
 
 
 def report(args, results: dict, notes: list[str], failed: dict, seconds: float) -> int:
@@ -243,8 +265,11 @@ def report(args, results: dict, notes: list[str], failed: dict, seconds: float) 
     env = environment(results)
     describe = (f"{machine()}; {env['device_name'] or args.device}; {mode}; world size {world}; "
                 f"{args.model}: {spec.about}; "
-                f"{spec.batch_per_rank} × {spec.seq} tokens per rank; AdamW; "
-                f"{'bf16 compute' if args.bf16 else 'fp32'}; compiled peers: {args.backend}; "
+                f"{spec.batch_per_rank} × {spec.seq} tokens per rank; "
+                f"{OPTIMIZER_WORDS[args.optimizer]}"
+                + (f" (torch's Newton-Schulz in {args.muon_iterations}); "
+                   if args.optimizer == "muon" else "; ")
+                + f"{'bf16 compute' if args.bf16 else 'fp32'}; compiled peers: {args.backend}; "
                 f"buckets: {'default' if args.bucket_mib is None else f'{args.bucket_mib:g} MiB'}; "
                 f"Inductor caches: {'warm' if args.warm_cache else 'empty (cold compiles)'}; "
                 f"{args.steps} steps, {args.warmup} untimed"
@@ -263,7 +288,10 @@ def report(args, results: dict, notes: list[str], failed: dict, seconds: float) 
     text = "\n\n".join(filter(None, [describe, columns, table, *dagger, rounds, compared, profiles,
                                       goals, *notes, *failures]))
     name = args.name or (f"peers-{args.model}" + (f"-L{args.layers}" if args.layers else "")
-                         + f"-w{world}" + ("-fake" if args.fake_world else ""))
+                         + f"-w{world}" + ("-fake" if args.fake_world else "")
+                         + ("-muon" if args.optimizer == "muon" else "")
+                         + ("-fp32" if args.optimizer == "muon" and args.muon_iterations == "fp32"
+                            else ""))
     path = write_json(name, {"machine": machine(), "environment": env,
                              "description": describe, "columns": columns, "args": vars(args),
                              "summaries": summaries, "ranks": results,

@@ -2,8 +2,8 @@
 
 Every factory takes the model (built from the same seed on every rank), the
 ``BenchModel`` and the run's ``Setting``, and returns a ``Trainer`` whose
-``step(x, y)`` runs forward, backward and AdamW on this rank's batch and returns
-the loss. The peers and what each compiles:
+``step(x, y)`` runs forward, backward and AdamW (or Muon and AdamW: optimizers.py) on this
+rank's batch and returns the loss. The peers and what each compiles:
 
 - ``zero_fx-<s>``: ``@zero_compile(stage=s)`` over the whole step (one graph, each
   distinct run of compute compiled once); ``zero_fx-3-whole``: ``regional=False``,
@@ -54,8 +54,7 @@ import torch
 import torch.nn as nn
 
 from .models import BenchModel, loss_of
-
-LEARNING_RATE = 1e-3
+from .optimizers import deepspeed_optimizer, optimizers_of
 
 
 @dataclass(frozen=True)
@@ -67,6 +66,10 @@ class Setting:
     """Compute in bfloat16 with fp32 parameters, gradient reduction and optimizer (GPU mode)."""
     bucket_bytes: Optional[int] = None
     """Cap of a fused collective for zero_fx and DeepSpeed; None: zero_fx's defaults."""
+    optimizer: str = "adamw"
+    """"adamw", or "muon": Muon on the blocks' matrices, AdamW on the rest (optimizers.py)."""
+    muon_iterations: str = "bf16"
+    """torch.optim.Muon's Newton-Schulz in its own bf16, or in "fp32"."""
 
 
 @dataclass
@@ -107,8 +110,8 @@ def _spmd_experts(make: Callable) -> Callable:
     return made
 
 
-def _adamw(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+def _optimizers(model: nn.Module, spec: BenchModel, setting: Setting) -> list:
+    return optimizers_of(model, spec.blocks(model), setting.optimizer, setting.muon_iterations)
 
 
 def _autocast(setting: Setting):
@@ -127,13 +130,28 @@ def zero_fx(stage: int, recompute: Optional[str] = None, regional: bool = True,
 
             inductor_config.triton.cudagraphs = True
 
-        opt = _adamw(model)
+        opts = _optimizers(model, spec, setting)
         precision = (MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                     output_dtype=torch.float32) if setting.bf16 else None)
+        compile_step = zero_compile(
+            stage=stage, backend=setting.backend, mixed_precision=precision,
+            bucket_bytes=setting.bucket_bytes, recompute=recompute, regional=regional,
+            expert_parallel=expert_parallel, optimizer_update=optimizer_update)
 
-        @zero_compile(stage=stage, backend=setting.backend, mixed_precision=precision,
-                      bucket_bytes=setting.bucket_bytes, recompute=recompute, regional=regional,
-                      expert_parallel=expert_parallel, optimizer_update=optimizer_update)
+        if len(opts) == 2:  # Muon and AdamW
+            @compile_step
+            def train_two(model, muon, adamw, x, y):
+                loss = loss_of(spec, model, x, y)
+                loss.backward()
+                muon.step()
+                adamw.step()
+                muon.zero_grad()
+                adamw.zero_grad()
+                return loss
+
+            return Trainer(lambda x, y: train_two(model, *opts, x, y), zero_fx_step=train_two)
+
+        @compile_step
         def train_step(model, opt, x, y):
             loss = loss_of(spec, model, x, y)
             loss.backward()
@@ -141,19 +159,22 @@ def zero_fx(stage: int, recompute: Optional[str] = None, regional: bool = True,
             opt.zero_grad()
             return loss
 
+        (opt,) = opts
         return Trainer(lambda x, y: train_step(model, opt, x, y), zero_fx_step=train_step)
     return make
 
 
-def _training_step(forward: nn.Module, spec: BenchModel, opt, setting: Setting) -> Callable:
-    """Forward (under autocast with ``--bf16``), backward, optimizer step: the loop every
-    peer but zero_fx and DeepSpeed runs, eagerly or compiled whole."""
+def _training_step(forward: nn.Module, spec: BenchModel, opts: list, setting: Setting) -> Callable:
+    """Forward (under autocast with ``--bf16``), backward, the optimizers' steps: the loop
+    every peer but zero_fx and DeepSpeed runs, eagerly or compiled whole."""
     def step(x, y):
         with _autocast(setting):
             loss = loss_of(spec, forward, x, y)
         loss.backward()
-        opt.step()
-        opt.zero_grad()
+        for opt in opts:
+            opt.step()
+        for opt in opts:
+            opt.zero_grad()
         return loss.detach()
     return step
 
@@ -165,7 +186,7 @@ def ddp(compiled: bool):
         ids = [setting.device] if setting.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=ids)
         forward = torch.compile(wrapped, backend=setting.backend) if compiled else wrapped
-        return Trainer(_training_step(forward, spec, _adamw(model), setting))
+        return Trainer(_training_step(forward, spec, _optimizers(model, spec, setting), setting))
     return make
 
 
@@ -192,7 +213,7 @@ def fsdp2(compiled: bool, checkpointed: bool = False):
                 block.compile(backend=setting.backend)
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
-        return Trainer(_training_step(model, spec, _adamw(model), setting))
+        return Trainer(_training_step(model, spec, _optimizers(model, spec, setting), setting))
     return make
 
 
@@ -216,6 +237,8 @@ def deepspeed(stage: int, checkpointed: bool = False):
             zero.update(stage3_prefetch_bucket_size=bucket,
                         stage3_param_persistence_threshold=DEFAULT_PERSISTENCE_THRESHOLD,
                         stage3_max_live_parameters=2 * bucket, stage3_max_reuse_distance=bucket)
+        if stage == 3 and setting.optimizer == "muon":
+            zero["reduce_scatter"] = False  # its stage 3 refuses Muon with its reduce-scatter
         config = {
             "train_micro_batch_size_per_gpu": spec.batch_per_rank,
             "gradient_accumulation_steps": 1,
@@ -225,8 +248,10 @@ def deepspeed(stage: int, checkpointed: bool = False):
             "fp16": {"enabled": False},
             "gradient_clipping": 0.0,
             "steps_per_print": 10 ** 9,
+            **deepspeed_optimizer(setting.optimizer),
         }
-        engine, _, _, _ = ds.initialize(model=model, optimizer=_adamw(model), config=config)
+        own = {} if "optimizer" in config else {"optimizer": _optimizers(model, spec, setting)[0]}
+        engine, _, _, _ = ds.initialize(model=model, config=config, **own)
 
         def step(x, y):
             loss = loss_of(spec, engine, x, y)
@@ -239,7 +264,7 @@ def deepspeed(stage: int, checkpointed: bool = False):
 
 def plain_compile(model: nn.Module, spec: BenchModel, setting: Setting) -> Trainer:
     torch._dynamo.config.trace_autograd_ops = True  # capture loss.backward() in the graph
-    step = _training_step(model, spec, _adamw(model), setting)
+    step = _training_step(model, spec, _optimizers(model, spec, setting), setting)
     return Trainer(torch.compile(step, backend=setting.backend), whole_batch=True)
 
 
