@@ -41,11 +41,11 @@ def stage_plan(stage: int, plan: ShardPlan, item: int, mixed: bool, optimizer: s
     parallelism])."""
     psi, n = psi_per_rank(plan, tp, split), plan.world_size
     muon = plan_whole_updates(plan) if optimizer == MUON else None
+    row = muon.row(stage) if muon is not None else None
     flat_optimizer = "adamw" if optimizer == MUON else optimizer
     states = model_state_breakdown(stage, psi, n, optimizer_bytes=OPTIMIZER_BYTES[flat_optimizer],
                                    param_bytes=item, reduce_bytes=item)
-    if muon is not None:  # [Note: planning whole-tensor updates]
-        row = muon.row(stage)
+    if row is not None:  # [Note: planning whole-tensor updates]
         flat_numel = psi - muon.numel
         states["optimizer"] = (OPTIMIZER_BYTES["adamw"] * flat_numel / (1 if stage == 0 else n)
                                + row.state_bytes)
@@ -60,9 +60,9 @@ def stage_plan(stage: int, plan: ShardPlan, item: int, mixed: bool, optimizer: s
     traffic = {kind: count * item for kind, count in elements.items() if count}
     ring = (n - 1) / n
     wire = sum(size * ring * (2 if kind == "all_reduce" else 1) for kind, size in traffic.items())
-    if muon is not None and muon.row(stage).exchange_bytes:
-        traffic["all_to_all"] = muon.row(stage).exchange_buffer_bytes
-        wire += muon.row(stage).exchange_bytes
+    if row is not None and row.exchange_bytes:
+        traffic["all_to_all"] = row.exchange_buffer_bytes
+        wire += row.exchange_bytes
     paper = zero_paper_bytes(stage, psi, n) if mixed else float("nan")
     return StagePlan(stage=stage, states=states, paper_bytes=paper, traffic=traffic,
                      wire_bytes=wire)

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..analysis.hardware import hardware
 from ..plan.layout import ShardPlan, in_block
 from ..plan.owners import assign_owners, loads_of, newton_schulz_cost
 
@@ -107,13 +108,12 @@ def plan_whole_updates(plan: ShardPlan) -> Optional[WholeUpdates]:
     loads = loads_of(owners, costs, n)
     owned = [[layouts[name] for name in names if owners[name] == r] for r in range(n)]
     owned_numel = [sum(layout.numel for layout in mine) for mine in owned]
-    shard = {name: layouts[name].shard_numel for name in names}
-    sent = [WHOLE_MASTER_BYTES * (sum(shard[x] for x in names if owners[x] != r)
-                                  + (n - 1) * sum(shard[x] for x in names if owners[x] == r))
-            for r in range(n)]
-    buffers = [WHOLE_MASTER_BYTES * (sum(shard.values())
-                                     + n * sum(shard[x] for x in names if owners[x] == r))
-               for r in range(n)]
+    all_shards = sum(layout.shard_numel for layout in layouts.values())
+    owned_shards = [sum(layout.shard_numel for layout in mine) for mine in owned]
+    # to owners: a rank's shard of every matrix (its own stays); from owners: each matrix it
+    # owns cut into n shards (one stays)
+    buffers = [WHOLE_MASTER_BYTES * (all_shards + n * mine) for mine in owned_shards]
+    sent = [WHOLE_MASTER_BYTES * (all_shards - mine + (n - 1) * mine) for mine in owned_shards]
     sharded = [WholeUpdateRow(
         stage=stage, flops=2 * max(loads), mean_flops=total / n,
         state_bytes=MUON_STATE_BYTES * max(owned_numel),
@@ -138,7 +138,6 @@ def _temporaries(layouts) -> float:
 def format_whole_updates(updates: WholeUpdates, psi: int, tensors: int, hardware_name: str,
                          world_size: int) -> list[str]:
     """The Muon section of the planner's report."""
-    from ..analysis.hardware import hardware
     hw = hardware(hardware_name)
     every, sharded = updates.row(0), updates.row(1)
 
