@@ -304,3 +304,16 @@ def test_no_words_about_how_the_work_is_organised():
 ])
 def test_the_wording_check_sees_what_it_should(text, found):
     assert [m.group(0) for m in ORGANISATION.finditer(text)] == found
+
+
+README_MAX_LINES = 250
+"""The README is the front page: what zero_fx is, the two commands, a complete script, the
+everyday options and where the rest lives. Detail goes to docs/, which it links."""
+
+
+def test_the_readme_stays_a_front_page():
+    with open(os.path.join(REPO, "README.md")) as f:
+        lines = f.read().splitlines()
+    assert len(lines) <= README_MAX_LINES, (
+        f"README.md has {len(lines)} lines, over {README_MAX_LINES}: move detail to a page of "
+        "docs/ and link it")
