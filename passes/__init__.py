@@ -3,6 +3,22 @@
 Passes never import the runtime (``zero_fx``); they read the plan and node
 metadata only. See README.md in this folder for what every graph between
 passes satisfies; ``common/`` holds what they share, not passes.
+
+The passes, in the order ``pipeline`` runs them (``PASS_ORDER``):
+
+- ``annotate_phases``: every node marked forward or backward;
+- ``scale_loss``: fp16's loss scale on the backward's seed;
+- ``recompute_activations``: the backward recomputes forward values;
+- ``recompute_param_views``: the backward reads parameters through its own nodes;
+- ``order_weight_grads``: a layer's input gradient before its weight gradient (stage 3);
+- ``gather_params`` (stage 3): shards in, all-gathered where used;
+- ``accumulate_embedding_grads``: a tied embedding's rows added into the head's gradient;
+- ``reduce_grads``: each gradient averaged over the ranks, or this rank's shard of it;
+- ``bucket_collectives``: one launch per bucket;
+- ``quantize_collectives``: ZeRO++'s quantized gathers and reductions;
+- ``schedule_collectives``: gathers issued early, reductions waited for late;
+- ``update_in_graph``: each bucket's optimizer update right after its reduction lands;
+- ``check_invariants``: the graph keeps README.md's promises, or compiling stops.
 """
 
 from .accumulate_embedding_grads import accumulate_embedding_grads

@@ -1,4 +1,26 @@
-"""zero_fx: compiler-based ZeRO for PyTorch."""
+"""zero_fx: compiler-based ZeRO for PyTorch.
+
+The folders are the stages of a step's life (docs/architecture.md, "The folders"):
+``plan`` (who holds which elements), ``runtime`` (the sharded state and what runs around
+each call), ``capture`` (the step as one graph), ``passes`` (the rewrites; the repository's
+passes/ folder), ``compiler`` (capture, passes and lowering per compilation), ``analysis``
+(traffic, memory, cost read off the graph), ``inspection`` (``explain``, dumps),
+``checkpoint`` (save, load, export), ``materialize`` (meta-device models, pretrained
+weights) and ``planner`` (``python -m zero_fx.plan``, offline).
+
+The modules here, by role:
+
+- the user's options: ``config`` (``ZeroConfig``, ``DebugOptions``, ``MixedPrecision``),
+  ``policies`` (the options grouped), ``checks`` (the checks that read several options),
+  ``renamed_options`` (0.1's names);
+- the step: ``api`` (``zero_compile``), ``compiled_step`` (``CompiledStep``), what it holds
+  (``step_state``) and shows (``step_inspection``), ``evaluation`` (forward-only steps),
+  ``verification`` (``verify``);
+- command lines: ``estimate`` (``python -m zero_fx.estimate``), ``export`` (a checkpoint to
+  a plain ``state_dict``);
+- leaves every layer may read: ``compat`` (differences between torch releases),
+  ``collective_backends``, ``checkpoint_error``, ``formatting``, ``logs``.
+"""
 
 from .compat import check_torch as _check_torch
 

@@ -1,4 +1,20 @@
-"""The step as one FX graph: dynamo's graph of the whole step, with its backward recorded
-by the autograd engine (``step_graph``), model-level ``torch.utils.checkpoint`` regions
-inlined (``inline_checkpoints``), and what to tell a user whose step does not capture
-(``hints``)."""
+"""The step as one FX graph. By role:
+
+- the capture: ``step_graph`` (dynamo's graph of the whole step, its backward recorded by
+  the autograd engine), ``kept_captures`` (a graph compiled again is not traced again),
+  ``step_calls`` (the optimizer calls the step makes, checked before compiling),
+  ``accumulated_gradients`` (several ``backward()`` calls summed), ``scalar_outputs``
+  (``.item()`` as a graph output), ``host_effects`` (prints and logs run after the graph),
+  ``inline_checkpoints`` (the model's ``torch.utils.checkpoint`` regions),
+  ``layout_decompositions`` (backward ops traced as the pointwise ops they are),
+  ``dynamic_shapes`` (which sizes dynamo traces as symbols);
+- tensor parallelism: ``tensor_parallel`` (a graph over DTensors' local pieces),
+  ``dtensors`` (whether a value is a DTensor, and its piece);
+- mixtures of experts, rewritten to fixed shapes before capture: ``routed_experts`` (the
+  rewrite), ``moe_blocks`` (which modules are MoE blocks), ``routed_forms`` (the fixed-shape
+  forwards), ``rewrite_check`` (each rewrite against the module's own forward),
+  ``fused_experts`` (experts as stacked 3-D parameters), ``grouped_experts``,
+  ``grouped_mm``, ``grouped_gemm_modules`` (the grouped computation), ``expert_exchange``
+  (expert parallelism's all-to-alls);
+- when a step does not capture: ``errors`` (``CaptureError``), ``graph_breaks`` (a break,
+  and where), ``hints`` (what to do about the failures users meet most)."""

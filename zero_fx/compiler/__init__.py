@@ -1,5 +1,11 @@
-"""From the captured graph to the program that runs: the dynamo backend that runs capture,
-our passes and lowering for each compilation (``backend``), the lowering itself
-(``lower``: pinning the collective schedule through Inductor, realizing readers), and the
-checks on the generated program's order and memory (``lowered_schedule``,
-``lowered_memory``)."""
+"""From the captured graph to the program that runs. By role:
+
+- ``backend``: the dynamo backend; each compilation runs capture, our passes and lowering,
+  and ``progress`` logs its phases;
+- ``lower``: compiles the rewritten graph with the chosen backend; ``regions``,
+  ``compute_runs`` and ``packed_results``: regional compilation (each distinct run of
+  compute compiled once, the collectives between them); ``pin_schedule``: the whole step as
+  one Inductor program in our collective order; ``realize_readers``: Inductor frees a
+  released gather where our graph does;
+- checks on the generated program: ``lowered_schedule`` (its collective order against the
+  graph's) and ``lowered_memory`` (when each of its buffers lives)."""

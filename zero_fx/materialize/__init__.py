@@ -10,7 +10,9 @@ plan when the step shards it, and hands ``ShardedState`` this rank's shards:
   what each event writes;
 - ``safetensors_files.py``, ``pretrained.py``: HuggingFace weights read straight into
   shards (``load_pretrained``);
-- ``materialize.py``: puts either into the model, keeping what this rank holds.
+- ``materialize.py``: puts either into the model, keeping what this rank holds;
+  ``model_tensors.py`` lists the model's tensors once each, with every place each is
+  registered (tied weights).
 """
 
 from .materialize import materialize

@@ -9,7 +9,8 @@ It reads the layout (``zero_fx.plan``) and traces the rewritten step on fake ten
 - ``stages``: each stage's states, traffic and buckets, flat or hybrid over nodes;
 - ``working_set``: the step traced at a few blocks and extrapolated to the model's depth;
 - ``offload``, ``tensor_parallel``, ``expert_parallel``, ``quantization``: each option
-  planned and priced;
+  planned and priced; ``whole_updates``: Muon's owners, their work and exchanges
+  (``--optimizer muon``);
 - ``printing``: the report as tables; ``table``: the ZeRO paper's table;
 - ``cli`` (``python -m zero_fx.plan``) and ``arguments``, the options it shares with
   ``python -m zero_fx.estimate``;

@@ -1,0 +1,45 @@
+"""Every folder indexes its modules: the ``__init__`` docstring of each package in zero_fx/
+and passes/ names each of its modules and subpackages (as ``name``, ``name.py`` or ``name/``), so a
+reader finds where a thing lives from the folder, without opening its files one by one."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("zero_fx", "passes")
+
+
+def packages() -> list[pathlib.Path]:
+    """Every folder with an ``__init__.py`` under the project's packages."""
+    return sorted(init.parent for top in PACKAGES for init in (ROOT / top).rglob("__init__.py"))
+
+
+def unnamed(folder: pathlib.Path) -> list[str]:
+    """The modules and subpackages of ``folder`` its ``__init__`` docstring does not name."""
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    parts = [p.stem for p in folder.glob("*.py") if p.name != "__init__.py"]
+    parts += [p.name for p in folder.iterdir() if (p / "__init__.py").is_file()]
+    return sorted(part for part in parts
+                  if not any(f"``{part}{end}``" in doc for end in ("", ".py", "/")))
+
+
+def test_every_folder_names_each_of_its_modules():
+    missing = {str(folder.relative_to(ROOT)): names for folder in packages()
+               if (names := unnamed(folder))}
+    assert not missing, (
+        "modules their folder's __init__ docstring does not name (add each, by its role):\n"
+        + "\n".join(f"{folder}/__init__.py: {', '.join(names)}"
+                    for folder, names in missing.items()))
+
+
+def test_the_index_check_finds_a_module_left_out(tmp_path):
+    (tmp_path / "__init__.py").write_text('"""Holds ``named`` and ``sub``."""\n')
+    for module in ("named.py", "forgotten.py"):
+        (tmp_path / module).write_text("")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "__init__.py").write_text("")
+    (tmp_path / "data").mkdir()  # not a package: no index needed
+    assert unnamed(tmp_path) == ["forgotten"]
+    assert len(packages()) >= 12
