@@ -41,18 +41,18 @@ class FakeCudaGenerators:
 def test_the_training_devices_generator_is_saved_and_restored_not_the_current_ones(monkeypatch):
     cuda = FakeCudaGenerators(monkeypatch)
     training = torch.device("cuda", 1)
-    states = contents._rng_states(3, training)
+    states = contents.rng_states(3, training)
     assert cuda.read == [training]  # not the current device, cuda:0
     assert set(states) == {"rng.rank3", "rng.rank3.cuda"}
-    contents._set_rng_states(3, states, training)
+    contents.set_rng_states(3, states, training)
     assert cuda.written == [(training, [7])]
 
 
 def test_a_run_on_the_cpu_saves_no_cuda_generator_even_when_cuda_is_initialized(monkeypatch):
     cuda = FakeCudaGenerators(monkeypatch)  # CUDA in use by something else in the process
-    states = contents._rng_states(0, torch.device("cpu"))
+    states = contents.rng_states(0, torch.device("cpu"))
     assert set(states) == {"rng.rank0"} and cuda.read == []
-    contents._set_rng_states(0, {**states, "rng.rank0.cuda": torch.tensor([1])}, torch.device("cpu"))
+    contents.set_rng_states(0, {**states, "rng.rank0.cuda": torch.tensor([1])}, torch.device("cpu"))
     assert cuda.written == []
 
 

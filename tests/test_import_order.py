@@ -226,3 +226,40 @@ def test_imports_for_annotations_only_do_not_count():
     names = [name for node in _nodes_that_run(ast.parse(source))
              for name in _imported_names(node, "zero_fx.materialize.pretrained", False)]
     assert names == ["zero_fx.plan"]
+
+
+def private_imports(module: str, tree: ast.AST, is_package: bool, modules: dict) -> list[str]:
+    """The names ``from <another zero_fx module> import _name`` takes in ``tree``: a leading
+    underscore means private to its module, so a name another module needs is public."""
+    found = []
+    for node in ast.walk(tree):  # under TYPE_CHECKING too: a private type is private still
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        source = _imported_names(node, module, is_package)[0].rpartition(".")[0]
+        if source not in modules or source == module:
+            continue
+        found += [f"{source}.{alias.name}" for alias in node.names
+                  if alias.name.startswith("_") and not alias.name.startswith("__")
+                  and f"{source}.{alias.name}" not in modules]  # a private submodule is a module
+    return found
+
+
+def test_no_module_imports_another_modules_private_name():
+    modules = module_files()
+    wrong = []
+    for module, (path, is_package) in sorted(modules.items()):
+        tree = ast.parse(path.read_text(), str(path))
+        wrong += [f"    {path.relative_to(ROOT)}: {name}"
+                  for name in private_imports(module, tree, is_package, modules)]
+    assert not wrong, ("private names imported from another module (make each public where it "
+                       "is defined, or move the code that needs it there):\n" + "\n".join(wrong))
+
+
+def test_the_private_import_check_sees_one():
+    modules = module_files()
+    source = ("from .report_sections import memory_section, _hidden\n"
+              "from . import explain\nfrom .explain import __doc__\n")
+    assert private_imports("zero_fx.inspection.explain", ast.parse(source), False,
+                           modules) == ["zero_fx.inspection.report_sections._hidden"]
+    own = "from zero_fx.inspection.explain import _own\n"
+    assert private_imports("zero_fx.inspection.explain", ast.parse(own), False, modules) == []

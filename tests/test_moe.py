@@ -789,7 +789,7 @@ def test_a_bf16_rewritten_forward_runs_grouped_mm_and_equals_the_original():
 def test_the_rewritten_forward_equals_the_original_in_eager(name):
     original, routed = build_moe(name), build_moe(name)
     routed_experts.route_experts_with_fixed_shapes(routed)
-    assert all(isinstance(m.forward, routed_forms._RoutedForward)
+    assert all(isinstance(m.forward, routed_forms.RoutedForward)
                for m in routed.modules() if type(m).__name__.endswith("SparseMoeBlock"))
     x = tokens(0)
     outs = [m(input_ids=x, labels=x) for m in (original, routed)]

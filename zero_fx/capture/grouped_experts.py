@@ -9,11 +9,11 @@ from torch import nn
 from .grouped_mm import grouped_linear
 
 
-class _NotGroupable(Exception):
+class NotGroupable(Exception):
     pass
 
 
-class _GroupedExperts:
+class GroupedExperts:
     """An expert's forward traced once (``torch.fx.symbolic_trace``), each ``nn.Linear``
     replaced by ``grouped_linear`` over every expert's stacked weights. Other submodules
     must hold no state (activations); other operations must act on each row alone, which
@@ -25,14 +25,14 @@ class _GroupedExperts:
         try:
             traced = torch.fx.symbolic_trace(expert)
         except Exception as err:  # noqa: BLE001 - any tracing failure means "not this shape"
-            raise _NotGroupable(f"torch.fx.symbolic_trace failed: {err}") from None
+            raise NotGroupable(f"torch.fx.symbolic_trace failed: {err}") from None
         graph = torch.fx.Graph()
         rows, offs, group_of_row = (graph.placeholder(n) for n in ("rows", "offs", "group_of_row"))
         env: dict[torch.fx.Node, torch.fx.Node] = {}
         self.linears: list[tuple[str, bool]] = []
         inputs = [n for n in traced.graph.nodes if n.op == "placeholder"]
         if len(inputs) != 1:
-            raise _NotGroupable(f"its forward takes {len(inputs)} inputs, not one")
+            raise NotGroupable(f"its forward takes {len(inputs)} inputs, not one")
         weights = []
         for node in traced.graph.nodes:
             if node.op == "placeholder":
@@ -48,15 +48,15 @@ class _GroupedExperts:
             elif node.op == "call_module":
                 sub = traced.get_submodule(node.target)
                 if any(True for _ in sub.parameters()) or any(True for _ in sub.buffers()):
-                    raise _NotGroupable(f"its submodule {node.target!r} holds state and is not "
+                    raise NotGroupable(f"its submodule {node.target!r} holds state and is not "
                                         f"an nn.Linear")
                 env[node] = graph.node_copy(node, lambda n: env[n])
             elif node.op == "get_attr":
-                raise _NotGroupable(f"its forward reads the tensor {node.target!r} directly")
+                raise NotGroupable(f"its forward reads the tensor {node.target!r} directly")
             else:
                 env[node] = graph.node_copy(node, lambda n: env[n])
         if not self.linears:
-            raise _NotGroupable("it has no nn.Linear")
+            raise NotGroupable("it has no nn.Linear")
         self.module = torch.fx.GraphModule(traced, graph)
 
     def __call__(self, rows, offs, group_of_row, experts: nn.ModuleList):

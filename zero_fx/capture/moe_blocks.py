@@ -58,7 +58,7 @@ def moe_shape(block: nn.Module) -> Optional[MoeShape]:
         return None
     experts, router = (getattr(block, name) for name in parts)
     return MoeShape(parts[0], parts[1], routed_count(experts), _top_k(block, router),
-                    _shared_expert(block))
+                    shared_expert_name(block))
 
 
 def routed_expert_modules(model: nn.Module) -> tuple[str, ...]:
@@ -156,7 +156,7 @@ def _top_k(block: nn.Module, router: nn.Module) -> Optional[int]:
     return None
 
 
-def _shared_expert(block: nn.Module) -> Optional[str]:
+def shared_expert_name(block: nn.Module) -> Optional[str]:
     for name in ("shared_expert", "shared_experts"):
         if isinstance(getattr(block, name, None), nn.Module):
             return name

@@ -46,11 +46,11 @@ import torch
 from torch import nn
 
 from .fused_experts import route_fused_experts_with_fixed_shapes
-from .grouped_experts import _GroupedExperts, _NotGroupable
+from .grouped_experts import GroupedExperts, NotGroupable
 from .grouped_gemm_modules import route_grouped_gemms_with_fixed_shapes
 from .moe_blocks import LocalExperts, MoeShape, RoutedExperts, moe_shape
 from .rewrite_check import output_and_grads, probe_copy, same_output, worst_different_gradient
-from .routed_forms import _forms, _RoutedForward
+from .routed_forms import candidate_forms, RoutedForward
 from .step_graph import CaptureError
 
 log = logging.getLogger("zero_fx")
@@ -89,7 +89,7 @@ def route_experts_with_fixed_shapes(model: nn.Module, *, confirm: bool = True,
     loop] in fused_experts.py)."""
     found, unrecognised = [], []
     for name, block in model.named_modules():
-        if isinstance(block.__dict__.get("forward"), _RoutedForward):
+        if isinstance(block.__dict__.get("forward"), RoutedForward):
             found.append(block.forward.info)
             continue
         shape = moe_shape(block)
@@ -182,13 +182,13 @@ def _install(path: str, block: nn.Module, shape: MoeShape, confirm: bool) -> Rou
         raise _unrecognised(name, block, "neither it nor its router has `top_k` or "
                                          "`num_experts_per_tok`")
     try:
-        grouped = _GroupedExperts(experts[0])
-    except _NotGroupable as err:
+        grouped = GroupedExperts(experts[0])
+    except NotGroupable as err:
         raise _unrecognised(name, block, f"its experts cannot be run as one grouped "
                                          f"computation ({err})") from None
     original = type(block).forward
-    for form in _forms(block, router, shape):
-        routed = _RoutedForward(block, form, grouped, experts_name, router_name, top_k,
+    for form in candidate_forms(block, router, shape):
+        routed = RoutedForward(block, form, grouped, experts_name, router_name, top_k,
                                 info=None)
         if not confirm or _reproduces(name, block, original, routed, experts[0]):
             info = RoutedExperts(
@@ -205,7 +205,7 @@ def _install(path: str, block: nn.Module, shape: MoeShape, confirm: bool) -> Rou
 
 # -- the check that a form reproduces the block ---------------------------------------------
 
-def _reproduces(name: str, block: nn.Module, original: Callable, routed: _RoutedForward,
+def _reproduces(name: str, block: nn.Module, original: Callable, routed: RoutedForward,
                 expert: nn.Module) -> bool:
     """Whether ``routed`` computes what the block's own forward does, on a random input: its
     outputs, and the gradients of the input and of every parameter under one random

@@ -1,7 +1,7 @@
 """The fixed-shape forwards a mixture-of-experts block may be given (steps 1 to 5 of
 [Note: routed experts with fixed shapes] in routed_experts.py): route, sort the (token,
 expert) pairs by expert, run the experts as one grouped computation, and scatter the rows
-back, weighted. ``_forms`` lists the candidates for a block; routed_experts.py installs the
+back, weighted. ``candidate_forms`` lists the candidates for a block; routed_experts.py installs the
 first that reproduces it."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .expert_exchange import dispatch_and_combine
-from .grouped_experts import _GroupedExperts
+from .grouped_experts import GroupedExperts
 from .grouped_mm import sort_by_group
 from .moe_blocks import LocalExperts, MoeShape, RoutedExperts, routed_count
 
@@ -30,10 +30,10 @@ class _Form:
     shared: Optional[str]
 
 
-class _RoutedForward:
+class RoutedForward:
     """The fixed-shape forward installed on a block (``block.forward``)."""
 
-    def __init__(self, block: nn.Module, form: _Form, grouped: "_GroupedExperts",
+    def __init__(self, block: nn.Module, form: _Form, grouped: "GroupedExperts",
                  experts: str, router: str, top_k: int, info: RoutedExperts):
         self._block = block
         self.form, self.grouped, self.experts, self.router, self.top_k = (
@@ -54,7 +54,7 @@ class _RoutedForward:
         return new
 
 
-def _forms(block: nn.Module, router: nn.Module, shape: MoeShape) -> list[_Form]:
+def candidate_forms(block: nn.Module, router: nn.Module, shape: MoeShape) -> list[_Form]:
     shared = shape.shared_expert
     if isinstance(router, nn.Linear):
         normalise = getattr(block, "norm_topk_prob", None)
@@ -94,7 +94,7 @@ def _softmax_top_k_forward(normalise: bool, shared: Optional[str], with_logits: 
     renormalised; returns (hidden, router logits) as HuggingFace's blocks do, or the hidden
     states alone."""
 
-    def route(block, routed: _RoutedForward, logits):
+    def route(block, routed: RoutedForward, logits):
         weights = F.softmax(logits, dim=1, dtype=torch.float)
         weights, chosen = torch.topk(weights, routed.top_k, dim=-1)
         if normalise:
@@ -110,7 +110,7 @@ def _sparsemixer_forward(sparsemixer: Callable, shared: Optional[str]) -> Callab
     a custom autograd function. Calling the model's function keeps both as they are (and its
     random draws in the order eager makes them); returns (hidden, router logits)."""
 
-    def route(block, routed: _RoutedForward, logits):
+    def route(block, routed: RoutedForward, logits):
         return sparsemixer(logits, jitter_eps=getattr(block, "router_jitter_noise", 0.0),
                            training=block.training)
 
@@ -124,7 +124,7 @@ def _linear_router_forward(route: Callable, shared: Optional[str], with_logits: 
     logits) -> (weights, chosen)``, the experts mixed (weights cast to the input's dtype) and
     the shared expert added."""
 
-    def forward(block, routed: _RoutedForward, hidden_states):
+    def forward(block, routed: RoutedForward, hidden_states):
         shape = hidden_states.shape
         noise = getattr(block, jitter, 0)
         if block.training and noise:
@@ -145,7 +145,7 @@ def _router_module_forward(shared: Optional[str]) -> Callable:
     """DeepSeek-V3: the router module returns (indices, weights) itself (its own code, so its
     buffers behave as in eager); mixed in the weights' dtype; shared experts on the input."""
 
-    def forward(block, routed: _RoutedForward, hidden_states):
+    def forward(block, routed: RoutedForward, hidden_states):
         shape = hidden_states.shape
         chosen, weights = getattr(block, routed.router)(hidden_states)
         hidden = hidden_states.reshape(-1, shape[-1])
@@ -156,7 +156,7 @@ def _router_module_forward(shared: Optional[str]) -> Callable:
     return forward
 
 
-def _mix_experts(block, routed: _RoutedForward, hidden: torch.Tensor, chosen: torch.Tensor,
+def _mix_experts(block, routed: RoutedForward, hidden: torch.Tensor, chosen: torch.Tensor,
                  weights: torch.Tensor, out_dtype: torch.dtype,
                  meanwhile: Optional[Callable[[], torch.Tensor]] = None
                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

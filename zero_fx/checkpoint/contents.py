@@ -63,7 +63,7 @@ import torch.distributed as dist
 from ..runtime.sharded_state import ShardedState
 
 
-def _tensors(state: ShardedState, mesh) -> dict[str, Any]:
+def tensor_entries(state: ShardedState, mesh) -> dict[str, Any]:
     """Every tensor entry, each a view of the tensor it is saved from or loaded into."""
     entries: dict[str, Any] = {}
     parallel = state.plan.expert_parallel
@@ -132,7 +132,7 @@ def tensor_parallel_split(plan, name: str) -> Optional[dict]:
     return {"degree": parallel.degree, "dim": dims[0], "shape": list(shape)}
 
 
-def _rng_states(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+def rng_states(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
     """This rank's random number generators: the CPU's, and the training device's (``device``,
     its parameters' device; none more on the CPU).
 
@@ -153,14 +153,14 @@ def _rng_states(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
     return states
 
 
-def _set_rng_states(rank: int, entries: dict, device: torch.device) -> None:
-    """Restore what ``_rng_states`` saved, into the same generators."""
+def set_rng_states(rank: int, entries: dict, device: torch.device) -> None:
+    """Restore what ``rng_states`` saved, into the same generators."""
     torch.set_rng_state(entries[f"rng.rank{rank}"])
     if f"rng.rank{rank}.cuda" in entries and device.type == "cuda":
         torch.cuda.set_rng_state(entries[f"rng.rank{rank}.cuda"], device)
 
 
-def _objects(state: ShardedState, counters: dict, extra: Any) -> dict[str, Any]:
+def object_entries(state: ShardedState, counters: dict, extra: Any) -> dict[str, Any]:
     names = state.shard_names()
     groups = [{"params": [names[id(p)] for p in group["params"]],
                **{k: v for k, v in group.items() if k != "params"}}
@@ -170,7 +170,7 @@ def _objects(state: ShardedState, counters: dict, extra: Any) -> dict[str, Any]:
         ("zero_fx.runtime", counters), ("zero_fx.extra", extra), ("optim.param_groups", groups))}
 
 
-def _manifest(state: ShardedState) -> dict:
+def manifest_of(state: ShardedState) -> dict:
     plan = state.plan
     tensor_parallel = plan.tensor_parallel.degree if plan.tensor_parallel is not None else 1
     return {
@@ -218,12 +218,12 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _device(state: ShardedState) -> torch.device:
+def training_device(state: ShardedState) -> torch.device:
     """Where this rank trains (offloaded masters are on the host: [Note: optimizer offload])."""
     return state.device
 
 
-def _mesh(state: ShardedState):
+def shard_mesh(state: ShardedState):
     """The device mesh the shards are laid out on: the user's 2-D mesh with hybrid sharding
     (each shard saved once, its replicas skipped by DCP), else a one-dimensional mesh over
     the step's ranks; None at world size 1."""
@@ -233,7 +233,7 @@ def _mesh(state: ShardedState):
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(_device(state).type, (state.world.size,))
+    return init_device_mesh(training_device(state).type, (state.world.size,))
 
 
 def _expert_mesh(state: ShardedState):
@@ -246,7 +246,8 @@ def _expert_mesh(state: ShardedState):
     from torch.distributed.device_mesh import DeviceMesh
 
     group = dist.distributed_c10d._resolve_process_group(parallel.data_group_name)
-    return DeviceMesh.from_group(group, _device(state).type)  # no collective: the group exists
+    # no collective: the group exists
+    return DeviceMesh.from_group(group, training_device(state).type)
 
 
 def _expert_rows_mesh(state: ShardedState):
@@ -258,9 +259,10 @@ def _expert_rows_mesh(state: ShardedState):
     parallel = state.plan.expert_parallel
     resolve = dist.distributed_c10d._resolve_process_group
     if parallel.data_size == 1:
-        return DeviceMesh.from_group(resolve(parallel.group_name), _device(state).type)
+        return DeviceMesh.from_group(resolve(parallel.group_name), training_device(state).type)
     shard_ranks = torch.tensor(dist.get_process_group_ranks(resolve(state.plan.group_name)))
     grid = shard_ranks.view(parallel.data_size, parallel.degree).T  # [place, holder]
     return DeviceMesh.from_group(
-        [resolve(parallel.group_name), resolve(parallel.data_group_name)], _device(state).type,
+        [resolve(parallel.group_name), resolve(parallel.data_group_name)],
+        training_device(state).type,
         mesh=grid, mesh_dim_names=("expert", "expert_data"))

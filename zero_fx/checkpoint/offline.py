@@ -19,14 +19,14 @@ log = logging.getLogger("zero_fx")
 
 
 @contextlib.contextmanager
-def _single_process_quietly():
+def single_process_quietly():
     """DCP warns that it "assumes the intent" of a single process even when told so."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 
-def _readable(path: str) -> str:
+def readable_checkpoint(path: str) -> str:
     found = readable_path(path)
     if found != path:
         log.warning("zero_fx: a save into %s was interrupted after moving the previous checkpoint "
@@ -37,10 +37,10 @@ def _readable(path: str) -> str:
 def load_full(path: str) -> dict[str, torch.Tensor]:
     """Offline, one process: every tensor of the checkpoint, whole (parameters reshaped),
     keyed as saved. Checks the files first."""
-    path = _readable(os.fspath(path))
+    path = readable_checkpoint(os.fspath(path))
     manifest = read_manifest(path)
     raise_if_damaged(path, check_files(path, manifest, lambda index: True))
-    return _read_whole(path, manifest, list(_tensor_keys(path)))
+    return read_whole(path, manifest, list(_tensor_keys(path)))
 
 
 EXPORT_GROUP_BYTES = 256 * 2**20
@@ -62,20 +62,20 @@ def model_state_dict(path: str, dtype: Optional[torch.dtype] = None, *,
     whole, since ``torch.save`` writes one object."""
     if group_bytes <= 0:
         raise ValueError(f"group_bytes must be positive, not {group_bytes}")
-    path = _readable(os.fspath(path))
+    path = readable_checkpoint(os.fspath(path))
     manifest = read_manifest(path)
     raise_if_damaged(path, check_files(path, manifest, lambda index: True))
     metadata = _tensor_keys(path)
     state: dict[str, torch.Tensor] = {}
     for group in _groups(manifest["params"], metadata, group_bytes if dtype is not None else None):
-        read = _read_whole(path, manifest, [f"model.{name}" for name in group])
+        read = read_whole(path, manifest, [f"model.{name}" for name in group])
         for name in group:
             value = read.pop(f"model.{name}")
             state[name] = (value.to(dtype) if dtype is not None and value.is_floating_point()
                            else value)
     for alias, name in manifest["aliases"].items():
         state[alias] = state[name]
-    buffers = _read_whole(path, manifest, [f"buffers.{name}" for name in manifest["buffers"]])
+    buffers = read_whole(path, manifest, [f"buffers.{name}" for name in manifest["buffers"]])
     for name in manifest["buffers"]:
         state[name] = buffers[f"buffers.{name}"]
     return state
@@ -105,7 +105,7 @@ def _tensor_keys(path: str) -> dict[str, Any]:
     return {key: meta for key, meta in metadata.items() if hasattr(meta, "size")}
 
 
-def _read_whole(path: str, manifest: dict, keys: list[str],
+def read_whole(path: str, manifest: dict, keys: list[str],
                 shape_of: Optional[str] = None) -> dict[str, torch.Tensor]:
     """Tensor entries ``keys``, whole, on the CPU; parameters in their shapes (a tensor
     split over "tp" put back together: [Note: checkpoints of a tensor-parallel model]);
@@ -116,7 +116,7 @@ def _read_whole(path: str, manifest: dict, keys: list[str],
     entries: dict[str, Any] = {key: torch.empty(metadata[key].size,
                                                 dtype=metadata[key].properties.dtype)
                                for key in keys}
-    with _single_process_quietly():
+    with single_process_quietly():
         dcp.load(entries, checkpoint_id=path, no_dist=True)
     splits = manifest.get("tensor_parallel", {})
     for name, info in manifest["params"].items():

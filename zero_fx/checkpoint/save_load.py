@@ -18,11 +18,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..plan.layout import cut_shard
 from ..runtime.cpu_group import cpu_group
 from ..runtime.sharded_state import ShardedState
-from .contents import (_device, _manifest, _mesh, _objects, _rng_states, _set_rng_states,
-                       _tensors, persistent_buffers, tensor_parallel_split, whole_shape)
+from .contents import (manifest_of, object_entries, persistent_buffers, rng_states,
+                       set_rng_states, shard_mesh, tensor_entries, tensor_parallel_split,
+                       training_device, whole_shape)
 from .files import (CheckpointError, check_files, clear_staging, prepare_save, publish,
                     raise_if_damaged, read_manifest, staging_path)
-from .offline import _read_whole, _readable, _single_process_quietly
+from .offline import read_whole, readable_checkpoint, single_process_quietly
 
 log = logging.getLogger("zero_fx")
 
@@ -36,11 +37,11 @@ def save(state: ShardedState, path: str, counters: dict, extra: Any = None) -> N
 def _save(state: ShardedState, path: str, counters: dict, extra: Any) -> None:
     world = state.world
     _on_rank_0(world, path, prepare_save, path)
-    entries = _tensors(state, _mesh(state))
-    entries.update(_objects(state, counters, extra))
-    entries.update(_rng_states(world.global_rank, _device(state)))
+    entries = tensor_entries(state, shard_mesh(state))
+    entries.update(object_entries(state, counters, extra))
+    entries.update(rng_states(world.global_rank, training_device(state)))
     try:
-        with _single_process_quietly():
+        with single_process_quietly():
             dcp.save(entries, checkpoint_id=staging_path(path), no_dist=world.ranks == 1,
                      process_group=cpu_group())
     except CheckpointException as failed:  # every rank gets it, with each rank's cause
@@ -50,7 +51,7 @@ def _save(state: ShardedState, path: str, counters: dict, extra: Any) -> None:
         raise _not_saved(path, causes) from None
     _barrier(world)
     try:
-        _on_rank_0(world, path, publish, path, _manifest(state))
+        _on_rank_0(world, path, publish, path, manifest_of(state))
     except CheckpointError:
         _on_rank_0(world, path, clear_staging, path)
         raise
@@ -60,7 +61,7 @@ def _save(state: ShardedState, path: str, counters: dict, extra: Any) -> None:
 def load(state: ShardedState, path: str) -> tuple[dict, Any]:
     """Read ``path`` into ``state`` (any world size or stage it was saved at); return the
     saved runtime counters and ``extra``. A collective."""
-    path = _readable(os.fspath(path))
+    path = readable_checkpoint(os.fspath(path))
     manifest = read_manifest(path)
     _check_files_on_all_ranks(state, path, manifest)
     _check_same_model(state, manifest)
@@ -71,24 +72,24 @@ def load(state: ShardedState, path: str) -> tuple[dict, Any]:
 
 def _load(state: ShardedState, path: str, manifest: dict) -> tuple[dict, Any]:
     saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-    entries = _tensors(state, _mesh(state))
+    entries = tensor_entries(state, shard_mesh(state))
     _check_same_optimizer(entries, saved_keys, manifest, state)
     resplit = _split_otherwise(state, manifest, entries)
     entries.update({k: None for k in ("zero_fx.runtime", "zero_fx.extra", "optim.param_groups")})
-    rng = _rng_states(state.world.global_rank, _device(state))
+    rng = rng_states(state.world.global_rank, training_device(state))
     if rng.keys() <= saved_keys:
         entries.update(rng)
     else:
         log.warning("zero_fx: the checkpoint was saved at %d rank(s) and holds no RNG state "
                     "for rank %d (or its CUDA device); its RNG is left as it is",
                     manifest["world_size"], state.world.global_rank)
-    with _single_process_quietly():
+    with single_process_quietly():
         dcp.load(entries, checkpoint_id=path, no_dist=state.world.ranks == 1,
                  process_group=cpu_group())
     _load_split_otherwise(state, path, manifest, resplit)
     _restore_param_groups(state.optimizer, pickle.loads(entries["optim.param_groups"]), state)
     if rng.keys() <= entries.keys():
-        _set_rng_states(state.world.global_rank, entries, _device(state))
+        set_rng_states(state.world.global_rank, entries, training_device(state))
     state.zero_grad()
     state.refresh_parameters(frozen=True)
     return pickle.loads(entries["zero_fx.runtime"]), pickle.loads(entries["zero_fx.extra"])
@@ -128,7 +129,7 @@ def _load_split_otherwise(state: ShardedState, path: str, manifest: dict, respli
                  "in this run: each is read whole on every rank and cut anew", len(resplit))
     plan = state.plan
     for key, (name, target) in resplit.items():
-        whole = _read_whole(path, manifest, [key], shape_of=name)[key]
+        whole = read_whole(path, manifest, [key], shape_of=name)[key]
         split = tensor_parallel_split(plan, name)
         piece = (whole.chunk(split["degree"], dim=split["dim"])[plan.tensor_parallel.rank]
                  if split is not None else whole)

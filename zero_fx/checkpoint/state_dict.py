@@ -9,7 +9,7 @@ import torch
 
 from ..formatting import format_bytes
 from ..runtime.sharded_state import ShardedState
-from .contents import _device, persistent_buffers, tied_aliases
+from .contents import training_device, persistent_buffers, tied_aliases
 
 log = logging.getLogger("zero_fx")
 
@@ -44,7 +44,7 @@ def full_state_dict(state: ShardedState, dtype: Optional[torch.dtype] = None, *,
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype (torch.bfloat16) or None, "
                         f"not {dtype!r}")
-    device = _device(state)
+    device = training_device(state)
     if cpu_offload is None:
         cpu_offload = device.type != "cpu"
     if not cpu_offload:

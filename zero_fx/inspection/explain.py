@@ -24,11 +24,11 @@ from ..formatting import format_bytes, format_seconds
 from ..plan.owners import loads_of
 from ..passes.common.predicates import UPDATES_META, is_update
 from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary
-from .plan_section import _plan_section
-from .report_sections import (_at, _bucket, _compilations_section, _device_copies_section,
-                              _host_copies_section, _memory_section)
-from .step_facts import (DeviceCopy, GatheredLifetime, HostCopy, _device_copies, _host_copies,
-                         _lifetimes)
+from .plan_section import format_plan
+from .report_sections import (bucket_text, compilations_section, device_copies_section,
+                              host_copies_section, memory_section, position_text)
+from .step_facts import (DeviceCopy, GatheredLifetime, HostCopy, device_copies_in, host_copies_in,
+                         gathered_lifetimes)
 
 if TYPE_CHECKING:  # a type for annotations only: the compiler sits above inspection/
     from ..compiler.backend import Compilation
@@ -70,16 +70,16 @@ class Explanation:
     [Note: update rules] in zero_fx/runtime/optimizer.py)."""
 
     def __str__(self) -> str:
-        plan = _plan_section(self.plan, self.moe_blocks)
+        plan = format_plan(self.plan, self.moe_blocks)
         if self.offload_choice is not None:
             plan += "\n" + "\n".join(self.offload_choice.lines())
         sections = [self.title, plan,
-                    _collectives_section(self), _host_copies_section(self.host_copies),
-                    _device_copies_section(self.device_copies),
+                    _collectives_section(self), host_copies_section(self.host_copies),
+                    device_copies_section(self.device_copies),
                     _lifetimes_section(self), _update_section(self),
                     rules_section(self.parameter_updates, self.plan.world_size),
-                    _memory_section(self.memory, self.compilations, self.recompute),
-                    f"Estimate\n  {self.estimate}", _compilations_section(self.compilations)]
+                    memory_section(self.memory, self.compilations, self.recompute),
+                    f"Estimate\n  {self.estimate}", compilations_section(self.compilations)]
         return "\n\n".join(s for s in sections if s) + "\n"
 
 
@@ -99,14 +99,14 @@ def explain_graph(gm: GraphModule, plan, *, hardware="cpu-gloo", title: str = ""
         title=title or f"zero_fx explain: stage {plan.stage} over {plan.world_size} rank(s)",
         plan=plan,
         timings=replayed.timings,
-        lifetimes=tuple(_lifetimes(gm, plan, memory)),
+        lifetimes=tuple(gathered_lifetimes(gm, plan, memory)),
         memory=memory,
         estimate=replayed.estimate,
         compilations=tuple(compilations),
         recompute=gm.meta.get(RECOMPUTE_META),
         moe_blocks=tuple(moe_blocks),
-        host_copies=tuple(_host_copies(gm)),
-        device_copies=tuple(_device_copies(gm)),
+        host_copies=tuple(host_copies_in(gm)),
+        device_copies=tuple(device_copies_in(gm)),
         offload_choice=offload_choice,
         updates=tuple((i, n.meta[UPDATES_META]) for i, n in enumerate(gm.graph.nodes)
                       if is_update(n)),
@@ -153,7 +153,7 @@ def _update_section(e: Explanation) -> str:
                  f"in the graph])"]
         if e.update_kernels:
             lines.append(f"  kernels: {e.update_kernels}")
-        lines += [f"  {index:>6}  {_bucket(names)}" for index, names in e.updates]
+        lines += [f"  {index:>6}  {bucket_text(names)}" for index, names in e.updates]
         return "\n".join(lines)
     if e.update_reason:
         return (f"Optimizer update: after the graph, on every shard at once, because "
@@ -175,8 +175,8 @@ def _collectives_section(e: Explanation) -> str:
                    if c.issued_at is not None else "-")
         lines.append(
             f"  {i:>3}  {c.kind:<14} {format_bytes(c.bytes):>10}  {c.phase:<10} "
-            f"{_at(c.issued_at):>6} {_at(c.waited_at):>6}  {between:>22}  "
-            f"{format_seconds(t.exposed):>9}  {_bucket(c.bucket)}"
+            f"{position_text(c.issued_at):>6} {position_text(c.waited_at):>6}  {between:>22}  "
+            f"{format_seconds(t.exposed):>9}  {bucket_text(c.bucket)}"
             + (" (across replicas)" if c.group == REPLICATE_GROUP else
                f" ({c.group})" if c.group in (NODE_GROUP, ACROSS_NODES) else ""))
     lines.append("  issued/waited: node index in the rewritten graph (see the graph dump); "

@@ -84,7 +84,7 @@ def _quantization_lines(plan) -> list[str]:
             f"([Note: quantized blocks on the wire])"]
 
 
-def _plan_section(plan, moe_blocks: Sequence[RoutedExperts] = ()) -> str:
+def format_plan(plan, moe_blocks: Sequence[RoutedExperts] = ()) -> str:
     lines = ["Plan"]
     dtypes = sorted({short_dtype(l.dtype) for l in plan.params})
     if plan.replicated:

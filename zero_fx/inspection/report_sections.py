@@ -19,7 +19,7 @@ SPARKLINE_WIDTH = 64
 _BARS = " ▁▂▃▄▅▆▇█"
 
 
-def _host_copies_section(copies: Sequence[HostCopy]) -> str:
+def host_copies_section(copies: Sequence[HostCopy]) -> str:
     if not copies:
         return ""
     lines = [f"Copies to the host: {len(copies)} gradient shard(s), {format_bytes(sum(c.bytes for c in copies))} "
@@ -27,14 +27,14 @@ def _host_copies_section(copies: Sequence[HostCopy]) -> str:
              f"([Note: gradients streamed to the host])",
              f"  {'#':>3}  {'bytes':>10} {'waited':>6} {'copied':>6}  {'compute after':>13}  bucket"]
     for i, c in enumerate(copies):
-        lines.append(f"  {i:>3}  {format_bytes(c.bytes):>10} {_at(c.after_wait):>6} {c.at:>6}  "
-                     f"{c.compute_after:>13}  {_bucket(c.bucket)}")
+        lines.append(f"  {i:>3}  {format_bytes(c.bytes):>10} {position_text(c.after_wait):>6} "
+                     f"{c.at:>6}  {c.compute_after:>13}  {bucket_text(c.bucket)}")
     lines.append("  compute after: matmuls, attention and convolutions the graph runs after the "
                  "copy is issued, which it overlaps; the host reads the shards after the graph")
     return "\n".join(lines)
 
 
-def _device_copies_section(copies: Sequence[DeviceCopy]) -> str:
+def device_copies_section(copies: Sequence[DeviceCopy]) -> str:
     if not copies:
         return ""
     lines = [f"Copies from the host: {len(copies)} bucket(s) of shards, "
@@ -44,14 +44,14 @@ def _device_copies_section(copies: Sequence[DeviceCopy]) -> str:
              f"  {'#':>3}  {'bytes':>10} {'copied':>6} {'waited':>6}  {'compute between':>15}  bucket"]
     for i, c in enumerate(copies):
         lines.append(f"  {i:>3}  {format_bytes(c.bytes):>10} {c.at:>6} {c.waited:>6}  "
-                     f"{c.compute_between:>15}  {_bucket(c.bucket)}")
+                     f"{c.compute_between:>15}  {bucket_text(c.bucket)}")
     lines.append("  compute between: matmuls, attention and convolutions the graph runs between "
                  "the copy's issue and its wait, which it can overlap (the graph's order; not "
                  "measured on a GPU)")
     return "\n".join(lines)
 
 
-def _memory_section(m: MemoryTimeline, compilations: Sequence[Compilation] = (),
+def memory_section(m: MemoryTimeline, compilations: Sequence[Compilation] = (),
                     recompute: Optional[RecomputeSummary] = None) -> str:
     peak = m.peak_index
     lines = ["Memory per rank over the step (estimated, [Note: the memory timeline])",
@@ -87,7 +87,7 @@ def describe_recompute(summary: RecomputeSummary) -> str:
             f"{format_bytes(summary.dropped_bytes)}){cost}")
 
 
-def _compilations_section(compilations: Sequence[Compilation]) -> str:
+def compilations_section(compilations: Sequence[Compilation]) -> str:
     if not compilations:
         return ""
     lines = [f"Compilations: {len(compilations)}"]
@@ -109,11 +109,11 @@ def sparkline(values: Sequence[int], width: int = SPARKLINE_WIDTH) -> str:
     return "".join(_BARS[round(v / top * (len(_BARS) - 1))] for v in columns)
 
 
-def _at(index: Optional[int]) -> str:
+def position_text(index: Optional[int]) -> str:
     return "-" if index is None else str(index)
 
 
-def _bucket(names: tuple[str, ...]) -> str:
+def bucket_text(names: tuple[str, ...]) -> str:
     if len(names) <= 2:
         return ", ".join(names)
     return f"{names[0]} … {names[-1]} ({len(names)})"

@@ -63,7 +63,7 @@ class DeviceCopy:
     """Matmuls, attention and convolutions the graph runs between the two: what hides it."""
 
 
-def _host_copies(gm: GraphModule) -> list[HostCopy]:
+def host_copies_in(gm: GraphModule) -> list[HostCopy]:
     nodes = list(gm.graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
     compute_after = [0] * (len(nodes) + 1)
@@ -79,7 +79,7 @@ def _host_copies(gm: GraphModule) -> list[HostCopy]:
     return copies
 
 
-def _device_copies(gm: GraphModule) -> list[DeviceCopy]:
+def device_copies_in(gm: GraphModule) -> list[DeviceCopy]:
     nodes = list(gm.graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
     compute_before = [0]
@@ -96,7 +96,7 @@ def _device_copies(gm: GraphModule) -> list[DeviceCopy]:
     return copies
 
 
-def _lifetimes(gm: GraphModule, plan, memory: MemoryTimeline) -> list[GatheredLifetime]:
+def gathered_lifetimes(gm: GraphModule, plan, memory: MemoryTimeline) -> list[GatheredLifetime]:
     kept = {**{name: "through the loss" for name in kept_through_loss(gm)},
             **{name: "resident" for name in plan.resident}}
     order = {node: i for i, node in enumerate(gm.graph.nodes)}

@@ -49,7 +49,7 @@ from ..analysis.hardware import hardware
 from ..analysis.memory_timeline import memory_timeline, peak_alive
 from ..capture.expert_exchange import received_rows
 from ..capture.fused_experts import holds_stacked_experts, splittable_fused_experts
-from ..capture.moe_blocks import TOP_K_NAMES, _shared_expert, moe_shape
+from ..capture.moe_blocks import TOP_K_NAMES, shared_expert_name, moe_shape
 from ..passes.common.predicates import carried_params
 from ..plan.layout import ShardPlan
 from .report import ExpertBlocks, ExpertParallelRow, PlanReport, peak_of
@@ -124,7 +124,7 @@ def _stacked_experts(module: torch.nn.Module, block: Optional[torch.nn.Module]
     if top_k is None:
         return None
     num_experts = module.down_proj.shape[0]
-    return num_experts, min(top_k, num_experts), _shared_expert(block) is not None
+    return num_experts, min(top_k, num_experts), shared_expert_name(block) is not None
 
 
 def check_degrees(degrees: Sequence[int], world_size: int,
