@@ -112,9 +112,14 @@ class CompiledStep(StepInspection, StepState):
         self._given = given
         """The options given as keywords (an evaluation step's are checked against its
         training step's: [Note: evaluation steps] in zero_fx/evaluation.py)."""
-        self._fn = fn
-        self._model = model
-        self._optimizer = optimizer
+        self.function = fn
+        """The step as the user wrote it, undecorated."""
+        self.model = model
+        """The model named with ``zero_compile(model=...)``; None when the step takes it as an
+        argument (the sharded state's ``state.model`` is the one it trains)."""
+        self.optimizer = optimizer
+        """The optimizer named with ``zero_compile(optimizer=...)``; None when the step takes
+        it as an argument."""
         self.state: Optional[ShardedState] = None
         self._experts = ExpertsRewrite([], [])
         self._sharded: Optional[Sharded] = None
@@ -145,14 +150,14 @@ class CompiledStep(StepInspection, StepState):
 
     # -- the call --------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        if evaluation.takes_no_optimizer(args, kwargs, self._optimizer):
+        if evaluation.takes_no_optimizer(args, kwargs, self.optimizer):
             return self._evaluate(args, kwargs)
         if self._compiler is not None and self._compiler.forward_only:
             raise ValueError(f"{self.__name__} was first called without an optimizer, as an "
                              "evaluation step; decorate a separate function to train")
-        model, optimizer = find_model_and_optimizer(args, kwargs, self._model, self._optimizer)
+        model, optimizer = find_model_and_optimizer(args, kwargs, self.model, self.optimizer)
         if self.state is None:
-            self._shard(model, optimizer)
+            self.shard_model(model, optimizer)
         elif model is not self.state.model or not same_optimizers(optimizer,
                                                                   self.state.optimizer):
             raise ValueError("this compiled step was first called with another model or optimizer; "
@@ -188,9 +193,9 @@ class CompiledStep(StepInspection, StepState):
         """A step without an optimizer: forward only, on the shards of the training step of
         its model ([Note: evaluation steps] in zero_fx/evaluation.py)."""
         if self.state is None:
-            model, sharded = evaluation.training_sharding(args, kwargs, self._model, self.__name__)
+            model, sharded = evaluation.training_sharding(args, kwargs, self.model, self.__name__)
             if sharded is None:  # before training: the model is whole, as built
-                return evaluation.run_before_training(self._fn, args, kwargs,
+                return evaluation.run_before_training(self.function, args, kwargs,
                                                       self.__name__)
             self.config = evaluation.evaluation_config(self.config, self._given, sharded,
                                                        self.__name__)
@@ -203,7 +208,7 @@ class CompiledStep(StepInspection, StepState):
         elif not self._compiler.forward_only:
             raise ValueError(f"{self.__name__} was first called with an optimizer, as a training "
                              "step; decorate a separate function to evaluate")
-        elif evaluation.find_model(args, kwargs, self._model) is not self.state.model:
+        elif evaluation.find_model(args, kwargs, self.model) is not self.state.model:
             raise ValueError(f"{self.__name__} was first called with another model; decorate a "
                              "separate function for each model")
         self._sharded.update.settle()  # the latest update ([Note: the delayed update])
@@ -221,7 +226,7 @@ class CompiledStep(StepInspection, StepState):
             out = self._run_compiled(args, kwargs, on_break=self._start_eager_fallback)
             if self._fallback is None:
                 return out
-        return self._fallback(self._fn, args, kwargs, self._observers)
+        return self._fallback(self.function, args, kwargs, self._observers)
 
     def _start_eager_fallback(self, err: BaseException) -> None:
         self._fallback = self._graph_broke(err)
@@ -297,13 +302,15 @@ class CompiledStep(StepInspection, StepState):
         for trainable in self._trainable:
             if trainable:
                 pass
-        out = self._fn(*args, **kwargs)
+        out = self.function(*args, **kwargs)
         trace_ended()
         # The backward has consumed the graph; what is returned is a value, not a node.
         return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
 
-    def _shard(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               pretrained: Optional[PretrainedWeights] = None) -> None:
+    def shard_model(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    pretrained: Optional[PretrainedWeights] = None) -> None:
+        """Shard ``model`` and ``optimizer`` now, as the first call would (``pretrained``: the
+        weights ``load_pretrained`` reads into the shards)."""
         hf_install_output_hooks(model)  # before the capture, which cannot take their lock
         self._experts = route_experts_with_fixed_shapes(
             model, expert_parallel=self.config.expert_parallel > 1)

@@ -68,7 +68,7 @@ class StepState:
             if model is None or optimizer is None:
                 raise ValueError("load_checkpoint before the step's first call needs the model and "
                                  "optimizer to shard: step.load_checkpoint(path, model, optimizer)")
-            self._shard(model, optimizer)
+            self.shard_model(model, optimizer)
         elif (model is not None and model is not self.state.model) or (
                 optimizer is not None and not same_optimizers(optimizer, self.state.optimizer)):
             raise ValueError("this compiled step already shards another model or optimizer")

@@ -137,7 +137,7 @@ def verify(step: CompiledStep, *args: Any, steps: int = 1, tolerance: float = TO
     if not isinstance(step, CompiledStep):
         raise TypeError(f"verify takes a step decorated with @zero_compile, got "
                         f"{type(step).__name__}")
-    if step._model is not None or step._optimizer is not None:
+    if step.model is not None or step.optimizer is not None:
         raise ValueError("verify needs the model and optimizer as arguments of the step (it runs "
                          "the step on copies of them); this step was given model= or optimizer=")
     if step.state is not None:
@@ -161,7 +161,7 @@ def verify(step: CompiledStep, *args: Any, steps: int = 1, tolerance: float = TO
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     devices = [p.device for p in model.parameters() if p.device.type == "cuda"][:1]
     with torch.random.fork_rng(devices=devices):
-        zero_step = CompiledStep(step._fn, config, model=None, optimizer=None)
+        zero_step = CompiledStep(step.function, config, model=None, optimizer=None)
         for call in range(steps):
             if between is not None:
                 between(call, zero_model, zero_opt)
@@ -173,7 +173,7 @@ def verify(step: CompiledStep, *args: Any, steps: int = 1, tolerance: float = TO
             if between is not None:
                 between(call, eager_model, eager_opt)
                 averaged.params = [p for p in eager_model.parameters() if p.requires_grad]
-            eager_out = averaged.call(step._fn, eager_args, eager_kwargs)
+            eager_out = averaged.call(step.function, eager_args, eager_kwargs)
     errors = {name: _update_error(trained[name], p.detach(), initial[name])
               for name, p in eager_model.named_parameters() if name in initial}
     return Verification(errors, (_scalar(zero_out), _scalar(eager_out)), tolerance, config.stage,

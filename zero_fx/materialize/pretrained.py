@@ -32,11 +32,13 @@ class StepToShard(Protocol):
 
     state: object
     """None until the step has sharded its model."""
-    _model: Optional[nn.Module]
-    _optimizer: Optional[torch.optim.Optimizer]
+    model: Optional[nn.Module]
+    """The model named with ``zero_compile(model=...)``, or None."""
+    optimizer: Optional[torch.optim.Optimizer]
+    """The optimizer named with ``zero_compile(optimizer=...)``, or None."""
 
-    def _shard(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-               pretrained: Optional[PretrainedWeights] = None) -> None: ...
+    def shard_model(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    pretrained: Optional[PretrainedWeights] = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -89,13 +91,13 @@ def load_pretrained(target, path: str, model: Optional[nn.Module] = None,
                 "load_checkpoint or load_pretrained): it has trained or loaded other weights, and "
                 "its optimizer may hold state for them. Load pretrained weights before the first "
                 "call; to resume a run, use step.load_checkpoint")
-        model = model if model is not None else target._model
-        optimizer = optimizer if optimizer is not None else target._optimizer
+        model = model if model is not None else target.model
+        optimizer = optimizer if optimizer is not None else target.optimizer
         if model is None or optimizer is None:
             raise ValueError("load_pretrained(step, ...) shards the model now, so it needs the model "
                              "and optimizer: load_pretrained(step, path, model, opt)")
         weights = PretrainedWeights(path, model, rename)
-        target._shard(model, optimizer, pretrained=weights)
+        target.shard_model(model, optimizer, pretrained=weights)
         return weights.loaded
     if not isinstance(target, nn.Module):
         raise TypeError(f"load_pretrained takes a @zero_compile step or an nn.Module, got "

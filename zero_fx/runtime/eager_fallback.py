@@ -11,7 +11,7 @@ after it (``OptimizerUpdate``: accumulation, loss scale, clipping, the deferred
 
 - stage 3 gathers every parameter into the model (the compute dtype, one all-gather per
   bucket in plan order) before the call and frees them after it, as
-  ``gathered_parameters()`` does, except that the gradients survive;
+  ``gathered_parameters()`` does (``whole_in_model``), its gradients kept;
 - stages 0-2 keep whole parameters and need nothing before the call;
 - after the call, each trainable parameter's whole local gradient is reduced exactly as
   the graph reduces it (``passes.reduce_grads.reduction``: a bucketed reduce-scatter in
@@ -114,19 +114,11 @@ class EagerFallback:
     def _whole_parameters(self) -> Iterator[None]:
         """Stage 3: every parameter gathered into the model (compute dtype) for the call and
         freed after it, its gradient kept; stages 0-2: nothing to do."""
-        state = self.state
-        if not state.plan.params_sharded:
+        if not self.state.plan.params_sharded:
             yield
             return
-        with torch.no_grad():
-            state._gather_into_parameters([layout.name for layout in state.plan.params])
-        state.gathered = True  # the model's forward pre-hook lets the call through
-        try:
+        with self.state.whole_in_model():
             yield
-        finally:
-            state.gathered = False
-            for name in state.params:
-                state.local(name).untyped_storage().resize_(0)
 
     @torch.no_grad()
     def _hand_over_gradients(self) -> None:

@@ -170,9 +170,18 @@ class WholeParameters:
                  ", ".join(sorted({str(self.plan.gather_dtype(layout)).removeprefix("torch.")
                                    for layout in self.plan.params})),
                  self.device)
+        with self.whole_in_model():
+            yield
+
+    @contextlib.contextmanager
+    def whole_in_model(self) -> Iterator[None]:
+        """Stage 3: every parameter gathered into the model (compute dtype, one all-gather per
+        bucket in plan order) for the duration and its storage freed after, its gradient left
+        as it is; what ``gathered_parameters()`` and a step run eagerly after a graph break
+        do. A collective: enter on every rank."""
         with torch.no_grad():
             self._gather_into_parameters([layout.name for layout in self.plan.params])
-        self.gathered = True
+        self.gathered = True  # the model's forward pre-hook lets calls through
         try:
             yield
         finally:
