@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import operator
-from typing import Optional
 
 from torch.fx import GraphModule
 
@@ -12,18 +11,7 @@ from .common.host_copies import (is_device_copy, is_device_copy_wait, is_host_co
 from .common.predicates import (CAPTURED_AT_META, Phase, carried_params, gathered_param,
                                 is_collective, is_view, is_wait, kept_through_loss, phase_of,
                                 storage_base, written_in_place)
-
-
-class InvariantError(AssertionError):
-    """A pass produced a graph that breaks an invariant (passes/README.md).
-
-    ``pass_name`` is the pass whose output first broke it, when the pipeline knows
-    (``run_pipeline`` checks after every pass): your own pass (``zero_compile(passes=...)``),
-    or one of zero_fx's, which is a zero_fx bug: please report it."""
-
-    def __init__(self, message: str, pass_name: Optional[str] = None):
-        super().__init__(message)
-        self.pass_name = pass_name
+from ..errors import InvariantError
 
 
 def check_invariants(gm: GraphModule, plan) -> GraphModule:

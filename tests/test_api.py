@@ -196,6 +196,40 @@ def test_exceptions_users_handle_are_exported():
     assert DistributedSetupError is zero_fx.runtime.init_distributed.DistributedSetupError
 
 
+ERRORS_AND_THEIR_OLD_HOMES = {
+    "CaptureError": ("zero_fx.capture.step_graph", "zero_fx.capture.errors"),
+    "CheckpointError": ("zero_fx.checkpoint.files", "zero_fx.checkpoint_error"),
+    "CollectiveFailedError": ("zero_fx.runtime.failures",),
+    "DistributedSetupError": ("zero_fx.runtime.init_distributed",),
+    "GraphBreakWarning": ("zero_fx.capture.graph_breaks",),
+    "InvariantError": ("zero_fx.passes.check_invariants", "zero_fx.passes"),
+    "MaterializeError": ("zero_fx.materialize", "zero_fx.materialize.replay"),
+    "RanksDisagreeError": ("zero_fx.runtime.rank_agreement",),
+    "UnsupportedTorchError": ("zero_fx.compat",),
+}
+
+
+def test_every_public_error_is_defined_in_zero_fx_errors_and_keeps_its_old_paths():
+    import importlib
+
+    import zero_fx
+    import zero_fx.errors
+
+    defined = {name for name, value in vars(zero_fx.errors).items()
+               if isinstance(value, type) and issubclass(value, (Exception, Warning))
+               and value.__module__ == "zero_fx.errors"}
+    assert defined == set(ERRORS_AND_THEIR_OLD_HOMES)
+    exported = {name for name in zero_fx.__all__
+                if isinstance(getattr(zero_fx, name), type)
+                and issubclass(getattr(zero_fx, name), (Exception, Warning))}
+    assert exported == defined, "zero_fx exports an error defined outside zero_fx.errors"
+    for name, homes in ERRORS_AND_THEIR_OLD_HOMES.items():
+        assert getattr(zero_fx, name) is getattr(zero_fx.errors, name)
+        for home in homes:
+            assert getattr(importlib.import_module(home), name) is getattr(zero_fx.errors, name), (
+                f"{home}.{name} is not zero_fx.errors.{name}")
+
+
 def test_the_version_is_the_package_s():
     """``zero_fx.__version__`` is pyproject.toml's version."""
     import pathlib

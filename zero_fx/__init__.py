@@ -18,8 +18,9 @@ The modules here, by role:
   ``verification`` (``verify``);
 - command lines: ``estimate`` (``python -m zero_fx.estimate``), ``export`` (a checkpoint to
   a plain ``state_dict``);
-- leaves every layer may read: ``compat`` (differences between torch releases),
-  ``collective_backends``, ``checkpoint_error``, ``formatting``, ``logs``.
+- leaves every layer may read: ``errors`` (every public error and warning), ``compat``
+  (differences between torch releases), ``collective_backends``, ``formatting``, ``logs``,
+  and ``checkpoint_error`` (``CheckpointError``'s old path).
 """
 
 from .compat import check_torch as _check_torch
@@ -35,22 +36,20 @@ from . import estimate as _estimate_command_line  # noqa: F401  (before the func
 from .analysis.cost_model import Estimate, estimate
 from .analysis.hardware import PRESETS, Hardware
 from .api import CompiledStep, explain, zero_compile
-from .capture.graph_breaks import GraphBreakWarning
-from .capture.step_graph import CaptureError
-from .checkpoint.files import CheckpointError, checkpoint_exists
+from .checkpoint.files import checkpoint_exists
 from .compiler.backend import Compilation
 from .config import DebugOptions, MixedPrecision, ZeroConfig
+from .errors import (CaptureError, CheckpointError, CollectiveFailedError, DistributedSetupError,
+                     GraphBreakWarning, InvariantError, MaterializeError, RanksDisagreeError,
+                     UnsupportedTorchError)
 from .policies import OffloadPolicy, QuantizationPolicy, RecomputePolicy, SchedulePolicy
 from .inspection.explain import Explanation
 from .logs import set_logs, set_logs_from_environment
-from .materialize import MaterializeError, load_pretrained
-from .passes.check_invariants import InvariantError
+from .materialize import load_pretrained
 from .passes.pipeline import after, before
 from .plan import ParamLayout, PlanOptions, PlanRanks, ShardPlan, make_plan, plan_for_module
 from .planner.offline import rewritten_step_on_fake
-from .runtime.failures import CollectiveFailedError
-from .runtime.init_distributed import Distributed, DistributedSetupError, init_distributed
-from .runtime.rank_agreement import RanksDisagreeError
+from .runtime.init_distributed import Distributed, init_distributed
 from .verification import Verification, verify
 
 __version__ = "0.1.0"
@@ -92,6 +91,7 @@ __all__ = [
     "RecomputePolicy",
     "rewritten_step_on_fake",
     "SchedulePolicy",
+    "UnsupportedTorchError",
     "set_logs",
     "ShardPlan",
     "Verification",

@@ -1,7 +1,5 @@
-"""The error of files that cannot be loaded, raised by checkpoint/ (zero_fx's checkpoints)
-and by materialize/ (HuggingFace weights). A leaf: materialize/ sits below the runtime
-whose state checkpoint/ saves (docs/architecture.md, "The layers")."""
+"""``CheckpointError``'s old home: the class is ``zero_fx.errors.CheckpointError``."""
 
+from .errors import CheckpointError
 
-class CheckpointError(RuntimeError):
-    """The checkpoint cannot be loaded: incomplete, truncated, corrupted, or for another model."""
+__all__ = ["CheckpointError"]

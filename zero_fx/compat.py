@@ -62,14 +62,12 @@ from typing import Any, Iterable, Optional
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .errors import UnsupportedTorchError
+
 SUPPORTED_TORCH = ((2, 11), (2, 16))
 """torch releases zero_fx supports: from the first (inclusive) to the second (exclusive)."""
 SUPPORTED_TORCH_TEXT = "torch>=2.11,<2.16"
 SUPPORTED_TRANSFORMERS_TEXT = "transformers>=4.57,<6"
-
-
-class UnsupportedTorchError(ImportError):
-    """zero_fx was imported with a torch outside the range it supports."""
 
 
 def release(version: str) -> tuple[int, int]:

@@ -1,6 +1,5 @@
-"""The error of a step zero_fx cannot capture (raised by capture, re-exported as
-``zero_fx.CaptureError``)."""
+"""``CaptureError``'s old home: the class is ``zero_fx.errors.CaptureError``."""
 
+from ..errors import CaptureError
 
-class CaptureError(RuntimeError):
-    """The training step does not have the shape zero_fx can shard."""
+__all__ = ["CaptureError"]

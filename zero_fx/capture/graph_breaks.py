@@ -20,12 +20,9 @@ import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from .step_graph import CaptureError
+from ..errors import GraphBreakWarning  # noqa: F401  (its old import path)
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class GraphBreakWarning(UserWarning):
-    """A step broke the graph and runs eagerly (given once per step, at its first break)."""
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,7 @@ import torch.nn as nn
 from .events import InitEvent
 from .model_tensors import ModelTensor, Slot, own_slots
 from .writes import ForeignWrite, WriteWatch
-
-
-class MaterializeError(RuntimeError):
-    """A meta model cannot be given values as its normal construction would."""
+from ..errors import MaterializeError
 
 
 def replay(tensors: list[ModelTensor], wanted: list[ModelTensor], events: list[InitEvent],

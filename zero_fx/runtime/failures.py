@@ -93,6 +93,7 @@ import torch
 import torch.distributed as dist
 
 from .process_group import World, backend_serving, world_timeout
+from ..errors import CollectiveFailedError
 
 CHECKED_BACKENDS = ("nccl",)
 """Backends that report a failed collective late, so the update checks first ([Note:
@@ -103,10 +104,6 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 _TRANSPORT_WORDS = ("gloo", "nccl", "connection closed", "timed out", "timeout", "socket",
                     "connection reset", "broken pipe")
-
-
-class CollectiveFailedError(RuntimeError):
-    """A collective of the step failed: a peer died, hung past the timeout, or the network broke."""
 
 
 MAX_UNCONFIRMED = 2

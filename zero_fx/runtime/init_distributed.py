@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .process_group import backend_serving
+from ..errors import DistributedSetupError
 
 GROUP_TIMEOUT = timedelta(minutes=5)
 """How long a rank waits at a collective for its peers before the step fails (gloo raises
@@ -56,11 +57,6 @@ GPUs for this node's ranks (one each), else the CPU; ``"cpu"`` trains on CPUs ov
 even where there are GPUs; ``"cuda"`` insists on one GPU per local rank."""
 
 _TORCHRUN_VARIABLES = ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-class DistributedSetupError(RuntimeError):
-    """The environment or the machine does not allow the requested setup; the message says
-    what to change."""
 
 
 @dataclass(frozen=True)

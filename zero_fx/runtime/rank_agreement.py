@@ -32,10 +32,7 @@ from torch.fx import GraphModule
 from ..formatting import short_dtype
 from ..inspection.graph_listing import COLLECTIVE_KINDS, format_rows, graph_rows
 from .process_group import world_timeout
-
-
-class RanksDisagreeError(RuntimeError):
-    """The ranks are about to run different graphs; no collective of the step was issued."""
+from ..errors import RanksDisagreeError
 
 
 @dataclass(frozen=True)
