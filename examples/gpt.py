@@ -1,7 +1,7 @@
 """A small GPT (token + position embedding, pre-norm attention and MLP blocks,
 output projection tied to the token embedding), in the style of nanoGPT.
 
-The model ships with zero_fx (zero_fx/planner/torch_models.py), where the planner's named
+The model ships with zero_fx (zero_fx/models.py), where the planner's named
 GPTs are built from it; this module keeps the examples' import path and their small
 default sizes.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zero_fx.planner import torch_models
-from zero_fx.planner.torch_models import GPT, CausalSelfAttention, GPTBlock as Block
+from zero_fx import models as torch_models
+from zero_fx.models import GPT, CausalSelfAttention, GPTBlock as Block
 
 __all__ = ["Block", "CausalSelfAttention", "GPT", "GPTConfig", "gpt_1b"]
 

@@ -13,7 +13,7 @@ stage --stage) and keeps DTensor's tensor-parallel collectives where they are
 --sequence-parallel the norms run on a rank's slice of the sequence, and the embedding and
 the output head are split by rows of the vocabulary.
 
-The model is zero_fx's Llama (zero_fx/planner/torch_models.py: RMSNorm, rotary positions,
+The model is zero_fx's Llama (zero_fx/models.py: RMSNorm, rotary positions,
 grouped-query attention, SwiGLU) at a small size; the text (--data; by default
 examples/data/shakespeare.txt) is read byte by byte: a vocabulary of 256, no tokenizer.
 The summary at the end gives the traffic of a step: ZeRO's collectives, and the
@@ -72,7 +72,7 @@ def main() -> None:
     from examples.progress import Progress
     from examples.summary import StepClock, summary
     from zero_fx import zero_compile
-    from zero_fx.planner.torch_models import Llama, LlamaConfig
+    from zero_fx.models import Llama, LlamaConfig
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", default=DATA, help="a text file, read byte by byte (vocabulary 256)")

@@ -346,3 +346,12 @@ def test_traffic_before_the_first_call_says_what_to_do():
     step = zero_compile(standard_step, backend="aot_eager")
     with pytest.raises(RuntimeError, match="call it once first"):
         step.traffic()
+
+
+def test_the_shipped_models_old_path_is_the_same_module():
+    """The GPT and Llama moved from the planner to ``zero_fx.models``; code importing them
+    from ``zero_fx.planner.torch_models`` gets the same classes."""
+    import zero_fx.models
+    from zero_fx.planner.torch_models import GPT, Llama
+
+    assert GPT is zero_fx.models.GPT and Llama is zero_fx.models.Llama

@@ -219,7 +219,7 @@ def test_grouped_expert_matmuls_cost_their_flops(dtype):
     """A mixture-of-experts step (the planner's torch MoE, routed with fixed shapes) holds
     zero_fx::grouped_mm and its weight gradient (fp32) or aten._grouped_mm (bf16): each is
     priced 2·rows·K·N like a matmul, and the estimate runs."""
-    from zero_fx.planner import torch_models
+    from zero_fx import models as torch_models
 
     cfg = torch_models.LlamaConfig(
         vocab_size=64, dim=32, n_layer=2, n_head=4, n_kv_head=2, ffn_dim=64, max_positions=64,

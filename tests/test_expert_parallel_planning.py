@@ -24,7 +24,7 @@ import models
 from zero_fx.analysis.cost_model import replay
 from zero_fx.analysis.hardware import PRESETS, Hardware
 from zero_fx.analysis.memory_timeline import memory_timeline
-from zero_fx.planner import torch_models
+from zero_fx import models as torch_models
 from zero_fx.planner.arguments import expert_parallel_options, parse_degrees
 from zero_fx.planner.expert_parallel import (ExpertParallelOptions, expert_blocks,
                                              peaks_by_degree)
@@ -33,7 +33,7 @@ from zero_fx.planner.plan_model import plan_model
 from zero_fx.planner.printing import format_report
 from zero_fx.planner.question import Workload
 from zero_fx.planner.report import peak_of
-from zero_fx.planner.torch_models import Experts, LlamaConfig
+from zero_fx.models import Experts, LlamaConfig
 
 WORLD, BATCH = 8, 4
 

@@ -224,7 +224,7 @@ def test_the_moe_presets_count_every_expert_and_the_top_k_as_active(named_model_
     counting both embeddings, as the 12.9B of Mixtral does). Built as the torch modules on
     meta (the HF DeepSeek-V3 has the same 671,026,404,352, but takes a minute to build), the
     builds the estimate makes (named_model_on_meta: built once, shared with test_cli)."""
-    from zero_fx.planner import torch_models
+    from zero_fx import models as torch_models
     from zero_fx.planner.models import NAMED
     from zero_fx.planner.expert_parallel import expert_blocks
 
@@ -242,7 +242,7 @@ def test_the_moe_presets_count_every_expert_and_the_top_k_as_active(named_model_
 
 
 def test_a_dense_preset_is_unchanged():
-    from zero_fx.planner import torch_models
+    from zero_fx import models as torch_models
     from zero_fx.planner.models import NAMED
 
     assert torch_models.huggingface_config(NAMED["llama3-8b"]) == dict(
@@ -259,7 +259,7 @@ def test_the_torch_moe_module_is_routed_like_zero_compile_routes_it():
     """The package's MoE block (and MLA attention) runs, and capture's fixed-shape forward
     reproduces it: the routing the planner traces is the one the model computes."""
     from zero_fx.capture.routed_experts import route_experts_with_fixed_shapes
-    from zero_fx.planner import torch_models
+    from zero_fx import models as torch_models
 
     cfg = torch_models.LlamaConfig(
         vocab_size=64, dim=32, n_layer=2, n_head=4, n_kv_head=2, ffn_dim=64, max_positions=64,

@@ -21,7 +21,7 @@ from zero_fx.analysis.hardware import PRESETS
 from zero_fx.analysis.transfer_seconds import (TP_COLLECTIVES_PER_BLOCK, data_parallel_ranks,
                                                tensor_parallel_seconds)
 from zero_fx.analysis.memory_timeline import memory_timeline
-from zero_fx.planner import torch_models
+from zero_fx import models as torch_models
 from zero_fx.planner.cli import main as plan_main
 from zero_fx.planner.models import ModelSource, model_source, on_meta
 from zero_fx.planner.offline import causal_lm_loss, rewritten_step_on_fake
@@ -31,7 +31,7 @@ from zero_fx.planner.question import Workload
 from zero_fx.planner.tensor_parallel import (TensorParallelOptions, _tensor_parallel_shares,
                                              tensor_parallel_prices, tensor_parallel_split)
 from zero_fx.planner.table import model_state_breakdown
-from zero_fx.planner.torch_models import GPTConfig, LlamaConfig
+from zero_fx.models import GPTConfig, LlamaConfig
 
 GB = 1e9
 # a small Llama: 4 blocks (what one more block adds is traced), GQA, SwiGLU

@@ -16,6 +16,7 @@ The modules here, by role:
 - the step: ``api`` (``zero_compile``), ``compiled_step`` (``CompiledStep``), what it holds
   (``step_state``) and shows (``step_inspection``), ``evaluation`` (forward-only steps),
   ``verification`` (``verify``);
+- ``models``: the GPT and Llama the examples train and the planner's named models build;
 - command lines: ``estimate`` (``python -m zero_fx.estimate``), ``export`` (a checkpoint to
   a plain ``state_dict``);
 - leaves every layer may read: ``errors`` (every public error and warning), ``compat``

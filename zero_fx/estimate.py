@@ -28,7 +28,7 @@ from .inspection.explain import explain_graph
 from .planner.arguments import add_dtype_argument
 from .planner.models import (MODEL_NAMES_HELP, NAMED, embedding_rows, import_builder, named_builder,
                           named_model, on_meta)
-from .planner.torch_models import max_positions
+from .models import max_positions
 
 
 def load_model_builder(spec: str, layers: int | None = None):

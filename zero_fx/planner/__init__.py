@@ -14,6 +14,7 @@ It reads the layout (``zero_fx.plan``) and traces the rewritten step on fake ten
 - ``printing``: the report as tables; ``table``: the ZeRO paper's table;
 - ``cli`` (``python -m zero_fx.plan``) and ``arguments``, the options it shares with
   ``python -m zero_fx.estimate``;
-- ``models``, ``torch_models``: the models known by name; ``offline``, ``on_device``:
+- ``models``: the models known by name, built from zero_fx.models (``torch_models`` is
+  that module's old path); ``offline``, ``on_device``:
   the rewritten step on fake tensors, as on a GPU.
 """

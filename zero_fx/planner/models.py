@@ -1,7 +1,7 @@
 """The models the CLIs know by name, and how the planner builds any model without memory.
 
 ``--model`` of ``python -m zero_fx.plan`` and ``python -m zero_fx.estimate`` is one of
-``NAMED`` (their shapes are written out in this package, zero_fx.planner.torch_models: no
+``NAMED`` (their shapes are written out in this package, zero_fx.models: no
 hub access, no checkout of the repository), an old name in ``ALIASES``, or
 ``module:function`` returning an ``nn.Module`` (built on the meta device too). The
 planner also takes a path to a HuggingFace ``config.json`` (or its folder).
@@ -27,8 +27,8 @@ import torch
 import torch.nn as nn
 
 from ..compat import SUPPORTED_TRANSFORMERS_TEXT, hf_no_init_weights
-from . import torch_models
-from .torch_models import MLA, Experts, GPTConfig, LlamaConfig, ModelConfig
+from .. import models as torch_models
+from ..models import MLA, Experts, GPTConfig, LlamaConfig, ModelConfig
 
 TRANSFORMERS_MISSING = f"pip install '{SUPPORTED_TRANSFORMERS_TEXT}'"
 """The install hint: the transformers releases pyproject.toml's [hf] extra takes."""
