@@ -33,7 +33,9 @@ def reduce_grads(gm: GraphModule, plan) -> GraphModule:
     gradient is cast to it before the collective. Does nothing when the graph
     has no gradient outputs, or when the plan reduces outside the graph
     (stages 0-1 with gradient accumulation: [Note: gradient accumulation] in
-    zero_fx/runtime/sharded_state.py).
+    zero_fx/runtime/update.py). At stage 1 a whole-tensor update's gradient stays
+    whole too: the runtime reduces it to its owner ([Note: reductions laid out by owner] in
+    zero_fx/runtime/whole_tensor_updates.py).
     """
     slots = grad_slots(gm)
     if not slots or not plan.reduces_in_graph:
@@ -42,7 +44,7 @@ def reduce_grads(gm: GraphModule, plan) -> GraphModule:
     outs = list(output.args[0])
     for index, name in slots.items():
         grad = outs[index]
-        if grad is None:
+        if grad is None or plan.reduced_by_owner(name):  # whole, to its owner: after the graph
             continue
         (outs[index],) = splice(gm.graph, reduction(plan, [name]), [grad],
                              before=output if plan.reduces_after_backward else grad.next,

@@ -31,7 +31,7 @@ import models
 from ranks import run_ranks
 from bench.peers.optimizers import orthogonalised_in_fp32
 from training import update_error
-from zero_fx import zero_compile
+from zero_fx import MixedPrecision, zero_compile
 from zero_fx.capture.step_graph import CaptureError
 from zero_fx import plan_for_module
 from zero_fx.config import ZeroConfig
@@ -113,6 +113,8 @@ def make_optimizers(kind: str, model: nn.Module) -> list:
         return [(torch.optim.Adafactor(model.parameters(), lr=1e-2), None)]
     if kind == "lamb":
         return [(LAMB(model.parameters()), None)]
+    if kind == "adamw":
+        return [(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), None)]
     raise ValueError(kind)
 
 
@@ -312,11 +314,13 @@ def test_owners_balance_newton_schulz_work():
         assert max(loads) / (sum(loads) / world) < 1.06, (world, loads)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_the_exchanges_are_counted_as_they_run_and_priced_by_the_planner(stage):
-    """The owners' two all-to-alls, counted as they run on 2 gloo ranks, equal the step's
+    """The owners' exchanges, counted as they run on 2 gloo ranks, equal the step's
     ``traffic()``; the planner's ``--optimizer muon`` chooses the same owners for the same
-    matrices and prices the exchanges' send buffers at what ran."""
+    matrices and prices the all-to-alls' send buffers at what ran. Stage 1 runs none: its
+    reduce-scatter and all-gather, laid out by owner, carry the matrices ([Note: reductions
+    laid out by owner]), stage 2 the one to the owners, stage 3 both."""
     runs = run_ranks(2, _exchanges_rank, stage)
     plan = plan_for_module(models.build("gpt4"), PlanRanks(2), ZeroConfig(stage=stage).plan_options())
     priced = plan_whole_updates(plan).row(stage)
@@ -326,16 +330,21 @@ def test_the_exchanges_are_counted_as_they_run_and_priced_by_the_planner(stage):
         assert run["reported"].pop("all_reduce") == 0, f"rank {rank}"
         assert run["counted"] == run["reported"], f"rank {rank}"
         assert run["owners"] == dict(runs[0]["owners"]), f"rank {rank}"
+        assert run["phases"] == {1: [("reduce_scatter", "to owners"), ("all_gather", "from owners")],
+                                 2: [("all_to_all", "to owners"), ("all_gather", "from owners")],
+                                 3: [("all_to_all", "to owners"), ("all_to_all", "from owners")]
+                                 }[stage], f"rank {rank}"
     assert set(muon_matrices(plan)) == set(runs[0]["owners"])
-    assert max(run["counted"]["all_to_all"] for run in runs) * 4 == priced.exchange_buffer_bytes
+    assert max(run["counted"].get("all_to_all", 0) for run in runs) * 4 == priced.exchange_buffer_bytes
     costs = {n: newton_schulz_cost(plan.layout(n).shape) for n in muon_matrices(plan)}
     assert runs[0]["owners"] == assign_owners(costs, 2, [layout.name for layout in plan.params])
 
 
-def _exchanges_rank(rank: int, world_size: int, stage: int) -> dict:
+def _exchanges_rank(rank: int, world_size: int, stage: int, kind: str = "muon_adamw") -> dict:
     model = models.build("gpt4")
-    pairs = make_optimizers("muon_adamw", model)
-    step = zero_compile(two_optimizer_step, stage=stage, backend="eager")
+    pairs = make_optimizers(kind, model)
+    step = zero_compile(two_optimizer_step if len(pairs) == 2 else one_optimizer_step,
+                        stage=stage, backend="eager")
     for call in range(2):
         x, y = models.global_batch("gpt4", call)
         rows = x.shape[0] // world_size
@@ -345,8 +354,57 @@ def _exchanges_rank(rank: int, world_size: int, stage: int) -> dict:
             continue
         with step.counting_collectives() as counted:
             step(model, *_step_args(pairs), x[mine], y[mine], "gpt4")
-    return {"counted": dict(counted.numel), "reported": step.traffic().numel_by_kind(),
-            "owners": dict(step.state.plan.owners)}
+    traffic = step.traffic()
+    return {"counted": dict(counted.numel), "reported": traffic.numel_by_kind(),
+            "owners": dict(step.state.plan.owners), "wire": traffic.wire_bytes(),
+            "phases": [(c.kind, c.phase) for c in traffic.collectives if "owners" in c.phase]}
+
+
+TRAFFIC_AIM = 1.1
+"""Muon + AdamW's bytes on the wire over AdamW's alone, at stage 1 (the issue's aim)."""
+
+
+def test_stage_1_sends_what_adamw_sends():
+    """At stage 1 the reduction brings each matrix's gradient to its owner and the stage's
+    all-gather brings it back: Muon + AdamW sends AdamW's bytes but for the padding of the rows
+    laid out by owner (measured on the 4-block GPT at 2 ranks, Muon on 94 % of it: 208,000
+    bytes on the wire per rank, AdamW's exactly; stage 2 sends 1.24x, stage 3 1.47x)."""
+    muon = max(run["wire"] for run in run_ranks(2, _exchanges_rank, 1))
+    adamw = max(run["wire"] for run in run_ranks(2, _exchanges_rank, 1, "adamw"))
+    assert muon <= TRAFFIC_AIM * adamw, (muon, adamw)
+    assert muon >= adamw, (muon, adamw)  # it moves every element AdamW moves
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_mixed_precision_trains_as_ddp(stage):
+    """Under mixed precision (bf16 compute, fp32 masters) stage 1 reduces to the owners and
+    returns the matrices by all-to-all into the fp32 masters; stage 2 exchanges both ways. Each
+    trains as stage 0 (DDP: every rank steps every matrix whole) does."""
+    ddp = run_ranks(2, _mixed_rank, 0)[0]
+    for rank, run in enumerate(run_ranks(2, _mixed_rank, stage)):
+        worst = max(update_error(run[n], ddp[n], ddp["initial"][n]) for n in ddp["initial"])
+        assert worst < MIXED_UPDATE_TOLERANCE, (rank, worst)
+
+
+MIXED_UPDATE_TOLERANCE = 1e-6
+"""Measured 0 at 2 ranks: each gradient is the same two-term mean in both, each matrix stepped
+whole by the same Muon, so the updates agree bit for bit; a matrix left stale in the bf16
+parameters (not refreshed after its return) gives 0.57."""
+
+
+def _mixed_rank(rank: int, world_size: int, stage: int) -> dict:
+    with newton_schulz_in("fp32"):
+        model = models.build("gpt4")
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+        pairs = make_optimizers("muon_adamw", model)
+        step = zero_compile(two_optimizer_step, stage=stage, backend="eager",
+                            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+        for call in range(CALLS):
+            x, y = models.global_batch("gpt4", call)
+            rows = x.shape[0] // world_size
+            mine = slice(rank * rows, (rank + 1) * rows)
+            step(model, *_step_args(pairs), x[mine], y[mine], "gpt4")
+        return {**step.full_parameters(), "initial": initial}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

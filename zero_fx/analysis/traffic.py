@@ -257,7 +257,8 @@ def traffic_report(gm: GraphModule, plan, expert_prefixes: tuple[str, ...] = ())
     if plan.issues_collectives and not plan.reduces_in_graph:
         kind = "all_reduce" if plan.replicated else "reduce_scatter"
         collectives += _outside_graph(plan, kind, "after accumulation", plan.reduce_dtype,
-                                      list(grad_slots(gm).values()))
+                                      [n for n in grad_slots(gm).values()
+                                       if not plan.reduced_by_owner(n)])
         if plan.replicas > 1 and not plan.replicated:
             collectives += _outside_graph(plan, "all_reduce", "after accumulation",
                                           plan.reduce_dtype, list(grad_slots(gm).values()),
@@ -268,6 +269,7 @@ def traffic_report(gm: GraphModule, plan, expert_prefixes: tuple[str, ...] = ())
         # stages 1 and 2] in zero_fx/runtime/sharded_state.py)
         trainable = [layout.name for layout in plan.params
                      if layout.requires_grad and plan.holds(layout.name)
+                     and not (plan.returns_owners_whole and plan.owner_of(layout.name) is not None)
                      and (plan.collective_group(layout.name)[0] > 1
                           or plan.keeps_collectives_at_one)]
         collectives += _outside_graph(plan, "all_gather", "after step", plan.compute_dtype,
@@ -322,19 +324,32 @@ def _outside_graph(plan, kind: str, phase: str, dtype, names: list[str],
 
 
 def _owner_exchanges(plan) -> list[Collective]:
-    """The two all-to-alls of whole-tensor updates after the graph, per dtype: every rank's
-    gradient shards to the owners ("to owners"), then each owner's updated tensors cut into
-    every rank's shards ("from owners"): [Note: whole-tensor updates on owner ranks] in
-    zero_fx/runtime/whole_tensor_updates.py. Each counts this rank's send buffer, the
-    shards it sends to itself included, as a counter of what runs does."""
+    """The collectives of whole-tensor updates after the graph, per dtype ([Note: whole-tensor
+    updates on owner ranks] in zero_fx/runtime/whole_tensor_updates.py): the gradients to their
+    owners ("to owners": at stage 1 the reduce-scatter laid out by owner, else an all-to-all
+    of every rank's reduced shards), then the owners' updated tensors back ("from owners": at
+    stages 1-2 without mixed precision the all-gather laid out by owner, else an all-to-all
+    cutting them into every rank's shards). Each counts this rank's send buffer, the shards
+    it sends to itself included, as a counter of what runs does."""
     owners = [(plan.layout(name), rank) for name, rank in getattr(plan, "owners", ())
               if plan.layout(name).requires_grad]
     if plan.world_size < 2 or not owners:
         return []
+    laid_out = {"to owners": plan.reduces_to_owners, "from owners": plan.returns_owners_whole}
+    kinds = {"to owners": "reduce_scatter", "from owners": "all_gather"}
     out = []
     for phase in ("to owners", "from owners"):
         for dtype in dict.fromkeys(layout.dtype for layout, _ in owners):
             members = [(l, r) for l, r in owners if l.dtype == dtype]
+            if laid_out[phase]:  # [Note: reductions laid out by owner]
+                widest = max(sum(l.numel for l, r in members if r == rank)
+                             for rank in range(plan.world_size))
+                out.append(Collective(
+                    kind=kinds[phase], numel=widest * plan.world_size,
+                    dtype=(plan.reduce_dtype or dtype) if phase == "to owners" else dtype,
+                    bucket=tuple(l.name for l, _ in members), phase=phase, issued_at=None,
+                    waited_at=None, node=""))
+                continue
             sent = [l for l, r in members if phase == "to owners" or r == plan.rank]
             numel = sum(l.shard_numel for l in sent) * (1 if phase == "to owners"
                                                         else plan.world_size)

@@ -262,6 +262,29 @@ class ShardPlan(StageConsequences):
         return cache
 
     @property
+    def reduces_to_owners(self) -> bool:
+        """Stage 1 with whole-tensor updates over more than one rank, shards not replicated:
+        their gradients leave the graph whole and, at the end of the backward, one
+        reduce-scatter laid out by owner gives each owner its tensors' whole mean gradients
+        ([Note: reductions laid out by owner] in zero_fx/runtime/whole_tensor_updates.py)."""
+        return (bool(self.owners) and self.reduces_after_backward and self.world_size > 1
+                and self.replicas == 1)
+
+    def reduced_by_owner(self, name: str) -> bool:
+        """Whether parameter ``name``'s gradient is reduced to its owner outside the graph
+        (``reduces_to_owners``) rather than by the graph into every rank's shard."""
+        return self.reduces_to_owners and self.owner_of(name) is not None
+
+    @property
+    def returns_owners_whole(self) -> bool:
+        """Stages 1-2 with whole-tensor updates over more than one rank, shards not
+        replicated, no mixed precision: one all-gather laid out by owner brings each owner's
+        updated tensors whole into every rank's parameters (and masters), in place of the
+        stage's all-gather of their shards ([Note: reductions laid out by owner])."""
+        return (bool(self.owners) and self.gathers_after_step and self.world_size > 1
+                and self.replicas == 1 and self.compute_dtype is None)
+
+    @property
     def issues_collectives(self) -> bool:
         """Whether the shard group's gathers and reductions are issued: it has more than one
         rank, or a world of one keeps them ([Note: collectives kept at a world of one])."""

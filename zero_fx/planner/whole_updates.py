@@ -17,10 +17,12 @@ of each:
   fp32 copy of each matrix it steps, besides its shard: both in the model states; while it
   steps, the whole gradients and the largest matrix's Newton-Schulz temporaries (bf16 X, its
   successor, and three s x s products, with one fp32 copy for the Nesterov blend);
-- traffic: the two all-to-alls after the graph, in fp32: each rank's gradient shards of the
-  matrices others own, and each owner's updated matrices cut into the others' shards. They are
-  the price of exchanging shards after the same reduction AdamW's gradients get; the traffic
-  table adds them.
+- traffic: the all-to-alls after the graph, in fp32, where the stage's own collectives cannot
+  be laid out by owner ([Note: reductions laid out by owner] in
+  zero_fx/runtime/whole_tensor_updates.py): each rank's gradient shards of the matrices others
+  own (stages 2-3), and each owner's updated matrices cut into the others' shards (stage 3,
+  and every stage under mixed precision). The traffic table adds them; the padding of the
+  rows laid out by owner is left out.
 
 Stage 0 steps every matrix whole on every rank, as DDP: no owner, no exchange.
 """
@@ -82,6 +84,8 @@ class WholeUpdates:
     total_flops: float
     """Newton-Schulz FLOPs per step over every matrix."""
     rows: tuple[WholeUpdateRow, ...]
+    mixed: bool = False
+    """Under mixed precision: the updated matrices return by all-to-all at every stage."""
 
     def row(self, stage: int) -> WholeUpdateRow:
         return self.rows[stage]
@@ -110,18 +114,30 @@ def plan_whole_updates(plan: ShardPlan) -> Optional[WholeUpdates]:
     owned_numel = [sum(layout.numel for layout in mine) for mine in owned]
     all_shards = sum(layout.shard_numel for layout in layouts.values())
     owned_shards = [sum(layout.shard_numel for layout in mine) for mine in owned]
-    # to owners: a rank's shard of every matrix (its own stays); from owners: each matrix it
-    # owns cut into n shards (one stays)
-    buffers = [WHOLE_MASTER_BYTES * (all_shards + n * mine) for mine in owned_shards]
-    sent = [WHOLE_MASTER_BYTES * (all_shards - mine + (n - 1) * mine) for mine in owned_shards]
+    mixed = plan.compute_dtype is not None
+
+    def exchanges(stage: int) -> tuple[float, float]:
+        """(sent, send buffers) of the rank sending the most, in the all-to-alls ``stage``
+        runs: to owners (a rank's shard of every matrix, its own staying) but at stage 1,
+        whose reduction is laid out by owner; from owners (each matrix it owns cut into n
+        shards, one staying) at stage 3 and under mixed precision, where the stage's gather
+        laid out by owner cannot return them ([Note: reductions laid out by owner])."""
+        to_owners, from_owners = stage >= 2, stage == 3 or mixed
+        buffers = [WHOLE_MASTER_BYTES * (all_shards * to_owners + n * mine * from_owners)
+                   for mine in owned_shards]
+        sent = [WHOLE_MASTER_BYTES * ((all_shards - mine) * to_owners
+                                      + (n - 1) * mine * from_owners) for mine in owned_shards]
+        return max(sent), max(buffers)
+
     sharded = [WholeUpdateRow(
         stage=stage, flops=2 * max(loads), mean_flops=total / n,
         state_bytes=MUON_STATE_BYTES * max(owned_numel),
         whole_copy_bytes=WHOLE_MASTER_BYTES * max(owned_numel),
         stepping_bytes=max(WHOLE_MASTER_BYTES * owned_numel[r] + _temporaries(owned[r])
                            for r in range(n)),
-        exchange_bytes=max(sent), exchange_buffer_bytes=max(buffers)) for stage in (1, 2, 3)]
-    return WholeUpdates(len(names), numel, total, (every_rank, *sharded))
+        exchange_bytes=exchanges(stage)[0], exchange_buffer_bytes=exchanges(stage)[1])
+        for stage in (1, 2, 3)]
+    return WholeUpdates(len(names), numel, total, (every_rank, *sharded), mixed)
 
 
 def _temporaries(layouts) -> float:
@@ -168,7 +184,7 @@ def format_whole_updates(updates: WholeUpdates, psi: int, tensors: int, hardware
         row_of("0", every, " (every rank, every matrix)"),
     ]
     if world_size > 1:
-        lines.append(row_of("1-3", sharded))
+        lines += [row_of(str(stage), updates.row(stage)) for stage in (1, 2, 3)]
         lines += [
             "",
             f"The owners are balanced by Newton-Schulz work (longest first): the busiest does "
@@ -176,7 +192,10 @@ def format_whole_updates(updates: WholeUpdates, psi: int, tensors: int, hardware
             f"less than a Muon that orthogonalises every matrix on every rank. The owner holds "
             f"its matrices' momentum and a whole fp32 copy of each (in the model states above); "
             f"while it steps, their whole gradients and the largest one's Newton-Schulz "
-            f"temporaries. The two exchanges (gradient shards to the owners, updated shards back, "
-            f"fp32) are in the traffic table's all-to-all.",
+            f"temporaries. Stage 1's reduce-scatter, laid out by owner, reduces the gradients to "
+            f"their owners" + ("" if updates.mixed else ", and stages 1-2's all-gather, laid out "
+                               "the same, returns the updated matrices") +
+            "; the other exchanges (gradient shards to the owners, updated shards back, fp32) "
+            "are in the traffic table's all-to-all.",
         ]
     return lines

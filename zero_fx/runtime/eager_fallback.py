@@ -136,7 +136,9 @@ class EagerFallback:
             for name in names:
                 state.receive_grad(name, wholes.pop(name))
             return
-        for bucket in plan.buckets(names):
+        for name in [n for n in names if plan.reduced_by_owner(n)]:  # reduced to its owner
+            state.receive_grad(name, wholes.pop(name))
+        for bucket in plan.buckets([n for n in names if n in wholes]):
             reduced = reduction(plan, bucket)(*(wholes.pop(name) for name in bucket))
             for name, grad in zip(bucket, reduced):
                 state.receive_grad(name, grad)

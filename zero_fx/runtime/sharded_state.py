@@ -282,7 +282,10 @@ class ShardedState(WholeParameters):
         """Right after it: each rank's shard of each whole tensor the owners stepped, into its
         master."""
         if self.whole is not None:
-            self.whole.return_values(self.shards, exchanged)
+            self.whole.return_values(self.shards, exchanged, self.local)
+            # their masters changed; where they did not come back whole, the stage's gather
+            # brings them into the parameters, as for any stepped shard
+            self.stepped |= set(exchanged) - self.whole.returned
 
     def local(self, name: str) -> torch.Tensor:
         """The model's parameter ``name`` as zero_fx shards it: its local piece for a
@@ -316,9 +319,10 @@ class ShardedState(WholeParameters):
     def commit_grads(self) -> None:
         """Add the received gradients, in the masters' dtype, to the shards' ``.grad`` (or,
         when the plan reduces outside the graph, to the whole gradients awaiting it)."""
-        into = self._unreduced if not self.plan.reduces_in_graph else None
         for name, grad in self._received.items():
             shard = self.shards[name]
+            into = (self._unreduced if not self.plan.reduces_in_graph
+                    or self.plan.reduced_by_owner(name) else None)
             # whole gradients awaiting their reduction stay on the device; shards go to the
             # masters (the host, offloaded: [Note: optimizer offload])
             grad = grad.to(dtype=shard.dtype, device=shard.device if into is None else None)
@@ -331,11 +335,16 @@ class ShardedState(WholeParameters):
 
     @torch.no_grad()
     def reduce_accumulated(self) -> None:
-        """Stages 0-1 with gradient accumulation: reduce the accumulated whole gradients, one
-        collective per bucket (the code the graph would have run), into the shards' ``.grad``.
-        A no-op when the graph reduces."""
+        """Reduce the whole gradients the graph left unreduced: with gradient accumulation at
+        stages 0-1, one collective per bucket (the code the graph would have run) into the
+        shards' ``.grad``; at stage 1, a whole-tensor update's gradients to their owners
+        ([Note: reductions laid out by owner] in whole_tensor_updates.py). A no-op when the
+        graph reduced every gradient."""
         if not self._unreduced:
             return
+        if self.whole is not None and self.plan.reduces_to_owners:
+            self.whole.reduce_to_owners({n: self._unreduced.pop(n) for n in self.whole.names
+                                         if n in self._unreduced})
         names = [layout.name for layout in self.plan.params if layout.name in self._unreduced]
         for bucket in self.plan.buckets(names):
             reduced = reduction(self.plan, bucket)(*(self._unreduced[name] for name in bucket))
@@ -346,8 +355,10 @@ class ShardedState(WholeParameters):
         self._unreduced.clear()
 
     def grads(self) -> list[torch.Tensor]:
-        """The gradients the optimizer will step with (this rank's shards of them)."""
-        return [s.grad for s in self.shards.values() if s.grad is not None]
+        """The gradients the optimizer will step with: this rank's shards of them, and the
+        whole gradients of the tensors it owns that reached it by their reduction."""
+        owned = self.whole.reduced_grads() if self.whole is not None else []
+        return [s.grad for s in self.shards.values() if s.grad is not None] + owned
 
     def note_stepped(self) -> None:
         """Before the optimizer steps after the graph: the shards it will change are those
@@ -399,9 +410,12 @@ class ShardedState(WholeParameters):
         # the same names on every rank: the graph, the same on each, gave each rank's shards
         # gradients for the same parameters (a rank's routed experts, which other ranks do
         # not hold, are gathered by their holders alone: kept in as the plan has them)
+        # whole-tensor updates came back whole, into the parameters (returns_owners_whole)
+        returned = set() if frozen or self.whole is None else self.whole.returned
         self._gather_into_parameters(
-            [layout.name for layout in self.plan.params if frozen or layout.name in self.stepped
-             or (layout.requires_grad and self.plan.is_expert(layout.name))])
+            [layout.name for layout in self.plan.params if layout.name not in returned and (
+                frozen or layout.name in self.stepped
+                or (layout.requires_grad and self.plan.is_expert(layout.name)))])
 
     def zero_grad(self) -> None:
         for shard in self.shards.values():

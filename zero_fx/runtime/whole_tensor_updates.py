@@ -7,32 +7,54 @@ factors its second moment over rows and columns, LAMB scales by the tensor's nor
 step a slice. Each such tensor has one owner (``ShardPlan.owners``, balanced by the update's
 cost: plan/owners.py), and its update runs there, whole, once per step:
 
-1. the graph reduces the gradient as it reduces any other, into every rank's flat shard of
-   the mean: the same reduce-scatter (or, for buckets, the same fused one) as for AdamW;
-2. after the graph, one ``all_to_all`` sends each rank's shard of each such gradient to the
-   tensor's owner, which puts the N shards together into the whole gradient;
-3. the owner's optimizer steps its whole tensors (it alone holds their state, whole: Muon's
+1. the gradient reaches its owner. At stage 1, which keeps every whole gradient to the end of
+   the backward anyway, by the reduction itself: the graph leaves these gradients whole and
+   one reduce-scatter laid out by owner gives each owner its tensors' mean gradients ([Note:
+   reductions laid out by owner]). At stages 2-3, which reduce each gradient as soon as it
+   exists, the graph reduce-scatters it into every rank's flat shard as for AdamW, and after
+   the graph one ``all_to_all`` sends each rank's shard to the owner, which puts the N shards
+   together;
+2. the owner's optimizer steps its whole tensors (it alone holds their state, whole: Muon's
    momentum, Adafactor's factors); the other ranks' optimizers hold an empty tensor in its
    place, with no gradient, which torch.optim skips;
-4. one ``all_to_all`` sends each rank its shard of each updated tensor, into the masters the
-   graph reads (stage 3) or the stage's all-gather brings back whole (stages 1-2).
+3. the result returns. At stages 1-2 without mixed precision, by the all-gather the stage
+   runs anyway, laid out by owner: every rank's parameter (and master shard) of each such
+   tensor comes from its owner's row. Otherwise (stage 3, whose masters are the shards the
+   graph gathers, or fp32 masters under mixed precision) one ``all_to_all`` sends each rank
+   its shard of each updated tensor, into its master, and the stage goes on as for any
+   parameter.
 
-Why shards are exchanged after the reduction rather than a layout whose reduction itself
-delivers whole tensors (buckets laid out so each tensor falls in its owner's slice): the graph,
-its collectives, their buckets and schedule, the checkpoint format and every feature built on
-the flat layout stay exactly AdamW's, for every parameter, and the owners can be balanced over
-the whole model rather than within each bucket (a GPT block's four matrices, 3:1:4:4 in size,
-split 7:5 at best over two ranks, padding the bucket by 17 %). The price is the two exchanges:
-each sends about ``(N - 1) / N**2`` of those tensors' elements per rank, ``1/N`` of what a
-reduce-scatter of them sends, so the two add ``2/N`` of one collective pass on those tensors:
-stages 1-2 (two passes) move ``1 + 1/N`` times AdamW's bytes on them (1.5x at 2 ranks, 1.125x
-at 8), stage 3 (three) ``1 + 2/(3N)`` (1.33x, 1.08x). Measured on the 4-block test GPT at 2
-ranks, stage 1, Muon holding 94 % of its elements: 306,304 wire bytes per rank a step against
-AdamW's 208,000 (1.47x). A layout whose reduce-scatter itself delivers whole tensors to their
-owners would remove this at the price above; it is the next step. ``analysis/traffic.py``
-counts both exchanges. The owner holds each of its tensors whole in the
-master dtype besides its shard (about Ψ/N more per rank, balanced), and the whole gradient
-while it steps.
+What each exchange costs: an ``all_to_all`` sends about ``(N - 1) / N**2`` of those tensors'
+elements per rank, ``1/N`` of what a reduce-scatter of them sends. So on those tensors stage 1
+moves AdamW's bytes (but for the padding of the rows laid out by owner), stage 2 ``1 + 1/(2N)``
+times them (1.25x at 2 ranks), stage 3 ``1 + 2/(3N)`` (1.33x, 1.08x at 8), and stages 1-2
+under mixed precision ``1 + 1/(2N)`` and ``1 + 1/N``. ``analysis/traffic.py`` counts every
+exchange as it runs. The owner holds each of its tensors whole in the master dtype besides its
+shard (about Ψ/N more per rank, balanced), and the whole gradient while it steps.
+
+[Note: reductions laid out by owner]
+Where the gradient can reach its owner by the reduction itself (the issue's aim: no extra
+exchange), two layouts would do it: buckets whose slices fall on tensor boundaries, or a
+buffer laid out by owner. zero_fx uses the second, and only where every whole gradient is
+there at once, at the end of stage 1's backward. Per dtype, each rank lays out one buffer of
+``N`` rows, row r the whole gradients of the tensors rank r owns one after the other (plan
+order), zero-padded to the widest row; one reduce-scatter leaves each rank its own row, the
+mean of its tensors' gradients, computed as the graph's reductions compute any (``reduction``:
+its dtype, its mean). The return is the same layout: each owner puts its updated tensors in
+its row, and one all-gather gives every rank every tensor whole, which is the all-gather
+stages 1-2 run for the parameters anyway. The layout is the same on every rank (the plan's
+owners and order), so the graph stays rank-agnostic: these gradients simply leave it whole,
+and the runtime reduces them (``ShardPlan.reduces_to_owners``, ``reduced_by_owner``).
+
+Why not buckets cut on tensor boundaries, inside the graph: the owners are balanced over the
+whole model, so within one bucket the rows are uneven (a GPT block's four matrices, 3:1:4:4
+in size, split 7:5 at best over two ranks, padding the bucket by 17 %), and every feature
+built on the flat shards of a bucket (checkpoints, offload, the update in the graph) would
+meet a second layout. Over the whole model the rows even out: the only cost is the padding
+to the widest row, which ``traffic()`` counts. Why not at stages 2-3: their reductions run as
+each gradient lands, to free it; holding these gradients whole to the end of the backward
+would give them stage 1's gradient memory. Reducing to the owner as each lands would need a
+reduce to one rank, which the functional collectives the graph uses do not have.
 
 Every rank runs the same exchanges in the same order (the plan's order, over the parameters
 that have a gradient this step, which the graph, the same on every rank, decides), so the
@@ -43,12 +65,13 @@ is the shard (stage 0 steps whole tensors on every rank, as DDP does).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..plan import ShardPlan
+from ..passes.reduce_grads import reduction
 from .cpu_group import cpu_group
 
 _c10d = torch.ops._c10d_functional
@@ -74,14 +97,54 @@ class WholeTensorUpdates:
                 value = shards[name].detach().new_empty((0, *layout.shape[1:]) if layout.shape
                                                         else (0,))
             self.tensors[name] = torch.nn.Parameter(value, requires_grad=shards[name].requires_grad)
+        self.delivered: list[str] = []
+        """The names whose gradients ``reduce_to_owners`` gave their owners this step (the
+        same on every rank)."""
+        self.returned: set[str] = set()
+        """The names the latest ``return_values`` brought back whole into the parameters, which
+        the stage's all-gather of shards after it leaves out (``plan.returns_owners_whole``)."""
 
     def owns(self, name: str) -> bool:
         return self.plan.owner_of(name) == self.plan.rank
 
     @torch.no_grad()
+    def reduce_to_owners(self, wholes: dict[str, torch.Tensor]) -> None:
+        """Stage 1 (``plan.reduces_to_owners``): the whole gradients of ``wholes`` (this rank's,
+        unreduced) reduced over the ranks into their owners' tensors, one reduce-scatter per
+        dtype laid out by owner ([Note: reductions laid out by owner])."""
+        plan = self.plan
+        names = [n for n in self.names if n in wholes]
+        for dtype, members in _by_dtype(names, [wholes[n] for n in names]):
+            width, where = _owner_layout([n for n, _ in members], plan)
+            rows = torch.cat([_row([g.reshape(-1) for n, g in members if where[n][0] == r],
+                                   width, dtype, self.device) for r in range(plan.world_size)])
+            # the reduction the graph runs for any gradient (its dtype, its mean), on one buffer
+            mine = reduction(plan, names[:1])(rows, paddings=[0])[0].to(dtype)
+            for name, _ in members:
+                owner, start = where[name]
+                if owner == plan.rank:
+                    layout = plan.layout(name)
+                    self.tensors[name].grad = mine[start:start + layout.numel].view(layout.shape)
+        self.delivered = names
+
+    def reduced_grads(self) -> list[torch.Tensor]:
+        """The whole gradients ``reduce_to_owners`` gave this rank's tensors, not yet stepped."""
+        return [self.tensors[n].grad for n in self.delivered if self.owns(n)
+                and self.tensors[n].grad is not None]
+
+    @torch.no_grad()
     def send_grads(self, shards: dict[str, torch.nn.Parameter]) -> list[str]:
         """Step 2: each gradient shard to its tensor's owner, whose tensor then holds the whole
-        gradient; returns the names exchanged (those with a gradient)."""
+        gradient; returns the names exchanged (those with a gradient). Where the reduction
+        delivered them (``plan.reduces_to_owners``), only the zero gradients ``zero_grad(
+        set_to_none=False)`` keeps for a parameter this window gave none are put in."""
+        if self.plan.reduces_to_owners:
+            kept = [n for n in self.names if n not in self.delivered and shards[n].grad is not None]
+            for name in kept:
+                shards[name].grad = None
+                if self.owns(name):
+                    self.tensors[name].grad = torch.zeros_like(self.tensors[name])
+            return [n for n in self.names if n in self.delivered or n in kept]
         names = [n for n in self.names if shards[n].grad is not None]
         wholes = self._to_owners(names, [shards[n].grad for n in names])
         for name, grad in wholes.items():
@@ -89,11 +152,33 @@ class WholeTensorUpdates:
         return names
 
     @torch.no_grad()
-    def return_values(self, shards: dict[str, torch.nn.Parameter], names: Iterable[str]) -> None:
-        """Step 4: each rank's shard of each updated tensor of ``names`` into its master."""
+    def return_values(self, shards: dict[str, torch.nn.Parameter], names: Iterable[str],
+                      parameter: Callable[[str], torch.Tensor]) -> None:
+        """Step 4: each rank's shard of each updated tensor of ``names`` into its master; at
+        stages 1-2 without mixed precision (``plan.returns_owners_whole``) each tensor whole
+        into the model's parameter (``parameter(name)``) too, by one all-gather laid out by
+        owner, so the stage's all-gather leaves them out (``returned``)."""
         names = list(names)
-        for name, shard in self._from_owners(names).items():
-            shards[name].detach().copy_(shard)
+        plan = self.plan
+        self.returned = set()
+        if not plan.returns_owners_whole:
+            for name, shard in self._from_owners(names).items():
+                shards[name].detach().copy_(shard)
+            return
+        for dtype, members in _by_dtype(names, [self.tensors[n].detach() for n in names],
+                                        dtype_of=lambda n: plan.layout(n).dtype):
+            width, where = _owner_layout([n for n, _ in members], plan)
+            mine = _row([t.reshape(-1) for n, t in members if self.owns(n)], width, dtype,
+                        self.device)
+            rows = _c10d.wait_tensor(_c10d.all_gather_into_tensor(
+                mine, plan.world_size, plan.group_name)).view(plan.world_size, width)
+            for name, _ in members:
+                (owner, start), layout = where[name], plan.layout(name)
+                whole = rows[owner, start:start + layout.numel]
+                parameter(name).detach().copy_(whole.view(layout.shape))
+                shards[name].detach().copy_(
+                    _padded(whole, layout.shard_numel, plan.world_size)[plan.rank])
+        self.returned = set(names)
 
     @torch.no_grad()
     def take_values(self, shards: dict[str, torch.nn.Parameter]) -> None:
@@ -104,6 +189,7 @@ class WholeTensorUpdates:
     def zero_grad(self) -> None:
         for tensor in self.tensors.values():
             tensor.grad = None
+        self.delivered = []
 
     def held_tensors(self) -> Iterable[torch.Tensor]:
         for tensor in self.tensors.values():
@@ -271,6 +357,25 @@ def _by_dtype(names, tensors, dtype_of=None):
         dtype = dtype_of(name) if dtype_of is not None else tensor.dtype
         groups.setdefault(dtype, []).append((name, tensor))
     return list(groups.items())
+
+
+def _owner_layout(names: list[str], plan: ShardPlan) -> tuple[int, dict[str, tuple[int, int]]]:
+    """A buffer laid out by owner for ``names``: its rows' width, and each name's ``(owner,
+    start)``; row r holds the tensors rank r owns, flattened, one after the other in plan
+    order, padded to the widest row ([Note: reductions laid out by owner])."""
+    used, where = [0] * plan.world_size, {}
+    for name in names:
+        owner = plan.owner_of(name)
+        where[name] = (owner, used[owner])
+        used[owner] += plan.layout(name).numel
+    return max(used), where
+
+
+def _row(pieces: list[torch.Tensor], width: int, dtype: torch.dtype,
+         device: torch.device) -> torch.Tensor:
+    """``pieces`` one after the other, zero-padded to ``width`` elements."""
+    flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+    return torch.nn.functional.pad(flat, (0, width - flat.numel()))
 
 
 def _padded(whole: torch.Tensor, shard_numel: int, world: int) -> torch.Tensor:
