@@ -269,6 +269,28 @@ def test_one_switch_shows_the_pass_pipeline(capfd):
     assert "compiled train_step with aot_eager" in err and "op count changes" not in err
 
 
+def test_torchs_no_cuda_runtime_line_is_not_printed_on_a_machine_without_cuda():
+    """Inductor imports ``torch.utils.cpp_extension``, which on a machine with a CUDA toolkit
+    but no runtime prints "No CUDA runtime is found" once per rank (issue 88, the newcomer's
+    first run): after ``import zero_fx`` that line is dropped, and only it."""
+    import sys
+    from zero_fx.logs import NO_CUDA_RUNTIME
+
+    def stderr_of(code: str) -> str:
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return run.stderr
+
+    if torch.cuda.is_available() or NO_CUDA_RUNTIME not in stderr_of(
+            "import torch.utils.cpp_extension"):
+        pytest.skip("this machine's torch does not print the line")
+    assert NO_CUDA_RUNTIME not in stderr_of("import zero_fx, torch.utils.cpp_extension")
+    others = stderr_of("import zero_fx, logging\n"
+                       "logging.getLogger('torch.utils.cpp_extension').warning('other line')")
+    assert "other line" in others
+
+
 def test_bad_log_level_says_what_is_allowed():
     with pytest.raises(ValueError, match="one of"):
         set_logs("loud")

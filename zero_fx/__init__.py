@@ -45,7 +45,7 @@ from .errors import (CaptureError, CheckpointError, CollectiveFailedError, Distr
                      UnsupportedTorchError)
 from .policies import OffloadPolicy, QuantizationPolicy, RecomputePolicy, SchedulePolicy
 from .inspection.explain import Explanation
-from .logs import set_logs, set_logs_from_environment
+from .logs import quiet_torch_probes, set_logs, set_logs_from_environment
 from .materialize import load_pretrained
 from .passes.pipeline import after, before
 from .plan import ParamLayout, PlanOptions, PlanRanks, ShardPlan, make_plan, plan_for_module
@@ -102,3 +102,4 @@ __all__ = [
 ]
 
 set_logs_from_environment()
+quiet_torch_probes()  # torch's "No CUDA runtime is found", on a machine without CUDA

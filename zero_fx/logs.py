@@ -10,6 +10,11 @@ name, time and op-count changes). Nothing shows until you ask::
 
 Warnings (a dump folder written, a plot that cannot be drawn) show without
 any set-up, through Python's last-resort handler.
+
+One line of torch's is dropped (``quiet_torch_probes``): "No CUDA runtime is found, using
+CUDA_HOME=...", which ``torch.utils.cpp_extension`` logs when Inductor imports it on a machine
+whose CUDA toolkit has no runtime beside it. It says nothing about a CPU run, and every
+rank of a newcomer's first run printed it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,27 @@ def set_logs(level: Union[str, int, None] = "info", *, passes: bool = False) -> 
         root.addHandler(_handler)
     root.setLevel(numeric)
     pipeline.setLevel(min(numeric, logging.INFO) if passes else max(numeric, logging.WARNING))
+
+
+NO_CUDA_RUNTIME = "No CUDA runtime is found"
+"""The start of the one line of torch's that ``quiet_torch_probes`` drops."""
+
+
+class _DropNoCudaRuntime(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(NO_CUDA_RUNTIME):
+            return True
+        import torch  # asked when the line comes, not when zero_fx is imported
+
+        return torch.cuda.is_available()
+
+
+def quiet_torch_probes() -> None:
+    """Drop torch's "No CUDA runtime is found" line where no CUDA device is at hand (there it
+    says nothing); every other record of that logger passes. Idempotent."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    if not any(isinstance(f, _DropNoCudaRuntime) for f in logger.filters):
+        logger.addFilter(_DropNoCudaRuntime())
 
 
 def set_logs_from_environment() -> None:

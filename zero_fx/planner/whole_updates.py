@@ -1,5 +1,5 @@
 """What Muon costs each rank (``--optimizer muon``): the owners' Newton-Schulz work, their
-whole-tensor memory and the two exchanges, per stage.
+whole-tensor memory and their exchanges, per stage.
 
 [Note: planning whole-tensor updates]
 ``--optimizer muon`` plans the recipe Moonlight, Kimi K2 and GLM-4.5 publish: Muon for the
@@ -70,9 +70,9 @@ class WholeUpdateRow:
     """Held only while the owner steps: its whole gradients and the Newton-Schulz
     temporaries of its largest matrix."""
     exchange_bytes: float
-    """Bytes the rank sending the most sends to other ranks in the two exchanges."""
+    """Bytes the rank sending the most sends to other ranks in the stage's all-to-alls."""
     exchange_buffer_bytes: float
-    """The same rank's send buffers of the two exchanges (what the traffic table counts for
+    """The same rank's send buffers of those all-to-alls (what the traffic table counts for
     every collective: its own shards included)."""
 
 

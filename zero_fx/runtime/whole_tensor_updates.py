@@ -78,7 +78,8 @@ _c10d = torch.ops._c10d_functional
 
 
 class WholeTensorUpdates:
-    """The whole tensors this rank owns, and the two exchanges with the shards."""
+    """The whole tensors this rank owns, and the exchanges that bring them their gradients and
+    return their values."""
 
     def __init__(self, plan: ShardPlan, shards: dict[str, torch.nn.Parameter],
                  device: torch.device):
