@@ -5,8 +5,9 @@ source with ``ast``, including those made inside functions: a module-level cycle
 failure even when Python tolerates it at import time, and so is a folder that imports a
 folder above it in ``LAYERS``. Each failure names the import lines to change.
 
-Imports under ``if TYPE_CHECKING:`` are not counted: they never run, and only name a type
-from above for an annotation (inspection/explain.py's ``Compilation``).
+Imports under ``if TYPE_CHECKING:`` count for cycles (a cycle of names is one of meanings,
+whether or not it runs) but not for the layers: they never run, and only name a type from
+above for an annotation (inspection/explain.py's ``Compilation``).
 """
 
 from __future__ import annotations
@@ -111,11 +112,15 @@ def _nodes_that_run(tree: ast.AST):
             yield from _nodes_that_run(child)
 
 
-def all_imports() -> list[Import]:
+def all_imports(annotations: bool = False) -> list[Import]:
+    """Every import of one zero_fx module by another; ``annotations``: those under ``if
+    TYPE_CHECKING:`` too."""
     modules = module_files()
     found = []
     for module, (path, is_package) in sorted(modules.items()):
-        for node in _nodes_that_run(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        nodes = (n for n in ast.walk(tree) if n is not tree) if annotations else _nodes_that_run(tree)
+        for node in nodes:
             for name in _imported_names(node, module, is_package):
                 imported = _known(name, modules)
                 if imported is not None and imported != module:
@@ -176,7 +181,7 @@ def layer_of(part: str) -> int:
 
 
 def test_no_module_imports_one_that_imports_it_back():
-    imports = all_imports()
+    imports = all_imports(annotations=True)
     edges = collections.defaultdict(set)
     for i in imports:
         edges[i.importer].add(i.imported)
@@ -190,7 +195,8 @@ def test_no_module_imports_one_that_imports_it_back():
             if i.importer in inside and i.imported in inside:
                 first_line.setdefault((i.importer, i.imported), i.where)
         lines += [f"    {a} -> {b}  ({where})" for (a, b), where in first_line.items()]
-    assert not components, ("import cycles (counting imports inside functions):\n"
+    assert not components, ("import cycles (counting imports inside functions and under "
+                            "TYPE_CHECKING):\n"
                             + "\n".join(lines))
 
 

@@ -8,7 +8,6 @@ import copy as copy_module
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -26,38 +25,14 @@ from ..runtime.rank_agreement import graph_signature
 from ..runtime.sharding import Sharded
 from ..runtime.graph_update import why_not_for_capture
 from ..runtime.step_runner import StepRunner
+from .compilation import Compilation
 from .lower import by_regions, lower
-from .lowered_memory import LoweredMemory
-from .lowered_schedule import OrderCheck
-from .regions import RegionReport
 from .progress import CompileProgress
 
 log = logging.getLogger("zero_fx")
 
 RECOMPILES_WARNED_AT = 4
 """The compilation of a step that logs a warning: shapes change more than a few times."""
-
-
-@dataclass(frozen=True)
-class Compilation:
-    """One compilation of a step."""
-
-    seconds: float
-    """Wall time: capture, passes and lowering."""
-    reason: str
-    """Why it compiled: "first call", or the guard that failed (dynamo's words)."""
-    order: Optional[OrderCheck] = None
-    """Whether the lowered program runs the graph's collective schedule."""
-    memory: Optional[LoweredMemory] = None
-    """The buffers of the lowered program (Inductor's), read from its code."""
-    program: str = ""
-    """The lowered program's code (Inductor's Python wrapper); empty for other backends."""
-    regions: Optional[RegionReport] = None
-    """The compiled bodies and where they run, when compiled by regions."""
-    update_reason: str = ""
-    """Why this graph leaves the optimizer's update to after the graph; "" when the graph
-    steps it, bucket by bucket ([Note: the update in the graph] in
-    zero_fx/runtime/graph_update.py)."""
 
 
 class StepCompiler:

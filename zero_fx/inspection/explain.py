@@ -31,7 +31,7 @@ from .step_facts import (DeviceCopy, GatheredLifetime, HostCopy, device_copies_i
                          gathered_lifetimes)
 
 if TYPE_CHECKING:  # a type for annotations only: the compiler sits above inspection/
-    from ..compiler.backend import Compilation
+    from ..compiler.compilation import Compilation
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from ..passes.recompute_activations import RecomputeSummary
 from .step_facts import DeviceCopy, HostCopy
 
 if TYPE_CHECKING:  # a type for annotations only: the compiler sits above inspection/
-    from ..compiler.backend import Compilation
+    from ..compiler.compilation import Compilation
 
 LIVE_AT_PEAK_SHOWN = 8
 SPARKLINE_WIDTH = 64

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.nn as nn
@@ -17,8 +17,16 @@ from .events import construction_events
 from .model_tensors import ModelTensor, model_tensors, own_slots
 from .replay import MaterializeError, replay
 
-if TYPE_CHECKING:
-    from .pretrained import PretrainedWeights
+
+class WeightSource(Protocol):
+    """Where ``materialize`` reads values instead of initializing (``PretrainedWeights`` in
+    pretrained.py, which builds on this module, so it is named here by what it does)."""
+
+    key_of: dict[int, str]
+    """id(tensor) -> the key holding its values: the tensors it gives."""
+
+    def read_into(self, tensors: list[ModelTensor], sink) -> None:
+        """Read every tensor it gives into ``sink``."""
 
 log = logging.getLogger("zero_fx")
 
@@ -28,7 +36,7 @@ HOST = torch.device("cpu")
 
 def materialize(model: nn.Module, plan: ShardPlan, *,
                 init_fn: Optional[Callable[[nn.Module], None]] = None,
-                pretrained: Optional["PretrainedWeights"] = None,
+                pretrained: Optional[WeightSource] = None,
                 device: Optional[torch.device] = None) -> Optional[dict[str, torch.Tensor]]:
     """Give ``model``'s meta tensors values, and with ``pretrained`` every tensor the files
     hold, keeping only what this rank holds: in stage 3 each parameter's shard (returned,
