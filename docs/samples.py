@@ -274,7 +274,7 @@ def optimizer_rules_sample() -> str:
     optimizers = [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=3e-4)]
     plan = plan_for_module(model, PlanRanks(4), PlanOptions(stage=3))
     plan = with_owners(plan, model, OptimizerSet(optimizers), ZeroConfig(stage=3))
-    return rules_section(parameter_updates(optimizers, named, plan, None), 4)
+    return rules_section(parameter_updates(optimizers, named, plan, None), 4, plan)
 
 
 def _committed_date(path: str) -> str:

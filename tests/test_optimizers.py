@@ -334,6 +334,10 @@ def test_the_exchanges_are_counted_as_they_run_and_priced_by_the_planner(stage):
                                  2: [("all_to_all", "to owners"), ("all_gather", "from owners")],
                                  3: [("all_to_all", "to owners"), ("all_to_all", "from owners")]
                                  }[stage], f"rank {rank}"
+        laid_out = {1: ("reduce-scatter", "all-gather"), 2: ("all-to-all", "all-gather"),
+                    3: ("all-to-all", "all-to-all")}[stage]
+        assert re.fullmatch(rf"gradients reach their owners by .*{laid_out[0]}.*; the updated "
+                            rf"tensors return by .*{laid_out[1]}.*", run["explained"]), run["explained"]
     assert set(muon_matrices(plan)) == set(runs[0]["owners"])
     assert max(run["counted"].get("all_to_all", 0) for run in runs) * 4 == priced.exchange_buffer_bytes
     costs = {n: newton_schulz_cost(plan.layout(n).shape) for n in muon_matrices(plan)}
@@ -357,7 +361,9 @@ def _exchanges_rank(rank: int, world_size: int, stage: int, kind: str = "muon_ad
     traffic = step.traffic()
     return {"counted": dict(counted.numel), "reported": traffic.numel_by_kind(),
             "owners": dict(step.state.plan.owners), "wire": traffic.wire_bytes(),
-            "phases": [(c.kind, c.phase) for c in traffic.collectives if "owners" in c.phase]}
+            "phases": [(c.kind, c.phase) for c in traffic.collectives if "owners" in c.phase],
+            "explained": next(line.strip() for line in str(step.explain()).splitlines()
+                              if "reach their owners" in line)}
 
 
 TRAFFIC_AIM = 1.1

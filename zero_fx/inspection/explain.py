@@ -77,7 +77,7 @@ class Explanation:
                     _collectives_section(self), host_copies_section(self.host_copies),
                     device_copies_section(self.device_copies),
                     _lifetimes_section(self), _update_section(self),
-                    rules_section(self.parameter_updates, self.plan.world_size),
+                    rules_section(self.parameter_updates, self.plan.world_size, self.plan),
                     memory_section(self.memory, self.compilations, self.recompute),
                     f"Estimate\n  {self.estimate}", compilations_section(self.compilations)]
         return "\n\n".join(s for s in sections if s) + "\n"
@@ -116,7 +116,7 @@ def explain_graph(gm: GraphModule, plan, *, hardware="cpu-gloo", title: str = ""
     )
 
 
-def rules_section(updates: Sequence, world_size: int) -> str:
+def rules_section(updates: Sequence, world_size: int, plan=None) -> str:
     """Which update rule steps each parameter, on which rank, and why: one line when one
     elementwise optimizer steps them all, else a row per parameter and each owner's load."""
     if not updates:
@@ -141,7 +141,19 @@ def rules_section(updates: Sequence, world_size: int) -> str:
         total = sum(loads) or 1.0
         lines.append("  whole-tensor work per rank (share of the total): " + ", ".join(
             f"rank {r} {load / total:.0%}" for r, load in enumerate(loads)))
+        if plan is not None and world_size > 1:
+            lines.append("  " + owner_exchanges(plan))
     return "\n".join(lines)
+
+
+def owner_exchanges(plan) -> str:
+    """How the whole tensors' gradients reach their owners and their values come back
+    ([Note: reductions laid out by owner] in zero_fx/runtime/whole_tensor_updates.py)."""
+    to = ("by the stage's reduce-scatter, laid out by owner" if plan.reduces_to_owners else
+          "by an all-to-all of the reduced shards after the graph")
+    back = ("by the stage's all-gather, laid out by owner" if plan.returns_owners_whole else
+            "by an all-to-all into every rank's shards")
+    return f"gradients reach their owners {to}; the updated tensors return {back}"
 
 
 def _update_section(e: Explanation) -> str:
