@@ -251,6 +251,12 @@ def verify_sample() -> str:
     return _command_output(VERIFY_COMMAND)
 
 
+def notes_index() -> str:
+    from docs import notes
+
+    return notes.index()
+
+
 def optimizer_rules_sample() -> str:
     """``explain()``'s table of update rules for the recipe of docs/optimizers.md (Muon over
     the hidden matrices, AdamW over the rest) on a 2-block example GPT at stage 3 over 4
@@ -404,6 +410,8 @@ SAMPLES = {s.name: s for s in (
            optional_lines=_missing_without_matplotlib),
     Sample("optimizer-rules", optimizer_rules_sample,
            "explain()'s update rules for Muon and AdamW on a 2-block GPT, stage 3, 4 ranks"),
+    Sample("notes", lambda: notes_index(),
+           "every note of the code and the file that defines it (docs/notes.py)"),
     Sample("plan", plan_sample, " ".join(PLAN_COMMAND)),
     Sample("plan-moe", plan_moe_sample, " ".join(PLAN_MOE_COMMAND)),
     Sample("plan-muon", plan_muon_sample, " ".join(PLAN_MUON_COMMAND)),

@@ -56,7 +56,8 @@ def accumulate_embedding_grads(gm: GraphModule, plan=None) -> GraphModule:
             continue
         grad, dense = match
         rows, ids = dense.args[0], dense.args[1]
-        _make_late_if_smaller(gm, grad, node)  # [Note: the head's gradient is made where ...]
+        # See [Note: the head's gradient is made where the rows are added]
+        _make_late_if_smaller(gm, grad, node)
         (summed,) = splice(gm.graph, _add_rows_into, [grad, ids, rows], before=node,
                            phase=Phase.BACKWARD)
         node.replace_all_uses_with(summed)

@@ -166,8 +166,16 @@ def _compile_body(backend: str, body: GraphModule, values: Sequence[torch.Tensor
 def _static_tracing_context(example_inputs: Sequence):
     """Outside dynamo's tracing context (the shards are not dynamo's inputs, and its shape
     environment would make their sizes symbols without a source), inside one of our own
-    with a shape environment ([Note: the FX graph cache]); yields the inputs as its static
-    fakes."""
+    with a shape environment; yields the inputs as its static fakes.
+
+    [Note: the FX graph cache]
+    Inductor's FX graph cache stores each compiled graph with the guards of the shape
+    environment it was compiled under, and bypasses itself when the tracing context has
+    none: every compilation of the same rewritten step then paid Inductor's whole lowering
+    again. So lowering runs in a tracing context of our own, with a ``ShapeEnv``, on static
+    fakes of the inputs (sizes are constants: no symbol without a source). The second
+    compilation of the same step is a cache hit, with the user's passes in the pipeline too
+    (tests/test_fx_graph_cache.py)."""
     with outside_dynamo_tracing():
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
         fakes = static_fakes(example_inputs, fake_mode)  # from real tensors or other fakes

@@ -92,8 +92,8 @@ class ShardedState(WholeParameters):
         these changed, so only these are refreshed ([Note: what the update refreshes])."""
         self.grads_seen: set[str] = set()
         """The parameters whose ``.grad`` eager would hold as a tensor: given a gradient since
-        the last ``zero_grad()`` that set gradients to None ([Note: zero_grad(set_to_none=
-        False)] in runtime/update.py)."""
+        the last ``zero_grad()`` that set gradients to None ([Note:
+        zero_grad(set_to_none=False)] in runtime/update.py)."""
         self.device = device or next(local_tensor(p) for p in self.params.values()).device
         """Where this rank trains: the parameters', and every collective's, device."""
         self.device_shards: dict[str, torch.Tensor] = {}
