@@ -28,8 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("plan",),  # the layout: where each element of each parameter lives
     ("analysis",),  # what a graph costs: bytes, memory, time
     ("inspection",),  # graphs and reports as text, HTML, plots
-    ("policies", "checks", "renamed_options"),  # option groups, their checks, old names
-    ("config",),  # the user's options, checked
+    ("config",),  # the user's options: their groups, their checks, old names
     ("materialize",),  # values for a meta-device model, pretrained weights
     ("runtime",),  # sharded state, process groups, the step around the compiled graph
     ("checkpoint",),  # sharded save and load of the runtime's state

@@ -154,7 +154,7 @@ def test_zero_compile_lists_every_option_with_its_default():
     field's default, each policy a keyword too; the renamed names go to ``**deprecated``."""
     import inspect
 
-    from zero_fx.policies import FLAT_NAMES
+    from zero_fx.config.policies import FLAT_NAMES
 
     parameters = inspect.signature(zero_compile).parameters
     options = {name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY} - {
@@ -193,3 +193,21 @@ def test_a_policy_given_whole_means_its_flat_options():
         ZeroConfig(schedule={"bucket_bytes": 0})
     with pytest.raises(ValueError, match="prefetch_buckets must be an int >= 0"):
         ZeroConfig(schedule=SchedulePolicy(prefetch_buckets=-1))
+
+
+def test_the_option_modules_old_paths_are_the_config_packages_modules():
+    """zero_fx/config/ holds the options' modules (issue 88, the root): the old top-level
+    paths give the same modules, and ``zero_fx.config`` what that module gave."""
+    import importlib
+
+    import zero_fx
+    import zero_fx.config as config
+    for old in ("policies", "checks", "renamed_options"):
+        module = importlib.import_module(f"zero_fx.{old}")
+        assert module is importlib.import_module(f"zero_fx.config.{old}")
+        assert getattr(zero_fx, old) is module
+    from zero_fx.policies import OffloadPolicy
+    assert OffloadPolicy is zero_fx.OffloadPolicy
+    assert config.ZeroConfig is zero_fx.ZeroConfig
+    assert {"MixedPrecision", "DebugOptions", "describe_backend",
+            "DEPRECATED_OPTIONS"} <= set(config.__all__)

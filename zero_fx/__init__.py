@@ -10,9 +10,8 @@ weights) and ``planner`` (``python -m zero_fx.plan``, offline).
 
 The modules here, by role:
 
-- the user's options: ``config`` (``ZeroConfig``, ``DebugOptions``, ``MixedPrecision``),
-  ``policies`` (the options grouped), ``checks`` (the checks that read several options),
-  ``renamed_options`` (0.1's names);
+- the user's options: the ``config`` package (``ZeroConfig``, the policies that group the
+  options, the checks that read several, 0.1's names);
 - the step: ``api`` (``zero_compile``), ``compiled_step`` (``CompiledStep``), what it holds
   (``step_state``) and shows (``step_inspection``), ``evaluation`` (forward-only steps),
   ``verification`` (``verify``);
@@ -43,7 +42,10 @@ from .config import DebugOptions, MixedPrecision, ZeroConfig
 from .errors import (CaptureError, CheckpointError, CollectiveFailedError, DistributedSetupError,
                      GraphBreakWarning, InvariantError, MaterializeError, RanksDisagreeError,
                      UnsupportedTorchError)
-from .policies import OffloadPolicy, QuantizationPolicy, RecomputePolicy, SchedulePolicy
+import sys as _sys
+
+from .config import checks as _checks, policies as _policies, renamed_options as _renamed_options
+from .config.policies import OffloadPolicy, QuantizationPolicy, RecomputePolicy, SchedulePolicy
 from .inspection.explain import Explanation
 from .logs import quiet_torch_probes, set_logs, set_logs_from_environment
 from .materialize import load_pretrained
@@ -100,6 +102,12 @@ __all__ = [
     "zero_compile",
     "ZeroConfig",
 ]
+
+# the option modules' old paths (before zero_fx/config/ was a package): the same modules
+for _old_name, _module in (("policies", _policies), ("checks", _checks),
+                           ("renamed_options", _renamed_options)):
+    _sys.modules[f"{__name__}.{_old_name}"] = _module
+    globals()[_old_name] = _module
 
 set_logs_from_environment()
 quiet_torch_probes()  # torch's "No CUDA runtime is found", on a machine without CUDA

@@ -16,7 +16,7 @@ from .config import (DEPRECATED_OPTIONS, DebugOptions, ZeroConfig, old_names_in_
                      translate_deprecated)
 from .inspection.explain import Explanation, GraphBreakExplanation
 from .config import DEFAULT_RESIDENT_MAX_NUMEL, BackendName, Compiler
-from .policies import (FLAT_NAMES, MixedPrecision, OffloadPolicy, QuantizationPolicy,
+from .config.policies import (FLAT_NAMES, MixedPrecision, OffloadPolicy, QuantizationPolicy,
                        RecomputePolicy, SchedulePolicy, flattened)
 
 

@@ -1,5 +1,5 @@
 """Mixed precision: the loss scaler of fp16 training and the casts at the model's edge (the
-policy, ``MixedPrecision``, is one of the user's options in config.py).
+policy, ``MixedPrecision``, is one of the user's options in config/policies.py).
 
 [Note: mixed precision]
 With ``MixedPrecision(param_dtype=torch.bfloat16)`` the optimizer keeps fp32:

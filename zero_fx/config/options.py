@@ -1,6 +1,6 @@
 """Configuration of a compiled step: ``ZeroConfig``, its options flat as users write them and
-grouped as policies (policies.py); the checks that read the stage are in checks.py, the
-names of 0.1 in renamed_options.py."""
+grouped as policies (policies.py, beside it); the checks that read the stage are in
+checks.py, the names of 0.1 in renamed_options.py."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from .analysis.cost_model import node_seconds
-from .analysis.hardware import hardware as preset_hardware
+from ..analysis.cost_model import node_seconds
+from ..analysis.hardware import hardware as preset_hardware
 from .checks import (GRADIENT_FORMATS, MESH_DIM_NAMES, OFFLOAD_MODES, WEIGHT_FORMATS,  # noqa: F401
                      check_expert_parallel, check_mesh, check_offload, check_offload_update,
                      check_quantization, check_secondary_partition, weight_formats)
-from .passes.pipeline import pass_names
-from .passes.recompute_activations import ActivationBudget
-from .plan.build import PlanOptions
-from .plan.layout import BLOCKS, StageConsequences
+from ..passes.pipeline import pass_names
+from ..passes.recompute_activations import ActivationBudget
+from ..plan.build import PlanOptions
+from ..plan.layout import BLOCKS, StageConsequences
 from .policies import (DUMP_ENV, FLOAT_DTYPES, DebugOptions, MixedPrecision,  # noqa: F401
                        OffloadPolicy, QuantizationPolicy, RecomputePolicy, SchedulePolicy,
                        flattened, policy_from)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .passes.common.quantized_code import check_block
+from ..passes.common.quantized_code import check_block
 
 
 def check_expert_parallel(degree, stage: int, mesh, capacity_factor=None) -> None:
