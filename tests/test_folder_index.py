@@ -43,3 +43,21 @@ def test_the_index_check_finds_a_module_left_out(tmp_path):
     (tmp_path / "data").mkdir()  # not a package: no index needed
     assert unnamed(tmp_path) == ["forgotten"]
     assert len(packages()) >= 12
+
+
+def test_passes_readme_names_where_each_pass_is_tested():
+    """passes/README.md's table gives each pass of the pipeline the test files that test it
+    (issue 88, tests/), and each file it names exists."""
+    import re
+
+    from zero_fx.passes import PASS_ORDER
+
+    rows = {m.group(1): m.group(2) for m in re.finditer(
+        r"^\| `(\w+)` \|.*\| ([^|]*) \|$", (ROOT / "passes" / "README.md").read_text(), re.M)}
+    problems = []
+    for name, _ in PASS_ORDER:
+        files = re.findall(r"`(tests/test_\w+\.py)`", rows.get(name, ""))
+        if not files:
+            problems.append(f"{name}: no test file named")
+        problems += [f"{name}: {f} does not exist" for f in files if not (ROOT / f).is_file()]
+    assert not problems, "\n".join(problems)
