@@ -268,3 +268,57 @@ def test_the_private_import_check_sees_one():
                            modules) == ["zero_fx.inspection.report_sections._hidden"]
     own = "from zero_fx.inspection.explain import _own\n"
     assert private_imports("zero_fx.inspection.explain", ast.parse(own), False, modules) == []
+
+
+FOREIGN_PRIVATE_MEMBERS = {
+    "_init_weights": "HuggingFace's PreTrainedModel._init_weights (materialize/hf.py calls "
+                     "the model's own), which zero_fx.models' GPT happens to name alike",
+}
+"""Private members read across modules that belong to another library's objects, by name."""
+
+
+def private_members_defined(trees: dict) -> dict[str, set[str]]:
+    """``{_member: the modules whose classes define it}`` (``self._x = ...``, ``def _x``)."""
+    defined = collections.defaultdict(set)
+    for module, tree in trees.items():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                name = (node.name if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        else node.attr if isinstance(node, ast.Attribute)
+                        and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)
+                        and node.value.id == "self" else None)
+                if name and name.startswith("_") and not name.startswith("__"):
+                    defined[name].add(module)
+    return defined
+
+
+def private_member_reads(trees: dict) -> list[str]:
+    """Each ``obj._x`` in a module whose ``_x`` is a private member of a zero_fx class defined
+    in another module (``self._x`` and ``cls._x`` are the object's own)."""
+    defined = private_members_defined(trees)
+    found = []
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr in defined
+                    and module not in defined[node.attr]
+                    and node.attr not in FOREIGN_PRIVATE_MEMBERS
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                found.append(f"{module}:{node.lineno}: .{node.attr} (a member of "
+                             f"{', '.join(sorted(defined[node.attr]))})")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_objects():
+    """Private means private to its module for members too (issue 88): an object made in
+    one module is used by others through public members."""
+    trees = {module: ast.parse(path.read_text(), str(path))
+             for module, (path, _) in module_files().items()}
+    wrong = private_member_reads(trees)
+    assert not wrong, ("private members of another module's objects (give the class a public "
+                       "member for what is needed):\n" + "\n".join(wrong))
+
+
+def test_the_private_member_check_sees_one():
+    trees = {"zero_fx.a": ast.parse("class A:\n    def __init__(self):\n        self._x = 1\n"),
+             "zero_fx.b": ast.parse("def f(a):\n    return a._x + a._y\n")}
+    assert private_member_reads(trees) == ["zero_fx.b:2: ._x (a member of zero_fx.a)"]

@@ -37,7 +37,6 @@ see the model the user built.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 from typing import Callable, Optional
@@ -212,8 +211,7 @@ def _reproduces(name: str, block: nn.Module, original: Callable, routed: RoutedF
     cotangent ([Note: a rewrite proves itself]). A form whose outputs agree but whose
     gradients do not raises ``CaptureError``: zero_fx would train the block wrong."""
     probe = probe_copy(block)
-    routed_probe = copy.copy(routed)
-    routed_probe._block = probe
+    routed_probe = routed.on(probe)
     hidden_size = _hidden_size(expert)
     device = next(probe.parameters()).device
     tokens = 4 * len(getattr(probe, routed.experts))

@@ -53,6 +53,12 @@ class RoutedForward:
         new._block = copy.deepcopy(self._block, memo)
         return new
 
+    def on(self, block: nn.Module) -> "RoutedForward":
+        """The same forward, installed on ``block`` (a probe copy of its block)."""
+        new = copy.copy(self)
+        new._block = block
+        return new
+
 
 def candidate_forms(block: nn.Module, router: nn.Module, shape: MoeShape) -> list[_Form]:
     shared = shape.shared_expert
