@@ -10,7 +10,7 @@ expert-parallel tests build that shape here from the tiny Mixtral's own weights:
 model, eager, before and after. The experts' forward is dense (every expert on every token,
 weighted by a (tokens, experts) matrix of routing weights): fixed shapes, as the decorated
 module's are, and another computation than zero_fx's, which its check before installing
-compares against ([Note: fused experts that loop] in zero_fx/capture/fused_experts.py).
+compares against ([Note: fused experts that loop] in zero_fx/capture/experts/fused_experts.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import models
 from zero_fx import ZeroConfig
-from zero_fx.capture.moe_blocks import RoutedExperts
+from zero_fx.capture.experts.moe_blocks import RoutedExperts
 from zero_fx.passes.common.predicates import zero_fx_op_name
 from zero_fx.plan.expert_parallel import ExpertParallel, expert_slices
 from zero_fx.plan import PlanOptions, PlanRanks, make_plan
@@ -128,7 +128,7 @@ def test_experts_held_as_3d_parameters_split_by_rows(fake_world_of_four):
     exchanges of T*k rows each way), and whole values have the whole shape."""
     from stacked_experts import tiny_mixtral_stacked
     from zero_fx import zero_compile
-    from zero_fx.capture.routed_experts import route_experts_with_fixed_shapes
+    from zero_fx.capture.experts.routed_experts import route_experts_with_fixed_shapes
 
     torch.manual_seed(0)
     model = tiny_mixtral_stacked(models.VOCAB, models.SEQ, layers=1)
@@ -156,7 +156,7 @@ def test_experts_held_as_3d_parameters_split_by_rows(fake_world_of_four):
 def test_experts_held_as_3d_parameters_are_not_read_from_pretrained_weights_yet():
     """load_pretrained would read the whole parameter: refused, saying what to do."""
     from stacked_experts import tiny_mixtral_stacked
-    from zero_fx.capture.routed_experts import route_experts_with_fixed_shapes
+    from zero_fx.capture.experts.routed_experts import route_experts_with_fixed_shapes
 
     with torch.device("meta"):
         model = tiny_mixtral_stacked(models.VOCAB, models.SEQ, layers=1)
@@ -219,7 +219,7 @@ def test_experts_in_a_layout_it_does_not_split_are_named():
     (Inkling2's): not rewritten for expert parallelism, and the error says which module and
     why."""
     from stacked_experts import tiny_mixtral_stacked
-    from zero_fx.capture.routed_experts import route_experts_with_fixed_shapes
+    from zero_fx.capture.experts.routed_experts import route_experts_with_fixed_shapes
 
     model = tiny_mixtral_stacked(models.VOCAB, models.SEQ, layers=1)
     next(m for n, m in model.named_modules() if n.endswith(".experts")).has_bias = True
@@ -240,7 +240,7 @@ def test_experts_in_a_layout_it_does_not_split_are_named():
 
 
 def test_the_shared_expert_runs_while_the_rows_travel(fake_world_of_four):
-    """[Note: the dispatch issued, then waited for] in zero_fx/capture/expert_exchange.py:
+    """[Note: the dispatch issued, then waited for] in zero_fx/capture/experts/expert_exchange.py:
     DeepSeek-V3's shared expert (three matmuls) sits between the dispatch's issue and its
     wait in the captured graph; the traffic report has the dispatch waited for there."""
     from examples.hf_models import tiny_deepseek_v3
@@ -278,7 +278,7 @@ CAPACITY_FACTORS = (None, 1.0)
 
 def exchange_rank(rank: int, world_size: int, capacity_factors: tuple) -> dict:
     """The exchange's outputs and row gradients on this rank, for each capacity factor."""
-    from zero_fx.capture.expert_exchange import dispatch_and_combine
+    from zero_fx.capture.experts.expert_exchange import dispatch_and_combine
 
     results = {}
     for capacity_factor in capacity_factors:

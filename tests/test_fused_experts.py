@@ -1,5 +1,5 @@
 """Experts held as 3-D parameters and looped over in Python ([Note: fused experts that loop]
-in zero_fx/capture/fused_experts.py): LongCat-Flash's shape under transformers 5, written
+in zero_fx/capture/experts/fused_experts.py): LongCat-Flash's shape under transformers 5, written
 out here so the test needs no transformers."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from test_api import standard_step
 from training import assert_computes_the_same, regression_batches, update_errors_against_eager
 
-from zero_fx.capture.fused_experts import (FixedShapeFusedExperts,
+from zero_fx.capture.experts.fused_experts import (FixedShapeFusedExperts,
                                            route_fused_experts_with_fixed_shapes)
 
 HIDDEN, FFN, ROUTED, IDENTITY, TOP_K = 12, 8, 4, 2, 2

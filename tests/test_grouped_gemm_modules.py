@@ -1,5 +1,5 @@
 """A grouped-GEMM module called with row counts and looping over them ([Note: grouped GEMM
-modules that loop] in zero_fx/capture/grouped_gemm_modules.py): Aria's block under
+modules that loop] in zero_fx/capture/experts/grouped_gemm_modules.py): Aria's block under
 transformers 4, written out here so the test needs no transformers."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from test_api import standard_step
 from training import assert_computes_the_same, regression_batches, update_errors_against_eager
 
-from zero_fx.capture.fused_experts import FixedShapeFusedExperts
-from zero_fx.capture.grouped_gemm_modules import route_grouped_gemms_with_fixed_shapes
+from zero_fx.capture.experts.fused_experts import FixedShapeFusedExperts
+from zero_fx.capture.experts.grouped_gemm_modules import route_grouped_gemms_with_fixed_shapes
 
 HIDDEN, FFN, EXPERTS, TOP_K = 12, 8, 4, 2
 

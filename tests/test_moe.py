@@ -1,5 +1,5 @@
 """Mixture-of-experts models ([Note: routed experts with fixed shapes] in
-zero_fx/capture/routed_experts.py): HF Mixtral and Qwen3-MoE train under @zero_compile
+zero_fx/capture/experts/routed_experts.py): HF Mixtral and Qwen3-MoE train under @zero_compile
 like single-process HF eager (stages 0-3 and bf16 at world size 2, ``FP32_WORLD``;
 expert-parallel cases at 4), the other HF blocks zero_fx recognises train like eager at
 world size 1, a looping block of another shape is named in the capture error, and the
@@ -45,8 +45,8 @@ from zero_fx.checkpoint.offline import load_full  # noqa: E402
 
 import zero_fx  # noqa: E402
 from zero_fx import MixedPrecision, zero_compile  # noqa: E402
-from zero_fx.capture import routed_experts, routed_forms  # noqa: E402
-from zero_fx.capture.grouped_mm import grouped_linear  # noqa: E402
+from zero_fx.capture.experts import routed_experts, routed_forms  # noqa: E402
+from zero_fx.capture.experts.grouped_mm import grouped_linear  # noqa: E402
 
 STEPS = 3
 STAGES = (0, 1, 2, 3)
@@ -112,12 +112,12 @@ EP_CHECKPOINT_CASES = [("mixtral", 3, "ep2-checkpoint"),
                        ("mixtral_stacked", 3, "ep2-checkpoint")]  # at world size 4
 """Expert parallelism 2 ([Note: expert parallelism] in zero_fx/plan/expert_parallel.py);
 Qwen3-MoE's with ``expert_capacity_factor`` E / k = 4, the least that never drops a row
-([Note: expert capacity] in zero_fx/capture/expert_exchange.py): the capacity's code path,
+([Note: expert capacity] in zero_fx/capture/experts/expert_exchange.py): the capacity's code path,
 which must then give the same numbers. Stages 1 and 2 ([Note: expert parallelism at stages 1
 and 2] in zero_fx/runtime/sharded_state.py), and a 2 x 2 hybrid mesh ("ep2-hybrid": experts
 split inside each replica's shard group, their gradients summed across the replicas).
 Qwen2-MoE's gated shared expert runs while its block's rows travel to their experts ([Note:
-the dispatch issued, then waited for] in zero_fx/capture/expert_exchange.py). The tests'
+the dispatch issued, then waited for] in zero_fx/capture/experts/expert_exchange.py). The tests'
 Mixtral with its experts as transformers 5 holds them, 3-D parameters each rank keeps its
 rows of (tests/stacked_experts.py; [Note: experts held as 3-D parameters, split by rows] in
 zero_fx/plan/expert_parallel.py), at stages 3 and 2, and its checkpoints."""

@@ -258,7 +258,7 @@ def test_a_dense_preset_is_unchanged():
 def test_the_torch_moe_module_is_routed_like_zero_compile_routes_it():
     """The package's MoE block (and MLA attention) runs, and capture's fixed-shape forward
     reproduces it: the routing the planner traces is the one the model computes."""
-    from zero_fx.capture.routed_experts import route_experts_with_fixed_shapes
+    from zero_fx.capture.experts.routed_experts import route_experts_with_fixed_shapes
     from zero_fx import models as torch_models
 
     cfg = torch_models.LlamaConfig(

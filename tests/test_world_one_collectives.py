@@ -236,7 +236,7 @@ def test_quantized_gathers_and_reductions_at_one_rank_are_a_round_trip():
 def test_routed_experts_exchange_their_rows_over_a_group_of_one():
     """A Mixtral block's dispatch and combine (and their backward) run as all-to-alls of an
     expert-parallel group of one ([Note: exchanging rows in fixed shapes] in
-    zero_fx/capture/expert_exchange.py), bit for bit as the block without them."""
+    zero_fx/capture/experts/expert_exchange.py), bit for bit as the block without them."""
     pytest.importorskip("transformers")
     plain, kept = runs("mixtral", 3, NONE_RESIDENT)
     assert_same_parameters(kept, plain)

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map_only
 from .capture import host_effects
 from .capture.graph_breaks import GraphBreakWarning, break_error, graph_break_of
 from .capture.hints import capture_failed, capture_hint
-from .capture.routed_experts import (ExpertsRewrite, route_experts_with_fixed_shapes,
+from .capture.experts.routed_experts import (ExpertsRewrite, route_experts_with_fixed_shapes,
                                      unrecognised_experts_error)
 from .capture.dynamic_shapes import ChangingSizes
 from .capture.step_calls import trace_ended, trace_started
@@ -87,7 +87,7 @@ parameter's ``.grad`` the backward sets): 2.3 of 12.7 s of its trace of a 48-blo
 # - Buffers written in place by the forward (BatchNorm's running statistics, spectral
 #   norm's _u and _v, an EMA): inputs of the graph, written back by it after each call,
 #   per rank as in DDP. Nothing of zero_fx runs the forward, or a parametrization, outside
-#   the step ([Note: recognition runs no parametrization] in capture/moe_blocks.py).
+#   the step ([Note: recognition runs no parametrization] in capture/experts/moe_blocks.py).
 # - Parametrizations: run inside the traced forward, on the gathered parameter.
 # - Parameters with no elements: in the plan and the buckets, moving nothing ([Note:
 #   parameters with no elements] in passes/common/collective_code.py).

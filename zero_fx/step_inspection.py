@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .analysis.collective_counter import CollectiveCounter
 from .analysis.cost_model import Estimate, estimate
 from .analysis.traffic import TrafficReport, traffic_report
-from .capture.moe_blocks import RoutedExperts
+from .capture.experts.moe_blocks import RoutedExperts
 from .config import describe_backend
 from .formatting import ranks_phrase
 from .inspection.explain import Explanation, GraphBreakExplanation, explain_graph
@@ -25,7 +25,7 @@ class StepInspection:
     @property
     def moe_blocks(self) -> list[RoutedExperts]:
         """The mixture-of-experts blocks given a fixed-shape forward on the first call
-        ([Note: routed experts with fixed shapes] in zero_fx/capture/routed_experts.py)."""
+        ([Note: routed experts with fixed shapes] in zero_fx/capture/experts/routed_experts.py)."""
         return self._experts.blocks
 
     @property

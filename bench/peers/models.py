@@ -104,7 +104,7 @@ MODELS = {
                            about="HuggingFace LlamaForCausalLM from a config, 6 layers of width 320"),
     # HF's own sparse block (a loop over the experts that received tokens) for the other
     # peers (each expert also called on no rows: trainers._every_expert_takes_part);
-    # zero_fx rewrites it to fixed shapes inside zero_compile (capture/routed_experts.py)
+    # zero_fx rewrites it to fixed shapes inside zero_compile (capture/experts/routed_experts.py)
     "hf-mixtral": BenchModel(_hf("mixtral", vocab_size=8192, seq=256, layers=4, width=256,
                                  heads=4, kv_heads=2, ffn=512, experts=8, top_k=2,
                                  aux_loss_coef=0.02),

@@ -109,7 +109,7 @@ def is_collective(node: Node) -> bool:
 
 def is_token_exchange(node: Node) -> bool:
     """An all-to-all of expert parallelism ([Note: exchanging rows in fixed shapes] in
-    zero_fx/capture/expert_exchange.py): it issues its collective and waits for it itself,
+    zero_fx/capture/experts/expert_exchange.py): it issues its collective and waits for it itself,
     or (the dispatch) is waited for by its own ``exchange_rows_wait``, where the capture
     put it; the passes that move collectives leave both where they are."""
     return node.op == "call_function" and is_token_exchange_op(node.target)

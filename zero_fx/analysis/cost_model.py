@@ -101,7 +101,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from ..capture import grouped_mm as _grouped_mm  # noqa: F401 - registers torch.ops.zero_fx
+from ..capture.experts import grouped_mm as _grouped_mm  # noqa: F401 - registers torch.ops.zero_fx
 from ..formatting import format_bytes
 from ..passes.common.predicates import is_collective, is_token_exchange, is_wait
 from .hardware import Hardware, hardware

@@ -10,11 +10,7 @@
   ``dynamic_shapes`` (which sizes dynamo traces as symbols);
 - tensor parallelism: ``tensor_parallel`` (a graph over DTensors' local pieces),
   ``dtensors`` (whether a value is a DTensor, and its piece);
-- mixtures of experts, rewritten to fixed shapes before capture: ``routed_experts`` (the
-  rewrite), ``moe_blocks`` (which modules are MoE blocks), ``routed_forms`` (the fixed-shape
-  forwards), ``rewrite_check`` (each rewrite against the module's own forward),
-  ``fused_experts`` (experts as stacked 3-D parameters), ``grouped_experts``,
-  ``grouped_mm``, ``grouped_gemm_modules`` (the grouped computation), ``expert_exchange``
-  (expert parallelism's all-to-alls);
+- ``experts/``: mixtures of experts, rewritten to fixed shapes before capture (its own
+  ``__init__`` indexes them);
 - when a step does not capture: ``errors`` (``CaptureError``), ``graph_breaks`` (a break,
   and where), ``hints`` (what to do about the failures users meet most)."""

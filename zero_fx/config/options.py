@@ -169,7 +169,7 @@ class ZeroConfig(StageConsequences):
     """With ``expert_parallel``: each expert takes at most this many times its share of an
     even spread of the rows, the rest dropped (zero output, as GShard's capacity factor), so
     that a rank's buffer of received rows is about this many times the rows it sends
-    ([Note: expert capacity] in zero_fx/capture/expert_exchange.py). None: every row, in a
+    ([Note: expert capacity] in zero_fx/capture/experts/expert_exchange.py). None: every row, in a
     buffer sized for the worst case."""
     offload: Optional[str] = None
     """Stages 1-3: ``"optimizer"`` keeps the fp32 masters and the optimizer's state in host

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..capture.moe_blocks import RoutedExperts
+from ..capture.experts.moe_blocks import RoutedExperts
 from ..formatting import format_bytes, short_dtype
 from ..plan.layout import BLOCKS
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from ..capture.moe_blocks import routed_expert_modules
+from ..capture.experts.moe_blocks import routed_expert_modules
 from .expert_parallel import ExpertParallel
 from .layout import BLOCKS, ParamLayout, ShardPlan
 from .secondary import SecondaryPartition

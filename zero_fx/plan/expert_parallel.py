@@ -14,7 +14,7 @@ place (``i``, ``i + P``, ...) hold the same experts: their expert-data-parallel 
   block's experts' elements, the same as without expert parallelism; what changes is
   that it gathers ``E / P`` experts instead of ``E`` (memory and bytes), and that its
   tokens travel ([Note: exchanging rows in fixed shapes] in
-  zero_fx/capture/expert_exchange.py).
+  zero_fx/capture/experts/expert_exchange.py).
 - Everything else (attention, norms, routers, shared experts, embeddings) is sharded
   over all ``W`` ranks, as without expert parallelism.
 - Every gradient is the mean over all ``W`` ranks' batches. An expert's gradient on a
@@ -73,7 +73,7 @@ class ExpertParallel:
     """The expert-data-parallel group: expert weights are sharded and reduced over it."""
     capacity_factor: Optional[float] = None
     """Rows each expert takes, as a multiple of an even spread's ([Note: expert capacity] in
-    zero_fx/capture/expert_exchange.py); None: every row."""
+    zero_fx/capture/experts/expert_exchange.py); None: every row."""
     slices: Mapping[str, int] = field(default_factory=dict)
     """Each routed expert's parameter name -> the slice (expert-parallel place) that holds it."""
     rows: frozenset = frozenset()

@@ -47,9 +47,9 @@ from torch.fx import GraphModule
 from ..analysis.transfer_seconds import all_to_all_seconds, ring_seconds
 from ..analysis.hardware import hardware
 from ..analysis.memory_timeline import memory_timeline, peak_alive
-from ..capture.expert_exchange import received_rows
-from ..capture.fused_experts import holds_stacked_experts, splittable_fused_experts
-from ..capture.moe_blocks import TOP_K_NAMES, shared_expert_name, moe_shape
+from ..capture.experts.expert_exchange import received_rows
+from ..capture.experts.fused_experts import holds_stacked_experts, splittable_fused_experts
+from ..capture.experts.moe_blocks import TOP_K_NAMES, shared_expert_name, moe_shape
 from ..passes.common.predicates import carried_params
 from ..plan.layout import ShardPlan
 from .report import ExpertBlocks, ExpertParallelRow, PlanReport, peak_of
@@ -60,7 +60,7 @@ class ExpertParallelOptions:
     """What ``--expert-parallel`` compares ([Note: planning expert parallelism]): the
     ``degrees`` of expert parallelism (none: not planned), their buffers of received rows
     sized by ``capacity_factor`` (None: the worst case; [Note: expert capacity] in
-    zero_fx/capture/expert_exchange.py)."""
+    zero_fx/capture/experts/expert_exchange.py)."""
 
     degrees: Sequence[int] = ()
     capacity_factor: Optional[float] = None
@@ -68,7 +68,7 @@ class ExpertParallelOptions:
 
 def expert_blocks(model: torch.nn.Module) -> Optional[ExpertBlocks]:
     """The mixture-of-experts blocks of ``model`` as zero_fx's capture recognises them
-    (zero_fx/capture/routed_experts.py), or None for a dense model."""
+    (zero_fx/capture/experts/routed_experts.py), or None for a dense model."""
     blocks, shapes, experts_total, inactive, routed = 0, [], 0, 0.0, []
     for path, block in model.named_modules():
         moe = moe_shape(block)

@@ -14,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 
-from ..capture.routed_experts import route_experts_with_fixed_shapes
+from ..capture.experts.routed_experts import route_experts_with_fixed_shapes
 from ..config import ZeroConfig
 from ..passes import build_pipeline, run_pipeline
 from ..passes.common.predicates import mark_step_graph

@@ -39,7 +39,7 @@ def plan_model(source: ModelSource, workload: Workload, *,
     NVLink up to 8 ranks, nodes of 8 over InfiniBand above; [Note: planning expert
     parallelism] in zero_fx/planner/expert_parallel.py), their buffers of received rows
     sized by its ``capacity_factor`` (None: the worst case; [Note: expert capacity] in
-    zero_fx/capture/expert_exchange.py).
+    zero_fx/capture/experts/expert_exchange.py).
     ``tensor_parallel``: its ``degree`` T > 1: each rank holds its Megatron piece of the
     model, ZeRO-sharded over ``world_size / T`` ranks, and the report sets it beside data
     parallelism alone (its ``sequence_parallel``: the norms' activations split too; [Note:

@@ -290,7 +290,7 @@ class PlanReport:
     """Batch times sequence length of the traced working set (0 without ``seq``)."""
     expert_capacity_factor: Optional[float] = None
     """With ``expert_parallel``: the experts' capacity factor the buffers are sized for
-    ([Note: expert capacity] in zero_fx/capture/expert_exchange.py); None: the worst case."""
+    ([Note: expert capacity] in zero_fx/capture/experts/expert_exchange.py); None: the worst case."""
     tensor_parallel: int = 1
     """Ranks each block's matrices are split over ([Note: planning tensor parallelism]); the
     stage tables, buckets and working set are then a rank's piece over ``world_size /

@@ -9,9 +9,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..capture.fused_experts import holds_stacked_experts
-from ..capture.moe_blocks import RoutedExperts
-from ..capture.routed_experts import hold_local_experts
+from ..capture.experts.fused_experts import holds_stacked_experts
+from ..capture.experts.moe_blocks import RoutedExperts
+from ..capture.experts.routed_experts import hold_local_experts
 from ..materialize.materialize import storageless
 from ..plan import ShardPlan
 from ..plan.expert_parallel import ExpertParallel, expert_slices

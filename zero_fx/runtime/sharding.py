@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..analysis.hardware import hardware_for
-from ..capture.moe_blocks import RoutedExperts
+from ..capture.experts.moe_blocks import RoutedExperts
 from ..config import ZeroConfig
 from ..formatting import ranks_phrase
 from ..materialize import PretrainedWeights, materialize

@@ -50,7 +50,7 @@ from .grouped_gemm_modules import route_grouped_gemms_with_fixed_shapes
 from .moe_blocks import LocalExperts, MoeShape, RoutedExperts, moe_shape
 from .rewrite_check import output_and_grads, probe_copy, same_output, worst_different_gradient
 from .routed_forms import candidate_forms, RoutedForward
-from .step_graph import CaptureError
+from ..step_graph import CaptureError
 
 log = logging.getLogger("zero_fx")
 
@@ -234,7 +234,7 @@ def _reproduces(name: str, block: nn.Module, original: Callable, routed: RoutedF
             f"({type(block).__name__}; {routed.form.routing}) computes the block's output but "
             f"not its gradients: on a random input the gradient of {differs}. zero_fx would "
             f"train this block wrong, so it stops here: please report it with the model's "
-            f"config. [Note: a rewrite proves itself] in zero_fx/capture/routed_experts.py")
+            f"config. [Note: a rewrite proves itself] in zero_fx/capture/experts/routed_experts.py")
     return True
 
 
