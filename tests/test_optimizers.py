@@ -363,8 +363,8 @@ def _exchanges_rank(rank: int, world_size: int, stage: int, kind: str = "muon_ad
     return {"counted": dict(counted.numel), "reported": traffic.numel_by_kind(),
             "owners": dict(step.state.plan.owners), "wire": traffic.wire_bytes(),
             "phases": [(c.kind, c.phase) for c in traffic.collectives if "owners" in c.phase],
-            "explained": next(line.strip() for line in str(step.explain()).splitlines()
-                              if "reach their owners" in line)}
+            "explained": next((line.strip() for line in str(step.explain()).splitlines()
+                               if "reach their owners" in line), "")}  # none for AdamW alone
 
 
 TRAFFIC_AIM = 1.1
