@@ -268,7 +268,7 @@ def optimizer_rules_sample() -> str:
     from zero_fx.inspection.explain import rules_section
     from zero_fx.plan import PlanOptions, PlanRanks, plan_for_module
     from zero_fx.runtime.optimizer import parameter_updates
-    from zero_fx.runtime.optimizer_set import OptimizerSet
+    from zero_fx.runtime.update.optimizer_set import OptimizerSet
     from zero_fx.runtime.sharding import with_owners
 
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from zero_fx import init_distributed
-from zero_fx.runtime.init_distributed import DEVICES, GROUP_TIMEOUT
+from zero_fx.runtime.distributed.init_distributed import DEVICES, GROUP_TIMEOUT
 
 __all__ = ["GROUP_TIMEOUT", "Launch", "add_device_argument", "launch"]
 
@@ -49,7 +49,7 @@ class Launch:
 
 def launch(timeout: timedelta = GROUP_TIMEOUT, device: str = "auto") -> Launch:
     """Join torchrun's group (each restart attempt in store keys of its own: [Note: a store
-    prefix per restart] in zero_fx/runtime/init_distributed.py), or run as one process."""
+    prefix per restart] in zero_fx/runtime/distributed/init_distributed.py), or run as one process."""
     run = init_distributed(device=device, timeout=timeout)
     return Launch(rank=run.rank, world=run.world_size, device=run.device,
                   log=print if run.is_main else (lambda *a, **k: None))

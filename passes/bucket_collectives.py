@@ -33,7 +33,7 @@ def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
     Resident parameters are bucketed with each other only, and so are those
     kept through the loss.
     Does nothing when ``bucket_bytes`` is 0 or the world is one rank (unless it keeps its
-    collectives: [Note: collectives kept at a world of one] in zero_fx/runtime/process_group.py).
+    collectives: [Note: collectives kept at a world of one] in zero_fx/runtime/distributed/process_group.py).
 
     [Note: resident parameters share buckets only with each other]
     A resident parameter (``plan.resident``: a norm weight, a bias) is gathered

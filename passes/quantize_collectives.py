@@ -33,7 +33,7 @@ def quantize_collectives(gm: GraphModule, plan) -> GraphModule:
     parallelism's exchanges are left as they are. The masters and the shards the graph
     reads are untouched: only the copy on the wire is quantized.
     Does nothing when neither option is set or the world is one rank (unless it keeps its
-    collectives: [Note: collectives kept at a world of one] in zero_fx/runtime/process_group.py).
+    collectives: [Note: collectives kept at a world of one] in zero_fx/runtime/distributed/process_group.py).
     """
     forward_fmt, backward_fmt = plan.quantize_weights
     gradient_fmt = plan.quantize_gradients

@@ -33,9 +33,9 @@ def reduce_grads(gm: GraphModule, plan) -> GraphModule:
     gradient is cast to it before the collective. Does nothing when the graph
     has no gradient outputs, or when the plan reduces outside the graph
     (stages 0-1 with gradient accumulation: [Note: gradient accumulation] in
-    zero_fx/runtime/update.py). At stage 1 a whole-tensor update's gradient stays
+    zero_fx/runtime/update/update.py). At stage 1 a whole-tensor update's gradient stays
     whole too: the runtime reduces it to its owner ([Note: reductions laid out by owner] in
-    zero_fx/runtime/whole_tensor_updates.py).
+    zero_fx/runtime/update/whole_tensor_updates.py).
     """
     slots = grad_slots(gm)
     if not slots or not plan.reduces_in_graph:

@@ -15,7 +15,7 @@ def scale_loss(gm: GraphModule, plan) -> GraphModule:
     In fp16 small gradients underflow to zero; scaling the seed scales every
     gradient of the backward by the same factor, which the runtime divides
     out of the reduced gradient shards before the optimizer steps (and skips
-    the step when any is inf or NaN; see zero_fx/runtime/precision.py).
+    the step when any is inf or NaN; see zero_fx/runtime/update/precision.py).
 
     Requires: phases annotated. Ensures: with ``plan.loss_scaled``, the graph
     has one more placeholder, ``loss_scale`` (a float32 scalar, after all

@@ -58,7 +58,7 @@ def schedule_collectives(gm: GraphModule, plan) -> GraphModule:
     reads nor waited after its first user.
     Does nothing when ``prefetch`` and the reductions' overlap are 0 or the world is one rank
     (unless it keeps its collectives: [Note: collectives kept at a world of one] in
-    zero_fx/runtime/process_group.py).
+    zero_fx/runtime/distributed/process_group.py).
     """
     overlap = reduce_overlap(plan)
     if (plan.prefetch == 0 and overlap == 0) or not plan.issues_collectives:

@@ -1,6 +1,6 @@
 """update_in_graph: each bucket's optimizer update right after its reduction has landed.
 
-[Note: the update in the graph] (zero_fx/runtime/graph_update.py) says what the call does
+[Note: the update in the graph] (zero_fx/runtime/update/graph_update.py) says what the call does
 and when the update stays after the graph instead.
 """
 

@@ -336,9 +336,9 @@ def _forget_groups() -> None:
     """Empties the per-process caches that hold a group (destroyed after each run)."""
     import sys
 
-    import zero_fx.runtime.cpu_group
+    import zero_fx.runtime.distributed.cpu_group
 
-    zero_fx.runtime.cpu_group._made = None
+    zero_fx.runtime.distributed.cpu_group._made = None
     tensor_parallel_models = sys.modules.get("tensor_parallel_models")
     if tensor_parallel_models is not None:
         tensor_parallel_models.device_mesh.cache_clear()

@@ -1,7 +1,7 @@
 """Checkpoints on the devices a GPU run has, checked on the CPU: the RNG saved is the training
 device's ([Note: the training device's generator] in zero_fx/checkpoint/contents.py), and
 object collectives, barriers and DCP's coordination go over a group that serves the CPU
-([Note: object traffic goes over the CPU] in zero_fx/runtime/cpu_group.py)."""
+([Note: object traffic goes over the CPU] in zero_fx/runtime/distributed/cpu_group.py)."""
 
 import pytest
 import torch
@@ -12,8 +12,8 @@ import models
 from ranks import run_ranks
 from zero_fx import zero_compile
 from zero_fx.checkpoint import contents
-from zero_fx.runtime import cpu_group as cpu_group_module
-from zero_fx.runtime.cpu_group import cpu_group
+from zero_fx.runtime.distributed import cpu_group as cpu_group_module
+from zero_fx.runtime.distributed.cpu_group import cpu_group
 
 
 class FakeCudaGenerators:

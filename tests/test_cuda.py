@@ -358,7 +358,7 @@ def completion_check_on_nccl() -> dict:
     settle them: issued and polled without a host sync, at most ``MAX_UNCONFIRMED`` left
     running, and all confirmed when asked (before a checkpoint). (zero_fx itself skips the
     check at world size 1, where no peer can fail, unless the step keeps its collectives.)"""
-    from zero_fx.runtime.failures import MAX_UNCONFIRMED, CompletionCheck
+    from zero_fx.runtime.distributed.failures import MAX_UNCONFIRMED, CompletionCheck
 
     check = CompletionCheck([dist.group.WORLD], DEVICE, timedelta(seconds=60))
     grads = torch.ones(1 << 22, device=DEVICE)

@@ -1,5 +1,5 @@
 """The device and the backend, read from the process group's own configuration ([Note: the
-backend by device] in zero_fx/runtime/process_group.py), never from its name; the current
+backend by device] in zero_fx/runtime/distributed/process_group.py), never from its name; the current
 CUDA device checked; torchrun without a process group refused.
 
 CUDA is absent here: where a test needs a group that serves CUDA with NCCL, it replaces
@@ -20,8 +20,9 @@ import cores
 from torchrun import torchrun_command
 from training import STEPS, parity_errors, reference_run
 from zero_fx import zero_compile
-from zero_fx.runtime import failures, process_group, sharding
-from zero_fx.runtime.process_group import (World, backend_serving, check_current_cuda_device,
+from zero_fx.runtime import sharding
+from zero_fx.runtime.distributed import failures, process_group
+from zero_fx.runtime.distributed.process_group import (World, backend_serving, check_current_cuda_device,
                                            check_devices_match_backend, training_device)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,8 +18,8 @@ from zero_fx.capture.experts.moe_blocks import RoutedExperts
 from zero_fx.passes.common.predicates import zero_fx_op_name
 from zero_fx.plan.expert_parallel import ExpertParallel, expert_slices
 from zero_fx.plan import PlanOptions, PlanRanks, make_plan
-from zero_fx.runtime.expert_groups import split_experts
-from zero_fx.runtime.process_group import World
+from zero_fx.runtime.distributed.expert_groups import split_experts
+from zero_fx.runtime.distributed.process_group import World
 from ranks import run_ranks
 
 pytest.importorskip("transformers")

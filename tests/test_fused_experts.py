@@ -201,6 +201,6 @@ def test_identity_experts_after_the_routed_ones_train_like_eager():
     (block,) = step.moe_blocks
     assert (block.num_experts, block.identity_experts) == (ROUTED, IDENTITY)
     assert max(errors.values()) < 1e-5, max(errors, key=errors.get)
-    from zero_fx.runtime.expert_groups import split_experts
+    from zero_fx.runtime.distributed.expert_groups import split_experts
     with pytest.raises(ValueError, match="identity experts"):
         split_experts(model, [block], None, 2)

@@ -1,4 +1,4 @@
-"""Hybrid sharding ([Note: hybrid sharding] in zero_fx/runtime/process_group.py): a 2 x 2 mesh
+"""Hybrid sharding ([Note: hybrid sharding] in zero_fx/runtime/distributed/process_group.py): a 2 x 2 mesh
 (two replicas of two-rank shard groups) trains as single-process PyTorch does, and a 1 x 4
 mesh is today's flat sharding over four ranks, bit for bit."""
 

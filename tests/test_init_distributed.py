@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from bench.helpers.runs import free_port
 from zero_fx import Distributed, init_distributed
-from zero_fx.runtime.init_distributed import DistributedSetupError, resolve_device
-from zero_fx.runtime.process_group import world_timeout
+from zero_fx.runtime.distributed.init_distributed import DistributedSetupError, resolve_device
+from zero_fx.runtime.distributed.process_group import world_timeout
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                       "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")

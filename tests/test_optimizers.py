@@ -5,7 +5,7 @@ GLM-4.5 publish: two optimizers in one step, each with its scheduler, and a clip
 global norm over both), Adafactor (torch.optim's), and a LAMB written here as a plain
 ``torch.optim.Optimizer`` subclass (a trust ratio from each tensor's norm): the optimizers
 that read a whole tensor, stepped once on the tensor's owner rank ([Note: whole-tensor updates
-on owner ranks] in zero_fx/runtime/whole_tensor_updates.py).
+on owner ranks] in zero_fx/runtime/update/whole_tensor_updates.py).
 
 Each run trains on 2 or 4 gloo ranks, each on its slice of the global batch, beside the same
 step run undecorated on the global batch in one process. After every call it compares the
@@ -39,7 +39,7 @@ from zero_fx.plan import PlanRanks
 from zero_fx.plan.owners import assign_owners, loads_of, newton_schulz_cost
 from zero_fx.planner.whole_updates import muon_matrices, plan_whole_updates
 from zero_fx.runtime.optimizer import update_cost
-from zero_fx.runtime.update import hyperparameters
+from zero_fx.runtime.update.update import hyperparameters
 
 CALLS = 3
 UPDATE_TOLERANCE = 1e-3

@@ -20,9 +20,9 @@ from training import STEPS, parity_errors
 from zero_fx import zero_compile
 from zero_fx.compiler import progress as compile_progress
 from zero_fx.passes.common.predicates import is_update
-from zero_fx.runtime import failures
-from zero_fx.runtime.failures import CollectiveFailedError
-from zero_fx.runtime.rank_agreement import RanksDisagreeError, call_signature, disagreement, graph_signature
+from zero_fx.runtime.distributed import failures
+from zero_fx.runtime.distributed.failures import CollectiveFailedError
+from zero_fx.runtime.distributed.rank_agreement import RanksDisagreeError, call_signature, disagreement, graph_signature
 
 
 def _setup(stage=3, **options):

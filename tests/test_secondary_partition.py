@@ -15,8 +15,8 @@ from training import SMALL_BUCKETS, zero_fx_run
 from zero_fx import ZeroConfig, rewritten_step_on_fake
 from zero_fx.analysis.traffic import traffic_report
 from zero_fx.passes.common.predicates import Phase, is_all_gather, phase_of
-from zero_fx.runtime.process_group import World
-from zero_fx.runtime.secondary_groups import with_secondary_partition
+from zero_fx.runtime.distributed.process_group import World
+from zero_fx.runtime.distributed.secondary_groups import with_secondary_partition
 
 
 @functools.lru_cache(maxsize=None)

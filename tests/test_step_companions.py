@@ -1,7 +1,7 @@
 """The optimizer's companions inside the decorated step (learning-rate schedulers, GradScaler,
 clip_grad_norm_ / clip_grad_value_) at stages 1 and 3 on 1 and 2 ranks, against the same step
 run eagerly on one process and the whole batch ([Note: the optimizer's companions] in
-zero_fx/runtime/companions.py). One launch per (stage, world) runs every case."""
+zero_fx/runtime/update/companions.py). One launch per (stage, world) runs every case."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from ranks import run_ranks
 from zero_fx import zero_compile
-from zero_fx.runtime.update import hyperparameters
+from zero_fx.runtime.update.update import hyperparameters
 
 CALLS = 4
 LOSS_TOLERANCE = 1e-5
@@ -440,7 +440,7 @@ class _frozen_learning_rate:
     hyperparameter captured once would (the optimizer's ``step`` is wrapped to put it back)."""
 
     def __enter__(self):
-        import zero_fx.runtime.update as update
+        import zero_fx.runtime.update.update as update
 
         self.update, self.apply = update, update.OptimizerUpdate.apply
         seen = _FIRST_RATES

@@ -1,5 +1,5 @@
 """The optimizer's update in the graph, bucket by bucket ([Note: the update in the graph] in
-zero_fx/runtime/graph_update.py), against the update after the graph: the parameters and
+zero_fx/runtime/update/graph_update.py), against the update after the graph: the parameters and
 the optimizer's state bit for bit after every step, at stages 1-3 on 2 and 4 gloo ranks,
 fp32 and bf16, AdamW (its fused kernel too) and SGD with momentum, a scheduler,
 accumulation; each parameter's update against single-process eager; what stays after the

@@ -1,5 +1,5 @@
 """Collectives kept at a world of one (``DebugOptions.keep_collectives_at_world_one``; [Note:
-collectives kept at a world of one] in zero_fx/runtime/process_group.py), on a real gloo group
+collectives kept at a world of one] in zero_fx/runtime/distributed/process_group.py), on a real gloo group
 of one rank in this process: each kind a world of N issues is in the rewritten graph and runs,
 the traffic report and the counter agree with the graph, and the parameters are the step's
 without the option bit for bit; quantized collectives are a quantize-dequantize round trip of
@@ -20,7 +20,7 @@ from training import relative_error, update_errors
 from zero_fx import DebugOptions, zero_compile
 from zero_fx.passes.common.predicates import is_token_exchange
 from zero_fx.passes.common.quantized_code import dequantize_rows, quantize_rows
-from zero_fx.runtime.process_group import World, keeping_collectives
+from zero_fx.runtime.distributed.process_group import World, keeping_collectives
 
 KEEP = DebugOptions(keep_collectives_at_world_one=True)
 STEPS = 3

@@ -42,6 +42,7 @@ from .config import DebugOptions, MixedPrecision, ZeroConfig
 from .errors import (CaptureError, CheckpointError, CollectiveFailedError, DistributedSetupError,
                      GraphBreakWarning, InvariantError, MaterializeError, RanksDisagreeError,
                      UnsupportedTorchError)
+import importlib as _importlib
 import sys as _sys
 
 from .config import checks as _checks, policies as _policies, renamed_options as _renamed_options
@@ -52,7 +53,7 @@ from .materialize import load_pretrained
 from .passes.pipeline import after, before
 from .plan import ParamLayout, PlanOptions, PlanRanks, ShardPlan, make_plan, plan_for_module
 from .planner.offline import rewritten_step_on_fake
-from .runtime.init_distributed import Distributed, init_distributed
+from .runtime.distributed.init_distributed import Distributed, init_distributed
 from .verification import Verification, verify
 
 __version__ = "0.1.0"
@@ -103,11 +104,22 @@ __all__ = [
     "ZeroConfig",
 ]
 
-# the option modules' old paths (before zero_fx/config/ was a package): the same modules
+# old paths of modules that moved into folders, the same modules: the options' (before
+# zero_fx/config/ was a package), and runtime/'s update and distributed rooms'
 for _old_name, _module in (("policies", _policies), ("checks", _checks),
                            ("renamed_options", _renamed_options)):
     _sys.modules[f"{__name__}.{_old_name}"] = _module
     globals()[_old_name] = _module
+for _room, _names in (("update", ("graph_update", "deferred_optimizer", "companions",
+                                  "precision", "streamed_update", "optimizer_set",
+                                  "whole_tensor_updates")),
+                      ("distributed", ("init_distributed", "process_group", "cpu_group",
+                                       "expert_groups", "secondary_groups", "gloo_all_gather",
+                                       "rank_agreement", "failures"))):
+    for _old_name in _names:
+        _module = _importlib.import_module(f"{__name__}.runtime.{_room}.{_old_name}")
+        _sys.modules[f"{__name__}.runtime.{_old_name}"] = _module
+        setattr(_sys.modules[f"{__name__}.runtime"], _old_name, _module)
 
 set_logs_from_environment()
 quiet_torch_probes()  # torch's "No CUDA runtime is found", on a machine without CUDA

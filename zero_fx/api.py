@@ -243,7 +243,7 @@ def zero_compile(
     ``opt.zero_grad()`` (checked before anything compiles; ``CaptureError`` otherwise);
     the optimizer steps after the compiled graph, on the shards, and so do an LR
     scheduler's ``step()``, ``GradScaler`` and ``clip_grad_norm_``/``clip_grad_value_``
-    called in the step ([Note: the optimizer's companions] in runtime/companions.py).
+    called in the step ([Note: the optimizer's companions] in runtime/update/companions.py).
     ``print``, logging calls and ``.item()`` run after the graph, with its values
     ([Note: host effects after the graph] in capture/host_effects.py). Returned tensors are
     detached (the backward has already run). Outside the step, stage 3's parameters hold

@@ -152,7 +152,7 @@ def optimizer_read_plainly():
     Dynamo wraps an optimizer in ``OptimizerVariable``, which prepares a step it compiles
     itself: on reading ``param_groups`` it marks every parameter a static address (with a
     guard) and sets ``capturable=True`` in each group it tracks. zero_fx never lets dynamo
-    trace ``opt.step()`` (the step only records it: runtime/deferred_optimizer.py), so that
+    trace ``opt.step()`` (the step only records it: runtime/update/deferred_optimizer.py), so that
     setup has nothing to prepare, and it does harm where a step reads or writes a group (a
     learning rate set by hand, as nanoGPT sets it):
 

@@ -32,11 +32,11 @@ from .config import ZeroConfig
 from .materialize import PretrainedWeights
 from .passes.check_invariants import InvariantError
 from .plan import ShardPlan
-from .runtime.deferred_optimizer import DeferredOptimizerCalls
+from .runtime.update.deferred_optimizer import DeferredOptimizerCalls
 from .runtime.eager_fallback import EagerFallback, why_not_eager
-from .runtime.failures import is_communication_failure
+from .runtime.distributed.failures import is_communication_failure
 from .runtime.sharded_state import ShardedState
-from .runtime.optimizer_set import same_optimizers
+from .runtime.update.optimizer_set import same_optimizers
 from .runtime.sharding import Sharded, find_model_and_optimizer, shard
 from .step_inspection import StepInspection
 from .step_state import StepState
@@ -80,7 +80,7 @@ parameter's ``.grad`` the backward sets): 2.3 of 12.7 s of its trace of a 48-blo
 #   runtime/sharded_state.py).
 # - zero_grad's set_to_none: recorded per call; set_to_none=False keeps zero gradients
 #   for every parameter eager holds a .grad for ([Note: zero_grad(set_to_none=False)] in
-#   runtime/update.py).
+#   runtime/update/update.py).
 # - Accumulation: every shard any call of the window gave a gradient steps at the window's
 #   end (OptimizerUpdate._step_what_the_graph_left).
 # - The module's training mode (module.training): a guard, read by dynamo's trace.
@@ -101,7 +101,7 @@ class CompiledStep(StepInspection, StepState):
     Its life cycle lives with the pipeline's stages: the first call shards
     (``runtime.sharding``), each compilation captures, rewrites and lowers
     (``compiler.backend``), each call runs the program (``runtime.step_runner``) and then
-    the deferred optimizer update (``runtime.deferred_optimizer``). This class holds them
+    the deferred optimizer update (``runtime.update.deferred_optimizer``). This class holds them
     together and answers the user."""
 
     def __init__(self, fn: Callable, config: ZeroConfig, *,

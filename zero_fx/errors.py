@@ -1,7 +1,7 @@
 """Every error and warning zero_fx raises for the user to catch, in one leaf module.
 
 Each is also importable from ``zero_fx`` itself, and from the module that raised it in earlier
-releases (``zero_fx.capture.step_graph.CaptureError``, ``zero_fx.runtime.failures.
+releases (``zero_fx.capture.step_graph.CaptureError``, ``zero_fx.runtime.distributed.failures.
 CollectiveFailedError``, ...): those names are these classes. By when they are raised:
 
 - importing: ``UnsupportedTorchError`` (a torch outside the supported range);

@@ -15,7 +15,7 @@ from .capture.experts.moe_blocks import RoutedExperts
 from .config import describe_backend
 from .formatting import ranks_phrase
 from .inspection.explain import Explanation, GraphBreakExplanation, explain_graph
-from .runtime.graph_update import kernels_of
+from .runtime.update.graph_update import kernels_of
 
 
 class StepInspection:

@@ -10,7 +10,7 @@ import torch
 
 from .checkpoint import save_load as checkpoint, state_dict
 from .runtime.sharded_state import ShardedState
-from .runtime.optimizer_set import OptimizerSet, same_optimizers
+from .runtime.update.optimizer_set import OptimizerSet, same_optimizers
 
 
 class StepState:
@@ -135,7 +135,7 @@ class StepState:
 
     def _sharded_state(self) -> ShardedState:
         """The state, with any update still running on the host finished ([Note: the delayed
-        update] in runtime/update.py)."""
+        update] in runtime/update/update.py)."""
         if self.state is None:
             raise RuntimeError("the step has not run yet, so nothing is sharded")
         self._sharded.update.settle()

@@ -1,4 +1,4 @@
-"""Reproduce the gloo heap corruption behind zero_fx/runtime/gloo_all_gather.py, with PyTorch alone.
+"""Reproduce the gloo heap corruption behind zero_fx/runtime/distributed/gloo_all_gather.py, with PyTorch alone.
 
 Two gloo ranks issue functional all-gathers of a few sizes, keeping ``--depth`` of them in
 flight while a matmul runs, as a prefetching stage-3 step does:
@@ -34,7 +34,7 @@ def _rank(rank: int, world: int, store_dir: str, path: str, depth: int, iteratio
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     if path == "zero_fx":
-        from zero_fx.runtime.gloo_all_gather import use_gloo_single_tensor_all_gather
+        from zero_fx.runtime.distributed.gloo_all_gather import use_gloo_single_tensor_all_gather
         use_gloo_single_tensor_all_gather()
     c10d = torch.ops._c10d_functional
     group = dist.group.WORLD.group_name

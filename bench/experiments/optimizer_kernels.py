@@ -5,7 +5,7 @@ parameters, stepped whole and bucket by bucket as the update in the graph steps 
     python -m bench.experiments.optimizer_kernels --model gpt-small             # CPU, one thread
     python -m bench.experiments.optimizer_kernels --model gpt2-125m --device cuda
 
-The update in the graph ([Note: the update in the graph] in zero_fx/runtime/graph_update.py)
+The update in the graph ([Note: the update in the graph] in zero_fx/runtime/update/graph_update.py)
 calls the user's optimizer on each bucket's shards, with its settings: this says what
 choosing ``fused=True`` saves, and what splitting one update into buckets costs. The
 buckets here are runs of parameters of at most ``--bucket-mib`` each, in the model's order
@@ -22,7 +22,7 @@ import time
 import torch
 
 from zero_fx.plan.build import PlanOptions, PlanRanks, plan_for_module
-from zero_fx.runtime.graph_update import step_on
+from zero_fx.runtime.update.graph_update import step_on
 
 from ..helpers.runs import machine, write_json
 from ..peers.models import MODELS

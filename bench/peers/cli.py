@@ -41,7 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from zero_fx.runtime.init_distributed import DistributedSetupError, resolve_device
+from zero_fx.runtime.distributed.init_distributed import DistributedSetupError, resolve_device
 
 from ..helpers import cpu_memory
 from ..helpers.runs import GROUP_TIMEOUT, machine, write_json

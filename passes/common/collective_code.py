@@ -95,7 +95,7 @@ def gather_bucket(*shards: torch.Tensor, numels: Sequence[int], shapes: Sequence
     ``from_host``: the shards are in host memory, copied to the training device of that type
     first, in one buffer ([Note: shards brought from the host] in passes/common/host_copies.py).
     ``keep_at_one``: gather over a group of one rank too ([Note: collectives kept at a world of
-    one] in zero_fx/runtime/process_group.py); otherwise one rank gathers nothing.
+    one] in zero_fx/runtime/distributed/process_group.py); otherwise one rank gathers nothing.
     """
     if any(s.numel() == 0 for s in shards):  # [Note: parameters with no elements]
         kept = [i for i, s in enumerate(shards) if s.numel()]
@@ -147,7 +147,7 @@ def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_s
     parallelism, reduced over its expert-data-parallel group and divided by every rank's
     count: [Note: expert parallelism] in zero_fx/plan/expert_parallel.py). ``keep_at_one``:
     reduce-scatter over a group of one rank too ([Note: collectives kept at a world of one]
-    in zero_fx/runtime/process_group.py).
+    in zero_fx/runtime/distributed/process_group.py).
     """
     if any(g.numel() == 0 for g in grads):  # [Note: parameters with no elements]
         kept = [i for i, g in enumerate(grads) if g.numel()]
@@ -196,7 +196,7 @@ def all_reduce_bucket(*grads: torch.Tensor, world_size: int, group_name: str,
     """Each gradient, whole, averaged over ranks (stage 0), in ``dtype`` (None: its own):
     the bucket is flattened into one buffer in one op and divided before the sum
     ([Note: divide before the sum]). ``keep_at_one``: all-reduce over a group of one rank
-    too ([Note: collectives kept at a world of one] in zero_fx/runtime/process_group.py)."""
+    too ([Note: collectives kept at a world of one] in zero_fx/runtime/distributed/process_group.py)."""
     grads = [cast(g, dtype) for g in grads]
     if any(g.numel() == 0 for g in grads):  # [Note: parameters with no elements]
         kept = [i for i, g in enumerate(grads) if g.numel()]

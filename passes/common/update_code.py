@@ -1,5 +1,5 @@
 """The call ``update_in_graph`` puts in the graph after each bucket's reduction
-([Note: the update in the graph] in zero_fx/runtime/graph_update.py)."""
+([Note: the update in the graph] in zero_fx/runtime/update/graph_update.py)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ Each node of the rewritten graph gets a duration from its shapes alone:
   node runs at ``inter_node_bandwidth`` and ``inter_node_latency``: a ring is as
   fast as its slowest hop. That is what hybrid sharding avoids: its gathers and
   reduce-scatters stay on one node, only the all-reduce of gradient shards
-  crosses ([Note: hybrid sharding] in runtime/process_group.py). So does the
+  crosses ([Note: hybrid sharding] in runtime/distributed/process_group.py). So does the
   secondary partition's backward gather, on the node's ``n`` ranks; its forward
   gather across nodes runs on the ranks at stride ``n`` ([Note: the secondary
   partition] in zero_fx/plan/secondary.py).

@@ -1,6 +1,6 @@
 """Count what makes the host wait for the device: reads of device values on the host and
 blocking waits for collectives ([Note: no host sync in the steady state] in
-zero_fx/runtime/failures.py).
+zero_fx/runtime/distributed/failures.py).
 
     with counting_host_syncs(step) as syncs:
         step(model, opt, x, y)
@@ -19,7 +19,7 @@ and so nothing else would notice one being added. What it counts:
   (an eager collective's handle, ``dist.all_gather(...)`` without ``async_op`` included;
   the graph's own waits, ``wait_tensor``, only order streams on CUDA and are not counted).
   One such wait is in every call by design: the ranks' agreement check
-  (runtime/rank_agreement.py) all-gathers a fingerprint over a CPU group, a barrier between
+  (runtime/distributed/rank_agreement.py) all-gathers a fingerprint over a CPU group, a barrier between
   the ranks' hosts that never waits for a device.
 
 Not counted: reads of the CPU tensors that stay on the host whatever the device (a

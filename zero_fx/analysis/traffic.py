@@ -11,7 +11,7 @@ What a rank puts on the wire is a different number: over a ring, an all-gather
 or reduce-scatter of B bytes sends (N-1)/N·B per rank, an all-reduce twice that
 (it is a reduce-scatter followed by an all-gather). ``wire_bytes`` reports it.
 
-With hybrid sharding ([Note: hybrid sharding] in runtime/process_group.py) N is the
+With hybrid sharding ([Note: hybrid sharding] in runtime/distributed/process_group.py) N is the
 size of the group a collective runs on: the shard group for gathers and
 reduce-scatters (within a node), the replicate group for the all-reduce of each
 gradient shard (across nodes); ``wire_bytes_by_group`` says how much crosses each.
@@ -325,7 +325,7 @@ def _outside_graph(plan, kind: str, phase: str, dtype, names: list[str],
 
 def _owner_exchanges(plan) -> list[Collective]:
     """The collectives of whole-tensor updates after the graph, per dtype ([Note: whole-tensor
-    updates on owner ranks] in zero_fx/runtime/whole_tensor_updates.py): the gradients to their
+    updates on owner ranks] in zero_fx/runtime/update/whole_tensor_updates.py): the gradients to their
     owners ("to owners": at stage 1 the reduce-scatter laid out by owner, else an all-to-all
     of every rank's reduced shards), then the owners' updated tensors back ("from owners": at
     stages 1-2 without mixed precision the all-gather laid out by owner, else an all-to-all

@@ -66,7 +66,7 @@ def items_as_tensors(gm: GraphModule) -> int:
 
 def _check_written(item: Node) -> None:
     """``.item()`` of a tensor the graph never writes is a value that arrives after it: the
-    norm ``clip_grad_norm_`` returns inside a step (runtime/companions.py)."""
+    norm ``clip_grad_norm_`` returns inside a step (runtime/update/companions.py)."""
     source = item.args[0]
     if isinstance(source, Node) and source.target in (torch.empty, torch.empty_like):
         raise CaptureError(

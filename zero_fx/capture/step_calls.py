@@ -2,7 +2,7 @@
 
 [Note: checking the step's calls before compiling]
 Inside the step, ``opt.step()`` and ``opt.zero_grad()`` only record that they ran
-(runtime/deferred_optimizer.py); dynamo replays that record after the compiled graph
+(runtime/update/deferred_optimizer.py); dynamo replays that record after the compiled graph
 has run, which is after the whole first compilation. So each recorder also notes the
 call at trace time with ``comptime`` (its function runs while dynamo traces, not at
 run time), and the backend checks the notes first, before capture, our passes, or
@@ -53,7 +53,7 @@ WRITES_GROUPS_AFTER_STEP = "writes param groups after step"
 """The note of param groups first written after ``opt.step()``."""
 ZERO_GRAD_KEEPS_ZEROS = "zero_grad keeps zeros"
 """Noted (and recorded) after "zero_grad" for ``opt.zero_grad(set_to_none=False)`` ([Note:
-zero_grad(set_to_none=False)] in runtime/update.py)."""
+zero_grad(set_to_none=False)] in runtime/update/update.py)."""
 
 _groups: list[dict] = []
 """The param groups of the optimizer whose step is being called (``watching``)."""

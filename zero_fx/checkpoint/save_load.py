@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..plan.layout import cut_shard
-from ..runtime.cpu_group import cpu_group
+from ..runtime.distributed.cpu_group import cpu_group
 from ..runtime.sharded_state import ShardedState
 from .contents import (manifest_of, object_entries, persistent_buffers, rng_states,
                        set_rng_states, shard_mesh, tensor_entries, tensor_parallel_split,

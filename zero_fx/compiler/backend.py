@@ -21,9 +21,9 @@ from ..config import ZeroConfig, describe_backend
 from ..inspection.dump import GraphDump
 from ..passes import build_pipeline, run_pipeline
 from ..passes.common.predicates import LOSS_SCALE_META, grad_slots
-from ..runtime.rank_agreement import graph_signature
+from ..runtime.distributed.rank_agreement import graph_signature
 from ..runtime.sharding import Sharded
-from ..runtime.graph_update import why_not_for_capture
+from ..runtime.update.graph_update import why_not_for_capture
 from ..runtime.step_runner import StepRunner
 from .compilation import Compilation
 from .lower import by_regions, lower

@@ -32,4 +32,4 @@ class Compilation:
     update_reason: str = ""
     """Why this graph leaves the optimizer's update to after the graph; "" when the graph
     steps it, bucket by bucket ([Note: the update in the graph] in
-    zero_fx/runtime/graph_update.py)."""
+    zero_fx/runtime/update/graph_update.py)."""

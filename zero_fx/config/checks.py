@@ -147,7 +147,7 @@ def check_mesh(mesh, stage: int) -> None:
 def check_secondary_partition(secondary_partition, stage: int, mesh, expert_parallel) -> None:
     """``secondary_partition`` makes sense with the rest ([Note: the secondary partition] in
     zero_fx/plan/secondary.py); whether it divides the ranks is checked once the group is
-    known (``runtime/secondary_groups.py``)."""
+    known (``runtime/distributed/secondary_groups.py``)."""
     if secondary_partition is None or secondary_partition is False:
         return
     if not (secondary_partition is True or isinstance(secondary_partition, int)
@@ -170,4 +170,4 @@ def check_secondary_partition(secondary_partition, stage: int, mesh, expert_para
 
 MESH_DIM_NAMES = (("replicate", "shard"), ("shard", "tp"), ("replicate", "shard", "tp"))
 """The multi-dimensional meshes zero_fx runs on: hybrid sharding ([Note: hybrid sharding] in
-zero_fx/runtime/process_group.py), ZeRO over tensor parallelism, and both."""
+zero_fx/runtime/distributed/process_group.py), ZeRO over tensor parallelism, and both."""

@@ -122,10 +122,10 @@ class ZeroConfig(StageConsequences):
     Each takes the GraphModule and returns it, or None after editing it in place."""
     mixed_precision: Optional[MixedPrecision] = None
     """Compute and gather in a lower precision, keep fp32 masters ([Note: mixed
-    precision] in zero_fx/runtime/precision.py). None: everything in the parameters' dtype."""
+    precision] in zero_fx/runtime/update/precision.py). None: everything in the parameters' dtype."""
     accumulation_steps: int = 1
     """Calls of the step per optimizer step ([Note: gradient accumulation] in
-    zero_fx/runtime/update.py)."""
+    zero_fx/runtime/update/update.py)."""
     max_grad_norm: Optional[float] = None
     """Clip the gradient to this global 2-norm before each optimizer step
     (``clip_grad_norm_`` semantics). None: no clipping."""
@@ -133,7 +133,7 @@ class ZeroConfig(StageConsequences):
     """Where the optimizer steps: ``"graph"``, in the graph, each bucket as soon as its
     reduction lands; ``"eager"``, after the graph, on every shard at once; ``"auto"``, in
     the graph where the step allows it, else after ([Note: the update in the graph] in
-    zero_fx/runtime/graph_update.py)."""
+    zero_fx/runtime/update/graph_update.py)."""
     init_fn: Optional[Callable[[torch.nn.Module], None]] = None
     """A model built on the meta device: its own initialization after its modules are built,
     ``init_fn(module)`` for every module, children first ([Note: replaying construction] in
@@ -159,7 +159,7 @@ class ZeroConfig(StageConsequences):
     mesh: Any = None
     """A ``DeviceMesh`` over every rank: 2-D ``(replicas, shards)`` with ``mesh_dim_names=
     ("replicate", "shard")`` shards within each shard group and all-reduces the gradient
-    shards across replicas ([Note: hybrid sharding] in zero_fx/runtime/process_group.py);
+    shards across replicas ([Note: hybrid sharding] in zero_fx/runtime/distributed/process_group.py);
     1-D, or None: flat sharding over every rank. Stage 0 ignores the shard dimension."""
     expert_parallel: int = 1
     """Stage 3, mixture-of-experts models: split each block's routed experts over this many
@@ -187,7 +187,7 @@ class ZeroConfig(StageConsequences):
     offload_update: str = "auto"
     """With ``offload``: where the optimizer steps. ``"host"``: in host memory (ZeRO-Offload);
     ``"device"``: on the device, its state streamed in and out bucket by bucket ([Note: the
-    update streamed through the device] in zero_fx/runtime/streamed_update.py); ``"auto"``:
+    update streamed through the device] in zero_fx/runtime/update/streamed_update.py); ``"auto"``:
     on the device where the device's budget (``device_memory``, or the GPU's capacity) has
     room for two buckets of state beside what stays on the device between steps, else on the
     host."""
@@ -195,7 +195,7 @@ class ZeroConfig(StageConsequences):
     """With ``offload``: ``"overlap"`` runs each optimizer step on the host while the next
     call's forward and backward run, which then read parameters one step stale
     (ZeRO-Offload's delayed parameter update, [Note: the delayed update] in
-    zero_fx/runtime/update.py); ``"sync"``: every call reads the latest parameters."""
+    zero_fx/runtime/update/update.py); ``"sync"``: every call reads the latest parameters."""
     quantize_weights: Union[None, str, Mapping[str, Optional[str]]] = None
     """Stage 3: the all-gathers move the parameters block-quantized, dequantized before
     use (ZeRO++'s qwZ; [Note: quantized blocks on the wire] in passes/common/quantized_code.py):

@@ -27,7 +27,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 class MixedPrecision:
     """How a compiled step computes, communicates and scales (``zero_compile(mixed_precision=...)``).
 
-    Like FSDP2's ``MixedPrecisionPolicy``; see [Note: mixed precision] in runtime/precision.py.
+    Like FSDP2's ``MixedPrecisionPolicy``; see [Note: mixed precision] in runtime/update/precision.py.
     """
 
     param_dtype: torch.dtype = torch.bfloat16
@@ -153,7 +153,7 @@ class DebugOptions:
     check_ranks: bool = True
     """Before each call's first collective, check that all ranks are about to run the
     same graph (one 8-byte all-gather; a mismatch raises ``RanksDisagreeError`` instead
-    of hanging: [Note: checking that ranks agree] in zero_fx/runtime/rank_agreement.py).
+    of hanging: [Note: checking that ranks agree] in zero_fx/runtime/distributed/rank_agreement.py).
     False skips the check."""
     pin_schedule: bool = True
     """``regional=False`` with Inductor only (it does nothing under the default
@@ -172,7 +172,7 @@ class DebugOptions:
     collectives, whose values pass through the quantized blocks as at N ranks. Needs a
     process group (``zero_fx.init_distributed()`` or ``init_process_group`` with world size
     1): without one it is an error. At more than one rank it changes nothing. [Note:
-    collectives kept at a world of one] in zero_fx/runtime/process_group.py."""
+    collectives kept at a world of one] in zero_fx/runtime/distributed/process_group.py."""
 
     def __post_init__(self):
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))

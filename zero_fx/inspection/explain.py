@@ -59,7 +59,7 @@ class Explanation:
     ``OffloadChoice``, [Note: choosing what to offload])."""
     updates: tuple[tuple[int, tuple[str, ...]], ...] = ()
     """Each optimizer update in the graph: its node index and the parameters it steps
-    ([Note: the update in the graph] in zero_fx/runtime/graph_update.py)."""
+    ([Note: the update in the graph] in zero_fx/runtime/update/graph_update.py)."""
     update_reason: Optional[str] = None
     """Why the optimizer steps after the graph; "" when in it, None when not known (a graph
     not compiled by a step)."""
@@ -148,7 +148,7 @@ def rules_section(updates: Sequence, world_size: int, plan=None) -> str:
 
 def owner_exchanges(plan) -> str:
     """How the whole tensors' gradients reach their owners and their values come back
-    ([Note: reductions laid out by owner] in zero_fx/runtime/whole_tensor_updates.py)."""
+    ([Note: reductions laid out by owner] in zero_fx/runtime/update/whole_tensor_updates.py)."""
     to = ("by the stage's reduce-scatter, laid out by owner" if plan.reduces_to_owners else
           "by an all-to-all of the reduced shards after the graph")
     back = ("by the stage's all-gather, laid out by owner" if plan.returns_owners_whole else

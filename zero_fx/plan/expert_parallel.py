@@ -37,7 +37,7 @@ parallelism then splits each such parameter by its first dimension: place ``i`` 
 names them). The plan lays them out at that shape from the start; the model keeps them whole
 until it has its values (a meta model is built whole, as its construction would, and
 ``plan_shard`` cuts a stage-3 shard from the place's rows), and then each parameter's data
-is replaced by its rows (``keep_place_rows`` in zero_fx/runtime/expert_groups.py). From there
+is replaced by its rows (``keep_place_rows`` in zero_fx/runtime/distributed/expert_groups.py). From there
 on it is a parameter like any other of shape ``(E / P, ...)``, held by every rank: planned, sharded over the expert-data-parallel group, gathered and reduced
 there, its gradient divided as an expert's, in stages 1-3. Only what needs the whole
 parameter knows the difference: ``full_state_dict()`` and ``full_parameters()`` put the

@@ -192,7 +192,7 @@ class ShardPlan(StageConsequences):
     (``reduces_in_graph`` is False); see [Note: gradient accumulation]."""
     replicas: int = 1
     """Hybrid sharding: copies of the shards, one per shard group; each reduced gradient
-    shard is all-reduced across them ([Note: hybrid sharding] in runtime/process_group.py)."""
+    shard is all-reduced across them ([Note: hybrid sharding] in runtime/distributed/process_group.py)."""
     replicate_group_name: str = ""
     """The group of this rank's copies ("" when ``replicas`` is 1)."""
     collectives_average: bool = False
@@ -217,10 +217,10 @@ class ShardPlan(StageConsequences):
     reads too; None: on the training device."""
     offload_step: str = "sync"
     """``"overlap"``: the host's optimizer step overlaps the next call, whose parameters are
-    one step stale ([Note: the delayed update] in zero_fx/runtime/update.py)."""
+    one step stale ([Note: the delayed update] in zero_fx/runtime/update/update.py)."""
     updates_in_graph: bool = False
     """The graph steps the optimizer on each bucket right after its reduction (the pass
-    ``update_in_graph``; [Note: the update in the graph] in zero_fx/runtime/graph_update.py);
+    ``update_in_graph``; [Note: the update in the graph] in zero_fx/runtime/update/graph_update.py);
     False: after the graph."""
     device_type: str = "cpu"
     """The training device's type ("cuda", "cpu"): where a shard kept on the host is copied
@@ -241,12 +241,12 @@ class ShardPlan(StageConsequences):
     owners: tuple = ()
     """``(name, rank)`` for each parameter whose update needs the whole tensor (an optimizer
     that is not elementwise, stages 1-3): the rank that steps it ([Note: whole-tensor updates
-    on owner ranks] in zero_fx/runtime/whole_tensor_updates.py; chosen by ``plan/owners.py``).
+    on owner ranks] in zero_fx/runtime/update/whole_tensor_updates.py; chosen by ``plan/owners.py``).
     Every other parameter is stepped on its flat shards by every rank."""
     keeps_collectives_at_one: bool = False
     """A world of one rank whose collectives are issued on its group of one all the same
     (``DebugOptions.keep_collectives_at_world_one``; [Note: collectives kept at a world of one]
-    in zero_fx/runtime/process_group.py); False: at one rank they are left out."""
+    in zero_fx/runtime/distributed/process_group.py); False: at one rank they are left out."""
 
     def owner_of(self, name: str) -> "Optional[int]":
         """The rank that steps parameter ``name`` whole, or None where every rank steps its
@@ -266,7 +266,7 @@ class ShardPlan(StageConsequences):
         """Stage 1 with whole-tensor updates over more than one rank, shards not replicated:
         their gradients leave the graph whole and, at the end of the backward, one
         reduce-scatter laid out by owner gives each owner its tensors' whole mean gradients
-        ([Note: reductions laid out by owner] in zero_fx/runtime/whole_tensor_updates.py)."""
+        ([Note: reductions laid out by owner] in zero_fx/runtime/update/whole_tensor_updates.py)."""
         return (bool(self.owners) and self.reduces_after_backward and self.world_size > 1
                 and self.replicas == 1)
 

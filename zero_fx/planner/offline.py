@@ -47,7 +47,7 @@ def rewritten_step_on_fake(build_model: Callable[[], torch.nn.Module], *, batch:
     """The graph ``@zero_compile(stage=stage, **options)`` would run on each of
     ``world_size`` ranks for a language model, and its plan; no memory is allocated.
     ``replicas``: hybrid sharding, ``replicas`` copies of shard groups of ``world_size``
-    ranks ([Note: hybrid sharding] in runtime/process_group.py; not in stage 0).
+    ranks ([Note: hybrid sharding] in runtime/distributed/process_group.py; not in stage 0).
 
     ``batch`` is per rank. ``dtype`` is the default dtype while the model is
     built (bf16 planning of a model written for fp32). ``device``: where the step's

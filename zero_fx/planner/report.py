@@ -38,7 +38,7 @@ blocks with experts, and with two dense blocks: each kind of block grows the wor
 set at its own rate.
 
 Over several nodes (``--nodes``) the planner sets flat sharding beside hybrid
-sharding ([Note: hybrid sharding] in zero_fx/runtime/process_group.py): one replica
+sharding ([Note: hybrid sharding] in zero_fx/runtime/distributed/process_group.py): one replica
 per node, sharded over the node's ranks, and fewer replicas of shard groups that
 span several nodes. It counts the bytes each rank sends per step on each level. A
 ring over ranks on several nodes is as fast as its slowest hop, the network, so

@@ -65,7 +65,7 @@ def model_state_breakdown(stage: int, psi: int, world_size: int, *, optimizer_by
     reads (the master's dtype), ``reduce_bytes`` the whole gradient the backward
     produces before it is reduced (default ``grad_bytes``), which stage 1 holds to
     the end of the backward. ``updates_in_graph``: the optimizer steps each bucket as its
-    gradients land ([Note: the update in the graph] in zero_fx/runtime/graph_update.py), so
+    gradients land ([Note: the update in the graph] in zero_fx/runtime/update/graph_update.py), so
     stages 2-3 hold no gradient shards at the peak beyond the buckets in flight (the
     working set's).
     """

@@ -5,7 +5,7 @@ whole-tensor memory and their exchanges, per stage.
 ``--optimizer muon`` plans the recipe Moonlight, Kimi K2 and GLM-4.5 publish: Muon for the
 2-D weights inside the repeated blocks, AdamW for the embeddings, the head, the norms and the
 biases. Training steps each Muon matrix once, whole, on its owner ([Note: whole-tensor updates
-on owner ranks] in zero_fx/runtime/whole_tensor_updates.py); the planner chooses the owners as
+on owner ranks] in zero_fx/runtime/update/whole_tensor_updates.py); the planner chooses the owners as
 training does (``assign_owners`` over the same costs in the same order), so the rank it calls
 the busiest is the one training will have. For each stage it prices, on the rank with the most
 of each:
@@ -19,7 +19,7 @@ of each:
   successor, and three s x s products, with one fp32 copy for the Nesterov blend);
 - traffic: the all-to-alls after the graph, in fp32, where the stage's own collectives cannot
   be laid out by owner ([Note: reductions laid out by owner] in
-  zero_fx/runtime/whole_tensor_updates.py): each rank's gradient shards of the matrices others
+  zero_fx/runtime/update/whole_tensor_updates.py): each rank's gradient shards of the matrices others
   own (stages 2-3), and each owner's updated matrices cut into the others' shards (stage 3,
   and every stage under mixed precision). The traffic table adds them; the padding of the
   rows laid out by owner is left out.

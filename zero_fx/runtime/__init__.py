@@ -3,20 +3,14 @@
 - the sharded state: ``sharded_state`` (each rank's parameter shards, their gradients and
   the optimizer on them), ``whole_parameters`` (gathering them whole, or copying them out),
   ``optimizer`` (the user's optimizer rebound to shards; which rule steps each parameter),
-  ``optimizer_set`` (several optimizers as one), ``whole_tensor_updates`` (Muon and other
-  whole-tensor updates on owner ranks), ``refuse_conversion`` (no ``model.to`` on it);
+  ``refuse_conversion`` (no ``model.to`` on it);
 - the first call: ``sharding`` (find the model and optimizer, plan, shard), ``offload`` and
   ``offload_choice`` (what lives in host memory, and ``offload="auto"``'s choice);
 - each call: ``step_runner`` (what dynamo calls: shards in, gradient shards out),
   ``eager_fallback`` (a step that breaks the graph, run eagerly on the shards);
-- the optimizer's update: in the graph, bucket by bucket, ``graph_update`` (what the pass
-  ``update_in_graph`` calls); after the graph, ``deferred_optimizer`` (``opt.step()`` and
-  ``zero_grad()`` recorded, run afterwards) and ``update`` (accumulate, unscale, clip, step),
-  with ``companions`` (schedulers, GradScaler, clipping as the step called them),
-  ``precision`` (the fp16 loss scaler, the casts at the model's edge) and
-  ``streamed_update`` (``offload_update="device"``);
-- the process groups: ``init_distributed`` (joining torchrun's), ``process_group`` (the
-  world, a mesh), ``cpu_group`` (CPU tensors and objects beside training's),
-  ``expert_groups``, ``secondary_groups``, ``gloo_all_gather``;
-- when ranks or collectives go wrong: ``rank_agreement`` (ranks that disagree fail fast),
-  ``failures`` (a failed collective said in words)."""
+- ``update/``: the optimizer's update, in the graph bucket by bucket or after it (its
+  ``__init__`` indexes it: where the optimizer steps per bucket is ``update/graph_update.py``);
+- ``distributed/``: the process groups, and when ranks or collectives go wrong.
+
+The modules of the two rooms keep their old paths (``zero_fx.runtime.failures`` is
+``zero_fx.runtime.distributed.failures``), but ``update``, now the room's name."""

@@ -52,7 +52,7 @@ from ..capture.graph_breaks import GraphBreak
 from ..formatting import format_bytes
 from ..passes.common.host_copies import wait_for_host_copies
 from ..passes.reduce_grads import reduction
-from .rank_agreement import CallSignature, RankAgreement
+from .distributed.rank_agreement import CallSignature, RankAgreement
 from .sharded_state import ShardedState
 from .step_runner import entered
 

@@ -14,11 +14,11 @@ from ..plan.tensor_parallel import local_tensor, set_values
 from ..passes.common.host_copies import wait_for_host_copies
 from .offload import to_host
 from .optimizer import check_shapes, rebind_to_shards
-from .optimizer_set import members
-from .process_group import World
+from .update.optimizer_set import members
+from .distributed.process_group import World
 from .refuse_conversion import RefuseConversion
 from .whole_parameters import WholeParameters
-from .whole_tensor_updates import WholeTensorUpdates
+from .update.whole_tensor_updates import WholeTensorUpdates
 
 
 class ShardedState(WholeParameters):
@@ -93,7 +93,7 @@ class ShardedState(WholeParameters):
         self.grads_seen: set[str] = set()
         """The parameters whose ``.grad`` eager would hold as a tensor: given a gradient since
         the last ``zero_grad()`` that set gradients to None ([Note:
-        zero_grad(set_to_none=False)] in runtime/update.py)."""
+        zero_grad(set_to_none=False)] in runtime/update/update.py)."""
         self.device = device or next(local_tensor(p) for p in self.params.values()).device
         """Where this rank trains: the parameters', and every collective's, device."""
         self.device_shards: dict[str, torch.Tensor] = {}
@@ -368,7 +368,7 @@ class ShardedState(WholeParameters):
     def keep_zero_grads(self) -> None:
         """Before the optimizer steps: a parameter eager would hold a ``.grad`` for (zeroed,
         not None) but that this window gave none steps with a zero gradient, as in eager
-        ([Note: zero_grad(set_to_none=False)] in runtime/update.py)."""
+        ([Note: zero_grad(set_to_none=False)] in runtime/update/update.py)."""
         for name in self.grads_seen:
             shard = self.shards[name]
             if shard.grad is None:

@@ -22,22 +22,22 @@ from ..materialize import PretrainedWeights, materialize
 from ..plan import PlanRanks, ShardPlan, plan_for_module
 from ..plan.owners import assign_owners
 from ..plan.tensor_parallel import local_tensor, tensor_parallel_of
-from .expert_groups import keep_place_rows, split_experts
-from .gloo_all_gather import use_gloo_single_tensor_all_gather
-from .graph_update import why_not_in_graph
-from .precision import LossScaler, cast_at_model_edge
-from .process_group import (check_current_cuda_device, check_devices_match_backend,
+from .distributed.expert_groups import keep_place_rows, split_experts
+from .distributed.gloo_all_gather import use_gloo_single_tensor_all_gather
+from .update.graph_update import why_not_in_graph
+from .update.precision import LossScaler, cast_at_model_edge
+from .distributed.process_group import (check_current_cuda_device, check_devices_match_backend,
                             collectives_average, current_world, keeping_collectives,
                             training_device, world_of)
 from .optimizer import WHOLE, parameter_updates, update_rule, whole_tensor_costs
-from .optimizer_set import OptimizerSet, members
+from .update.optimizer_set import OptimizerSet, members
 from .offload_choice import (OffloadChoice, agreed_budget, bucket_state_bytes,
                              choose_before_placing, device_budget, optimizer_state_tensors,
                              with_mode)
-from .rank_agreement import RankAgreement
-from .secondary_groups import with_secondary_partition
+from .distributed.rank_agreement import RankAgreement
+from .distributed.secondary_groups import with_secondary_partition
 from .sharded_state import ShardedState
-from .update import OptimizerUpdate
+from .update.update import OptimizerUpdate
 
 log = logging.getLogger("zero_fx")
 

@@ -7,7 +7,7 @@ import contextlib
 from typing import Optional
 
 from ..passes.common.host_copies import wait_for_host_copies
-from .rank_agreement import GraphSignature, RankAgreement, call_signature
+from .distributed.rank_agreement import GraphSignature, RankAgreement, call_signature
 from .sharded_state import ShardedState
 
 

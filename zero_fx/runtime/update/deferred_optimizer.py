@@ -7,13 +7,13 @@ from __future__ import annotations
 import contextlib
 from typing import Optional
 
-from ..capture.step_calls import (ZERO_GRAD_KEEPS_ZEROS, check_step_calls, traced_step,
+from ...capture.step_calls import (ZERO_GRAD_KEEPS_ZEROS, check_step_calls, traced_step,
                                   traced_zero_grad, watching)
-from ..capture.step_graph import CaptureError
+from ...capture.step_graph import CaptureError
 from .companions import Recorders, check_companions, outside_window, recording, run_window
-from .failures import (FenceFailed, failed_after_update, failed_before_update,
+from ..distributed.failures import (FenceFailed, failed_after_update, failed_before_update,
                        failed_in_graph_update, fence_failed, is_communication_failure)
-from .step_runner import entered
+from ..step_runner import entered
 from .optimizer_set import members
 from .update import OptimizerUpdate
 

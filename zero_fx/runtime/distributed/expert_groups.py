@@ -9,13 +9,13 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..capture.experts.fused_experts import holds_stacked_experts
-from ..capture.experts.moe_blocks import RoutedExperts
-from ..capture.experts.routed_experts import hold_local_experts
-from ..materialize.materialize import storageless
-from ..plan import ShardPlan
-from ..plan.expert_parallel import ExpertParallel, expert_slices
-from ..plan.layout import place_rows
+from ...capture.experts.fused_experts import holds_stacked_experts
+from ...capture.experts.moe_blocks import RoutedExperts
+from ...capture.experts.routed_experts import hold_local_experts
+from ...materialize.materialize import storageless
+from ...plan import ShardPlan
+from ...plan.expert_parallel import ExpertParallel, expert_slices
+from ...plan.layout import place_rows
 from .process_group import World, world_timeout
 
 

@@ -10,7 +10,7 @@ from typing import Union
 
 import torch.distributed as dist
 
-from ..plan.secondary import SecondaryPartition
+from ...plan.secondary import SecondaryPartition
 from .process_group import World, world_timeout
 
 log = logging.getLogger("zero_fx")

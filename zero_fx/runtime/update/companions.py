@@ -13,7 +13,7 @@ A step written for plain PyTorch calls more than ``opt.step()``::
     scheduler.step()
 
 All of these read or change the gradients or the optimizer, which exist only as shards,
-after the graph (runtime/update.py). So during the call (``recording``) zero_fx swaps them,
+after the graph (runtime/update/update.py). So during the call (``recording``) zero_fx swaps them,
 as it swaps ``opt.step`` (deferred_optimizer.py), for recorders that append an event to
 the call's list of optimizer calls, and runs the events after the graph in that order:
 
@@ -60,8 +60,8 @@ from typing import Optional
 import torch
 from torch._dynamo.comptime import comptime
 
-from ..capture.step_calls import traced_gradient_reader, traced_scheduler, traced_step
-from ..capture.step_graph import CaptureError
+from ...capture.step_calls import traced_gradient_reader, traced_scheduler, traced_step
+from ...capture.step_graph import CaptureError
 from .optimizer_set import members
 
 _c10d = torch.ops._c10d_functional

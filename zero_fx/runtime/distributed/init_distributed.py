@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .process_group import backend_serving
-from ..errors import DistributedSetupError
+from ...errors import DistributedSetupError
 
 GROUP_TIMEOUT = timedelta(minutes=5)
 """How long a rank waits at a collective for its peers before the step fails (gloo raises

@@ -54,8 +54,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..capture.step_calls import WRITES_GROUPS, ZERO_GRAD_KEEPS_ZEROS
-from ..passes.common.update_code import ACTIVE_UPDATE
+from ...capture.step_calls import WRITES_GROUPS, ZERO_GRAD_KEEPS_ZEROS
+from ...passes.common.update_code import ACTIVE_UPDATE
 from .optimizer_set import OptimizerSet
 
 STEPS_IN_GRAPH = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
-from ..config import MixedPrecision
+from ...config import MixedPrecision
 
 
 class _DeviceCount:

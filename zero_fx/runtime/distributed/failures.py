@@ -93,7 +93,7 @@ import torch
 import torch.distributed as dist
 
 from .process_group import World, backend_serving, world_timeout
-from ..errors import CollectiveFailedError
+from ...errors import CollectiveFailedError
 
 CHECKED_BACKENDS = ("nccl",)
 """Backends that report a failed collective late, so the update checks first ([Note:

@@ -11,8 +11,8 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from ..collective_backends import backend_serving
-from ..plan.secondary import SecondaryPartition
+from ...collective_backends import backend_serving
+from ...plan.secondary import SecondaryPartition
 
 
 @dataclass(frozen=True)

@@ -74,10 +74,10 @@ from typing import Optional
 
 import torch
 
-from .failures import completion_check
+from ..distributed.failures import completion_check
 from .graph_update import GraphUpdate, step_on
 from .precision import LossScaler
-from .sharded_state import ShardedState
+from ..sharded_state import ShardedState
 from .streamed_update import step_through_device
 
 _c10d = torch.ops._c10d_functional
@@ -114,7 +114,7 @@ class OptimizerUpdate:
         """The global gradient norm of the latest optimizer step, before clipping (computed
         when clipping or loss scaling, else None)."""
         self.scaler_skips = 0
-        """Optimizer steps a ``GradScaler`` in the step skipped (runtime/companions.py)."""
+        """Optimizer steps a ``GradScaler`` in the step skipped (runtime/update/companions.py)."""
         self._found_inf: Optional[torch.Tensor] = None
         """For an optimizer that skips on the device: this window's overflow flag."""
         self.in_graph = GraphUpdate(state, accumulation_steps)

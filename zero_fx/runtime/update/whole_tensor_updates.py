@@ -70,9 +70,9 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from ..plan import ShardPlan
-from ..passes.reduce_grads import reduction
-from .cpu_group import cpu_group
+from ...plan import ShardPlan
+from ...passes.reduce_grads import reduction
+from ..distributed.cpu_group import cpu_group
 
 _c10d = torch.ops._c10d_functional
 
