@@ -49,6 +49,7 @@ from ..passes.common.predicates import (
     token_exchange_numel,
     token_exchange_wait,
 )
+from ..plan.owners import rows_by_owner
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 ALL_TO_ALL = "all_to_all"
@@ -342,10 +343,9 @@ def _owner_exchanges(plan) -> list[Collective]:
         for dtype in dict.fromkeys(layout.dtype for layout, _ in owners):
             members = [(l, r) for l, r in owners if l.dtype == dtype]
             if laid_out[phase]:  # [Note: reductions laid out by owner]
-                widest = max(sum(l.numel for l, r in members if r == rank)
-                             for rank in range(plan.world_size))
+                width, _ = rows_by_owner([l.name for l, _ in members], plan)
                 out.append(Collective(
-                    kind=kinds[phase], numel=widest * plan.world_size,
+                    kind=kinds[phase], numel=width * plan.world_size,
                     dtype=(plan.reduce_dtype or dtype) if phase == "to owners" else dtype,
                     bucket=tuple(l.name for l, _ in members), phase=phase, issued_at=None,
                     waited_at=None, node=""))

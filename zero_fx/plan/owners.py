@@ -77,3 +77,17 @@ class ParameterUpdate:
     def where(self) -> str:
         return {"flat": "every rank, its shard", "whole, every rank": "every rank, whole",
                 "none": "-"}.get(self.rule, f"rank {self.owner}")
+
+
+def rows_by_owner(names: Sequence[str], plan) -> tuple[int, dict[str, tuple[int, int]]]:
+    """A buffer laid out by owner for ``names`` (of ``plan``, in its order): its rows' width,
+    and each name's ``(owner, start)``. Row r holds the tensors rank r owns, flattened, one
+    after the other, padded to the widest row: the layout of the reduce-scatter and
+    all-gather that carry whole-tensor updates ([Note: reductions laid out by owner] in
+    zero_fx/runtime/update/whole_tensor_updates.py), and of ``traffic()``'s count of them."""
+    used, where = [0] * plan.world_size, {}
+    for name in names:
+        owner = plan.owner_of(name)
+        where[name] = (owner, used[owner])
+        used[owner] += plan.layout(name).numel
+    return max(used), where

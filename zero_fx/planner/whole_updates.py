@@ -129,14 +129,14 @@ def plan_whole_updates(plan: ShardPlan) -> Optional[WholeUpdates]:
                                       + (n - 1) * mine * from_owners) for mine in owned_shards]
         return max(sent), max(buffers)
 
+    stepping = max(WHOLE_MASTER_BYTES * owned_numel[r] + _temporaries(owned[r])
+                   for r in range(n))
     sharded = [WholeUpdateRow(
         stage=stage, flops=2 * max(loads), mean_flops=total / n,
         state_bytes=MUON_STATE_BYTES * max(owned_numel),
-        whole_copy_bytes=WHOLE_MASTER_BYTES * max(owned_numel),
-        stepping_bytes=max(WHOLE_MASTER_BYTES * owned_numel[r] + _temporaries(owned[r])
-                           for r in range(n)),
-        exchange_bytes=exchanges(stage)[0], exchange_buffer_bytes=exchanges(stage)[1])
-        for stage in (1, 2, 3)]
+        whole_copy_bytes=WHOLE_MASTER_BYTES * max(owned_numel), stepping_bytes=stepping,
+        exchange_bytes=sent, exchange_buffer_bytes=buffers)
+        for stage in (1, 2, 3) for sent, buffers in (exchanges(stage),)]
     return WholeUpdates(len(names), numel, total, (every_rank, *sharded), mixed)
 
 

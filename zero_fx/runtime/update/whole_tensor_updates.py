@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from ...plan import ShardPlan
+from ...plan.owners import rows_by_owner
 from ...passes.reduce_grads import reduction
 from ..distributed.cpu_group import cpu_group
 
@@ -116,7 +117,7 @@ class WholeTensorUpdates:
         plan = self.plan
         names = [n for n in self.names if n in wholes]
         for dtype, members in _by_dtype(names, [wholes[n] for n in names]):
-            width, where = _owner_layout([n for n, _ in members], plan)
+            width, where = rows_by_owner([n for n, _ in members], plan)
             rows = torch.cat([_row([g.reshape(-1) for n, g in members if where[n][0] == r],
                                    width, dtype, self.device) for r in range(plan.world_size)])
             # the reduction the graph runs for any gradient (its dtype, its mean), on one buffer
@@ -168,7 +169,7 @@ class WholeTensorUpdates:
             return
         for dtype, members in _by_dtype(names, [self.tensors[n].detach() for n in names],
                                         dtype_of=lambda n: plan.layout(n).dtype):
-            width, where = _owner_layout([n for n, _ in members], plan)
+            width, where = rows_by_owner([n for n, _ in members], plan)
             mine = _row([t.reshape(-1) for n, t in members if self.owns(n)], width, dtype,
                         self.device)
             rows = _c10d.wait_tensor(_c10d.all_gather_into_tensor(
@@ -358,18 +359,6 @@ def _by_dtype(names, tensors, dtype_of=None):
         dtype = dtype_of(name) if dtype_of is not None else tensor.dtype
         groups.setdefault(dtype, []).append((name, tensor))
     return list(groups.items())
-
-
-def _owner_layout(names: list[str], plan: ShardPlan) -> tuple[int, dict[str, tuple[int, int]]]:
-    """A buffer laid out by owner for ``names``: its rows' width, and each name's ``(owner,
-    start)``; row r holds the tensors rank r owns, flattened, one after the other in plan
-    order, padded to the widest row ([Note: reductions laid out by owner])."""
-    used, where = [0] * plan.world_size, {}
-    for name in names:
-        owner = plan.owner_of(name)
-        where[name] = (owner, used[owner])
-        used[owner] += plan.layout(name).numel
-    return max(used), where
 
 
 def _row(pieces: list[torch.Tensor], width: int, dtype: torch.dtype,
