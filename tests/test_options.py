@@ -150,20 +150,24 @@ def test_prefetch_buckets_and_reduce_overlap_buckets_move_only_their_own_collect
 
 
 def test_zero_compile_lists_every_option_with_its_default():
-    """The explicit signature stays in step with ZeroConfig: each field is a keyword with the
-    field's default, each policy a keyword too; the renamed names go to ``**deprecated``."""
+    """The explicit signature stays in step with ZeroConfig: each plain field is a keyword with
+    the field's default, each policy a keyword too, and each policy's flat options keywords
+    with their field's defaults; the renamed names go to ``**deprecated``."""
     import inspect
 
-    from zero_fx.config.policies import FLAT_NAMES
+    from zero_fx.config.policies import FLAT_FIELDS, FLAT_NAMES
 
     parameters = inspect.signature(zero_compile).parameters
     options = {name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY} - {
         "config", "model", "optimizer"}
     fields = {f.name: f for f in dataclasses.fields(ZeroConfig)}
-    assert options == set(fields) | set(FLAT_NAMES)
+    assert options == set(fields) | set(FLAT_FIELDS)
     default = ZeroConfig()
     for name in fields:
-        assert parameters[name].default == getattr(default, name), name
+        if name not in FLAT_NAMES:
+            assert parameters[name].default == getattr(default, name), name
+    for flat, (keyword, field) in FLAT_FIELDS.items():
+        assert parameters[flat].default == getattr(getattr(default, keyword), field), flat
     assert parameters["deprecated"].kind is inspect.Parameter.VAR_KEYWORD
 
 
@@ -182,9 +186,15 @@ def test_a_policy_given_whole_means_its_flat_options():
                         quantization=QuantizationPolicy(weights="int8"), recompute="auto",
                         activation_budget_fraction=0.5).config == flat
     assert flat.schedule == SchedulePolicy(bucket_bytes=0, prefetch_buckets=2)
-    assert flat.offload_policy == OffloadPolicy(mode="optimizer", step="overlap")
+    assert flat.offload == flat.offload_policy == OffloadPolicy(mode="optimizer", step="overlap")
     assert flat.quantization == QuantizationPolicy(weights="int8")
-    assert flat.recompute_policy == RecomputePolicy(mode="auto", budget_fraction=0.5)
+    assert flat.recompute == flat.recompute_policy == RecomputePolicy(mode="auto",
+                                                                      budget_fraction=0.5)
+    # a flat name reads its policy's field; replaced() changes one
+    assert (flat.offload_step, flat.prefetch_buckets, flat.quantize_weights) == ("overlap", 2, "int8")
+    assert flat.replaced(offload_step="sync", bucket_bytes=1).offload == OffloadPolicy(mode="optimizer")
+    with pytest.raises(AttributeError, match="offload_stepp"):
+        flat.offload_stepp
     with pytest.raises(ValueError, match="bucket_bytes is set both as a keyword and in schedule="):
         zero_compile(standard_step, schedule=SchedulePolicy(), bucket_bytes=0)
     with pytest.raises(ValueError, match="offload_step is set both"):
@@ -193,6 +203,26 @@ def test_a_policy_given_whole_means_its_flat_options():
         ZeroConfig(schedule={"bucket_bytes": 0})
     with pytest.raises(ValueError, match="prefetch_buckets must be an int >= 0"):
         ZeroConfig(schedule=SchedulePolicy(prefetch_buckets=-1))
+
+
+def test_the_code_reads_options_from_their_policies():
+    """Inside zero_fx the options are read where they are stored, ``config.offload.step``, not
+    by the flat names users may write (``config.offload_step``), which only the door
+    translates (issue 88: ``offload_step`` alone was read at 31 sites)."""
+    import re
+    from pathlib import Path
+
+    import zero_fx
+    from zero_fx.config.policies import FLAT_FIELDS
+
+    flat = sorted(set(FLAT_FIELDS) - {"offload", "recompute"})  # those two name their policy
+    read = re.compile(r"config\.(" + "|".join(flat) + r")\b")
+    root = Path(zero_fx.__file__).parent
+    found = [f"{path.relative_to(root)}:{number}: {line.strip()}"
+             for path in sorted(root.rglob("*.py")) if path.parent.name != "config"
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if read.search(line) and "``" not in line]
+    assert not found, "\n".join(found)
 
 
 def test_the_option_modules_old_paths_are_the_config_packages_modules():

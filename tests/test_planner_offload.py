@@ -206,11 +206,11 @@ def test_the_largest_model_each_mode_holds():
 
 
 @pytest.mark.parametrize("args, message", [
+    # the config's own offload check answers the planner too, in the same words
     (["--stage", "2", "--offload", "parameters"],
-     "offload 'parameters' keeps the parameter shards on the host, and only stage 3 shards "
-     "parameters (stage 2 keeps them whole on every device): use --stage 3, or --offload "
-     "optimizer"),
-    (["--stage", "0", "--offload", "optimizer"], "stage 0 shards nothing: plan --stage 1, 2 or 3"),
+     "offload='parameters' needs stage 3 (got stage 2): stages 1-2 keep whole parameters on "
+     "the device; offload='optimizer' moves the masters and the optimizer's state"),
+    (["--stage", "0", "--offload", "optimizer"], "offload='optimizer' needs stage 1, 2 or 3"),
     (["--offload", "auto"], "--offload auto picks the least offload that fits the device: give "
                             "--device-memory GB"),
     (["--offload", "cpu"], "argument --offload: invalid choice: 'cpu'"),

@@ -16,8 +16,8 @@ from .config import (DEPRECATED_OPTIONS, DebugOptions, ZeroConfig, old_names_in_
                      translate_deprecated)
 from .inspection.explain import Explanation, GraphBreakExplanation
 from .config import DEFAULT_RESIDENT_MAX_NUMEL, BackendName, Compiler
-from .config.policies import (FLAT_NAMES, MixedPrecision, OffloadPolicy, QuantizationPolicy,
-                       RecomputePolicy, SchedulePolicy, flattened)
+from .config.policies import (FLAT_FIELDS, FLAT_NAMES, MixedPrecision, OffloadPolicy, QuantizationPolicy,
+                              RecomputePolicy, SchedulePolicy)
 
 
 if TYPE_CHECKING:
@@ -119,113 +119,27 @@ def zero_compile(
             taking them as arguments; ``optimizer=[muon, adamw]`` for several, each stepped
             once per call (docs/optimizers.md).
 
-    Options (keywords, or fields of ``ZeroConfig``; the FSDP2 and DeepSpeed settings
-    closest to each are in the docs' comparison):
-        stage: ZeRO stage: 0 = DDP (gradients all-reduced, nothing sharded),
-            1 = optimizer states sharded, 2 = + gradients, 3 = + parameters.
-        backend: "inductor" (default), "aot_eager", "eager", or a callable
-            ``compiler(gm, example_inputs) -> callable`` for the rewritten graph.
-        regional: compile each distinct run of compute between collectives once
-            (a 48-block model compiles about as fast as a 12-block one) and run the
-            step's graph, with its collectives, as Python; False: one whole-step
-            program (Inductor, pinned). Applies to "inductor" and "aot_eager", and to
-            "eager", which then runs each run of compute as traced.
-        dynamic_shapes: "auto" (default): a call whose input sizes differ from the first
-            call's compiles one graph with those sizes symbolic, reused for every later
-            size (at most two compilations for changing lengths); "static": one graph per
-            shape.
-        bucket_bytes: byte cap of one fused collective; None: the stage's default
-            (25 MiB; one repeated block per bucket in stage 3), 0: one per parameter.
-        prefetch_buckets: stage 3: each all-gather is issued this many buckets ahead of
-            its use (default 1); 0: where it is used.
-        reduce_overlap_buckets: each gradient reduction is waited for this many
-            reductions after its issue, overlapping the backward (default 1); 0: at once.
-        max_gathered_bytes: stage 3: cap on the bytes of gathered parameters alive at
-            once; prefetching stops where it would pass it. None: no cap.
-        resident_max_numel, keep_resident: stage 3: parameters of at most this many
-            elements (default 16384), or those ``keep_resident(name, param)`` picks,
-            stay resident: gathered once per step and kept (``explain()`` lists them).
-        elementwise_optimizer: declare that an optimizer zero_fx does not know
-            updates each element independently, so every rank steps its flat shard;
-            otherwise such an optimizer steps whole tensors, each on its owner rank
-            ([Note: update rules] in zero_fx/runtime/optimizer.py).
-        passes: your own FX passes, run among ours: ``zero_fx.before("reduce_grads",
-            fn)``, ``zero_fx.after("gather_params", fn)``, or a bare ``fn`` (after our
-            rewrites, before ``check_invariants``). ``fn(gm) -> gm`` (or None after
-            editing ``gm`` in place). A pass that breaks an invariant raises
-            ``InvariantError`` naming it.
-        mixed_precision: ``zero_fx.MixedPrecision(param_dtype=torch.bfloat16)``: compute
-            and all-gather in bf16, keep fp32 masters and optimizer state; float16
-            adds dynamic loss scaling.
-        accumulation_steps: calls per optimizer step: ``opt.step()`` takes effect on
-            every K-th call, with the mean gradient of the K micro-batches.
-        max_grad_norm: clip the gradient to this global norm before each optimizer
-            step; ``step.last_grad_norm`` is the norm before clipping.
-        optimizer_update: ``"auto"`` (the default) steps the optimizer inside the graph,
-            each bucket of shards right after its gradients are reduced (which frees them
-            there), where the step allows it, and after the graph otherwise; ``"graph"``
-            requires the former, ``"eager"`` always does the latter. ``step.explain()``
-            says which ran and why.
-        init_fn: a model built on the meta device is initialized on the first call one
-            module at a time, each rank keeping its shards; ``init_fn(module)`` is the
-            model's own init after its modules are built (nanoGPT's ``self.apply(
-            self._init_weights)``).
-        recompute: recompute forward values in the backward instead of keeping them:
-            ``"blocks"`` keeps only each repeated block's input (activation
-            checkpointing), ``"auto"`` keeps what fits the activation budget, a policy
-            ``fn(node) -> "save" | "recompute"`` decides per op. Dropout replays its mask.
-        activation_budget_fraction, activation_budget_bytes: ``recompute="auto"``'s budget,
-            as a fraction in (0, 1] of the activations or as bytes (one of the two;
-            either alone implies ``recompute="auto"``; default: half).
-        mesh: a ``DeviceMesh`` over every rank. 2-D, ``init_device_mesh(device, (replicas,
-            shards), mesh_dim_names=("replicate", "shard"))``: hybrid sharding, sharded
-            within each shard group (a node) and replicated across them, the gradient
-            shards all-reduced across replicas. 1-D or None: flat.
-        expert_parallel: stages 1-3, mixture-of-experts models: split each block's routed
-            experts over this many consecutive ranks (a divisor of the world size, of the
-            shard group's on a hybrid mesh, and of the experts per block); tokens travel to
-            their experts' ranks by all-to-all and back, and each expert is sharded over the
-            ranks holding it (stage 3; stages 1-2 keep it whole there). 1 (default): every
-            rank runs every expert.
-        expert_capacity_factor: with ``expert_parallel``: each expert takes at most this
-            many times an even spread's rows, dropping the rest (zero output, GShard's
-            capacity factor), which bounds the received rows' buffer to about this many
-            times the rows a rank sends. None (default): no row dropped, the buffer sized
-            for the worst case, ``expert_parallel`` times larger.
-        offload: stages 1-3: ``"optimizer"`` keeps the fp32 masters and the optimizer's
-            state in host memory and steps the optimizer there; ``"parameters"`` (stage 3)
-            the shards too; ``"auto"`` the least of these whose step fits ``device_memory``
-            bytes (default: the GPU's capacity), read from the rewritten step.
-            ``offload_update``: where the offloaded optimizer steps, ``"host"``,
-            ``"device"`` (its state streamed bucket by bucket) or ``"auto"`` (the device
-            where two buckets of state fit). ``offload_step="overlap"``: the host's
-            optimizer step overlaps the next call, whose parameters are one step stale.
-            docs/offload.md.
-        on_graph_break: a step dynamo cannot trace as one graph (a branch on a tensor's
-            value, a call it cannot trace): ``"eager"`` (default) runs it as plain PyTorch
-            on the sharded state, warning once and naming the line in ``explain()``;
-            ``"error"`` raises ``CaptureError`` naming the line.
-        debug: ``zero_fx.DebugOptions(dump_dir=..., disable_passes=..., check_ranks=...,
-            pin_schedule=...)``: graph dumps (default: the ``ZERO_FX_DUMP`` environment
-            variable), passes to skip, the ranks' agreement check before each call's
-            first collective (on by default; a mismatch raises ``RanksDisagreeError``
-            instead of hanging), and Inductor schedule pinning with ``regional=False``.
-        quantize_weights: stage 3: the all-gathers move the parameters block-quantized,
-            ``"int8"`` or ``"fp8"`` (or ``{"forward": ..., "backward": ...}``), masters and
-            shards in full precision (ZeRO++'s qwZ). ``quantize_gradients``: the reductions
-            move ``"int8"`` or ``"int4"`` blocks by all-to-all, summed in fp32 (qgZ).
-            ``quantize_block``: elements per block, one fp32 scale each (default 256).
-            docs/quantization.md.
-        secondary_partition: stage 3: the forward's gathers also keep a copy sharded within
-            the node, which the backward gathers from (ZeRO++'s hpZ): the ranks per node, or
-            True for torchrun's ``LOCAL_WORLD_SIZE``.
+    Options: each is a keyword here and is documented once, where it is stored (``help(
+    ZeroConfig)`` and ``help`` of its policy; the FSDP2 and DeepSpeed settings closest to
+    each are in docs/comparison.md):
 
-    The options that belong together can be given as one policy each instead (zero_fx/
-    policies.py): ``schedule=SchedulePolicy(bucket_bytes=..., prefetch_buckets=...,
-    reduce_overlap_buckets=..., max_gathered_bytes=...)``, ``offload=OffloadPolicy(mode=...,
-    device_memory=..., update=..., step=...)``, ``quantization=QuantizationPolicy(weights=...,
-    gradients=..., block=...)``, ``recompute=RecomputePolicy(mode=..., budget_fraction=...,
-    budget_bytes=...)``; a policy and one of its flat options together is an error.
+    - ``ZeroConfig``'s own fields: ``stage``, ``backend``, ``regional``, ``dynamic_shapes``,
+      ``on_graph_break``, ``resident_max_numel``, ``keep_resident``,
+      ``elementwise_optimizer``, ``passes``, ``accumulation_steps``, ``max_grad_norm``,
+      ``optimizer_update``, ``init_fn``, ``mesh``, ``expert_parallel``,
+      ``expert_capacity_factor``, ``secondary_partition``;
+    - ``schedule=SchedulePolicy(...)``, or its flat options ``bucket_bytes``,
+      ``prefetch_buckets``, ``reduce_overlap_buckets``, ``max_gathered_bytes``;
+    - ``offload=OffloadPolicy(...)``, or ``offload`` (its mode), ``device_memory``,
+      ``offload_update``, ``offload_step`` (docs/offload.md);
+    - ``quantization=QuantizationPolicy(...)``, or ``quantize_weights``,
+      ``quantize_gradients``, ``quantize_block`` (docs/quantization.md);
+    - ``recompute=RecomputePolicy(...)``, or ``recompute`` (its mode),
+      ``activation_budget_fraction``, ``activation_budget_bytes``;
+    - ``mixed_precision=MixedPrecision(...)`` and ``debug=DebugOptions(...)``.
+
+    A policy and one of its flat options together is an error. ``step.config`` holds the
+    policies (``step.config.offload.step``).
 
     The names of 0.1 (``zero_fx.config.DEPRECATED_OPTIONS``) still work for one release,
     with a ``FutureWarning``: ``memory_budget_bytes`` -> ``max_gathered_bytes``;
@@ -271,7 +185,7 @@ def _zero_compile(fn: Optional[Callable] = None, *, config: Optional[ZeroConfig]
 
     def wrap(step_fn: Callable) -> "CompiledStep":
         return CompiledStep(step_fn, config, model=model, optimizer=optimizer,
-                            given=frozenset(flattened(options)))
+                            given=frozenset(FLAT_FIELDS.get(name, (name,))[0] for name in options))
 
     return wrap(fn) if fn is not None else wrap
 
@@ -279,7 +193,7 @@ def _zero_compile(fn: Optional[Callable] = None, *, config: Optional[ZeroConfig]
 def _config_from(config: Optional[ZeroConfig], options: dict) -> ZeroConfig:
     """``config`` with the keyword ``options`` (new or renamed names) applied: a keyword may
     set a field the config leaves at its default, or repeat the config's value."""
-    known = {f.name for f in dataclasses.fields(ZeroConfig)} | set(FLAT_NAMES)
+    known = {f.name for f in dataclasses.fields(ZeroConfig)} | set(FLAT_FIELDS)
     unknown = [name for name in options if name not in known and name not in DEPRECATED_OPTIONS]
     if unknown:
         near = difflib.get_close_matches(unknown[0], [*known, *DEPRECATED_OPTIONS], n=1)
@@ -287,37 +201,62 @@ def _config_from(config: Optional[ZeroConfig], options: dict) -> ZeroConfig:
                         + (f" (did you mean {near[0]!r}?)" if near else "")
                         + f"; the options are ZeroConfig's fields: {', '.join(sorted(known))}")
     with old_names_in_errors(options):
-        return _configured(config, flattened(translate_deprecated(options, stacklevel=4)))
+        return _configured(config, translate_deprecated(options, stacklevel=4))
 
 
 def _configured(config: Optional[ZeroConfig], options: dict) -> ZeroConfig:
+    """``config`` with the keyword ``options`` set (flat options, or policies given whole);
+    an option given as a keyword that the config sets to something else is an error."""
     if config is None:
         return ZeroConfig(**options)
     if not isinstance(config, ZeroConfig):
         raise TypeError(f"config must be a zero_fx.ZeroConfig(...), got {type(config).__name__}")
     default = ZeroConfig()
-    changes = {}
+    changes, policy_fields = {}, {}
     for name, value in options.items():
-        if name == "debug":
-            value = _merged_debug(config.debug, value, default.debug)
-        elif not _same(getattr(config, name), getattr(default, name)) and not _same(
-                getattr(config, name), value):
-            raise ValueError(f"{name} is set both in config= ({getattr(config, name)!r}) and as a "
-                             f"keyword ({value!r}); set it in one place")
-        changes[name] = value
+        if name in POLICIES and (name not in FLAT_FIELDS or isinstance(value, POLICIES[name])):
+            if value is not None or name == "debug":
+                changes[name] = _merged_policy(name, getattr(config, name), value,
+                                               getattr(default, name))
+            continue
+        keyword, field = FLAT_FIELDS.get(name, (None, None))
+        ours, initial = ((getattr(getattr(config, keyword), field),
+                          getattr(getattr(default, keyword), field)) if keyword
+                         else (getattr(config, name), getattr(default, name)))
+        if not _same(ours, initial) and not _same(ours, value):
+            raise ValueError(f"{name} is set both in config= ({ours!r}) and as a keyword "
+                             f"({value!r}); set it in one place")
+        if keyword:
+            policy_fields.setdefault(keyword, {})[field] = value
+        else:
+            changes[name] = value
+    for keyword, fields in policy_fields.items():
+        if keyword in changes:
+            raise ValueError(f"{FLAT_NAMES[keyword][1][next(iter(fields))]} is set both as a "
+                             f"keyword and in {keyword}=: set it in one place")
+        changes[keyword] = dataclasses.replace(getattr(config, keyword), **fields)
     return dataclasses.replace(config, **changes) if changes else config
 
 
-def _merged_debug(configured: DebugOptions, given: Any, default: DebugOptions) -> DebugOptions:
-    if not isinstance(given, DebugOptions):
-        raise TypeError(f"debug must be a zero_fx.DebugOptions(...), got {type(given).__name__}")
+POLICIES = {"debug": DebugOptions, "schedule": SchedulePolicy, "offload": OffloadPolicy,
+            "quantization": QuantizationPolicy, "recompute": RecomputePolicy}
+"""The options merged field by field with a ``config=``'s: a keyword sets the fields the
+config leaves at their defaults."""
+
+
+def _merged_policy(name: str, configured: Any, given: Any, default: Any) -> Any:
+    """The policy ``name`` of a ``config=`` with the fields ``given`` as keywords set."""
+    cls = POLICIES[name]
+    if not isinstance(given, cls):
+        raise TypeError(f"{name} must be a zero_fx.{cls.__name__}(...), got {type(given).__name__}")
     changes = {}
-    for f in dataclasses.fields(DebugOptions):
+    for f in dataclasses.fields(cls):
         value, ours = getattr(given, f.name), getattr(configured, f.name)
         if _same(value, getattr(default, f.name)) or _same(value, ours):
             continue
         if not _same(ours, getattr(default, f.name)):
-            raise ValueError(f"debug {f.name} is set both in config= ({ours!r}) and as a keyword "
+            option = FLAT_NAMES[name][1][f.name] if name in FLAT_NAMES else f"{name} {f.name}"
+            raise ValueError(f"{option} is set both in config= ({ours!r}) and as a keyword "
                              f"({value!r}); set it in one place")
         changes[f.name] = value
     return dataclasses.replace(configured, **changes) if changes else configured

@@ -194,10 +194,10 @@ def _exact(config):
     """``config`` with the lossy options off, and the names of those it had on."""
     on = tuple(name for name, off in LOSSY_OPTIONS.items() if getattr(config, name) != off)
     changes = {name: LOSSY_OPTIONS[name] for name in on}
-    if config.offload_step != "sync":
+    if config.offload.step != "sync":
         on += ("offload_step",)
         changes["offload_step"] = "sync"
-    return dataclasses.replace(config, **changes), on
+    return config.replaced(**changes), on
 
 
 def _copy(model, optimizer, args, kwargs):

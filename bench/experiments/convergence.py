@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from examples.gpt import GPT, GPTConfig
-from zero_fx import ZeroConfig
+from zero_fx import QuantizationPolicy
 
 from ..helpers.runs import OUT, join_group, leave_group, machine, write_json
 from .quantized import CONFIGS, step_on_mesh
@@ -166,7 +166,7 @@ def describe(args, world: int) -> str:
     title = "the README example's GPT" if args.model == "readme" else "GPT-2 small's shape"
     return (f"{title} ({cfg.n_layer} layers, width {cfg.n_embd}, {args.seq} tokens), stage 3 "
             f"on a 2 x {world // 2} mesh, AdamW lr {args.lr}, global batch {args.batch_size}, "
-            f"blocks of {args.block or ZeroConfig.quantize_block}, weights of seed {args.seed}"
+            f"blocks of {args.block or QuantizationPolicy.block}, weights of seed {args.seed}"
             + (f" trained {args.warm_start} steps in fp32" if args.warm_start else ""))
 
 
@@ -193,7 +193,7 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--block", type=int, default=None,
                         help=f"quantize_block of the quantized configurations (zero_fx's default: "
-                             f"{ZeroConfig.quantize_block})")
+                             f"{QuantizationPolicy.block})")
     parser.add_argument("--seed", type=int, default=0, help="of the initial weights (the batches stay)")
     parser.add_argument("--warm-start", type=int, default=0,
                         help="steps of fp32 training (eager, in each process) that every "

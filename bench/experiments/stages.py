@@ -87,9 +87,9 @@ def measure_stage(stage: int, world_size: int, *, width: int, depth: int, steps:
     in_graph = not train_step.compilations[-1].update_reason
     formula = model_state_bytes(stage, psi, world_size, optimizer_bytes=ADAM_STATE_BYTES,
                                 updates_in_graph=in_graph)
-    working_set = working_set_bytes(stage, bucket_bytes, train_step.config.prefetch_buckets,
+    working_set = working_set_bytes(stage, bucket_bytes, train_step.config.schedule.prefetch_buckets,
                                     updates_in_graph=in_graph,
-                                    reduce_overlap=train_step.config.reduce_overlap_buckets)
+                                    reduce_overlap=train_step.config.schedule.reduce_overlap_buckets)
     report = train_step.traffic()
     return {
         "stage": stage,

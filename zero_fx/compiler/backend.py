@@ -170,8 +170,8 @@ class StepCompiler:
             tried = run_pipeline(tried, self._pipeline_for(tried, in_graph), observe=observe)
             mode = choice.next_mode(tried, self.sharded.plan, self.sharded.optimizer_state_tensors)
             if mode is None:
-                self.sharded.choose_update(self.config.offload_update,
-                                           delayed=self.config.offload_step == "overlap")
+                offload = self.config.offload
+                self.sharded.choose_update(offload.update, delayed=offload.delayed)
                 return tried
             self.sharded.offload_more(mode)
 

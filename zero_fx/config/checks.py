@@ -38,41 +38,92 @@ def check_expert_parallel(degree, stage: int, mesh, capacity_factor=None) -> Non
 OFFLOAD_MODES = (None, "optimizer", "parameters", "auto")
 
 
-def check_offload(offload, stage: int, device_memory=None) -> None:
-    """An offload mode zero_fx runs (and ``"auto"``'s budget), or an error saying what to
-    choose instead."""
-    if offload not in OFFLOAD_MODES:
+def check_offload(policy, stage: int) -> None:
+    """An ``OffloadPolicy`` zero_fx runs at ``stage``, or an error saying what to choose
+    instead: the one offload check, which ``ZeroConfig`` and the planner (``--offload``)
+    both call."""
+    mode, device_memory, where, step = policy.mode, policy.device_memory, policy.update, policy.step
+    if mode not in OFFLOAD_MODES:
         raise ValueError(f"offload must be None, 'optimizer', 'parameters' or 'auto', got "
-                         f"{offload!r}")
-    if offload is not None and stage == 0:
-        raise ValueError(f"offload={offload!r} needs stage 1, 2 or 3: stage 0 steps the "
+                         f"{mode!r}")
+    if mode is not None and stage == 0:
+        raise ValueError(f"offload={mode!r} needs stage 1, 2 or 3: stage 0 steps the "
                          "optimizer on the model's own parameters, on the training device")
-    if offload == "parameters" and stage != 3:
+    if mode == "parameters" and stage != 3:
         raise ValueError(f"offload='parameters' needs stage 3 (got stage {stage}): stages 1-2 "
                          "keep whole parameters on the device; offload='optimizer' moves the "
                          "masters and the optimizer's state")
-    if device_memory is None:
-        return
-    if offload is None:
-        raise ValueError("device_memory is the budget offload='auto' fits the step into (and "
-                         "offload_update='auto' chooses by); without offload nothing reads it: "
-                         "set offload, or leave device_memory out")
-    if isinstance(device_memory, bool) or not isinstance(device_memory, (int, float)) \
-            or not device_memory > 0:
-        raise ValueError(f"device_memory must be a number of bytes > 0 (80e9 for 80 GB), got "
-                         f"{device_memory!r}")
-
-
-def check_offload_update(where, offload, offload_step: str) -> None:
-    """Where an offloaded optimizer steps, or an error saying what to choose instead."""
+    if device_memory is not None:
+        if mode is None:
+            raise ValueError("device_memory is the budget offload='auto' fits the step into (and "
+                             "offload_update='auto' chooses by); without offload nothing reads "
+                             "it: set offload, or leave device_memory out")
+        if isinstance(device_memory, bool) or not isinstance(device_memory, (int, float)) \
+                or not device_memory > 0:
+            raise ValueError(f"device_memory must be a number of bytes > 0 (80e9 for 80 GB), "
+                             f"got {device_memory!r}")
     if where not in ("auto", "host", "device"):
         raise ValueError(f"offload_update must be 'auto', 'host' or 'device', got {where!r}")
-    if where != "auto" and offload is None:
+    if where != "auto" and mode is None:
         raise ValueError(f"offload_update={where!r} says where an offloaded optimizer steps: set "
                          "offload='optimizer', 'parameters' or 'auto' with it")
-    if where == "device" and offload_step == "overlap":
+    if step not in ("sync", "overlap"):
+        raise ValueError(f"offload_step must be 'sync' or 'overlap', got {step!r}")
+    if step == "overlap" and where == "device":
         raise ValueError("offload_step='overlap' runs the optimizer on a host thread during the "
                          "next call: it goes with offload_update='host' (or 'auto'), not 'device'")
+    if step == "overlap" and mode is None:
+        raise ValueError("offload_step='overlap' overlaps the host's optimizer step with the "
+                         "next call: it needs offload='optimizer' or 'parameters'")
+    if step == "overlap" and mode == "auto":
+        raise ValueError("offload_step='overlap' makes every call read parameters one step "
+                         "stale, and with offload='auto' whether it applies would depend on "
+                         "memory: choose offload='optimizer' or 'parameters' with it")
+
+
+def check_schedule(policy, blocks: str) -> None:
+    """A ``SchedulePolicy`` of sizes and counts zero_fx can use (``blocks``: the name of
+    one bucket per block), or an error naming the bad one."""
+    for name in ("bucket_bytes", "max_gathered_bytes"):
+        value = getattr(policy, name)
+        if name == "bucket_bytes" and value == blocks:
+            continue
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 0):
+            also = f", {blocks!r}" if name == "bucket_bytes" else ""
+            raise ValueError(f"{name} must be a number of bytes >= 0{also} or None, got {value!r}")
+    for name in ("prefetch_buckets", "reduce_overlap_buckets"):
+        value = getattr(policy, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+RECOMPUTE_MODES = (None, "blocks", "auto")
+
+
+def check_recompute(policy) -> None:
+    """A ``RecomputePolicy`` zero_fx can run, or an error saying what to choose instead."""
+    mode, fraction, nbytes = policy.mode, policy.budget_fraction, policy.budget_bytes
+    if mode not in RECOMPUTE_MODES and not callable(mode):
+        raise ValueError(f"recompute must be None, 'blocks', 'auto' or a policy "
+                         f"fn(node) -> 'save' | 'recompute'; got {mode!r}")
+    if fraction is None and nbytes is None:
+        return
+    name = "activation_budget_fraction" if fraction is not None else "activation_budget_bytes"
+    if fraction is not None and nbytes is not None:
+        raise ValueError("set activation_budget_fraction or activation_budget_bytes, not both")
+    if mode not in (None, "auto"):
+        raise ValueError(f"{name} goes with recompute='auto', not recompute={mode!r}")
+    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                 or not 0 < fraction <= 1):
+        raise ValueError(f"activation_budget_fraction must be a fraction in (0, 1] of the "
+                         f"activations; got {fraction!r} (a number of bytes is "
+                         f"activation_budget_bytes)")
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int)
+                               or nbytes < 1):
+        raise ValueError(f"activation_budget_bytes must be a number of bytes >= 1; got "
+                         f"{nbytes!r} (a fraction of the activations is "
+                         f"activation_budget_fraction)")
 
 
 WEIGHT_FORMATS = ("int8", "fp8")
@@ -87,9 +138,10 @@ def weight_formats(quantize_weights) -> tuple:
     return (quantize_weights, quantize_weights)
 
 
-def check_quantization(weights, gradients, block, stage: int, accumulation_steps: int) -> None:
-    """The quantized-communication options make sense together ([Note: quantized blocks
-    on the wire] in passes/common/quantized_code.py)."""
+def check_quantization(policy, stage: int, accumulation_steps: int) -> None:
+    """A ``QuantizationPolicy`` that makes sense at ``stage`` ([Note: quantized blocks on the
+    wire] in passes/common/quantized_code.py)."""
+    weights, gradients, block = policy.weights, policy.gradients, policy.block
     if isinstance(weights, Mapping):
         unknown = set(weights) - set(PHASES)
         if unknown:

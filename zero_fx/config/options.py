@@ -4,6 +4,7 @@ checks.py, the names of 0.1 in renamed_options.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
@@ -12,16 +13,17 @@ import torch
 
 from ..analysis.cost_model import node_seconds
 from ..analysis.hardware import hardware as preset_hardware
-from .checks import (GRADIENT_FORMATS, MESH_DIM_NAMES, OFFLOAD_MODES, WEIGHT_FORMATS,  # noqa: F401
-                     check_expert_parallel, check_mesh, check_offload, check_offload_update,
-                     check_quantization, check_secondary_partition, weight_formats)
+from .checks import (GRADIENT_FORMATS, MESH_DIM_NAMES, OFFLOAD_MODES,  # noqa: F401
+                     RECOMPUTE_MODES, WEIGHT_FORMATS, check_expert_parallel, check_mesh,
+                     check_offload, check_quantization, check_recompute, check_schedule,
+                     check_secondary_partition, weight_formats)
 from ..passes.pipeline import pass_names
 from ..passes.recompute_activations import ActivationBudget
 from ..plan.build import PlanOptions
 from ..plan.layout import BLOCKS, StageConsequences
-from .policies import (DUMP_ENV, FLOAT_DTYPES, DebugOptions, MixedPrecision,  # noqa: F401
-                       OffloadPolicy, QuantizationPolicy, RecomputePolicy, SchedulePolicy,
-                       flattened, policy_from)
+from .policies import (DUMP_ENV, FLAT_FIELDS, FLOAT_DTYPES, DebugOptions,  # noqa: F401
+                       MixedPrecision, OffloadPolicy, QuantizationPolicy, RecomputePolicy,
+                       SchedulePolicy, grouped)
 from .renamed_options import (DEPRECATED_OPTIONS, RENAMED_OPTIONS_KEPT_THROUGH,  # noqa: F401
                               old_names_in_errors, translate_deprecated, warn_renamed)
 
@@ -35,7 +37,6 @@ DEFAULT_BUCKET_BYTES = {0: 25 * MiB, 1: 25 * MiB, 2: 25 * MiB, 3: BLOCKS}
 """Bucketing per stage. 25 MiB is DDP's gradient bucket. Stage 3's all-gather buckets
 are working memory (with prefetch, two are alive at once on top of the shards): one
 repeated block of the model per bucket ([Note: buckets by block] in plan/layout.py)."""
-RECOMPUTE_MODES = (None, "blocks", "auto")
 OPTIMIZER_UPDATES = ("auto", "graph", "eager")
 DYNAMIC_SHAPES = ("auto", "static")
 """The values of ``ZeroConfig.dynamic_shapes``."""
@@ -49,16 +50,22 @@ DEFAULT_PERSISTENCE_THRESHOLD = DEFAULT_RESIDENT_MAX_NUMEL
 """The old name of ``DEFAULT_RESIDENT_MAX_NUMEL``."""
 
 
+POLICY_FIELDS = {"schedule": SchedulePolicy, "offload": OffloadPolicy,
+                 "quantization": QuantizationPolicy, "recompute": RecomputePolicy}
+"""The fields of ``ZeroConfig`` that hold a policy given by flat options too."""
+
+
 @dataclass(frozen=True)
 class ZeroConfig(StageConsequences):
     """How ``zero_compile`` shards and compiles a training step: ``zero_compile(config=
     ZeroConfig(...))``, or the same options as keywords of ``zero_compile``.
 
-    The options that belong together can also be given, and are read back, as one policy
-    each (policies.py): ``schedule=SchedulePolicy(...)``, ``offload=OffloadPolicy(...)``,
-    ``quantization=QuantizationPolicy(...)``, ``recompute=RecomputePolicy(...)`` set the
-    fields named in ``policies.FLAT_NAMES``; ``config.schedule``, ``config.offload_policy``,
-    ``config.quantization`` and ``config.recompute_policy`` give them back.
+    The options that belong together are stored as one policy each (policies.py, where
+    each of their options is documented): ``schedule``, ``offload``, ``quantization``,
+    ``recompute`` (and ``mixed_precision``, ``debug``). Each is given whole
+    (``offload=OffloadPolicy(...)``) or by its flat options (``offload="optimizer",
+    offload_step="overlap"``: ``policies.FLAT_NAMES``), which the door gathers into the
+    policy; ``config.offload.step`` reads it back, and so does ``config.offload_step``.
 
     The options renamed after 0.1 (``DEPRECATED_OPTIONS``) are still accepted here and by
     ``zero_compile`` for one release, with a ``FutureWarning`` naming the new option."""
@@ -74,18 +81,9 @@ class ZeroConfig(StageConsequences):
     """Declare that an optimizer zero_fx does not know updates each element
     independently (so it may step on flat shards). ``None``: known torch.optim
     optimizers only."""
-    bucket_bytes: Union[int, str, None] = None
-    """Fuse all-gathers, reduce-scatters and all-reduces up to this many bytes per
-    launch; ``"blocks"``: one launch per repeated block of the model ([Note: buckets by
-    block] in plan/layout.py). ``None``: the stage's default (``DEFAULT_BUCKET_BYTES``:
-    blocks in stage 3, 25 MiB below); 0: one collective per parameter."""
-    prefetch_buckets: int = 1
-    """Stage 3: each all-gather is issued this many buckets ahead of the compute that
-    needs it (within ``max_gathered_bytes``). 0: issued where it is used."""
-    reduce_overlap_buckets: int = 1
-    """Every stage: each gradient reduction (reduce-scatter, all-reduce) is waited for
-    this many reductions after it is issued, so it runs during the backward. 0: waited
-    right after it is issued."""
+    schedule: SchedulePolicy = field(default_factory=SchedulePolicy)
+    """How the collectives are fused and when they are issued and waited for: buckets,
+    prefetch, overlap, the gathered bytes' cap (``SchedulePolicy``)."""
     regional: bool = True
     """"inductor" and "aot_eager": compile each distinct run of compute between
     collectives once and run the step's graph itself as Python, so compile time grows
@@ -108,9 +106,6 @@ class ZeroConfig(StageConsequences):
     specialised to its sizes (for steps whose lengths you bucket to a few values yourself).
     Sizes marked with ``torch._dynamo.mark_dynamic`` are symbolic from the first call either
     way."""
-    max_gathered_bytes: Optional[int] = None
-    """Stage 3: the most bytes of gathered (full) parameters alive at once; prefetching
-    stops where it would exceed it. ``None``: bounded by ``prefetch_buckets`` only."""
     resident_max_numel: int = DEFAULT_RESIDENT_MAX_NUMEL
     """Stage 3: parameters with at most this many elements stay resident: gathered once
     per step and kept through forward and backward (no backward gather). 0: none."""
@@ -139,23 +134,9 @@ class ZeroConfig(StageConsequences):
     ``init_fn(module)`` for every module, children first ([Note: replaying construction] in
     zero_fx/materialize/events.py). None: each module's ``reset_parameters()`` (and
     HuggingFace models' ``_init_weights``)."""
-    recompute: Union[None, str, Callable[[torch.fx.Node], str]] = None
-    """What the backward recomputes instead of keeping from the forward ([Note: recompute as
-    a graph pass] in passes/recompute_activations.py): None (keep what eager keeps);
-    ``"blocks"``: keep only each repeated block's input (full activation checkpointing);
-    ``"auto"``: keep what fits ``activation_budget_fraction`` or ``activation_budget_bytes``,
-    the rest chosen by the cost model's recompute time per byte; or a policy
-    ``fn(node) -> "save" | "recompute"`` asked for every forward op. Random ops (dropout)
-    are never recomputed: their results are kept, so a recomputed dropout applies the
-    forward's mask."""
-    activation_budget_fraction: Optional[float] = None
-    """``recompute="auto"``: keep this fraction, in (0, 1], of the bytes the backward would
-    keep without recompute (as torch's partitioner knob ``activation_memory_budget``).
-    Setting it alone means ``recompute="auto"``; default with ``"auto"``:
-    ``DEFAULT_ACTIVATION_BUDGET``."""
-    activation_budget_bytes: Optional[int] = None
-    """``recompute="auto"``: keep at most this many bytes of activations for the backward.
-    Setting it alone means ``recompute="auto"``. Not with ``activation_budget_fraction``."""
+    recompute: RecomputePolicy = field(default_factory=RecomputePolicy)
+    """What the backward recomputes instead of keeping from the forward, and the activation
+    budget (``RecomputePolicy``)."""
     mesh: Any = None
     """A ``DeviceMesh`` over every rank: 2-D ``(replicas, shards)`` with ``mesh_dim_names=
     ("replicate", "shard")`` shards within each shard group and all-reduces the gradient
@@ -171,46 +152,10 @@ class ZeroConfig(StageConsequences):
     that a rank's buffer of received rows is about this many times the rows it sends
     ([Note: expert capacity] in zero_fx/capture/experts/expert_exchange.py). None: every row, in a
     buffer sized for the worst case."""
-    offload: Optional[str] = None
-    """Stages 1-3: ``"optimizer"`` keeps the fp32 masters and the optimizer's state in host
-    memory (pinned on CUDA), steps the optimizer there, and gives the device the
-    parameters' shards in the compute dtype ([Note: optimizer offload] in
-    zero_fx/runtime/offload.py). Stage 3: ``"parameters"`` keeps those shards in host memory
-    too, each bucket copied to the device right before its all-gather. ``"auto"``: the least
-    of these whose step fits ``device_memory`` ([Note: choosing what to offload] in
-    zero_fx/runtime/offload_choice.py). None: everything on the training device."""
-    device_memory: Optional[int] = None
-    """With ``offload``: the bytes of device memory a rank's step may fill, which
-    ``offload="auto"`` and ``offload_update="auto"`` choose by. None: the training GPU's
-    capacity (on the CPU, where host and device are one memory, nothing is offloaded and the
-    optimizer steps on the host without it)."""
-    offload_update: str = "auto"
-    """With ``offload``: where the optimizer steps. ``"host"``: in host memory (ZeRO-Offload);
-    ``"device"``: on the device, its state streamed in and out bucket by bucket ([Note: the
-    update streamed through the device] in zero_fx/runtime/update/streamed_update.py); ``"auto"``:
-    on the device where the device's budget (``device_memory``, or the GPU's capacity) has
-    room for two buckets of state beside what stays on the device between steps, else on the
-    host."""
-    offload_step: str = "sync"
-    """With ``offload``: ``"overlap"`` runs each optimizer step on the host while the next
-    call's forward and backward run, which then read parameters one step stale
-    (ZeRO-Offload's delayed parameter update, [Note: the delayed update] in
-    zero_fx/runtime/update/update.py); ``"sync"``: every call reads the latest parameters."""
-    quantize_weights: Union[None, str, Mapping[str, Optional[str]]] = None
-    """Stage 3: the all-gathers move the parameters block-quantized, dequantized before
-    use (ZeRO++'s qwZ; [Note: quantized blocks on the wire] in passes/common/quantized_code.py):
-    ``"int8"`` or ``"fp8"`` (e4m3) for every gather, or ``{"forward": ..., "backward":
-    ...}`` to choose each phase's apart (None in it: that phase's gathers as they are).
-    The masters, the optimizer and the shards stay in full precision: only the copy on the
-    wire is quantized. None: gathers move the parameters' own dtype."""
-    quantize_gradients: Optional[str] = None
-    """Stages 1-3: each gradient reduction moves ``"int8"`` or ``"int4"`` blocks by
-    all-to-all, summed in fp32 on arrival (ZeRO++'s qgZ; [Note: reductions as
-    all-to-alls] in passes/common/quantized_code.py); with hybrid sharding, the all-reduce across
-    replicas too where that moves fewer bytes. None: reductions in the gradients' dtype."""
-    quantize_block: int = 256
-    """Elements per quantized block (one fp32 scale each, 4 bytes): a multiple of 8.
-    Smaller blocks follow the values more closely and move more scales."""
+    offload: OffloadPolicy = field(default_factory=OffloadPolicy)
+    """What lives in host memory and where and when the optimizer steps (``OffloadPolicy``)."""
+    quantization: QuantizationPolicy = field(default_factory=QuantizationPolicy)
+    """What the collectives move quantized (``QuantizationPolicy``: ZeRO++'s qwZ, qgZ)."""
     secondary_partition: Union[None, bool, int] = None
     """Stage 3: the forward's gathers also keep a copy of each parameter sharded within the
     node, and the backward gathers from it within the node only (ZeRO++'s hpZ; [Note: the
@@ -244,17 +189,14 @@ class ZeroConfig(StageConsequences):
                              f'eagerly) or "error" (raise CaptureError); got {self.on_graph_break!r}')
         object.__setattr__(self, "passes", tuple(self.passes))
         pass_names(disable=self.debug.disable_passes, extra=self.passes)  # raises on a bad name or entry
-        for name in ("bucket_bytes", "max_gathered_bytes"):
-            value = getattr(self, name)
-            if name == "bucket_bytes" and value == BLOCKS:
-                continue
-            if value is not None and (not isinstance(value, int) or value < 0):
-                also = f", {BLOCKS!r}" if name == "bucket_bytes" else ""
-                raise ValueError(f"{name} must be a number of bytes >= 0{also} or None, got {value!r}")
-        for name in ("prefetch_buckets", "reduce_overlap_buckets", "resident_max_numel"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        for name, cls in POLICY_FIELDS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise TypeError(f"{name} must be a zero_fx.{cls.__name__}(...), got "
+                                f"{type(getattr(self, name)).__name__}")
+        check_schedule(self.schedule, BLOCKS)
+        value = self.resident_max_numel
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"resident_max_numel must be an int >= 0, got {value!r}")
         if self.keep_resident is not None and not callable(self.keep_resident):
             raise TypeError("keep_resident must be a callable (name, param) -> bool")
         if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecision):
@@ -269,59 +211,25 @@ class ZeroConfig(StageConsequences):
         if self.optimizer_update not in OPTIMIZER_UPDATES:
             raise ValueError(f"optimizer_update must be one of {', '.join(map(repr, OPTIMIZER_UPDATES))}"
                              f", got {self.optimizer_update!r}")
-        if self.recompute not in RECOMPUTE_MODES and not callable(self.recompute):
-            raise ValueError(f"recompute must be None, 'blocks', 'auto' or a policy "
-                             f"fn(node) -> 'save' | 'recompute'; got {self.recompute!r}")
         if self.dynamic_shapes not in DYNAMIC_SHAPES:
             raise ValueError(f"dynamic_shapes must be 'auto' (one dynamic graph once sizes "
                              f"change) or 'static' (one graph per shape); got {self.dynamic_shapes!r}")
-        self._check_activation_budget()
+        check_recompute(self.recompute)
         check_mesh(self.mesh, self.stage)
         check_expert_parallel(self.expert_parallel, self.stage, self.mesh,
                               self.expert_capacity_factor)
-        check_offload(self.offload, self.stage, self.device_memory)
-        check_offload_update(self.offload_update, self.offload, self.offload_step)
-        if self.offload_step not in ("sync", "overlap"):
-            raise ValueError(f"offload_step must be 'sync' or 'overlap', got {self.offload_step!r}")
-        if self.offload_step == "overlap" and self.offload is None:
-            raise ValueError("offload_step='overlap' overlaps the host's optimizer step with the "
-                             "next call: it needs offload='optimizer' or 'parameters'")
-        if self.offload_step == "overlap" and self.offload == "auto":
-            raise ValueError("offload_step='overlap' makes every call read parameters one step "
-                             "stale, and with offload='auto' whether it applies would depend on "
-                             "memory: choose offload='optimizer' or 'parameters' with it")
-        check_quantization(self.quantize_weights, self.quantize_gradients, self.quantize_block,
-                           self.stage, self.accumulation_steps)
+        check_offload(self.offload, self.stage)
+        check_quantization(self.quantization, self.stage, self.accumulation_steps)
         check_secondary_partition(self.secondary_partition, self.stage, self.mesh,
                                   self.expert_parallel)
         if self.init_fn is not None and not callable(self.init_fn):
             raise TypeError(f"init_fn must be a callable init_fn(module), got {type(self.init_fn).__name__}")
 
-    def _check_activation_budget(self) -> None:
-        fraction, nbytes = self.activation_budget_fraction, self.activation_budget_bytes
-        if fraction is None and nbytes is None:
-            return
-        name = "activation_budget_fraction" if fraction is not None else "activation_budget_bytes"
-        if fraction is not None and nbytes is not None:
-            raise ValueError("set activation_budget_fraction or activation_budget_bytes, not both")
-        if self.recompute not in (None, "auto"):
-            raise ValueError(f"{name} goes with recompute='auto', not recompute={self.recompute!r}")
-        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
-                                     or not 0 < fraction <= 1):
-            raise ValueError(f"activation_budget_fraction must be a fraction in (0, 1] of the "
-                             f"activations; got {fraction!r} (a number of bytes is "
-                             f"activation_budget_bytes)")
-        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int)
-                                   or nbytes < 1):
-            raise ValueError(f"activation_budget_bytes must be a number of bytes >= 1; got "
-                             f"{nbytes!r} (a fraction of the activations is "
-                             f"activation_budget_fraction)")
-
     def plan_options(self, hardware: str = "cpu-gloo") -> PlanOptions:
         """What the shard plan takes from this config: stage, residency, buckets, schedule,
         precision, accumulation, recompute (``"auto"`` ranks ops with the cost model's
         ``hardware`` preset), offload and quantization."""
-        schedule, offload, quantization = self.schedule, self.offload_policy, self.quantization
+        schedule, offload, quantization = self.schedule, self.offload, self.quantization
         return PlanOptions(
             stage=self.stage,
             recompute=self._recompute_for_plan(hardware),
@@ -343,44 +251,57 @@ class ZeroConfig(StageConsequences):
         )
 
     def _recompute_for_plan(self, preset: str):
-        budget = (self.activation_budget_fraction if self.activation_budget_bytes is None
-                  else self.activation_budget_bytes)
-        if self.recompute != "auto" and budget is None:
-            return self.recompute
+        policy = self.recompute
+        budget = policy.budget_fraction if policy.budget_bytes is None else policy.budget_bytes
+        if policy.mode != "auto" and budget is None:
+            return policy.mode
         return ActivationBudget(DEFAULT_ACTIVATION_BUDGET if budget is None else budget,
                                 seconds=functools.partial(node_seconds, hw=preset_hardware(preset)))
 
-    # -- the options grouped as policies (policies.py) ----------------------------------
-    @property
-    def schedule(self) -> SchedulePolicy:
-        """Buckets, prefetch, overlap and the gathered bytes' cap, as one policy."""
-        return policy_from(self, "schedule")
+    def __getattr__(self, name: str):
+        """A flat option's value, read from its policy (``config.offload_step`` is
+        ``config.offload.step``: ``policies.FLAT_FIELDS``)."""
+        where = FLAT_FIELDS.get(name)
+        if where is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(getattr(self, where[0]), where[1])
+
+    def replaced(self, **options) -> "ZeroConfig":
+        """This config with ``options`` changed, flat ones too (``config.replaced(
+        offload_step="sync")`` changes ``offload.step``): ``dataclasses.replace`` takes
+        fields only."""
+        changes, policies = {}, {}
+        for name, value in options.items():
+            keyword, field_name = FLAT_FIELDS.get(name, (None, None))
+            if keyword is None or isinstance(value, POLICY_FIELDS[keyword]):
+                changes[name] = value
+            else:
+                policies.setdefault(keyword, {})[field_name] = value
+        for keyword, fields in policies.items():
+            changes[keyword] = dataclasses.replace(changes.get(keyword, getattr(self, keyword)),
+                                                   **fields)
+        return dataclasses.replace(self, **changes)
 
     @property
     def offload_policy(self) -> OffloadPolicy:
-        """``offload``, ``device_memory``, ``offload_update`` and ``offload_step``, as one policy."""
-        return policy_from(self, "offload")
-
-    @property
-    def quantization(self) -> QuantizationPolicy:
-        """The ``quantize_*`` options, as one policy."""
-        return policy_from(self, "quantization")
+        """``offload`` (the name this policy was read back by before the config stored it)."""
+        return self.offload
 
     @property
     def recompute_policy(self) -> RecomputePolicy:
-        """``recompute`` and its activation budget, as one policy."""
-        return policy_from(self, "recompute")
+        """``recompute`` (the name this policy was read back by before the config stored it)."""
+        return self.recompute
 
     # -- the names of 0.1, for one release (DEPRECATED_OPTIONS) ---------------------------
     @property
     def prefetch(self) -> int:
         warn_renamed("prefetch", "prefetch_buckets (and reduce_overlap_buckets)", stacklevel=2)
-        return self.prefetch_buckets
+        return self.schedule.prefetch_buckets
 
     @property
     def memory_budget_bytes(self) -> Optional[int]:
         warn_renamed("memory_budget_bytes", "max_gathered_bytes", stacklevel=2)
-        return self.max_gathered_bytes
+        return self.schedule.max_gathered_bytes
 
     @property
     def persistence_threshold(self) -> int:
@@ -391,8 +312,8 @@ class ZeroConfig(StageConsequences):
     def activation_memory_budget(self) -> Union[float, int, None]:
         warn_renamed("activation_memory_budget",
                       "activation_budget_fraction or activation_budget_bytes", stacklevel=2)
-        return (self.activation_budget_fraction if self.activation_budget_bytes is None
-                else self.activation_budget_bytes)
+        policy = self.recompute
+        return policy.budget_fraction if policy.budget_bytes is None else policy.budget_bytes
 
     @property
     def pin_schedule(self) -> bool:
@@ -425,7 +346,7 @@ _dataclass_init = ZeroConfig.__init__
 @functools.wraps(_dataclass_init)
 def _init_accepting_policies_and_old_names(self, *args, **kwargs):
     with old_names_in_errors(kwargs):
-        _dataclass_init(self, *args, **flattened(translate_deprecated(kwargs, stacklevel=2)))
+        _dataclass_init(self, *args, **grouped(translate_deprecated(kwargs, stacklevel=2)))
 
 
 ZeroConfig.__init__ = _init_accepting_policies_and_old_names

@@ -1,15 +1,16 @@
 """The options that belong together, as frozen policies (FSDP2's ``MixedPrecisionPolicy``,
 ``OffloadPolicy``): mixed precision, the collectives' schedule, offload, quantized
-communication and recompute.
+communication and recompute. Each option is documented here, in its policy.
 
-``zero_compile`` and ``ZeroConfig`` take each policy whole (``schedule=SchedulePolicy(...)``,
-``offload=OffloadPolicy(...)``, ``quantization=QuantizationPolicy(...)``,
-``recompute=RecomputePolicy(...)``, ``mixed_precision=MixedPrecision(...)``) or its fields
-by their flat option names (``bucket_bytes=``, ``offload="optimizer"``, ...), which
-``FLAT_NAMES`` lists; a ``ZeroConfig`` gives them back grouped (``config.schedule``,
-``config.offload_policy``, ``config.quantization``, ``config.recompute_policy``). Each
-field means what its flat option means (``ZeroConfig``'s docstrings); the values are
-checked, against the stage and each other, when the ``ZeroConfig`` is built.
+``ZeroConfig`` stores each policy as one field (``config.schedule``, ``config.offload``,
+``config.quantization``, ``config.recompute``, ``config.mixed_precision``), and the code
+reads them there (``config.offload.step``). ``zero_compile`` and ``ZeroConfig`` take each
+policy whole (``offload=OffloadPolicy(...)``) or its fields by their flat option names
+(``bucket_bytes=``, ``offload="optimizer"``, ``offload_step="overlap"``), which
+``FLAT_NAMES`` lists and ``grouped`` translates at the door, as the renamed options are.
+A ``ZeroConfig`` still answers a flat name (``config.offload_step``) with its policy's
+field. The values are checked, against the stage and each other, when the ``ZeroConfig``
+is built (checks.py).
 """
 
 from __future__ import annotations
@@ -84,14 +85,23 @@ class SchedulePolicy:
     (``zero_compile(schedule=...)``; FSDP2's units and prefetch, DeepSpeed's bucket sizes)."""
 
     bucket_bytes: Union[int, str, None] = None
-    """``ZeroConfig.bucket_bytes``: bytes per fused collective, ``"blocks"``, or None (the
-    stage's default)."""
+    """Fuse all-gathers, reduce-scatters and all-reduces up to this many bytes per
+    launch; ``"blocks"``: one launch per repeated block of the model ([Note: buckets by
+    block] in plan/layout.py). ``None``: the stage's default (``DEFAULT_BUCKET_BYTES``:
+    blocks in stage 3, 25 MiB below); 0: one collective per parameter. Flat name:
+    ``bucket_bytes``."""
     prefetch_buckets: int = 1
-    """``ZeroConfig.prefetch_buckets``: stage 3's all-gathers issued this many buckets early."""
+    """Stage 3: each all-gather is issued this many buckets ahead of the compute that
+    needs it (within ``max_gathered_bytes``). 0: issued where it is used. Flat name:
+    ``prefetch_buckets``."""
     reduce_overlap_buckets: int = 1
-    """``ZeroConfig.reduce_overlap_buckets``: each reduction waited for this many later."""
+    """Every stage: each gradient reduction (reduce-scatter, all-reduce) is waited for
+    this many reductions after it is issued, so it runs during the backward. 0: waited
+    right after it is issued. Flat name: ``reduce_overlap_buckets``."""
     max_gathered_bytes: Optional[int] = None
-    """``ZeroConfig.max_gathered_bytes``: stage 3's cap on gathered bytes alive at once."""
+    """Stage 3: the most bytes of gathered (full) parameters alive at once; prefetching
+    stops where it would exceed it. ``None``: bounded by ``prefetch_buckets`` only. Flat
+    name: ``max_gathered_bytes``."""
 
 
 @dataclass(frozen=True)
@@ -100,13 +110,37 @@ class OffloadPolicy:
     OffloadPolicy(...))``; FSDP2's ``CPUOffloadPolicy``, DeepSpeed's ``offload_optimizer``)."""
 
     mode: Optional[str] = None
-    """``ZeroConfig.offload``: None, ``"optimizer"``, ``"parameters"`` or ``"auto"``."""
+    """Stages 1-3: ``"optimizer"`` keeps the fp32 masters and the optimizer's state in host
+    memory (pinned on CUDA), steps the optimizer there, and gives the device the
+    parameters' shards in the compute dtype ([Note: optimizer offload] in
+    zero_fx/runtime/offload.py). Stage 3: ``"parameters"`` keeps those shards in host memory
+    too, each bucket copied to the device right before its all-gather. ``"auto"``: the least
+    of these whose step fits ``device_memory`` ([Note: choosing what to offload] in
+    zero_fx/runtime/offload_choice.py). None: everything on the training device. Flat name:
+    ``offload``."""
     device_memory: Optional[int] = None
-    """``ZeroConfig.device_memory``: the device's budget ``"auto"`` chooses by."""
+    """With ``mode``: the bytes of device memory a rank's step may fill, which ``"auto"``
+    and ``update="auto"`` choose by. None: the training GPU's capacity (on the CPU, where
+    host and device are one memory, nothing is offloaded and the optimizer steps on the
+    host without it). Flat name: ``device_memory``."""
     update: str = "auto"
-    """``ZeroConfig.offload_update``: ``"host"``, ``"device"`` or ``"auto"``."""
+    """With ``mode``: where the optimizer steps. ``"host"``: in host memory (ZeRO-Offload);
+    ``"device"``: on the device, its state streamed in and out bucket by bucket ([Note: the
+    update streamed through the device] in zero_fx/runtime/update/streamed_update.py);
+    ``"auto"``: on the device where the device's budget (``device_memory``, or the GPU's
+    capacity) has room for two buckets of state beside what stays on the device between
+    steps, else on the host. Flat name: ``offload_update``."""
     step: str = "sync"
-    """``ZeroConfig.offload_step``: ``"sync"`` or ``"overlap"`` (the delayed update)."""
+    """With ``mode``: ``"overlap"`` runs each optimizer step on the host while the next
+    call's forward and backward run, which then read parameters one step stale
+    (ZeRO-Offload's delayed parameter update, [Note: the delayed update] in
+    zero_fx/runtime/update/update.py); ``"sync"``: every call reads the latest parameters.
+    Flat name: ``offload_step``."""
+
+    @property
+    def delayed(self) -> bool:
+        """The delayed update: each host step overlaps the next call."""
+        return self.step == "overlap"
 
 
 @dataclass(frozen=True)
@@ -115,11 +149,23 @@ class QuantizationPolicy:
     qwZ and qgZ)."""
 
     weights: Union[None, str, Mapping[str, Optional[str]]] = None
-    """``ZeroConfig.quantize_weights``: stage 3's gathers, ``"int8"``, ``"fp8"`` or per phase."""
+    """Stage 3: the all-gathers move the parameters block-quantized, dequantized before
+    use (ZeRO++'s qwZ; [Note: quantized blocks on the wire] in passes/common/quantized_code.py):
+    ``"int8"`` or ``"fp8"`` (e4m3) for every gather, or ``{"forward": ..., "backward":
+    ...}`` to choose each phase's apart (None in it: that phase's gathers as they are).
+    The masters, the optimizer and the shards stay in full precision: only the copy on the
+    wire is quantized. None: gathers move the parameters' own dtype. Flat name:
+    ``quantize_weights``."""
     gradients: Optional[str] = None
-    """``ZeroConfig.quantize_gradients``: the reductions, ``"int8"`` or ``"int4"``."""
+    """Stages 1-3: each gradient reduction moves ``"int8"`` or ``"int4"`` blocks by
+    all-to-all, summed in fp32 on arrival (ZeRO++'s qgZ; [Note: reductions as
+    all-to-alls] in passes/common/quantized_code.py); with hybrid sharding, the all-reduce across
+    replicas too where that moves fewer bytes. None: reductions in the gradients' dtype.
+    Flat name: ``quantize_gradients``."""
     block: int = 256
-    """``ZeroConfig.quantize_block``: elements per block (one fp32 scale each)."""
+    """Elements per quantized block (one fp32 scale each, 4 bytes): a multiple of 8.
+    Smaller blocks follow the values more closely and move more scales. Flat name:
+    ``quantize_block``."""
 
 
 @dataclass(frozen=True)
@@ -128,11 +174,23 @@ class RecomputePolicy:
     RecomputePolicy(...))``; FSDP2's ``checkpoint_wrapper``, torch's activation budget)."""
 
     mode: Union[None, str, Callable[[torch.fx.Node], str]] = None
-    """``ZeroConfig.recompute``: None, ``"blocks"``, ``"auto"`` or ``fn(node)``."""
+    """What the backward recomputes instead of keeping from the forward ([Note: recompute as
+    a graph pass] in passes/recompute_activations.py): None (keep what eager keeps);
+    ``"blocks"``: keep only each repeated block's input (full activation checkpointing);
+    ``"auto"``: keep what fits ``budget_fraction`` or ``budget_bytes``, the rest chosen by
+    the cost model's recompute time per byte; or a policy ``fn(node) -> "save" |
+    "recompute"`` asked for every forward op. Random ops (dropout) are never recomputed:
+    their results are kept, so a recomputed dropout applies the forward's mask. Flat name:
+    ``recompute``."""
     budget_fraction: Optional[float] = None
-    """``ZeroConfig.activation_budget_fraction``: ``"auto"``'s budget as a fraction."""
+    """``"auto"``: keep this fraction, in (0, 1], of the bytes the backward would keep
+    without recompute (as torch's partitioner knob ``activation_memory_budget``). Setting
+    it alone means ``mode="auto"``; default with ``"auto"``: ``DEFAULT_ACTIVATION_BUDGET``
+    (half). Flat name: ``activation_budget_fraction``."""
     budget_bytes: Optional[int] = None
-    """``ZeroConfig.activation_budget_bytes``: ``"auto"``'s budget in bytes."""
+    """``"auto"``: keep at most this many bytes of activations for the backward. Setting it
+    alone means ``mode="auto"``. Not with ``budget_fraction``. Flat name:
+    ``activation_budget_bytes``."""
 
 
 DUMP_ENV = "ZERO_FX_DUMP"
@@ -198,31 +256,34 @@ FLAT_NAMES = {
 sets that field alone)."""
 
 
-def policy_from(options, keyword: str):
-    """The policy given by ``keyword``, read from ``options``' flat fields (a ``ZeroConfig``)."""
-    cls, names = FLAT_NAMES[keyword]
-    return cls(**{field: getattr(options, flat) for field, flat in names.items()})
+FLAT_FIELDS = {flat: (keyword, name) for keyword, (_, names) in FLAT_NAMES.items()
+               for name, flat in names.items()}
+"""Each flat option -> (the policy keyword that holds it, its field there)."""
 
 
-def flattened(options: dict) -> dict:
-    """``options`` (``ZeroConfig``'s keywords) with each policy given whole replaced by its
-    flat options. Raises ``ValueError`` when a policy and one of its flat options are both
-    given."""
-    flat = dict(options)
+def grouped(options: dict) -> dict:
+    """``options`` (``ZeroConfig``'s keywords) with the flat options of each policy gathered
+    into that policy: ``{"offload": "optimizer", "offload_step": "overlap"}`` becomes
+    ``{"offload": OffloadPolicy(mode="optimizer", step="overlap")}``. A policy none of whose
+    options is given stays out (the field's default). Raises ``TypeError`` for a policy
+    keyword given something else than its policy (``schedule=``, ``quantization=``), and
+    ``ValueError`` when a policy and one of its flat options are both given."""
+    out = dict(options)
     for keyword, (cls, names) in FLAT_NAMES.items():
-        policy = options.get(keyword)
-        if policy is None and keyword not in names.values():  # schedule=None: not given
-            flat.pop(keyword, None)
-            continue
-        if not isinstance(policy, cls):
-            if keyword in options and keyword not in names.values():
-                raise TypeError(f"{keyword} must be a zero_fx.{cls.__name__}(...), got "
-                                f"{type(policy).__name__}")
-            continue
-        del flat[keyword]
-        for field, name in names.items():
-            if name in flat and name != keyword:
-                raise ValueError(f"{name} is set both as a keyword and in {keyword}="
+        policy = out.pop(keyword, None)
+        flat = {name: out.pop(option) for name, option in names.items()
+                if option != keyword and option in out}
+        if isinstance(policy, cls):
+            for name in flat:
+                raise ValueError(f"{names[name]} is set both as a keyword and in {keyword}="
                                  f"{cls.__name__}(...): set it in one place")
-            flat[name] = getattr(policy, field)
-    return flat
+            out[keyword] = policy
+            continue
+        if keyword in options and keyword in names.values():  # offload="optimizer"
+            flat[next(n for n, o in names.items() if o == keyword)] = policy
+        elif policy is not None:
+            raise TypeError(f"{keyword} must be a zero_fx.{cls.__name__}(...), got "
+                            f"{type(policy).__name__}")
+        if flat:
+            out[keyword] = cls(**flat)
+    return out

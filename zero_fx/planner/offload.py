@@ -53,6 +53,8 @@ from typing import Optional
 from torch.fx import GraphModule
 
 from ..analysis.hardware import hardware
+from ..config.checks import check_offload as check_config_offload
+from ..config.policies import OffloadPolicy
 from ..analysis.transfer_seconds import host_device_seconds, host_optimizer_seconds, ring_seconds
 from ..analysis.memory_timeline import memory_timeline, peak_alive
 from ..plan.layout import ShardPlan
@@ -79,20 +81,17 @@ that fits ([Note: planning offload])."""
 
 def check_offload(offload: str, *, stage: int, device_memory: Optional[float] = None,
                   others: bool = False) -> None:
-    """A ValueError that says what to do instead where ``offload`` cannot apply."""
+    """A ValueError that says what to do instead where ``offload`` cannot apply: the
+    config's own offload check (``zero_fx.config.checks.check_offload``, with ``--offload
+    none`` as its None), then what only the planner needs."""
     if offload not in (*OFFLOAD_MODES, "auto"):
         raise ValueError(f"offload must be one of {', '.join(OFFLOAD_MODES)} or auto, got "
                          f"{offload!r}")
-    if offload == "none":
+    mode = None if offload == "none" else offload
+    check_config_offload(OffloadPolicy(mode=mode, device_memory=None if mode is None
+                                       else device_memory), stage)
+    if mode is None:
         return
-    if stage == 0:
-        raise ValueError("offload moves a rank's shard of the optimizer state to the host; "
-                         "stage 0 shards nothing: plan --stage 1, 2 or 3 (on one rank they "
-                         "hold the same states)")
-    if offload == "parameters" and stage != 3:
-        raise ValueError(f"offload 'parameters' keeps the parameter shards on the host, and "
-                         f"only stage 3 shards parameters (stage {stage} keeps them whole on "
-                         f"every device): use --stage 3, or --offload optimizer")
     if offload == "auto" and device_memory is None:
         raise ValueError("--offload auto picks the least offload that fits the device: give "
                          "--device-memory GB")

@@ -154,14 +154,15 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     plan = plan_for_module(model, ranks, config.plan_options(hardware_for(model)))
     plan = dataclasses.replace(plan, device_type=device.type)
     choice = None
-    if config.offload is not None:  # [Note: choosing what to offload]
-        budget, source = device_budget(config.device_memory, device)
+    offload = config.offload
+    if offload.mode is not None:  # [Note: choosing what to offload]
+        budget, source = device_budget(offload.device_memory, device)
         budget = agreed_budget(budget, world, device)
-        if config.offload == "auto":
+        if offload.mode == "auto":
             choice = choose_before_placing(plan, optimizer, budget, source)
             plan = with_mode(plan, choice.mode)
         else:
-            choice = OffloadChoice.given(config.offload, plan, optimizer, budget, source)
+            choice = OffloadChoice.given(offload.mode, plan, optimizer, budget, source)
     plan = with_owners(plan, model, optimizer, config)  # [Note: whole-tensor updates on owner ranks]
     update_refused = why_not_in_graph(config, optimizer, plan)  # [Note: the update in the graph]
     if update_refused is None:
@@ -197,7 +198,7 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Zero
               if precision is not None and precision.scales_loss else None)
     update = OptimizerUpdate(state, accumulation_steps=config.accumulation_steps,
                              max_grad_norm=config.max_grad_norm, scaler=scaler,
-                             delayed=config.offload_step == "overlap")
+                             delayed=offload.delayed)
     update.in_graph.refused = update_refused or ""
     agreement = RankAgreement(world.ranks, checked=config.debug.check_ranks and not world.simulated
                               and (world.ranks > 1 or world.keeps_collectives))
@@ -220,7 +221,7 @@ def with_owners(plan: ShardPlan, model: torch.nn.Module, optimizer: torch.optim.
         return plan
     what = f"{' and '.join(whole)} update{'s' if len(whole) == 1 else ''} whole tensors on owner ranks"
     refusal = (
-        "with offload (the owners' update runs on the device)" if config.offload is not None else
+        "with offload (the owners' update runs on the device)" if config.offload.mode is not None else
         "with tensor parallelism (a rank holds a piece of each tensor, not the whole)"
         if plan.tensor_parallel is not None else
         "for routed experts split by expert parallelism" if any(plan.is_expert(n) for n in costs)

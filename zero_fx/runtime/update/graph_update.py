@@ -163,7 +163,7 @@ def why_not_in_graph(config, optimizer: torch.optim.Optimizer, plan) -> Optional
         return "optimizer_update='eager'"
     if plan.replicated:
         return "stage 0 keeps the update after the graph"
-    if config.offload is not None:
+    if config.offload.mode is not None:
         return "offload has its own update (on the host, or streamed through the device)"
     if config.max_grad_norm is not None:
         return ("max_grad_norm clips by the global norm, which needs every bucket's gradient "
