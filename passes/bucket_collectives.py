@@ -56,7 +56,7 @@ def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
     kept = kept_through_loss(gm)
     for phase in Phase:
         results = [n for n in gathered if gathered_param(n)[1] is phase]
-        # [Note: resident parameters share buckets only with each other]
+        # see [Note: resident parameters share buckets only with each other]
         resident = [n for n in results if carried_params(n)[0] in plan.resident]
         through_loss = [n for n in results if carried_params(n)[0] in kept]
         released = [n for n in results

@@ -74,12 +74,12 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
         if layout.name in plan.resident:
             users_by_phase = {Phase.FORWARD: list(placeholder.users)}
         elif _only_the_loss_between(users_by_phase, order, anchors):
-            # [Note: a weight kept through the loss]
+            # see [Note: a weight kept through the loss]
             kept.add(layout.name)
             users_by_phase = {Phase.FORWARD: list(placeholder.users)}
         codes = dict.fromkeys(users_by_phase, gather_code(plan, [layout.name]))
         if plan.secondary is not None and set(users_by_phase) == {Phase.FORWARD, Phase.BACKWARD}:
-            # [Note: the secondary partition]
+            # see [Note: the secondary partition] in zero_fx/plan/secondary.py
             codes = {Phase.FORWARD: keeping_code(plan, [layout.name], [True]),
                      Phase.BACKWARD: from_secondary_code(plan, [layout.name])}
         source = placeholder

@@ -1,4 +1,4 @@
-"""zero_fx/compat.py: the supported torch range, checked at import, and the differences
+"""zero_fx/base/compat.py: the supported torch range, checked at import, and the differences
 between releases, each handled by a probe that both releases take."""
 
 import os

@@ -1,5 +1,5 @@
 """The device and the backend, read from the process group's own configuration ([Note: the
-backend by device] in zero_fx/runtime/distributed/process_group.py), never from its name; the current
+backend by device] in zero_fx/base/collective_backends.py), never from its name; the current
 CUDA device checked; torchrun without a process group refused.
 
 CUDA is absent here: where a test needs a group that serves CUDA with NCCL, it replaces

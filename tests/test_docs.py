@@ -187,6 +187,37 @@ def test_a_misspelt_citation_in_code_is_found():
         (2, "whole-tensor update on owner ranks")]
 
 
+def test_each_note_is_defined_once():
+    """A note's heading is ``[Note: X]`` alone on its line: written once. A citation that
+    starts a line is no heading (it has words after it), and two headings of one name would
+    leave the reader two texts to choose from."""
+    seen: dict[str, str] = {}
+    twice = []
+    for name, path, line in notes.headings():
+        if name in seen:
+            twice.append(f"{path}:{line}: [Note: {name}], defined first in {seen[name]}")
+        seen.setdefault(name, f"{path}:{line}")
+    assert not twice, "notes with two headings:\n" + "\n".join(twice)
+    assert notes.headings.__doc__ and notes.DEFINITION.match("    [Note: a heading]")
+    assert not notes.DEFINITION.match("    [Note: a citation] in passes/x.py, as here")
+
+
+def test_a_citation_names_the_file_that_defines_its_note():
+    """``[Note: X] in path/file.py`` sends the reader to that file: it must be the one whose
+    heading defines X (one pointed at the file its note had moved out of)."""
+    defined = note_definitions()
+    by_name = notes.definitions()
+    wrong = [f"{rel(path)}:{line}: [Note: {name}] in {cited}, defined in {by_name[name]}"
+             for path in [*(os.path.join(notes.REPO, p) for p in notes.code_files()),
+                          *doc_files()]
+             for line, name, cited in notes.cited_files(path, read(path))
+             if name in defined and not notes.names_file(cited, by_name[name], rel(path))]
+    assert not wrong, "citations naming the wrong file:\n" + "\n".join(wrong)
+    assert notes.names_file("plan/layout.py", "zero_fx/plan/layout.py", "x.py")
+    assert notes.names_file("layout.py", "zero_fx/plan/layout.py", "x.py")
+    assert not notes.names_file("zero_fx/plan/owners.py", "zero_fx/plan/layout.py", "x.py")
+
+
 def test_every_cited_note_is_defined_in_the_code():
     defined = note_definitions()
     assert len(defined) > 20, defined  # the convention is still the one read here

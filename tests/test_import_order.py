@@ -22,7 +22,7 @@ PACKAGE_DIRS = {"zero_fx": ROOT / "zero_fx", "zero_fx.passes": ROOT / "passes"}
 
 LAYERS: list[tuple[str, ...]] = [
     # lowest first; a part is a folder of zero_fx/ or one of its top-level modules
-    ("errors", "models", "formatting", "compat", "logs", "collective_backends", "checkpoint_error"),  # leaves
+    ("errors", "models", "base"),  # leaves: the public errors, the shipped models, base/ (compat, logs, ...)
     ("passes",),  # graph rewrites, and (common/) the tensor code they splice in
     ("capture",),  # the step as one FX graph
     ("plan",),  # the layout: where each element of each parameter lives

@@ -57,7 +57,7 @@ def test_parity_inductor_gpt(stage, world_size):
 def test_parity_inductor_whole_program_stage_3():
     """Stage 3 lowered as one Inductor program for the whole step (``regional=False``), the
     path that hands Inductor zero_fx's post-grad passes ([Note: Inductor's post-grad
-    pre-pass] in zero_fx/compat.py): the version matrix runs it on every supported torch."""
+    pre-pass] in zero_fx/base/compat.py): the version matrix runs it on every supported torch."""
     assert_parity(2, "gpt", "inductor", stage=3, options=(("regional", False),))
 
 

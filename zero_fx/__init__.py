@@ -18,12 +18,13 @@ The modules here, by role:
 - ``models``: the GPT and Llama the examples train and the planner's named models build;
 - command lines: ``estimate`` (``python -m zero_fx.estimate``), ``export`` (a checkpoint to
   a plain ``state_dict``);
-- leaves every layer may read: ``errors`` (every public error and warning), ``compat``
-  (differences between torch releases), ``collective_backends``, ``formatting``, ``logs``,
-  and ``checkpoint_error`` (``CheckpointError``'s old path).
+- leaves every layer may read: ``errors`` (every public error and warning) and the ``base``
+  package (``compat``: differences between torch releases; ``logs``; ``formatting``;
+  ``collective_backends``), whose modules keep their old paths (``zero_fx.compat``), as
+  ``zero_fx.checkpoint_error`` is ``zero_fx.errors``.
 """
 
-from .compat import check_torch as _check_torch
+from .base.compat import check_torch as _check_torch
 
 _check_torch()  # outside the supported range: an error naming it, before anything else runs
 
@@ -48,7 +49,7 @@ import sys as _sys
 from .config import checks as _checks, policies as _policies, renamed_options as _renamed_options
 from .config.policies import OffloadPolicy, QuantizationPolicy, RecomputePolicy, SchedulePolicy
 from .inspection.explain import Explanation
-from .logs import quiet_torch_probes, set_logs, set_logs_from_environment
+from .base.logs import quiet_torch_probes, set_logs, set_logs_from_environment
 from .materialize import load_pretrained
 from .passes.pipeline import after, before
 from .plan import ParamLayout, PlanOptions, PlanRanks, ShardPlan, make_plan, plan_for_module
@@ -105,9 +106,17 @@ __all__ = [
 ]
 
 # old paths of modules that moved into folders, the same modules: the options' (before
-# zero_fx/config/ was a package), and runtime/'s update and distributed rooms'
+# zero_fx/config/ was a package), the base layer's, CheckpointError's old home, and
+# runtime/'s update and distributed rooms'
+from . import errors as _errors
+from .base import (collective_backends as _collective_backends, compat as _compat,
+                   formatting as _formatting, logs as _logs)
+
 for _old_name, _module in (("policies", _policies), ("checks", _checks),
-                           ("renamed_options", _renamed_options)):
+                           ("renamed_options", _renamed_options), ("compat", _compat),
+                           ("logs", _logs), ("formatting", _formatting),
+                           ("collective_backends", _collective_backends),
+                           ("checkpoint_error", _errors)):
     _sys.modules[f"{__name__}.{_old_name}"] = _module
     globals()[_old_name] = _module
 for _room, _names in (("update", ("graph_update", "deferred_optimizer", "companions",

@@ -25,7 +25,7 @@ from .capture.experts.routed_experts import (ExpertsRewrite, route_experts_with_
 from .capture.dynamic_shapes import ChangingSizes
 from .capture.step_calls import trace_ended, trace_started
 from .capture.step_graph import CaptureError
-from .compat import hf_install_output_hooks, optimizer_read_plainly
+from .base.compat import hf_install_output_hooks, optimizer_read_plainly
 from .compiler.backend import Compilation, StepCompiler
 from . import evaluation
 from .config import ZeroConfig
@@ -66,7 +66,7 @@ parameter's ``.grad`` the backward sets): 2.3 of 12.7 s of its trace of a 48-blo
 # - Every hyperparameter of every param group (lr, betas, weight decay, momentum, ...):
 #   read by torch.optim's own step when it runs, in the graph or after it. Set between
 #   calls (by hand or a scheduler): nothing recompiles, the groups are not guarded
-#   ([Note: the optimizer as dynamo reads it] in compat.py). Set inside the step before
+#   ([Note: the optimizer as dynamo reads it] in base/compat.py). Set inside the step before
 #   opt.step(): dynamo writes them after the graph, so the update runs after the graph
 #   and reads them there; set after opt.step(): the update steps with the groups as the
 #   call found them ([Note: hyperparameters written inside the step] in
@@ -348,8 +348,9 @@ def _weakly_bound(method):
 def _with_own_code(fn):
     """A copy of ``fn`` with its own code object and its own globals.
 
-    [Note: compiled graphs die with their step] Dynamo stores each graph it compiles as a
-    global of the compiled frame (``__compiled_fn_<n>_<uuid>``). Its guards keep those
+    [Note: compiled graphs die with their step]
+    Dynamo stores each graph it compiles as a global of the compiled frame
+    (``__compiled_fn_<n>_<uuid>``). Its guards keep those
     globals alive for as long as any object they match by identity lives, and some live as
     long as the process (the modules the step reads). In the module's own dict, every step
     ever compiled, its graphs and through them the model's state, would stay alive. In a

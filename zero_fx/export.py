@@ -18,7 +18,7 @@ import time
 import torch
 
 from .checkpoint.offline import model_state_dict
-from .formatting import format_bytes
+from .base.formatting import format_bytes
 from .planner.arguments import add_dtype_argument
 
 

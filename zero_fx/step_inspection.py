@@ -13,7 +13,7 @@ from .analysis.cost_model import Estimate, estimate
 from .analysis.traffic import TrafficReport, traffic_report
 from .capture.experts.moe_blocks import RoutedExperts
 from .config import describe_backend
-from .formatting import ranks_phrase
+from .base.formatting import ranks_phrase
 from .inspection.explain import Explanation, GraphBreakExplanation, explain_graph
 from .runtime.update.graph_update import kernels_of
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from .compiled_step import CompiledStep
-from .formatting import ranks_phrase
+from .base.formatting import ranks_phrase
 from .plan.tensor_parallel import is_dtensor
 from .runtime.sharding import find_model_and_optimizer
 

@@ -102,7 +102,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..capture.experts import grouped_mm as _grouped_mm  # noqa: F401 - registers torch.ops.zero_fx
-from ..formatting import format_bytes
+from ..base.formatting import format_bytes
 from ..passes.common.predicates import is_collective, is_token_exchange, is_wait
 from .hardware import Hardware, hardware
 from .memory_timeline import MemoryTimeline, hint, is_view, memory_timeline, tensor_bytes, vals

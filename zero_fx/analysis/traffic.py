@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from ..formatting import ranks_phrase
+from ..base.formatting import ranks_phrase
 from ..passes.common.predicates import (
     carried_params,
     grad_slots,

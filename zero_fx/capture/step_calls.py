@@ -31,7 +31,7 @@ dict, read through ``comptime``):
 A group written both before and after ``opt.step()`` is seen as the first case: the update
 reads what the step left, which is right unless the second write changes a value the step
 used. Whatever the step writes, nothing of it is a constant of the graph: the groups are
-plain dicts to dynamo ([Note: the optimizer as dynamo reads it] in zero_fx/compat.py), read
+plain dicts to dynamo ([Note: the optimizer as dynamo reads it] in zero_fx/base/compat.py), read
 by torch.optim's own ``step`` when it runs.
 """
 

@@ -125,7 +125,7 @@ def _trace(dynamo_gm: GraphModule, example_inputs: Sequence) -> GraphModule:
         # size becomes one of dynamo's guards, checked on every call.
         # The Python dispatcher, as make_fx's symbolic tracing enters it: without it torch
         # 2.11's C++ linear reads a symbolic size as an int, and the graph fits one length
-        # ([Note: what differs between torch releases] in zero_fx/compat.py).
+        # ([Note: what differs between torch releases] in zero_fx/base/compat.py).
         fakes = fakes_like_dynamo(example_inputs)
         with torch._guards.TracingContext.get().fake_mode, onednn_off(), \
                 enable_python_dispatcher():

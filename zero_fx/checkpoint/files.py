@@ -31,7 +31,7 @@ import shutil
 import zlib
 from typing import Callable
 
-from ..checkpoint_error import CheckpointError  # raised here, and imported from here
+from ..errors import CheckpointError  # raised here, and imported from here
 
 MANIFEST = "zero_fx.json"
 FORMAT = 1

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..formatting import format_bytes
+from ..base.formatting import format_bytes
 from ..runtime.sharded_state import ShardedState
 from .contents import training_device, persistent_buffers, tied_aliases
 

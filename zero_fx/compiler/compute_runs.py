@@ -109,7 +109,7 @@ def _separate_edges(run: list[Node]) -> list[Node]:
             before.append(node)
         else:
             inside[node] = None
-    # [Note: views only the body reads go in]
+    # see [Note: views only the body reads go in]
     pulled: set[Node] = set()
     for node in reversed(before):
         if (node.target is not operator.getitem and is_view(node) and node.users

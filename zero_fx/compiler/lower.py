@@ -18,7 +18,7 @@ from ..passes.common.splice import outside_dynamo_tracing
 from .lowered_memory import LoweredMemory, lowered_memory
 from .lowered_schedule import (OrderCheck, inductor_keeps_as_kernel, lowered_schedule, order_as_graph,
                                planned_schedule)
-from ..compat import one_post_grad_pass
+from ..base.compat import one_post_grad_pass
 from .pin_schedule import PinSchedule, tag_schedule
 from .regions import RegionReport, compile_regions
 from .realize_readers import StoreReleasedReaders, tag_released_gathers

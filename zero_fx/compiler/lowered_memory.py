@@ -43,7 +43,7 @@ _ASSERT = re.compile(r"(?:assert_size_stride|assert_tensor_metadata)\((buf\d+), 
                      r"\(([^()]*)\)")
 """A buffer's size and stride as Inductor asserts them: ``assert_size_stride`` in torch 2.11
 and 2.13, ``assert_tensor_metadata`` (the dtype after them) in 2.15 ([Note: what differs
-between torch releases] in zero_fx/compat.py)."""
+between torch releases] in zero_fx/base/compat.py)."""
 _ALIAS = re.compile(rf"(buf\d+) = (?:reinterpret_tensor\()?({_NAME})\b(?!\[)")
 _ITEM = re.compile(r"(buf\d+) = (buf\d+)\[\d+\]")
 _DEL = re.compile(rf"\bdel ({_NAME})")

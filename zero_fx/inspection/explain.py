@@ -20,7 +20,7 @@ from ..analysis.memory_timeline import MemoryTimeline
 from ..analysis.traffic import ACROSS_NODES, NODE_GROUP, REPLICATE_GROUP
 from ..capture.graph_breaks import GraphBreak
 from ..capture.experts.moe_blocks import RoutedExperts
-from ..formatting import format_bytes, format_seconds
+from ..base.formatting import format_bytes, format_seconds
 from ..plan.owners import loads_of
 from ..passes.common.predicates import UPDATES_META, is_update
 from ..passes.recompute_activations import RECOMPUTE_META, RecomputeSummary

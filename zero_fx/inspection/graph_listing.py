@@ -11,7 +11,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..analysis.memory_timeline import is_view, tensor_bytes
-from ..formatting import format_bytes, short_dtype
+from ..base.formatting import format_bytes, short_dtype
 from ..passes.common.predicates import (
     UPDATES_META,
     carried_params,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 from typing import Optional, Sequence
 
-from ..formatting import format_bytes
+from ..base.formatting import format_bytes
 from .graph_listing import COLLECTIVE_KINDS, PHASE_SHORT, NodeRow
 
 LEGEND = (

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..capture.experts.moe_blocks import RoutedExperts
-from ..formatting import format_bytes, short_dtype
+from ..base.formatting import format_bytes, short_dtype
 from ..plan.layout import BLOCKS
 
 

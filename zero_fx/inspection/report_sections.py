@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..analysis.memory_timeline import MemoryTimeline
-from ..formatting import format_bytes, format_seconds
+from ..base.formatting import format_bytes, format_seconds
 from ..passes.recompute_activations import RecomputeSummary
 from .step_facts import DeviceCopy, HostCopy
 

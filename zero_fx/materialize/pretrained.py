@@ -10,8 +10,8 @@ from typing import Callable, Mapping, Optional, Protocol, Union, runtime_checkab
 import torch
 import torch.nn as nn
 
-from ..checkpoint_error import CheckpointError
-from ..formatting import format_bytes
+from ..errors import CheckpointError
+from ..base.formatting import format_bytes
 from ..plan import PlanOptions, PlanRanks, plan_for_module
 from .materialize import materialize
 from .model_tensors import ModelTensor, model_tensors

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from ..checkpoint_error import CheckpointError
+from ..errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

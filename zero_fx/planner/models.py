@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from ..compat import SUPPORTED_TRANSFORMERS_TEXT, hf_no_init_weights
+from ..base.compat import SUPPORTED_TRANSFORMERS_TEXT, hf_no_init_weights
 from .. import models as torch_models
 from ..models import MLA, Experts, GPTConfig, LlamaConfig, ModelConfig
 

@@ -49,7 +49,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from ..capture.graph_breaks import GraphBreak
-from ..formatting import format_bytes
+from ..base.formatting import format_bytes
 from ..passes.common.host_copies import wait_for_host_copies
 from ..passes.reduce_grads import reduction
 from .distributed.rank_agreement import CallSignature, RankAgreement

@@ -40,7 +40,7 @@ import torch
 from torch.fx import GraphModule
 
 from ..analysis.memory_timeline import memory_timeline, peak_alive
-from ..formatting import format_bytes
+from ..base.formatting import format_bytes
 from ..passes.common.host_copies import is_host_copy
 from ..passes.common.predicates import is_param_input, tensor_bytes
 

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 from ..analysis.hardware import hardware_for
 from ..capture.experts.moe_blocks import RoutedExperts
 from ..config import ZeroConfig
-from ..formatting import ranks_phrase
+from ..base.formatting import ranks_phrase
 from ..materialize import PretrainedWeights, materialize
 from ..plan import PlanRanks, ShardPlan, plan_for_module
 from ..plan.owners import assign_owners

@@ -10,7 +10,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..formatting import format_bytes
+from ..base.formatting import format_bytes
 from ..passes.common.collective_code import gather_bucket
 
 _c10d = torch.ops._c10d_functional

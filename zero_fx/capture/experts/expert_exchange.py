@@ -65,7 +65,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...collective_backends import backend_serving
+from ...base.collective_backends import backend_serving
 
 Tensor = torch.Tensor
 

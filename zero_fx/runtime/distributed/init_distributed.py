@@ -180,7 +180,7 @@ def _device_kind(device: Union[str, torch.device]) -> str:
 def _describe_existing_group(kind: str, local_rank: int) -> Distributed:
     """The default group someone already initialised, as a ``Distributed``: the device is
     the one its backends can move that ``kind`` allows ([Note: the backend by device] in
-    zero_fx/collective_backends.py: the group's configuration says which backend serves
+    zero_fx/base/collective_backends.py: the group's configuration says which backend serves
     which device)."""
     cuda_backend, cpu_backend = backend_serving("cuda"), backend_serving("cpu")
     config = str(dist.get_backend_config())

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from ...collective_backends import backend_serving
+from ...base.collective_backends import backend_serving
 from ...plan.secondary import SecondaryPartition
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.fx import GraphModule
 
-from ...formatting import short_dtype
+from ...base.formatting import short_dtype
 from ...inspection.graph_listing import COLLECTIVE_KINDS, format_rows, graph_rows
 from .process_group import world_timeout
 from ...errors import RanksDisagreeError

@@ -62,7 +62,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .errors import UnsupportedTorchError
+from ..errors import UnsupportedTorchError
 
 SUPPORTED_TORCH = ((2, 11), (2, 16))
 """torch releases zero_fx supports: from the first (inclusive) to the second (exclusive)."""
