@@ -1,7 +1,7 @@
 """Expert parallelism priced and planned: the cost model prices the token exchanges as
 communication on the expert-parallel group and the experts' gathers on the
 expert-data-parallel group ([Note: the cost model]); the planner compares degrees
-([Note: planning expert parallelism] in zero_fx/planner/expert_parallel.py).
+([Note: planning expert parallelism] in zero_fx/planner/features/expert_parallel.py).
 
 The real graphs are one tiny Mixtral block compiled at world 8 on the fake process group
 (shapes real, values not), with and without expert parallelism: about 15 s each, once per
@@ -26,7 +26,7 @@ from zero_fx.analysis.hardware import PRESETS, Hardware
 from zero_fx.analysis.memory_timeline import memory_timeline
 from zero_fx import models as torch_models
 from zero_fx.planner.arguments import expert_parallel_options, parse_degrees
-from zero_fx.planner.expert_parallel import (ExpertParallelOptions, expert_blocks,
+from zero_fx.planner.features.expert_parallel import (ExpertParallelOptions, expert_blocks,
                                              peaks_by_degree)
 from zero_fx.planner.models import ModelSource
 from zero_fx.planner.plan_model import plan_model
@@ -263,7 +263,7 @@ def test_experts_held_as_3d_parameters_are_planned_by_rows():
     routed experts, which expert parallelism splits; a layout it does not split (biases)
     is counted and refused, naming it."""
     from stacked_experts import tiny_mixtral_stacked
-    from zero_fx.planner.expert_parallel import check_degrees
+    from zero_fx.planner.features.expert_parallel import check_degrees
 
     with torch.device("meta"):
         model = tiny_mixtral_stacked(64, 16, layers=2)

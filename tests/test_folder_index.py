@@ -34,6 +34,21 @@ def test_every_folder_names_each_of_its_modules():
                     for folder, names in missing.items()))
 
 
+MOST_MODULES = 15
+"""A folder of zero_fx/ holds at most this many modules; past it, it gets rooms (issue 88)."""
+MOST_AT_ROOT = 12
+"""zero_fx/ itself holds at most this many: the front door and the leaves, at one height."""
+
+
+def test_no_folder_holds_more_modules_than_a_reader_scans():
+    counts = {str(folder.relative_to(ROOT)): len([p for p in folder.glob("*.py")
+                                                  if p.name != "__init__.py"])
+              for folder in packages() if folder.parts[len(ROOT.parts)] == "zero_fx"}
+    assert counts["zero_fx"] <= MOST_AT_ROOT, counts["zero_fx"]
+    crowded = {f: n for f, n in counts.items() if n > MOST_MODULES}
+    assert not crowded, f"folders over {MOST_MODULES} modules (give them rooms): {crowded}"
+
+
 def test_the_index_check_finds_a_module_left_out(tmp_path):
     (tmp_path / "__init__.py").write_text('"""Holds ``named`` and ``sub``."""\n')
     for module in ("named.py", "forgotten.py"):

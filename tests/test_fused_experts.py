@@ -93,7 +93,7 @@ def test_a_looping_fused_experts_model_trains_like_eager(stage):
 def test_the_planner_counts_experts_held_as_3d_parameters():
     """transformers 5's layout: the plan's mixture-of-experts line counts them (top-k read
     from the block), and expert parallelism, which does not split them yet, says so."""
-    from zero_fx.planner.expert_parallel import check_degrees, expert_blocks
+    from zero_fx.planner.features.expert_parallel import check_degrees, expert_blocks
 
     model = LoopingMoE()
     model.num_experts_per_tok = TOP_K

@@ -37,7 +37,7 @@ from zero_fx import plan_for_module
 from zero_fx.config import ZeroConfig
 from zero_fx.plan import PlanRanks
 from zero_fx.plan.owners import assign_owners, loads_of, newton_schulz_cost
-from zero_fx.planner.whole_updates import muon_matrices, plan_whole_updates
+from zero_fx.planner.features.whole_updates import muon_matrices, plan_whole_updates
 from zero_fx.runtime.optimizer import update_cost
 from zero_fx.runtime.update.update import hyperparameters
 

@@ -226,7 +226,7 @@ def test_the_moe_presets_count_every_expert_and_the_top_k_as_active(named_model_
     builds the estimate makes (named_model_on_meta: built once, shared with test_cli)."""
     from zero_fx import models as torch_models
     from zero_fx.planner.models import NAMED
-    from zero_fx.planner.expert_parallel import expert_blocks
+    from zero_fx.planner.features.expert_parallel import expert_blocks
 
     for name, total, active, blocks, shape, rel in (
             ("mixtral-8x7b", 46.7e9, 12.9e9, 32, (8, 2, False), 0.01),

@@ -1,5 +1,5 @@
 """Offload planned and priced (``python -m zero_fx.plan --offload``; [Note: planning offload]
-in zero_fx/planner/offload.py, [Note: pricing offload] in zero_fx/analysis/cost_model.py):
+in zero_fx/planner/features/offload.py, [Note: pricing offload] in zero_fx/analysis/cost_model.py):
 device and host bytes per mode against the formulas written out here, ZeRO-Offload's 13B
 on one 32 GB V100 (fits with offload, not without), the streamed gradients priced again,
 the copies and the host's step, what ``auto`` picks, the largest model each mode holds,
@@ -20,7 +20,7 @@ from zero_fx.analysis.transfer_seconds import (host_device_seconds, host_optimiz
                                                host_optimizer_seconds)
 from zero_fx.planner.cli import main as plan_main
 from zero_fx.planner.models import model_source
-from zero_fx.planner.offload import (OFFLOAD_MODES, OffloadOptions, largest_model,
+from zero_fx.planner.features.offload import (OFFLOAD_MODES, OffloadOptions, largest_model,
                                      offload_states)
 from zero_fx.planner.plan_model import plan_model
 from zero_fx.planner.printing import format_report

@@ -1,5 +1,5 @@
 """The planner's pricing of quantized collectives (``python -m zero_fx.plan --quantize``,
-[Note: when quantizing pays] in zero_fx/planner/quantization.py), on a small GPT."""
+[Note: when quantizing pays] in zero_fx/planner/features/quantization.py), on a small GPT."""
 
 import dataclasses
 import re
@@ -11,7 +11,7 @@ from examples.gpt import GPT, GPTConfig
 from zero_fx.analysis.hardware import PRESETS
 from zero_fx.planner.cli import main as plan_main
 from zero_fx.planner.models import ModelSource
-from zero_fx.planner.quantization import CONFIGURATIONS, configurations, price_quantization
+from zero_fx.planner.features.quantization import CONFIGURATIONS, configurations, price_quantization
 from zero_fx.planner.question import Workload
 
 CONFIG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128)

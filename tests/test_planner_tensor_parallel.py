@@ -1,5 +1,5 @@
 """Tensor parallelism planned and priced (``python -m zero_fx.plan --tp T``; [Note: planning
-tensor parallelism] in zero_fx/planner/tensor_parallel.py, [Note: pricing tensor parallelism] in
+tensor parallelism] in zero_fx/planner/features/tensor_parallel.py, [Note: pricing tensor parallelism] in
 zero_fx/analysis/cost_model.py): a rank's piece of the model against the formulas written
 out here, the 64K-wide layer of the seeds that fits one device only split, the collectives
 priced, the re-priced activations against Megatron's count, and what a bad --tp says.
@@ -28,7 +28,7 @@ from zero_fx.planner.offline import causal_lm_loss, rewritten_step_on_fake
 from zero_fx.planner.plan_model import plan_model
 from zero_fx.planner.printing import format_report
 from zero_fx.planner.question import Workload
-from zero_fx.planner.tensor_parallel import (TensorParallelOptions, _tensor_parallel_shares,
+from zero_fx.planner.features.tensor_parallel import (TensorParallelOptions, _tensor_parallel_shares,
                                              tensor_parallel_prices, tensor_parallel_split)
 from zero_fx.planner.table import model_state_breakdown
 from zero_fx.models import GPTConfig, LlamaConfig

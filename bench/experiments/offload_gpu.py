@@ -7,7 +7,7 @@
 The budget caps PyTorch's allocator (``torch.cuda.set_per_process_memory_fraction``) and
 is the ``device_memory`` zero_fx chooses by, so a large GPU stands for a smaller one and a
 run fits a few minutes. Each mode's size comes from the planner's ``largest_model``
-(model states only, [Note: planning offload] in zero_fx/planner/offload.py) at ``--margin``
+(model states only, [Note: planning offload] in zero_fx/planner/features/offload.py) at ``--margin``
 of it, in layers of width ``--width``; a size that runs out of memory is retried a fifth
 smaller, up to ``--tries`` times. The model is built on the meta device and each rank's
 shards materialized by zero_fx (``init_fn``), as a model too large for the device must be;
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from examples.gpt import GPT, GPTConfig
 from zero_fx import MixedPrecision, zero_compile
-from zero_fx.planner.offload import largest_model
+from zero_fx.planner.features.offload import largest_model
 
 from ..helpers.runs import machine, write_json
 

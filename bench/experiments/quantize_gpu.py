@@ -36,7 +36,7 @@ from zero_fx import MixedPrecision, zero_compile
 from zero_fx.passes.common.quantized_code import dequantize_rows, quantize_rows
 from zero_fx.planner.models import ModelSource
 from zero_fx.planner.working_set import STEADY_FROM
-from zero_fx.planner.quantization import CONFIGURATIONS, price_quantization
+from zero_fx.planner.features.quantization import CONFIGURATIONS, price_quantization
 from zero_fx.planner.question import Workload
 
 from ..helpers.runs import machine, write_json

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from zero_fx import zero_compile
-from zero_fx.planner.quantization import CONFIGURATIONS, SECONDARY_CONFIGURATIONS
+from zero_fx.planner.features.quantization import CONFIGURATIONS, SECONDARY_CONFIGURATIONS
 
 from ..helpers import wire
 from ..helpers.runs import join_group, leave_group, machine, rows_of_every_rank, write_json
@@ -37,7 +37,7 @@ CONFIGS = {"fp32" if name == "none" else name: options
            for name, options in CONFIGURATIONS.items()} | {
     name: {**options, "secondary_partition": True}
     for name, options in SECONDARY_CONFIGURATIONS.items()}
-"""The planner's configurations (zero_fx/planner/quantization.py), the unquantized one named
+"""The planner's configurations (zero_fx/planner/features/quantization.py), the unquantized one named
 by what these benchmarks train in; hpZ's with the mesh's "shard" dimension as the node."""
 
 

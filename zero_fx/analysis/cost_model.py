@@ -52,7 +52,7 @@ parameters, the batch) and the optimizer state.
 
 [Note: pricing tensor parallelism]
 Megatron-LM's tensor parallelism over T ranks (``python -m zero_fx.plan --tp T``; [Note:
-planning tensor parallelism] in zero_fx/planner/tensor_parallel.py) splits each block's attention and
+planning tensor parallelism] in zero_fx/planner/features/tensor_parallel.py) splits each block's attention and
 MLP products by columns then rows, so a block's forward ends each of its two halves with
 an all-reduce of the block's activations, b·s·h elements, and its backward does the same
 for their gradients: 4 per block (``TP_COLLECTIVES_PER_BLOCK``), 2 more where recompute
@@ -68,7 +68,7 @@ group, the W/T ranks at stride T (``data_parallel_ranks``), which spans nodes as
 W/T ranks do not fit on one.
 
 [Note: pricing offload]
-With ``zero_compile(offload=...)`` ([Note: planning offload] in zero_fx/planner/offload.py)
+With ``zero_compile(offload=...)`` ([Note: planning offload] in zero_fx/planner/features/offload.py)
 the fp32 masters and optimizer state live in host memory, and the optimizer steps there.
 A step then adds, per rank:
 

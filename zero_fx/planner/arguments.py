@@ -7,18 +7,18 @@ planner's expert- and tensor-parallelism options.
 
 ``--expert-parallel 1,2,4,8`` (with ``--hardware``) compares degrees of expert
 parallelism in ``python -m zero_fx.plan`` ([Note: planning expert parallelism] in
-zero_fx/planner/expert_parallel.py): ``add_expert_parallel_arguments(parser)`` adds them,
+zero_fx/planner/features/expert_parallel.py): ``add_expert_parallel_arguments(parser)`` adds them,
 ``expert_parallel_options(parser, args)`` checks them and gives what ``plan_model``'s
 ``ExpertParallelOptions`` and ``hardware`` are built from.
 
 ``--tp T`` (and ``--sequence-parallel``) plans Megatron's tensor parallelism over T ranks
 with ZeRO over the rest, beside data parallelism alone ([Note: planning tensor
-parallelism] in zero_fx/planner/tensor_parallel.py): ``add_tensor_parallel_arguments(parser)``,
+parallelism] in zero_fx/planner/features/tensor_parallel.py): ``add_tensor_parallel_arguments(parser)``,
 ``tensor_parallel_options(parser, args)``.
 
 ``--offload none|optimizer|parameters|auto`` (and ``--host-memory``) plans
 ``zero_compile(offload=...)``: device and host bytes, copies and the host's optimizer step
-([Note: planning offload] in zero_fx/planner/offload.py): ``add_offload_arguments(parser)``,
+([Note: planning offload] in zero_fx/planner/features/offload.py): ``add_offload_arguments(parser)``,
 ``offload_options(parser, args)``.
 """
 
@@ -29,7 +29,7 @@ import argparse
 import torch
 
 from ..analysis.hardware import PRESETS
-from .offload import check_offload
+from .features.offload import check_offload
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32,
           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,

@@ -30,15 +30,15 @@ import sys
 from .arguments import (add_dtype_argument, add_expert_parallel_arguments, add_offload_arguments,
                         add_tensor_parallel_arguments, expert_parallel_options,
                         offload_options, tensor_parallel_options)
-from .expert_parallel import ExpertParallelOptions
+from .features.expert_parallel import ExpertParallelOptions
 from .models import MODEL_NAMES_HELP, model_source
-from .offload import OffloadOptions
+from .features.offload import OffloadOptions
 from .plan_model import plan_model
 from .printing import format_report
 from .question import Workload
 from .report import OPTIMIZER_BYTES
-from .whole_updates import MUON
-from .tensor_parallel import TensorParallelOptions
+from .features.whole_updates import MUON
+from .features.tensor_parallel import TensorParallelOptions
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -10,18 +10,18 @@ from typing import Optional
 from ..config import DEFAULT_BUCKET_BYTES, DEFAULT_PERSISTENCE_THRESHOLD
 from ..plan.build import PlanOptions, PlanRanks, plan_for_module
 from ..plan.layout import ShardPlan
-from .expert_parallel import (ExpertParallelOptions, check_degrees, expert_blocks,
+from .features.expert_parallel import (ExpertParallelOptions, check_degrees, expert_blocks,
                               expert_parallel_row)
 from .models import ModelSource, on_meta
-from .offload import OffloadOptions, check_offload, plan_offload
-from .quantization import check_quantizable, price_quantization
+from .features.offload import OffloadOptions, check_offload, plan_offload
+from .features.quantization import check_quantizable, price_quantization
 from .question import Workload
 from .report import PlanReport
 from .stages import hybrid_levels, psi_per_rank, stage_buckets, stage_plan
-from .tensor_parallel import (TensorParallelOptions, check_tensor_parallel, divisors,
+from .features.tensor_parallel import (TensorParallelOptions, check_tensor_parallel, divisors,
                               largest_block, tensor_parallel_collectives, tensor_parallel_row,
                               tensor_parallel_shape, tensor_parallel_split)
-from .whole_updates import MUON, plan_whole_updates
+from .features.whole_updates import MUON, plan_whole_updates
 from .working_set import STEADY_FROM, traced_working_set
 
 
@@ -37,20 +37,20 @@ def plan_model(source: ModelSource, workload: Workload, *,
     ``expert_parallel``: its ``degrees`` of expert parallelism to compare (stage 3, with
     ``seq``), their step times on ``hardware`` (a cost-model preset; default 8xH100 over
     NVLink up to 8 ranks, nodes of 8 over InfiniBand above; [Note: planning expert
-    parallelism] in zero_fx/planner/expert_parallel.py), their buffers of received rows
+    parallelism] in zero_fx/planner/features/expert_parallel.py), their buffers of received rows
     sized by its ``capacity_factor`` (None: the worst case; [Note: expert capacity] in
     zero_fx/capture/experts/expert_exchange.py).
     ``tensor_parallel``: its ``degree`` T > 1: each rank holds its Megatron piece of the
     model, ZeRO-sharded over ``world_size / T`` ranks, and the report sets it beside data
     parallelism alone (its ``sequence_parallel``: the norms' activations split too; [Note:
-    planning tensor parallelism] in zero_fx/planner/tensor_parallel.py).
+    planning tensor parallelism] in zero_fx/planner/features/tensor_parallel.py).
     ``offload``: its ``mode``, ``"optimizer"``, ``"parameters"`` or ``"auto"``, sets every
     mode the stage allows side by side, device and host bytes, copies and the host's
     optimizer step, with its ``host_memory`` bytes a rank (default: the preset's) and
     ``device_memory`` bytes a device (``"auto"`` picks the least offload that fits it;
-    [Note: planning offload] in zero_fx/planner/offload.py).
+    [Note: planning offload] in zero_fx/planner/features/offload.py).
     ``quantize``: ZeRO++'s quantized collectives, each configuration the stage allows,
-    priced on ``hardware`` ([Note: when quantizing pays] in zero_fx/planner/quantization.py)."""
+    priced on ``hardware`` ([Note: when quantizing pays] in zero_fx/planner/features/quantization.py)."""
     world_size, stage, dtype, seq = (workload.world_size, workload.stage, workload.dtype,
                                      workload.seq)
     device_memory = offload.device_memory

@@ -7,11 +7,11 @@ import statistics
 from typing import Optional
 
 from ..plan.layout import BLOCKS
-from .expert_parallel import buffer_rows
-from .offload import largest_model, offload_fits
-from .quantization import format_quantization
+from .features.expert_parallel import buffer_rows
+from .features.offload import largest_model, offload_fits
+from .features.quantization import format_quantization
 from .report import GB, OPTIMIZER_BYTES, PlanReport
-from .whole_updates import format_whole_updates
+from .features.whole_updates import format_whole_updates
 
 
 def format_report(report: PlanReport, *, device_memory_gb: Optional[float] = None,
@@ -132,7 +132,7 @@ def _format_expert_parallel(report: PlanReport, device_memory_gb: Optional[float
     tokens = report.working_set_how.split(" tokens")[0].removeprefix("batch ")
     lines = [f"Expert parallelism, stage {report.stage} (a block's {counts} experts split over P "
              f"ranks; per rank per step; times on {report.hardware}; [Note: planning expert "
-             "parallelism] in zero_fx/planner/expert_parallel.py):", "",
+             "parallelism] in zero_fx/planner/features/expert_parallel.py):", "",
              "| P | experts gathered per block | expert rows per block | working set | "
              "estimated peak per rank | all-gather + reduce-scatter | all-to-all | sent per rank "
              "| step (compute, collectives, exchanges) |",
@@ -180,7 +180,7 @@ def _format_tensor_parallel(report: PlanReport, device_memory_gb: Optional[float
              f"ranks (tp {tp}: Megatron's column and row split of each block over {tp} "
              f"consecutive ranks, ZeRO over the {n // tp} at stride {tp}; sequence parallelism "
              f"{sp}; per rank; times on {report.hardware}; [Note: planning tensor "
-             "parallelism] in zero_fx/planner/tensor_parallel.py):", "",
+             "parallelism] in zero_fx/planner/features/tensor_parallel.py):", "",
              "| tp | parameters per rank | model states | largest block: parameters + "
              "gradients + activations | largest matrix | working set | estimated peak | "
              "TP collectives | ZeRO collectives | step (compute, ZeRO, TP) |",
@@ -221,7 +221,7 @@ def _format_offload(report: PlanReport) -> list[str]:
     budget = (f"device {device / GB:g} GB" if device is not None else "device memory not given")
     lines = [f"Offload, stage {stage}, {ranks} (per rank per step; {budget}, host "
              f"{report.host_memory / GB:g} GB; copies and the host's optimizer step on "
-             f"{report.hardware}; [Note: planning offload] in zero_fx/planner/offload.py):", "",
+             f"{report.hardware}; [Note: planning offload] in zero_fx/planner/features/offload.py):", "",
              "| offload | device: model states | working set | device: estimated peak | "
              "host: model states | to host + to device | copies | host optimizer step | "
              "step |", "|---|---|---|---|---|---|---|---|---|"]

@@ -56,13 +56,13 @@ from typing import Optional, Union
 
 import torch
 
-from .quantization import QuantizedRow
-from .whole_updates import WholeUpdates
+from .features.quantization import QuantizedRow
+from .features.whole_updates import WholeUpdates
 
 GB = 1e9
 OPTIMIZER_BYTES = {"adamw": 8, "sgd-momentum": 4, "sgd": 0}
 """fp32 optimizer state per trainable element (``--optimizer muon``: Muon's 4 on the blocks'
-matrices, AdamW's 8 on the rest; zero_fx/planner/whole_updates.py)."""
+matrices, AdamW's 8 on the rest; zero_fx/planner/features/whole_updates.py)."""
 
 
 @dataclass
@@ -316,7 +316,7 @@ class PlanReport:
     """With ``quantize``: each configuration of quantized collectives, the first none."""
     whole_updates: Optional[WholeUpdates] = None
     """With ``optimizer`` "muon": the owners' Newton-Schulz work, memory and exchanges
-    ([Note: planning whole-tensor updates] in zero_fx/planner/whole_updates.py)."""
+    ([Note: planning whole-tensor updates] in zero_fx/planner/features/whole_updates.py)."""
 
     @property
     def peak_bytes(self) -> Optional[float]:

@@ -9,7 +9,7 @@ from typing import Optional
 from ..plan.layout import ShardPlan
 from .report import OPTIMIZER_BYTES, Bucket, LevelRow, PlanReport, StagePlan, peak_of
 from .table import TRAFFIC_IN_PSI, model_state_breakdown, zero_paper_bytes
-from .whole_updates import MUON, plan_whole_updates
+from .features.whole_updates import MUON, plan_whole_updates
 
 
 def _piece(numel: int, degree: int) -> int:

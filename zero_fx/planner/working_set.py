@@ -8,13 +8,13 @@ from typing import Optional
 
 from ..analysis.cost_model import replay
 from ..analysis.memory_timeline import memory_timeline
-from .expert_parallel import ExpertParallelOptions, peaks_by_degree
+from .features.expert_parallel import ExpertParallelOptions, peaks_by_degree
 from .models import ModelSource
 from .offline import causal_lm_loss, rewritten_step_on_fake
-from .offload import device_optimizer_seconds, streamed_peak
+from .features.offload import device_optimizer_seconds, streamed_peak
 from .question import Workload
 from .report import GB, ExpertBlocks
-from .tensor_parallel import tensor_parallel_prices
+from .features.tensor_parallel import tensor_parallel_prices
 
 STEADY_FROM = 3
 """Blocks traced before each further block adds the same memory ([Note: what the planner
@@ -29,13 +29,13 @@ def traced_working_set(source: ModelSource, workload: Workload, *, hardware: str
     """The working set of ``workload`` (its batch, sequence length and recompute)
     extrapolated to the model's depth, ``{1: bytes}``; with ``experts``, also each degree of
     ``expert_parallel`` and the cost model's ``"compute"`` seconds on ``hardware`` ([Note:
-    planning expert parallelism] in zero_fx/planner/expert_parallel.py); with
+    planning expert parallelism] in zero_fx/planner/features/expert_parallel.py); with
     ``tensor_parallel`` (degree, split parameters, sequence parallelism), ``"tp"``: the
     working set priced again for it, and ``"compute"`` ([Note: planning tensor parallelism]
-    in zero_fx/planner/tensor_parallel.py); with ``offload``, ``"streamed"``: the working
+    in zero_fx/planner/features/tensor_parallel.py); with ``offload``, ``"streamed"``: the working
     set with the reduced gradients streamed to the host, ``"compute"`` and
     ``"device_optimizer"``, the part of it the device's optimizer step takes ([Note:
-    planning offload] in zero_fx/planner/offload.py). Then how it was had, and what one
+    planning offload] in zero_fx/planner/features/offload.py). Then how it was had, and what one
     more block adds to each (None where the model was traced whole)."""
     batch, seq, recompute = workload.sequences, workload.seq, workload.recompute_options()
 

@@ -52,14 +52,14 @@ from typing import Optional
 
 from torch.fx import GraphModule
 
-from ..analysis.hardware import hardware
-from ..config.checks import check_offload as check_config_offload
-from ..config.policies import OffloadPolicy
-from ..analysis.transfer_seconds import host_device_seconds, host_optimizer_seconds, ring_seconds
-from ..analysis.memory_timeline import memory_timeline, peak_alive
-from ..plan.layout import ShardPlan
-from .report import OPTIMIZER_BYTES, OffloadRow, PlanReport, peak_of
-from .table import model_state_breakdown
+from ...analysis.hardware import hardware
+from ...config.checks import check_offload as check_config_offload
+from ...config.policies import OffloadPolicy
+from ...analysis.transfer_seconds import host_device_seconds, host_optimizer_seconds, ring_seconds
+from ...analysis.memory_timeline import memory_timeline, peak_alive
+from ...plan.layout import ShardPlan
+from ..report import OPTIMIZER_BYTES, OffloadRow, PlanReport, peak_of
+from ..table import model_state_breakdown
 
 
 @dataclass(frozen=True)

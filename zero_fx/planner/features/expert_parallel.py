@@ -44,15 +44,15 @@ from typing import Optional, Sequence
 import torch
 from torch.fx import GraphModule
 
-from ..analysis.transfer_seconds import all_to_all_seconds, ring_seconds
-from ..analysis.hardware import hardware
-from ..analysis.memory_timeline import memory_timeline, peak_alive
-from ..capture.experts.expert_exchange import received_rows
-from ..capture.experts.fused_experts import holds_stacked_experts, splittable_fused_experts
-from ..capture.experts.moe_blocks import TOP_K_NAMES, shared_expert_name, moe_shape
-from ..passes.common.predicates import carried_params
-from ..plan.layout import ShardPlan
-from .report import ExpertBlocks, ExpertParallelRow, PlanReport, peak_of
+from ...analysis.transfer_seconds import all_to_all_seconds, ring_seconds
+from ...analysis.hardware import hardware
+from ...analysis.memory_timeline import memory_timeline, peak_alive
+from ...capture.experts.expert_exchange import received_rows
+from ...capture.experts.fused_experts import holds_stacked_experts, splittable_fused_experts
+from ...capture.experts.moe_blocks import TOP_K_NAMES, shared_expert_name, moe_shape
+from ...passes.common.predicates import carried_params
+from ...plan.layout import ShardPlan
+from ..report import ExpertBlocks, ExpertParallelRow, PlanReport, peak_of
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..analysis.hardware import hardware
-from ..plan.layout import ShardPlan, in_block
-from ..plan.owners import assign_owners, loads_of, newton_schulz_cost
+from ...analysis.hardware import hardware
+from ...plan.layout import ShardPlan, in_block
+from ...plan.owners import assign_owners, loads_of, newton_schulz_cost
 
 MUON = "muon"
 """``--optimizer`` of the Muon + AdamW recipe."""

@@ -28,12 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..analysis.cost_model import estimate
-from ..analysis.hardware import hardware as preset
-from ..analysis.traffic import traffic_report
-from .models import ModelSource
-from .offline import causal_lm_loss, rewritten_step_on_fake
-from .question import Workload
+from ...analysis.cost_model import estimate
+from ...analysis.hardware import hardware as preset
+from ...analysis.traffic import traffic_report
+from ..models import ModelSource
+from ..offline import causal_lm_loss, rewritten_step_on_fake
+from ..question import Workload
 
 CONFIGURATIONS = {
     "none": {},
@@ -142,7 +142,7 @@ def format_quantization(rows: list[QuantizedRow], hardware: str, world_size: int
     """The table ``python -m zero_fx.plan --quantize`` prints, and what pays."""
     base = rows[0]
     lines = [f"Quantized collectives on {hardware}, {world_size} ranks, per rank per step "
-             f"([Note: when quantizing pays] in zero_fx/planner/quantization.py):",
+             f"([Note: when quantizing pays] in zero_fx/planner/features/quantization.py):",
              "| configuration | sent | communication | compute (quantizing included) | step "
              "| peak memory | |",
              "|---|---|---|---|---|---|---|"]

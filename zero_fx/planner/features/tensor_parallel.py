@@ -63,14 +63,14 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule
 
-from ..analysis.transfer_seconds import (TP_COLLECTIVES_PER_BLOCK, data_parallel_ranks,
+from ...analysis.transfer_seconds import (TP_COLLECTIVES_PER_BLOCK, data_parallel_ranks,
                                          ring_seconds, tensor_parallel_seconds)
-from ..analysis.hardware import hardware
-from ..analysis.memory_timeline import memory_timeline, peak_alive
-from ..passes.common.predicates import carried_params, is_param_input, is_view, param_name
-from ..plan.layout import ShardPlan, block_of, in_block
-from .report import ExpertBlocks, PlanReport, TensorParallelRow, TensorParallelShape, peak_of
-from .stages import rank_pieces, stage_plan
+from ...analysis.hardware import hardware
+from ...analysis.memory_timeline import memory_timeline, peak_alive
+from ...passes.common.predicates import carried_params, is_param_input, is_view, param_name
+from ...plan.layout import ShardPlan, block_of, in_block
+from ..report import ExpertBlocks, PlanReport, TensorParallelRow, TensorParallelShape, peak_of
+from ..stages import rank_pieces, stage_plan
 
 
 @dataclass(frozen=True)
