@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _fake_world(size: int):
-    import ranks
+    from support import ranks
 
     with ranks.fake_world(size):
         yield
@@ -44,7 +44,7 @@ CUDA_SKIP_REASON = ("the cuda tier needs a CUDA GPU and torch sees none; on a GP
 def pytest_sessionfinish(session, exitstatus):
     """Ends the ranks that stayed up between tests (ranks.StandingRanks) as a training script
     ends; a rank that then fails to exit cleanly fails the session."""
-    import ranks
+    from support import ranks
 
     problems = ranks.close_standing_ranks()
     if problems:
@@ -58,17 +58,17 @@ def pytest_runtest_logfinish(nodeid, location):
     freeze theirs (``ranks.settle``). Otherwise every ``gc.collect()`` and ``gc.get_objects()``
     of a run in this process (world size 1, fake groups; the memory probe calls five a run)
     walks all of it: after test_cli, a one-rank parity run took 6-7 s instead of 3."""
-    import ranks
+    from support import ranks
 
     ranks.settle()
 
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_runs(tmp_path_factory):
-    """The folder of the session's shared runs ([Note: shared runs] in tests/ranks.py): in
+    """The folder of the session's shared runs ([Note: shared runs] in tests/support/ranks.py): in
     the session's own temporary folder, which both test processes of ``-n 2`` share (each
     has a folder of its own in it)."""
-    import ranks
+    from support import ranks
 
     base = tmp_path_factory.getbasetemp()
     folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs"

@@ -3,8 +3,8 @@ plain PyTorch on one process and the whole batch (fp32; relative error under 1e-
 
 import pytest
 
-from feature_runs import reference_run, zero_fx_run
-from training import parity_errors
+from support.feature_runs import reference_run, zero_fx_run
+from support.training import parity_errors
 
 TOLERANCE = 1e-5
 CLIP = (("max_grad_norm", 0.5),)

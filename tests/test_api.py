@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from training import check_updates
+from support.training import check_updates
 from zero_fx import CaptureError, MixedPrecision, zero_compile
 
 

@@ -4,9 +4,9 @@ error, on 2 ranks at stage 3 (README, "Errors and what they mean")."""
 import pytest
 import torch
 
-import models
-from ranks import run_ranks
-from training import check_updates, relative_error
+from support import models
+from support.ranks import run_ranks
+from support.training import check_updates, relative_error
 from zero_fx import MixedPrecision, zero_compile
 
 

@@ -16,8 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.peers import report as peers_report  # noqa: E402
-import cores  # noqa: E402
-from torchrun import torchrun_command  # noqa: E402
+from support import cores  # noqa: E402
+from support.torchrun import torchrun_command  # noqa: E402
 
 FP32 = 4
 

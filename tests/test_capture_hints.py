@@ -6,9 +6,9 @@ import types
 import pytest
 import torch
 
-import models
-from ranks import run_ranks
-from training import check_updates
+from support import models
+from support.ranks import run_ranks
+from support.training import check_updates
 from zero_fx import CaptureError, zero_compile
 
 

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-import models
-from ranks import run_ranks, with_mesh
-from training import check_updates, checkpointed_training_rank
+from support import models
+from support.ranks import run_ranks, with_mesh
+from support.training import check_updates, checkpointed_training_rank
 from zero_fx import CheckpointError, MixedPrecision, zero_compile
 from zero_fx.checkpoint.offline import load_full
 

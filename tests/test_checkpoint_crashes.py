@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import models
+from support import models
 import zero_fx.checkpoint.files as checkpoint_files
-from ranks import run_ranks
-from training import checkpointed_training_rank
+from support.ranks import run_ranks
+from support.training import checkpointed_training_rank
 from zero_fx import CheckpointError, checkpoint_exists, zero_compile
 from zero_fx.checkpoint.offline import load_full
 

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-import models
-from ranks import run_ranks
+from support import models
+from support.ranks import run_ranks
 from zero_fx import zero_compile
 from zero_fx.checkpoint import contents
 from zero_fx.runtime.distributed import cpu_group as cpu_group_module

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import models
+from support import models
 from zero_fx import after, before, plan_for_module, zero_compile
 from zero_fx.plan import PlanOptions, PlanRanks
 from zero_fx.passes import build_pipeline, mark_step_graph, pass_names, run_pipeline

@@ -144,12 +144,12 @@ def test_a_calibration_predicts_other_steps_on_this_machine():
     model charges what runs (not every node of the rewritten graph).
 
     Under ``pytest -n 2`` the other test process runs its one-process tests beside this one
-    (tests/cores.py keeps other rank groups out, not those), and a load that starts or stops
+    (tests/support/cores.py keeps other rank groups out, not those), and a load that starts or stops
     between the calibration and the timed steps moves one against the other: a clean-clone
     suite measured stage 0 at 1.62x (calibrated quiet, timed loaded), another at 0.48x (the
     reverse). So a try outside the band is calibrated and timed once more; a model that is
     wrong misses both tries, a shift of load rarely twice."""
-    from ranks import run_ranks
+    from support.ranks import run_ranks
 
     bands = {0: 0.5, 3: 0.4}
     misses = []

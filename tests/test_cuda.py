@@ -2,7 +2,7 @@
 
 Skipped where torch sees no GPU (tests/conftest.py); ``bench/gpu_check.sh`` runs the tier
 (``pytest -m cuda``) and writes one JSON summary with the figures the tests record
-(tests/gpu_figures.py). Everything fits one GPU:
+(tests/support/gpu_figures.py). Everything fits one GPU:
 
 - a real NCCL group of one (``zero_fx.init_distributed`` under torchrun's variables, in a
   fresh process: ``"cpu:gloo,cuda:nccl"`` bound to ``cuda:0``), its steps keeping every
@@ -43,12 +43,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-import models
+from support import models
 from bench.helpers.runs import free_port
 from examples.gpt import GPT, CausalSelfAttention, GPTConfig
-from gpu_figures import record
+from support.gpu_figures import record
 from test_mixed_precision import OVERFLOW_HISTORY
-from training import update_errors
+from support.training import update_errors
 from test_world_one_collectives import build, quantized_reference, step_function
 from test_world_one_collectives import batch as cpu_batch
 from zero_fx import DebugOptions, MixedPrecision, init_distributed, load_pretrained, zero_compile

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import models
-import cores
-from torchrun import torchrun_command
-from training import STEPS, parity_errors, reference_run
+from support import models
+from support import cores
+from support.torchrun import torchrun_command
+from support.training import STEPS, parity_errors, reference_run
 from zero_fx import zero_compile
 from zero_fx.runtime import sharding
 from zero_fx.runtime.distributed import failures, process_group
@@ -166,8 +166,8 @@ UNDEFINED_BACKEND_SCRIPT = """
 import json, sys
 import torch, torch.distributed as dist
 sys.path[:0] = [{tests!r}, {root!r}]
-import models
-from training import STEPS
+from support import models
+from support.training import STEPS
 from zero_fx import zero_compile
 
 dist.init_process_group()  # no backend: the group's name is "undefined"

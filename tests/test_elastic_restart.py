@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-import models
-from cores import the_cores
-from torchrun import torchrun_command
+from support import models
+from support.cores import the_cores
+from support.torchrun import torchrun_command
 from zero_fx.checkpoint.offline import load_full
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

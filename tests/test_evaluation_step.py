@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import models
+from support import models
 from examples.gpt import GPT, GPTConfig
-from ranks import run_ranks
+from support.ranks import run_ranks
 from zero_fx import zero_compile
 from zero_fx.analysis.live_memory import LiveTensorBytes
 from zero_fx.analysis.memory_timeline import memory_timeline, peak_alive

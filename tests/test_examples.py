@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-import models
-import cores
-from torchrun import torchrun_command as launch
-from training import check_updates
+from support import models
+from support import cores
+from support.torchrun import torchrun_command as launch
+from support.training import check_updates
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

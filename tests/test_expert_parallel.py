@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import models
+from support import models
 from zero_fx import ZeroConfig
 from zero_fx.capture.experts.moe_blocks import RoutedExperts
 from zero_fx.passes.common.predicates import zero_fx_op_name
@@ -20,7 +20,7 @@ from zero_fx.plan.expert_parallel import ExpertParallel, expert_slices
 from zero_fx.plan import PlanOptions, PlanRanks, make_plan
 from zero_fx.runtime.distributed.expert_groups import split_experts
 from zero_fx.runtime.distributed.process_group import World
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 pytest.importorskip("transformers")
 
@@ -122,11 +122,11 @@ def test_the_plan_keeps_a_place_s_rows_of_experts_held_as_3d_parameters():
 
 
 def test_experts_held_as_3d_parameters_split_by_rows(fake_world_of_four):
-    """transformers 5's layout (tests/stacked_experts.py) on a fake world of 4 at EP 2: its
+    """transformers 5's layout (tests/support/stacked_experts.py) on a fake world of 4 at EP 2: its
     experts' module is rewritten only because expert parallelism asks for it, rank 0 keeps
     rows 0-3 of the 8 experts, the plan shards them over 2 ranks, the rows travel (two
     exchanges of T*k rows each way), and whole values have the whole shape."""
-    from stacked_experts import tiny_mixtral_stacked
+    from support.stacked_experts import tiny_mixtral_stacked
     from zero_fx import zero_compile
     from zero_fx.capture.experts.routed_experts import route_experts_with_fixed_shapes
 
@@ -155,7 +155,7 @@ def test_experts_held_as_3d_parameters_split_by_rows(fake_world_of_four):
 
 def test_experts_held_as_3d_parameters_are_not_read_from_pretrained_weights_yet():
     """load_pretrained would read the whole parameter: refused, saying what to do."""
-    from stacked_experts import tiny_mixtral_stacked
+    from support.stacked_experts import tiny_mixtral_stacked
     from zero_fx.capture.experts.routed_experts import route_experts_with_fixed_shapes
 
     with torch.device("meta"):
@@ -176,7 +176,7 @@ def init_own_parameters(module: torch.nn.Module) -> None:
 def built_on_meta_rank(rank: int, world_size: int) -> dict:
     """The 3-D-experts Mixtral built on the meta device, sharded with and without expert
     parallelism at stages 3 and 2; its whole values after a step that changes nothing."""
-    from stacked_experts import tiny_mixtral_stacked
+    from support.stacked_experts import tiny_mixtral_stacked
     from zero_fx import zero_compile
 
     wholes = {}
@@ -218,7 +218,7 @@ def test_experts_in_a_layout_it_does_not_split_are_named():
     """3-D experts with biases (GPT-OSS's flags), or an activation of gate and up
     (Inkling2's): not rewritten for expert parallelism, and the error says which module and
     why."""
-    from stacked_experts import tiny_mixtral_stacked
+    from support.stacked_experts import tiny_mixtral_stacked
     from zero_fx.capture.experts.routed_experts import route_experts_with_fixed_shapes
 
     model = tiny_mixtral_stacked(models.VOCAB, models.SEQ, layers=1)

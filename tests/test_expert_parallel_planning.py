@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import models
+from support import models
 from zero_fx.analysis.cost_model import replay
 from zero_fx.analysis.hardware import PRESETS, Hardware
 from zero_fx.analysis.memory_timeline import memory_timeline
@@ -259,10 +259,10 @@ def test_expert_blocks_know_their_parameters_at_any_depth():
 
 
 def test_experts_held_as_3d_parameters_are_planned_by_rows():
-    """transformers 5's layout (tests/stacked_experts.py): the 3-D experts are the block's
+    """transformers 5's layout (tests/support/stacked_experts.py): the 3-D experts are the block's
     routed experts, which expert parallelism splits; a layout it does not split (biases)
     is counted and refused, naming it."""
-    from stacked_experts import tiny_mixtral_stacked
+    from support.stacked_experts import tiny_mixtral_stacked
     from zero_fx.planner.features.expert_parallel import check_degrees
 
     with torch.device("meta"):

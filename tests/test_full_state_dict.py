@@ -9,8 +9,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import models
-from ranks import run_ranks
+from support import models
+from support.ranks import run_ranks
 from zero_fx import MixedPrecision, zero_compile
 
 BLOCKS = 16
@@ -186,7 +186,7 @@ def test_gathered_parameters_says_what_it_gathers(caplog):
 
 
 def _on_a_mesh(rank, world_size):
-    from ranks import with_mesh
+    from support.ranks import with_mesh
 
     torch.manual_seed(0)
     model = Blocks()

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import models
-from ranks import run_ranks
-from training import update_error
+from support import models
+from support.ranks import run_ranks
+from support.training import update_error
 from zero_fx import zero_compile
 
 GLOBAL_BATCH = 12  # splits evenly over 1, 2, 3 and 4 ranks

@@ -8,8 +8,8 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
 
-import models
-from ranks import run_ranks
+from support import models
+from support.ranks import run_ranks
 from zero_fx import after, zero_compile
 
 

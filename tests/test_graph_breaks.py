@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from ranks import run_ranks
-from training import check_updates, relative_error
+from support.ranks import run_ranks
+from support.training import check_updates, relative_error
 from zero_fx import CaptureError, GraphBreakWarning, zero_compile
 
 STEPS = 5

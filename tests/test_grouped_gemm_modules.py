@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from test_api import standard_step
-from training import assert_computes_the_same, regression_batches, update_errors_against_eager
+from support.training import assert_computes_the_same, regression_batches, update_errors_against_eager
 
 from zero_fx.capture.experts.fused_experts import FixedShapeFusedExperts
 from zero_fx.capture.experts.grouped_gemm_modules import route_grouped_gemms_with_fixed_shapes

@@ -6,9 +6,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-import models  # noqa: E402
-from feature_runs import reference_run, zero_fx_run  # noqa: E402
-from training import parity_errors  # noqa: E402
+from support import models  # noqa: E402
+from support.feature_runs import reference_run, zero_fx_run  # noqa: E402
+from support.training import parity_errors  # noqa: E402
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -7,11 +7,11 @@ import functools
 import pytest
 import torch
 
-import feature_runs
-import models
-import training
-from ranks import in_turn, mesh_errors, run_ranks, with_mesh
-from training import (SMALL_BUCKETS, UPDATE_TOLERANCE, check_updates, parity_errors,
+from support import feature_runs
+from support import models
+from support import training
+from support.ranks import in_turn, mesh_errors, run_ranks, with_mesh
+from support.training import (SMALL_BUCKETS, UPDATE_TOLERANCE, check_updates, parity_errors,
                       reference_run, relative_error, zero_fx_run)
 from zero_fx import MixedPrecision, zero_compile
 from zero_fx.analysis.traffic import REPLICATE_GROUP, SHARD_GROUP
@@ -134,7 +134,7 @@ def test_clipping_on_a_mesh_clips_by_the_global_norm(stage):
 def whole_model_views_rank(rank, world_size, mesh):
     """What a user reads of the whole model after two steps: ``full_state_dict()``, the
     model run inside ``gathered_parameters()``, and the graph listing's collectives."""
-    import models
+    from support import models
 
     model = models.build("gpt")
     opt = models.make_optimizer(model)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import models
-from ranks import run_ranks
-from training import SMALL_BUCKETS
+from support import models
+from support.ranks import run_ranks
+from support.training import SMALL_BUCKETS
 from zero_fx import explain, set_logs, zero_compile
 from zero_fx.passes import PASS_ORDER
 from zero_fx.passes.common.predicates import is_all_gather, is_collective, is_reduce_scatter

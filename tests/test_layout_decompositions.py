@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import feature_runs
-import models
-from training import check_updates
+from support import feature_runs
+from support import models
+from support.training import check_updates
 
 from zero_fx.capture.layout_decompositions import MISLAID_BACKWARD_OPS
 

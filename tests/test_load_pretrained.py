@@ -12,9 +12,9 @@ from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
 
-import models  # noqa: E402
+from support import models  # noqa: E402
 from examples import hf_models  # noqa: E402
-from ranks import run_ranks  # noqa: E402
+from support.ranks import run_ranks  # noqa: E402
 from zero_fx import CheckpointError, load_pretrained, zero_compile  # noqa: E402
 
 VOCAB = 256

@@ -20,7 +20,7 @@ from zero_fx.compiler.lowered_memory import lowered_memory
 from zero_fx.compiler.lowered_schedule import COMPUTE, ISSUE, WAIT, Event, lowered_schedule
 from zero_fx.analysis.memory_timeline import memory_timeline
 
-import models
+from support import models
 
 GENERATED = """
 def call(self, args):

@@ -11,9 +11,9 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import models
+from support import models
 from examples.gpt import GPT, GPTConfig
-from training import parity_errors, reference_run, zero_fx_run
+from support.training import parity_errors, reference_run, zero_fx_run
 from zero_fx import MaterializeError, zero_compile
 from zero_fx.materialize import materialize
 from zero_fx.plan import PlanOptions, PlanRanks, plan_for_module

@@ -11,8 +11,8 @@ import os
 import pytest
 
 from bench.helpers.rss import MALLOC_ENV
-from ranks import run_ranks
-from training import peak_memory_run, rss_growth_run, zero_fx_rank, zero_fx_run
+from support.ranks import run_ranks
+from support.training import peak_memory_run, rss_growth_run, zero_fx_rank, zero_fx_run
 
 FP32 = 4
 ADAMW_TENSORS_PER_PARAM = 3  # the parameter shard, exp_avg, exp_avg_sq

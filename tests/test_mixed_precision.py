@@ -20,11 +20,11 @@ import functools
 import pytest
 import torch
 
-import feature_runs
-import models
-from feature_runs import reference_run
-from ranks import in_turn, run_ranks
-from training import parity_errors
+from support import feature_runs
+from support import models
+from support.feature_runs import reference_run
+from support.ranks import in_turn, run_ranks
+from support.training import parity_errors
 from zero_fx import MixedPrecision
 from zero_fx.analysis.host_syncs import counting_host_syncs
 
@@ -135,7 +135,7 @@ calls: GradScaler's rule."""
 def overflowing_fp16_rank(rank, world_size, optimizer="sgd"):
     """fp16 with the loss itself in fp16: a loss scale above 65504 makes the backward's seed
     inf, so the step overflows until the scale has halved below it."""
-    import models
+    from support import models
     from zero_fx import zero_compile
 
     model = models.build("gpt")
@@ -154,7 +154,7 @@ def overflowing_fp16_rank(rank, world_size, optimizer="sgd"):
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_fp16_overflow_skips_the_step_and_the_scale_follows_gradscalers_rule(optimizer):
-    import models
+    from support import models
 
     initial = {n: p.detach().clone() for n, p in models.build("gpt").named_parameters()}
     result = two_ranks()[("overflow", optimizer)][0]
@@ -170,7 +170,7 @@ def growing_scale_rank(rank, world_size):
     climbs until the gradients overflow; every rank's quarter of each global batch holds the
     same rows, so each rank's gradients are the single process's (a rank's own backward on
     other rows would reach other magnitudes, which is the data, not the reduction)."""
-    import models
+    from support import models
     from zero_fx import zero_compile
 
     model = models.build("gpt")
@@ -206,7 +206,7 @@ def test_an_fp16_step_reads_nothing_on_the_host_but_the_overflow_of_an_unfused_o
         optimizer, reads, clip):
     """Unscaling, the norm, the overflow check and the new scale stay on the device; only an
     optimizer that cannot skip on the device has the overflow flag read, once a step."""
-    import models
+    from support import models
     from zero_fx import zero_compile
 
     model = models.build("gpt")

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-import models
-from feature_runs import reference_run, zero_fx_run
-from ranks import run_ranks
-from training import parity_errors
+from support import models
+from support.feature_runs import reference_run, zero_fx_run
+from support.ranks import run_ranks
+from support.training import parity_errors
 from zero_fx import MixedPrecision, zero_compile
 
 UNSCHEDULED = (("bucket_bytes", 0), ("persistence_threshold", 0))

@@ -35,11 +35,11 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-import models  # noqa: E402
+from support import models  # noqa: E402
 from examples import hf_models  # noqa: E402
-from ranks import run_ranks, with_mesh  # noqa: E402
-from stacked_experts import tiny_mixtral_stacked  # noqa: E402
-from training import relative_error, update_errors  # noqa: E402
+from support.ranks import run_ranks, with_mesh  # noqa: E402
+from support.stacked_experts import tiny_mixtral_stacked  # noqa: E402
+from support.training import relative_error, update_errors  # noqa: E402
 from test_checkpoint import assert_same_states  # noqa: E402
 from zero_fx.checkpoint.offline import load_full  # noqa: E402
 
@@ -119,7 +119,7 @@ split inside each replica's shard group, their gradients summed across the repli
 Qwen2-MoE's gated shared expert runs while its block's rows travel to their experts ([Note:
 the dispatch issued, then waited for] in zero_fx/capture/experts/expert_exchange.py). The tests'
 Mixtral with its experts as transformers 5 holds them, 3-D parameters each rank keeps its
-rows of (tests/stacked_experts.py; [Note: experts held as 3-D parameters, split by rows] in
+rows of (tests/support/stacked_experts.py; [Note: experts held as 3-D parameters, split by rows] in
 zero_fx/plan/expert_parallel.py), at stages 3 and 2, and its checkpoints."""
 NO_DROP_CAPACITY = 8 / 2
 
@@ -350,7 +350,7 @@ def test_expert_parallel_checkpoints_load_at_another_degree_and_at_one_rank(case
 
 def expected_blocks(name: str) -> list[tuple[str, bool]]:
     """(name, stacked) of the blocks zero_fx rewrites in model ``name``: each MoE block, or
-    where it holds its experts as 3-D parameters (tests/stacked_experts.py, transformers 5),
+    where it holds its experts as 3-D parameters (tests/support/stacked_experts.py, transformers 5),
     its experts' module (rewritten for expert parallelism only)."""
     blocks = [(n, m) for n, m in build_moe(name, layers=LAYERS).named_modules()
               if type(m).__name__.endswith("MoeBlock")]

@@ -9,11 +9,11 @@ import operator
 import pytest
 import torch
 
-import feature_runs
-import models
-from feature_runs import zero_fx_run
-from ranks import run_ranks
-from training import check_updates
+from support import feature_runs
+from support import models
+from support.feature_runs import zero_fx_run
+from support.ranks import run_ranks
+from support.training import check_updates
 from zero_fx import MixedPrecision, ZeroConfig, zero_compile
 
 BF16 = (("mixed_precision", MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32)),)
@@ -101,7 +101,7 @@ def initial_parameters(model_name: str = "gpt") -> dict:
 def checkpoint_rank(rank, world_size, path):
     """Train with offload at stage 3 and save; load into a run without offload at stage 2,
     and into an offloaded stage 3 again: the whole parameters the three hold."""
-    import models
+    from support import models
 
     results = {}
 
@@ -174,7 +174,7 @@ def auto_rank(rank, world_size):
     """offload="auto" at stage 3, bf16, AdamW, for budgets around the modes' own figures (from
     a first run with room for everything), two steps each: the mode chosen, each run's
     losses and parameters, explain()'s lines, and a run with each explicit mode."""
-    import models
+    from support import models
     from zero_fx.runtime.offload_choice import bucket_state_bytes
 
     def run(offload, **budget):
@@ -463,8 +463,8 @@ def stale_reference_run(model_name: str = "gpt"):
     first two at the initial ones), and the optimizer steps the latest parameters with it."""
     import copy
 
-    import feature_runs
-    import models
+    from support import feature_runs
+    from support import models
 
     model = feature_runs.build(model_name)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}

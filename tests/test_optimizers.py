@@ -27,10 +27,10 @@ import torch
 import torch.nn as nn
 import torch.optim._muon as muon_module
 
-import models
-from ranks import run_ranks
+from support import models
+from support.ranks import run_ranks
 from bench.peers.optimizers import orthogonalised_in_fp32
-from training import update_error
+from support.training import update_error
 from zero_fx import MixedPrecision, zero_compile
 from zero_fx.capture.step_graph import CaptureError
 from zero_fx import plan_for_module

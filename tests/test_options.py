@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-import models
+from support import models
 from zero_fx import DebugOptions, ZeroConfig, rewritten_step_on_fake, zero_compile
 from zero_fx.config import DEPRECATED_OPTIONS
 from zero_fx.passes.common.predicates import is_all_gather, is_collective, is_wait

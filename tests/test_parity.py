@@ -8,7 +8,7 @@ norm of the reference) under 1e-5 in fp32.
 
 import pytest
 
-from training import (SMALL_BUCKETS, UNSCHEDULED, parity_errors, reference_run, update_errors,
+from support.training import (SMALL_BUCKETS, UNSCHEDULED, parity_errors, reference_run, update_errors,
                       zero_fx_run)
 
 TOLERANCE = 1e-5

@@ -226,8 +226,8 @@ def test_the_priced_working_set_is_the_compiled_tensor_parallel_steps(fake_world
     0.4 % here, 0.3-0.5 % with 2 and 4 blocks of width 256)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    import models
-    import tensor_parallel_models as tpm
+    from support import models
+    from support import tensor_parallel_models as tpm
     from zero_fx import zero_compile
 
     for name, value in (("TP_WIDTH", 128), ("TP_HEADS", 4), ("TP_LAYERS", 1)):

@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import models
+from support import models
 from test_cost_model import tiny_gpt
-from training import SMALL_BUCKETS, Frozen, check_updates, relative_error, zero_fx_run
+from support.training import SMALL_BUCKETS, Frozen, check_updates, relative_error, zero_fx_run
 from zero_fx import ZeroConfig, rewritten_step_on_fake
 from zero_fx.passes.common.predicates import (Phase, is_all_gather, is_all_reduce, is_all_to_all,
                                               is_reduce_scatter, phase_of)

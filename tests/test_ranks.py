@@ -1,11 +1,11 @@
-"""The harness's shared runs ([Note: shared runs] in tests/ranks.py): a run made again is
+"""The harness's shared runs ([Note: shared runs] in tests/support/ranks.py): a run made again is
 read back, each caller gets a copy of its own, and a different run is run."""
 
 import os
 
 import torch
 
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 
 def a_draw(rank: int, world_size: int, label: str) -> dict:

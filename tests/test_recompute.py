@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import models
-from ranks import run_ranks
-from training import parity_errors, reference_run, zero_fx_run
+from support import models
+from support.ranks import run_ranks
+from support.training import parity_errors, reference_run, zero_fx_run
 from zero_fx import MixedPrecision, ZeroConfig, after, zero_compile
 from zero_fx.inspection.report_sections import describe_recompute
 from zero_fx.analysis.live_memory import LiveTensorBytes

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from examples.gpt import GPT, GPTConfig
-import models
-from ranks import run_ranks
-from training import parity_errors, reference_run, zero_fx_run
+from support import models
+from support.ranks import run_ranks
+from support.training import parity_errors, reference_run, zero_fx_run
 from zero_fx import zero_compile
 from zero_fx.compiler.lowered_schedule import planned_schedule
 from zero_fx.passes.common.predicates import is_all_gather, is_collective, is_reduce_scatter, is_wait

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-import models
-from ranks import run_ranks
-from training import STEPS, parity_errors
+from support import models
+from support.ranks import run_ranks
+from support.training import STEPS, parity_errors
 from zero_fx import zero_compile
 from zero_fx.compiler import progress as compile_progress
 from zero_fx.passes.common.predicates import is_update

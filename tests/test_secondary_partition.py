@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
-import models
+from support import models
 from test_cost_model import tiny_gpt
-from training import SMALL_BUCKETS, zero_fx_run
+from support.training import SMALL_BUCKETS, zero_fx_run
 from zero_fx import ZeroConfig, rewritten_step_on_fake
 from zero_fx.analysis.traffic import traffic_report
 from zero_fx.passes.common.predicates import Phase, is_all_gather, phase_of

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import clip_grad_norm_  # a global of this module: swapped too
 
-import models
-from ranks import run_ranks
-from training import check_updates, parity_errors
+from support import models
+from support.ranks import run_ranks
+from support.training import check_updates, parity_errors
 from zero_fx import MixedPrecision, zero_compile
 from zero_fx.capture.step_graph import CaptureError
 

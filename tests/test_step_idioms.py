@@ -1,4 +1,4 @@
-"""The twelve idioms of ordinary training steps (tests/step_idioms.py), each decorated with
+"""The twelve idioms of ordinary training steps (tests/support/step_idioms.py), each decorated with
 ``@zero_compile`` as it is, at stages 1 and 3 on 1 and 2 gloo ranks, against the same
 function run undecorated in one process on the global batch: losses and parameters within
 1e-5 relative and each parameter's update within 1e-3 of the reference's (bf16 autocast:
@@ -14,10 +14,10 @@ import logging
 import pytest
 import torch
 
-import models
-import step_idioms
-from ranks import run_ranks
-from training import check_updates, relative_error
+from support import models
+from support import step_idioms
+from support.ranks import run_ranks
+from support.training import check_updates, relative_error
 from zero_fx import zero_compile
 
 STEPS = 4

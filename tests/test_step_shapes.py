@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import models
-from ranks import run_ranks
-from training import parity_errors
+from support import models
+from support.ranks import run_ranks
+from support.training import parity_errors
 from zero_fx import CaptureError, ZeroConfig, zero_compile
 
 TOLERANCE = 1e-5

@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ranks import run_ranks
+from support.ranks import run_ranks
 from zero_fx import zero_compile
 from zero_fx.runtime.update.update import hyperparameters
 

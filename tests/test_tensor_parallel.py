@@ -22,11 +22,11 @@ import tempfile
 import pytest
 import torch
 
-import feature_runs
-import models
-import tensor_parallel_models as tp_models
-from ranks import in_turn, mesh_errors, run_ranks
-from training import UPDATE_TOLERANCE, check_updates, parity_errors
+from support import feature_runs
+from support import models
+from support import tensor_parallel_models as tp_models
+from support.ranks import in_turn, mesh_errors, run_ranks
+from support.training import UPDATE_TOLERANCE, check_updates, parity_errors
 from zero_fx import MixedPrecision, zero_compile
 from zero_fx.analysis.traffic import SHARD_GROUP, TP_GROUP
 

@@ -12,9 +12,9 @@ from collections import Counter
 
 import pytest
 
-import models
-from ranks import fake_world, run_ranks
-from training import SMALL_BUCKETS, UNSCHEDULED, counted_traffic_rank, zero_fx_run
+from support import models
+from support.ranks import fake_world, run_ranks
+from support.training import SMALL_BUCKETS, UNSCHEDULED, counted_traffic_rank, zero_fx_run
 from zero_fx import plan_for_module
 from zero_fx.plan import PlanRanks
 from zero_fx.config import ZeroConfig

@@ -15,9 +15,9 @@ import tempfile
 import pytest
 import torch
 
-import models
-from ranks import run_ranks
-from training import check_updates
+from support import models
+from support.ranks import run_ranks
+from support.training import check_updates
 from zero_fx import MixedPrecision, zero_compile
 from zero_fx.passes.common.predicates import is_update, is_wait
 

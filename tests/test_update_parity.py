@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import feature_runs
-import models
-from ranks import run_ranks
-from training import UPDATE_TOLERANCE, check_updates, parity_errors
+from support import feature_runs
+from support import models
+from support.ranks import run_ranks
+from support.training import UPDATE_TOLERANCE, check_updates, parity_errors
 
 import zero_fx
 from zero_fx import InvariantError, zero_compile

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import models
-from ranks import gloo_world_of_one
-from training import relative_error, update_errors
+from support import models
+from support.ranks import gloo_world_of_one
+from support.training import relative_error, update_errors
 from zero_fx import DebugOptions, zero_compile
 from zero_fx.passes.common.predicates import is_token_exchange
 from zero_fx.passes.common.quantized_code import dequantize_rows, quantize_rows

@@ -1,5 +1,5 @@
 """The summary bench/gpu_check.sh writes: one JSON file from pytest's JUnit XML of the cuda
-tier, the figures its tests recorded (tests/gpu_figures.py) and the peer benchmarks' results
+tier, the figures its tests recorded (tests/support/gpu_figures.py) and the peer benchmarks' results
 (``python -m bench.peers``' JSON, one per model)."""
 
 from __future__ import annotations

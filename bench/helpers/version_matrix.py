@@ -79,7 +79,7 @@ SMOKE_AT_ONCE = 2
 other: each editable install writes this checkout's egg-info). On the 2-core CI box the
 smoke took 265 s one environment and one check after another, 8 pytest processes each
 paying ~10 s to import torch and collect while the other core idled; 133 s this way. The
-multi-rank tests still take turns on the cores (tests/cores.py), since both environments
+multi-rank tests still take turns on the cores (tests/support/cores.py), since both environments
 test this checkout. The full matrix stays one environment at a time: a new venv downloads
 ~3 GB."""
 

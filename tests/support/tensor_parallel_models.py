@@ -1,4 +1,4 @@
-"""The tensor-parallel tests' runs: tests/models.py's ``tp_gpt`` (or HF Llama) split over a
+"""The tensor-parallel tests' runs: tests/support/models.py's ``tp_gpt`` (or HF Llama) split over a
 "tp" mesh dimension with PyTorch's own tensor-parallel API, trained on a ("shard", "tp")
 mesh.
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import functools
 
-import models
-from training import STEPS
+from support import models
+from support.training import STEPS
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORES_PER_JOB = 2
 SLOTS = max(1, len(os.sched_getaffinity(0)) // CORES_PER_JOB)
 _CHECKOUT = hashlib.sha1(ROOT.encode()).hexdigest()[:12]

@@ -6,7 +6,7 @@ AOTAutograd's one-off set-up, lazy imports), which standing ranks pay once. Betw
 each rank puts back what a run may change in the process (``_ProcessState``), so every run
 is captured and compiled from scratch as in a new process. Runs that need a process of
 their own (a rank that dies on purpose, another group timeout, ``MALLOC_*`` read at start)
-get freshly started ranks. Every multi-rank run holds the machine's cores (tests/cores.py)
+get freshly started ranks. Every multi-rank run holds the machine's cores (tests/support/cores.py)
 while it runs."""
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cores import the_cores
+from support.cores import the_cores
 
-PRELOADED = ["torch", "torch.distributed", "zero_fx", "models", "training", "warm_ranks"]
+PRELOADED = ["torch", "torch.distributed", "zero_fx", "support.models", "support.training",
+             "support.warm_ranks"]
 """Imported once by the fork server the ranks are forked from, instead of by every rank
 (about 4 s of each spawned rank's start on the 2-core CI box); ``warm_ranks`` also imports
-transformers and compiles the test GPT's step there once (tests/warm_ranks.py)."""
+transformers and compiles the test GPT's step there once (tests/support/warm_ranks.py)."""
 
 JOIN_TIMEOUT_S = 900
 """How long the ranks together may take over one run before the test fails and they are
@@ -339,7 +340,7 @@ def _forget_groups() -> None:
     import zero_fx.runtime.distributed.cpu_group
 
     zero_fx.runtime.distributed.cpu_group._made = None
-    tensor_parallel_models = sys.modules.get("tensor_parallel_models")
+    tensor_parallel_models = sys.modules.get("support.tensor_parallel_models")
     if tensor_parallel_models is not None:
         tensor_parallel_models.device_mesh.cache_clear()
 

@@ -79,7 +79,7 @@ class TensorParallelBlock(nn.Module):
 
 class TensorParallelGPT(nn.Module):
     """A GPT whose attention and MLP split over a "tp" mesh dimension with PyTorch's own
-    tensor-parallel API (tests/tensor_parallel_models.py parallelizes it)."""
+    tensor-parallel API (tests/support/tensor_parallel_models.py parallelizes it)."""
 
     def __init__(self):
         super().__init__()

@@ -10,8 +10,8 @@ import re
 import torch
 import torch.nn as nn
 
-import models
-from ranks import run_ranks, with_mesh
+from support import models
+from support.ranks import run_ranks, with_mesh
 from zero_fx import zero_compile
 
 STEPS = 5

@@ -42,8 +42,8 @@ def _import_transformers() -> None:
 
 
 def _compile_the_gpt_step() -> None:
-    import models
-    from ranks import fake_world
+    from support import models
+    from support.ranks import fake_world
     from zero_fx import zero_compile
 
     for world_size in WORLD_SIZES:
@@ -61,7 +61,7 @@ def warm() -> None:
         _import_transformers()
         _compile_the_gpt_step()
     except Exception:
-        print("tests/warm_ranks.py: the fork server's warm-up failed, so every rank starts "
+        print("tests/support/warm_ranks.py: the fork server's warm-up failed, so every rank starts "
               "cold (slower, not wrong):\n" + traceback.format_exc(), file=sys.stderr)
     finally:
         torch._dynamo.reset()

@@ -9,9 +9,9 @@ import weakref
 
 import torch
 
-import models
+from support import models
 from bench.experiments.stages import measure_stages, rss_growth_during_step
-from ranks import run_ranks, with_mesh
+from support.ranks import run_ranks, with_mesh
 from zero_fx import zero_compile
 
 STEPS = 5
