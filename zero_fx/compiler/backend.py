@@ -25,6 +25,7 @@ from ..runtime.distributed.rank_agreement import graph_signature
 from ..runtime.sharding import Sharded
 from ..runtime.update.graph_update import why_not_for_capture
 from ..runtime.step_runner import StepRunner
+from . import reuse
 from .compilation import Compilation
 from .lower import by_regions, lower
 from .progress import CompileProgress
@@ -75,20 +76,31 @@ class StepCompiler:
                 gm = capture_step_graph(dynamo_gm, example_inputs, names, self.forward_only)
             dump = (GraphDump(self.config.debug.dump_dir, self.step_name, plan.rank,
                               len(self.compilations), plan) if self.config.debug.dump_dir else None)
-            with progress.phase(f"rewriting its {len(gm.graph.nodes)} nodes with zero_fx's passes"):
-                gm = self._rewritten(gm, observe=dump.observe if dump else None,
-                                     in_graph=not update_reason)
+            step_inputs = state.graph_inputs(names, example_inputs)
+            decided = (self.forward_only, update_reason)
+            key = self._reuse_key(gm, step_inputs, names, dump, dynamic)
+            kept = reuse.find(key, plan, self.config, decided) if key else None
+            if kept is not None:  # [Note: one compilation per step structure] in reuse.py
+                gm, lowered = kept.gm, kept.lowered
+                reason += " (the rewritten, lowered step of an earlier step of this structure)"
+            else:
+                with progress.phase(f"rewriting its {len(gm.graph.nodes)} nodes with zero_fx's passes"):
+                    gm = self._rewritten(gm, observe=dump.observe if dump else None,
+                                         in_graph=not update_reason)
             plan = self.sharded.plan  # offload="auto" may have offloaded more
             extra_inputs = self._extra_inputs(gm)
-            inputs = state.graph_inputs(names, example_inputs) + extra_inputs
+            inputs = step_inputs + extra_inputs
             regional = by_regions(self.config.backend, self.config.regional, dynamic)
-            with progress.phase(f"lowering {len(gm.graph.nodes)} nodes with "
-                                f"{describe_backend(self.config.backend)}"
-                                + (" by regions" if regional else "")):
-                lowered = lower(gm, fakes_like_dynamo(inputs) if dynamic else inputs,
-                                self.config.backend, dynamic=dynamic,
-                                pin_schedule=self.config.debug.pin_schedule, resident=plan.resident,
-                                regional=self.config.regional)
+            if kept is None:
+                with progress.phase(f"lowering {len(gm.graph.nodes)} nodes with "
+                                    f"{describe_backend(self.config.backend)}"
+                                    + (" by regions" if regional else "")):
+                    lowered = lower(gm, fakes_like_dynamo(inputs) if dynamic else inputs,
+                                    self.config.backend, dynamic=dynamic,
+                                    pin_schedule=self.config.debug.pin_schedule,
+                                    resident=plan.resident, regional=self.config.regional)
+                if key:
+                    reuse.keep(key, plan, self.config, decided, gm, lowered)
         if lowered.order.difference:
             log.warning("zero_fx: %s", lowered.order)
         agreement = self.sharded.agreement
@@ -108,6 +120,19 @@ class StepCompiler:
                           agreement, signature, extra_inputs, update=self.sharded.update,
                           updates_in_graph=not update_reason,
                           writes_groups_after_step=WRITES_GROUPS_AFTER_STEP in calls)
+
+    def _reuse_key(self, gm: GraphModule, inputs: list, names: list, dump, dynamic: bool):
+        """The structure key of this compilation, or None where it is compiled afresh
+        ([Note: one compilation per step structure] in reuse.py)."""
+        choice = self.sharded.offload_choice
+        if dump or dynamic or (choice is not None and not choice.decided) \
+                or not isinstance(self.config.backend, str):  # a compiler of the user's
+            return None
+        try:
+            return reuse.structure_key(gm, inputs, names)
+        except reuse.NotReusable as why:
+            log.debug("zero_fx: %s compiles afresh: %s", self.step_name, why)
+            return None
 
     def _why_compiling(self) -> str:
         if not self.compilations:
