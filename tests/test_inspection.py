@@ -108,7 +108,7 @@ def test_explain_memory_peak_and_what_is_alive_there(stage3):
 def test_explain_records_each_compilation_and_why(stage3):
     explanation = stage3[0][0]["explanation"]
     reasons = [c.reason for c in explanation.compilations]
-    assert reasons[0] == "first call"
+    assert reasons[0].startswith("first call"), reasons  # (a kept compilation says so after)
     assert len(reasons) == 2 and "size mismatch" in reasons[1], reasons
     assert "Compilations: 2" in stage3[0][0]["text"]
 
