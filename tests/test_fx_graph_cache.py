@@ -11,6 +11,7 @@ from torch._inductor.utils import fresh_cache
 from support import models
 from support.ranks import run_ranks
 from zero_fx import after, zero_compile
+from zero_fx.compiler import reuse
 
 
 def tag_matmuls(gm):
@@ -24,6 +25,7 @@ def compile_twice(rank: int, world_size: int):
     with fresh_cache():  # an empty cache directory: the first compilation must miss
         for attempt in range(2):
             torch._dynamo.reset()
+            reuse.forget_all()  # lowered again, not the kept compilation: the cache is what is tested
             counters.clear()
             model = models.build("mlp")
             opt = models.make_optimizer(model)

@@ -250,6 +250,9 @@ def test_quiet_by_default(capfd):
 
 
 def test_one_switch_shows_the_pass_pipeline(capfd):
+    from zero_fx.compiler import reuse
+
+    reuse.forget_all()  # the passes run, not a kept compilation of an earlier test's step
     set_logs("info", passes=True)
     try:
         _one_step()

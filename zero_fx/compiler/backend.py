@@ -81,6 +81,8 @@ class StepCompiler:
             key = self._reuse_key(gm, step_inputs, names, dump, dynamic)
             kept = reuse.find(key, plan, self.config, decided) if key else None
             if kept is not None:  # [Note: one compilation per step structure] in reuse.py
+                log.info("zero_fx: %s takes the compilation of an earlier step of its structure "
+                         "(no passes, no lowering)", self.step_name)
                 gm, lowered = kept.gm, kept.lowered
                 reason += " (the rewritten, lowered step of an earlier step of this structure)"
             else:
