@@ -16,6 +16,7 @@ from .config import (DEPRECATED_OPTIONS, DebugOptions, ZeroConfig, old_names_in_
                      translate_deprecated)
 from .inspection.explain import Explanation, GraphBreakExplanation
 from .config import DEFAULT_RESIDENT_MAX_NUMEL, BackendName, Compiler
+from .config.options import POLICY_FIELDS
 from .config.policies import (FLAT_FIELDS, FLAT_NAMES, MixedPrecision, OffloadPolicy, QuantizationPolicy,
                               RecomputePolicy, SchedulePolicy)
 
@@ -212,7 +213,7 @@ def _configured(config: Optional[ZeroConfig], options: dict) -> ZeroConfig:
     if not isinstance(config, ZeroConfig):
         raise TypeError(f"config must be a zero_fx.ZeroConfig(...), got {type(config).__name__}")
     default = ZeroConfig()
-    changes, policy_fields = {}, {}
+    changes = {}
     for name, value in options.items():
         if name in POLICIES and (name not in FLAT_FIELDS or isinstance(value, POLICIES[name])):
             if value is not None or name == "debug":
@@ -226,20 +227,16 @@ def _configured(config: Optional[ZeroConfig], options: dict) -> ZeroConfig:
         if not _same(ours, initial) and not _same(ours, value):
             raise ValueError(f"{name} is set both in config= ({ours!r}) and as a keyword "
                              f"({value!r}); set it in one place")
-        if keyword:
-            policy_fields.setdefault(keyword, {})[field] = value
-        else:
-            changes[name] = value
-    for keyword, fields in policy_fields.items():
-        if keyword in changes:
-            raise ValueError(f"{FLAT_NAMES[keyword][1][next(iter(fields))]} is set both as a "
-                             f"keyword and in {keyword}=: set it in one place")
-        changes[keyword] = dataclasses.replace(getattr(config, keyword), **fields)
-    return dataclasses.replace(config, **changes) if changes else config
+        changes[name] = value
+    for name in changes:
+        keyword = FLAT_FIELDS.get(name, (None,))[0]
+        if keyword not in (None, name) and isinstance(changes.get(keyword), POLICIES[keyword]):
+            raise ValueError(f"{name} is set both as a keyword and in {keyword}=: set it in "
+                             "one place")
+    return config.replaced(**changes) if changes else config
 
 
-POLICIES = {"debug": DebugOptions, "schedule": SchedulePolicy, "offload": OffloadPolicy,
-            "quantization": QuantizationPolicy, "recompute": RecomputePolicy}
+POLICIES = {"debug": DebugOptions, **POLICY_FIELDS}
 """The options merged field by field with a ``config=``'s: a keyword sets the fields the
 config leaves at their defaults."""
 

@@ -76,9 +76,8 @@ class StepCompiler:
                 gm = capture_step_graph(dynamo_gm, example_inputs, names, self.forward_only)
             dump = (GraphDump(self.config.debug.dump_dir, self.step_name, plan.rank,
                               len(self.compilations), plan) if self.config.debug.dump_dir else None)
-            step_inputs = state.graph_inputs(names, example_inputs)
             decided = (self.forward_only, update_reason)
-            key = self._reuse_key(gm, step_inputs, names, dump, dynamic)
+            key = self._reuse_key(gm, example_inputs, names, dump, dynamic)
             kept = reuse.find(key, plan, self.config, decided) if key else None
             if kept is not None:  # [Note: one compilation per step structure] in reuse.py
                 log.info("zero_fx: %s takes the compilation of an earlier step of its structure "
@@ -91,7 +90,7 @@ class StepCompiler:
                                          in_graph=not update_reason)
             plan = self.sharded.plan  # offload="auto" may have offloaded more
             extra_inputs = self._extra_inputs(gm)
-            inputs = step_inputs + extra_inputs
+            inputs = state.graph_inputs(names, example_inputs) + extra_inputs
             regional = by_regions(self.config.backend, self.config.regional, dynamic)
             if kept is None:
                 with progress.phase(f"lowering {len(gm.graph.nodes)} nodes with "
@@ -123,15 +122,19 @@ class StepCompiler:
                           updates_in_graph=not update_reason,
                           writes_groups_after_step=WRITES_GROUPS_AFTER_STEP in calls)
 
-    def _reuse_key(self, gm: GraphModule, inputs: list, names: list, dump, dynamic: bool):
+    def _reuse_key(self, gm: GraphModule, example_inputs: list, names: list, dump,
+                   dynamic: bool):
         """The structure key of this compilation, or None where it is compiled afresh
-        ([Note: one compilation per step structure] in reuse.py)."""
+        ([Note: one compilation per step structure] in reuse.py). It reads the graph's
+        inputs as they are now: keyed only where the rewrite will not move the state
+        (``offload="auto"``'s choice is made)."""
         choice = self.sharded.offload_choice
         if dump or dynamic or (choice is not None and not choice.decided) \
                 or not isinstance(self.config.backend, str):  # a compiler of the user's
             return None
         try:
-            return reuse.structure_key(gm, inputs, names)
+            return reuse.structure_key(gm, self.sharded.state.graph_inputs(names, example_inputs),
+                                       names)
         except reuse.NotReusable as why:
             log.debug("zero_fx: %s compiles afresh: %s", self.step_name, why)
             return None

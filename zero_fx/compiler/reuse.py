@@ -87,7 +87,7 @@ def structure_key(gm: GraphModule, inputs: Sequence[Any], names: Sequence[Option
     digest.update(_process_state().encode())
     _graph_digest(gm, digest)
     for name, value in zip(list(names) + [None] * (len(inputs) - len(names)), inputs):
-        digest.update(f"input {name} {_value(value)}\n".encode())
+        digest.update(f"input {name} {_described(value)}\n".encode())
     return digest.hexdigest()
 
 
@@ -118,8 +118,8 @@ def _process_state() -> str:
     and AOTAutograd's settings, and which function each name of zero_fx's own modules (its
     passes included) is bound to (a test that patches ``lower._compile_body`` gets a
     compilation of its own, not a kept one)."""
-    settings = [_constant(torch._inductor.config.save_config_portable()),
-                _constant(torch._functorch.config.save_config_portable())]
+    settings = [_described(torch._inductor.config.save_config_portable()),
+                _described(torch._functorch.config.save_config_portable())]
     bound = []
     for name, module in sorted(sys.modules.items()):
         if module is None or not name.startswith(("zero_fx.", "passes.")):
@@ -135,11 +135,11 @@ def _graph_digest(gm: GraphModule, digest) -> None:
     for node in gm.graph.nodes:
         target = _target(gm, node, digest)
         args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
-        metas = sorted((k, _constant(v)) for k, v in node.meta.items()
+        metas = sorted((k, _described(v)) for k, v in node.meta.items()
                        if k.startswith("zero_") or k in READ_META)
-        digest.update(f"{index[node]} {node.op} {target} {_constant(args)} "
-                      f"{_value(node.meta.get('val'))} {metas}\n".encode())
-    digest.update(_constant(sorted((str(k), v) for k, v in gm.meta.items())).encode())
+        digest.update(f"{index[node]} {node.op} {target} {_described(args)} "
+                      f"{_described(node.meta.get('val'))} {metas}\n".encode())
+    digest.update(_described(sorted((str(k), v) for k, v in gm.meta.items())).encode())
 
 
 def _target(gm: GraphModule, node: Node, digest) -> str:
@@ -170,31 +170,22 @@ def _tensor_bytes(t: torch.Tensor) -> str:
     if t.numel() > CONSTANT_MAX_NUMEL or t.is_meta or not plain:
         raise NotReusable(f"a tensor constant of {t.numel()} elements")
     data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return f"{_value(t)} {hashlib.sha256(data.numpy().tobytes()).hexdigest()}"
+    return f"{_described(t)} {hashlib.sha256(data.numpy().tobytes()).hexdigest()}"
 
 
-def _value(value: Any) -> str:
-    """A value's dtype, shape, strides and device (a fake or real tensor), or its constant."""
+def _described(value: Any) -> str:
+    """A value as the key reads it: a (fake or real) tensor by its dtype, shape, strides,
+    device and ``requires_grad``, containers item by item, anything else by its ``repr``
+    where that is the value (not an object's identity)."""
     if isinstance(value, torch.Tensor):
         return (f"T({value.dtype}, {tuple(value.shape)}, {tuple(value.stride())}, "
                 f"{value.device}, {value.requires_grad})")
-    if isinstance(value, (list, tuple)):
-        return "(" + ", ".join(map(_value, value)) + ")"
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         raise NotReusable("symbolic sizes")
-    return _constant(value)
-
-
-def _constant(value: Any) -> str:
-    """``repr(value)`` where that is the value (not an object's identity)."""
-    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        raise NotReusable("symbolic sizes")
-    if isinstance(value, torch.Tensor):
-        return _value(value)
     if isinstance(value, (list, tuple)):
-        return type(value).__name__ + "(" + ", ".join(map(_constant, value)) + ")"
+        return type(value).__name__ + "(" + ", ".join(map(_described, value)) + ")"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{_constant(k)}: {_constant(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_described(k)}: {_described(v)}" for k, v in value.items()) + "}"
     text = repr(value)
     if " at 0x" in text:
         raise NotReusable(f"a {type(value).__name__} known by its identity")

@@ -21,7 +21,7 @@ from ..passes.pipeline import pass_names
 from ..passes.recompute_activations import ActivationBudget
 from ..plan.build import PlanOptions
 from ..plan.layout import BLOCKS, StageConsequences
-from .policies import (DUMP_ENV, FLAT_FIELDS, FLOAT_DTYPES, DebugOptions,  # noqa: F401
+from .policies import (DUMP_ENV, FLAT_FIELDS, FLAT_NAMES, FLOAT_DTYPES, DebugOptions,  # noqa: F401
                        MixedPrecision, OffloadPolicy, QuantizationPolicy, RecomputePolicy,
                        SchedulePolicy, grouped)
 from .renamed_options import (DEPRECATED_OPTIONS, RENAMED_OPTIONS_KEPT_THROUGH,  # noqa: F401
@@ -50,8 +50,7 @@ DEFAULT_PERSISTENCE_THRESHOLD = DEFAULT_RESIDENT_MAX_NUMEL
 """The old name of ``DEFAULT_RESIDENT_MAX_NUMEL``."""
 
 
-POLICY_FIELDS = {"schedule": SchedulePolicy, "offload": OffloadPolicy,
-                 "quantization": QuantizationPolicy, "recompute": RecomputePolicy}
+POLICY_FIELDS = {keyword: cls for keyword, (cls, _) in FLAT_NAMES.items()}
 """The fields of ``ZeroConfig`` that hold a policy given by flat options too."""
 
 
