@@ -72,9 +72,11 @@ def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
                           functools.partial(from_secondary_code, plan), insert_at_first=True)
     if plan.reduces_in_graph:
         output = gm.graph.output_node()
-        # a gradient reduced to its owner after the graph leaves it whole, unreduced
+        # a gradient reduced to its owner after the graph leaves it whole, unreduced; one
+        # reduced to its owner in the graph is bucketed by its owner group already
         slots = {i: output.args[0][i] for i, name in grad_slots(gm).items()
-                 if output.args[0][i] is not None and not plan.reduced_by_owner(name)}
+                 if output.args[0][i] is not None and not plan.reduced_by_owner(name)
+                 and not plan.reduced_to_owner_in_graph(name)}
         reduced = sorted(slots.values(), key=lambda r: order[_chain_inputs(r)[0]])
         replaced |= _fuse(gm, plan, reduced, order, functools.partial(reduction, plan),
                           insert_at_first=False)

@@ -16,7 +16,7 @@ import functools
 
 from torch.fx import GraphModule
 
-from .common.collective_code import all_reduce_bucket, reduce_scatter_bucket
+from .common.collective_code import all_reduce_bucket, reduce_scatter_bucket, reduce_to_owners_bucket
 from .common.predicates import CARRIES_META, Phase, grad_slots
 from .common.splice import splice
 
@@ -35,16 +35,19 @@ def reduce_grads(gm: GraphModule, plan) -> GraphModule:
     (stages 0-1 with gradient accumulation: [Note: gradient accumulation] in
     zero_fx/runtime/update/update.py). At stage 1 a whole-tensor update's gradient stays
     whole too: the runtime reduces it to its owner ([Note: reductions laid out by owner] in
-    zero_fx/runtime/update/whole_tensor_updates.py).
+    zero_fx/runtime/update/whole_tensor_updates.py); at stages 2-3 the graph does, and its
+    output is the whole flat gradient on the owner (``_reduce_to_owners``).
     """
     slots = grad_slots(gm)
     if not slots or not plan.reduces_in_graph:
         return gm
     output = gm.graph.output_node()
     outs = list(output.args[0])
+    _reduce_to_owners(gm, plan, slots, outs)
     for index, name in slots.items():
         grad = outs[index]
-        if grad is None or plan.reduced_by_owner(name):  # whole, to its owner: after the graph
+        # whole, to its owner: after the graph (stage 1), or reduced to it already (stages 2-3)
+        if grad is None or plan.reduced_by_owner(name) or plan.reduced_to_owner_in_graph(name):
             continue
         (outs[index],) = splice(gm.graph, reduction(plan, [name]), [grad],
                              before=output if plan.reduces_after_backward else grad.next,
@@ -53,6 +56,37 @@ def reduce_grads(gm: GraphModule, plan) -> GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _reduce_to_owners(gm: GraphModule, plan, slots: dict, outs: list) -> None:
+    """Stages 2-3 with whole-tensor updates (``plan.reduces_to_owners_in_graph``): one
+    reduction laid out by owner per group of their gradients ([Note: owner groups] in
+    zero_fx/plan/owners.py), right after the group's last gradient; each gradient's output
+    becomes its whole mean on its owner ([Note: reductions laid out by owner] in
+    zero_fx/runtime/update/whole_tensor_updates.py)."""
+    index_of = {name: index for index, name in slots.items()
+                if outs[index] is not None and plan.reduced_to_owner_in_graph(name)}
+    if not index_of:
+        return
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for group in plan.owner_groups(list(index_of)):
+        grads = [outs[index_of[name]] for name in group]
+        last = max(grads, key=order.__getitem__)
+        results = splice(gm.graph, owner_reduction(plan, group), grads, before=last.next,
+                         phase=Phase.BACKWARD, meta={CARRIES_META: tuple(group)})
+        for name, result in zip(group, results):
+            outs[index_of[name]] = result
+
+
+def owner_reduction(plan, names) -> functools.partial:
+    """The code that reduces the gradients of ``names`` (one owner group, plan order) to their
+    owners, laid out by owner ([Note: reductions laid out by owner])."""
+    width, where = plan.rows_by_owner(names)
+    return functools.partial(reduce_to_owners_bucket, owners=[where[n][0] for n in names],
+                             starts=[where[n][1] for n in names], width=width,
+                             world_size=plan.world_size, group_name=plan.group_name,
+                             dtype=plan.reduce_dtype, averages=plan.collectives_average,
+                             mean_over=plan.ranks_averaged)
 
 
 def reduction(plan, names) -> functools.partial:

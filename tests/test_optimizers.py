@@ -36,7 +36,7 @@ from zero_fx.capture.step_graph import CaptureError
 from zero_fx import plan_for_module
 from zero_fx.config import ZeroConfig
 from zero_fx.plan import PlanRanks
-from zero_fx.plan.owners import assign_owners, loads_of, newton_schulz_cost
+from zero_fx.plan.owners import assign_owners_by_group, loads_of, newton_schulz_cost, owner_groups
 from zero_fx.planner.features.whole_updates import muon_matrices, plan_whole_updates
 from zero_fx.runtime.optimizer import update_cost
 from zero_fx.runtime.update.update import hyperparameters
@@ -120,6 +120,10 @@ def make_optimizers(kind: str, model: nn.Module) -> list:
 
 def two_optimizer_step(model, muon, adamw, muon_schedule, adamw_schedule, x, y, name):
     loss = models.loss_fn(name, model, x, y)
+    return _backward_and_step(loss, model, muon, adamw, muon_schedule, adamw_schedule)
+
+
+def _backward_and_step(loss, model, muon, adamw, muon_schedule, adamw_schedule):
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     muon.step()
@@ -129,6 +133,16 @@ def two_optimizer_step(model, muon, adamw, muon_schedule, adamw_schedule, x, y, 
     muon.zero_grad()
     adamw.zero_grad()
     return loss
+
+
+def breaking_two_optimizer_step(model, muon, adamw, muon_schedule, adamw_schedule, x, y, name):
+    """``two_optimizer_step`` with a branch on a value: the graph breaks, and the step runs
+    eagerly on the sharded state ([Note: eager sharded execution] in
+    zero_fx/runtime/eager_fallback.py)."""
+    loss = models.loss_fn(name, model, x, y)
+    if loss > 1e9:
+        loss = loss * 0.5
+    return _backward_and_step(loss, model, muon, adamw, muon_schedule, adamw_schedule)
 
 
 def one_optimizer_step(model, opt, x, y, name):
@@ -165,18 +179,21 @@ def _state_errors(whole: dict, expected: dict) -> dict:
 
 
 def _train_rank(rank: int, world_size: int, model_name: str, kind: str, stage: int,
-                backend: str = models.BACKEND, precision: str = "fp32") -> dict:
+                backend: str = models.BACKEND, precision: str = "fp32",
+                breaks: bool = False) -> dict:
     """The optimizers ``kind`` on ``model_name`` at ``stage``, beside eager, Muon's iterations
-    in ``precision`` for both; what differed after each call, and the parameters' rules."""
+    in ``precision`` for both; what differed after each call, and the parameters' rules.
+    ``breaks``: the step breaks the graph (``breaking_two_optimizer_step``)."""
     with newton_schulz_in(precision):
-        return _trained(rank, world_size, model_name, kind, stage, backend)
+        return _trained(rank, world_size, model_name, kind, stage, backend, breaks)
 
 
-def _trained(rank, world_size, model_name, kind, stage, backend) -> dict:
+def _trained(rank, world_size, model_name, kind, stage, backend, breaks=False) -> dict:
     reference, model = models.build(model_name), models.build(model_name)
     initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
     reference_pairs, pairs = make_optimizers(kind, reference), make_optimizers(kind, model)
-    fn = two_optimizer_step if len(pairs) == 2 else one_optimizer_step
+    fn = (breaking_two_optimizer_step if breaks else
+          two_optimizer_step if len(pairs) == 2 else one_optimizer_step)
     compiled = zero_compile(fn, stage=stage, backend=backend)
     calls = []
     for call in range(CALLS):
@@ -274,6 +291,52 @@ def test_muon_and_adamw_under_inductor(stage):
     assert not _problems(runs), "\n".join(_problems(runs)[:10])
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_that_breaks_the_graph_trains_as_eager(stage):
+    """Run eagerly after a graph break, the step reduces the whole tensors' gradients as the
+    graph would (at stages 2-3 laid out by owner, by owner group) and trains as eager."""
+    runs = run_ranks(2, _train_rank, "gpt4", "muon_adamw", stage, "aot_eager", "fp32", True)
+    assert not _problems(runs), "\n".join(_problems(runs)[:10])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_accumulated_gradients_reach_the_owners_once(stage):
+    """With ``accumulation_steps=2`` each call's gradients (at stages 2-3 reduced to the owners
+    in the graph, every call) add up on the owner, and the optimizers step every second call on
+    their mean, as eager steps on the whole batch ([Note: gradient accumulation] in
+    zero_fx/runtime/update/update.py)."""
+    for rank, worst in enumerate(run_ranks(2, _accumulated_rank, stage)):
+        assert worst < UPDATE_TOLERANCE, (rank, worst)
+
+
+def _accumulated_rank(rank: int, world_size: int, stage: int, micro: int = 2) -> float:
+    with newton_schulz_in("fp32"):
+        reference, model = models.build("gpt4"), models.build("gpt4")
+        initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
+        reference_pairs, pairs = (make_optimizers("muon_adamw", reference),
+                                  make_optimizers("muon_adamw", model))
+        step = zero_compile(two_optimizer_step, stage=stage, backend=models.BACKEND,
+                            accumulation_steps=micro)
+        worst = 0.0
+        for call in range(CALLS):
+            x, y = models.global_batch("gpt4", call)
+            for part in range(micro):  # eager: the mean over the two halves of the batch
+                xs, ys = x.chunk(micro)[part], y.chunk(micro)[part]
+                (models.loss_fn("gpt4", reference, xs, ys) / micro).backward()
+                rows = xs.shape[0] // world_size
+                mine = slice(rank * rows, (rank + 1) * rows)
+                step(model, *_step_args(pairs), xs[mine], ys[mine], "gpt4")
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+            for optimizer, schedule in reference_pairs:
+                optimizer.step()
+                schedule.step()
+                optimizer.zero_grad()
+            whole = step.full_parameters()
+            worst = max(worst, max(update_error(whole[n], p, initial[n])
+                                   for n, p in reference.named_parameters()))
+        return worst
+
+
 def test_a_planted_fault_fails():
     """The comparison fails when one owner's update goes wrong: a LAMB that forgets its trust
     ratio on rank 1's tensors only."""
@@ -301,7 +364,8 @@ def _planted_rank(rank: int, world_size: int) -> dict:
 
 def test_owners_balance_newton_schulz_work():
     """The planner's owners for the recipe on GPT-2 small's shapes: each rank's share of the
-    Newton-Schulz work within a few percent of 1/N, deterministic."""
+    Newton-Schulz work within a few percent of 1/N, deterministic; within each group of N
+    blocks every rank's row as wide as the others ([Note: owner groups])."""
     muon = torch.optim.Muon([nn.Parameter(torch.empty(2, 2))])
     group = muon.param_groups[0]
     shapes = {f"h.{i}.{part}": shape for i in range(12)
@@ -309,10 +373,13 @@ def test_owners_balance_newton_schulz_work():
                                   ("fc", (3072, 768)), ("fc_proj", (768, 3072)))}
     costs = {name: update_cost(muon, group, shape) for name, shape in shapes.items()}
     for world in (2, 4, 8):
-        owners = assign_owners(costs, world)
-        assert owners == assign_owners(costs, world)
+        owners = assign_owners_by_group(costs, world, list(shapes))
+        assert owners == assign_owners_by_group(costs, world, list(shapes))
         loads = loads_of(owners, costs, world)
         assert max(loads) / (sum(loads) / world) < 1.06, (world, loads)
+        for group in owner_groups(list(shapes), world)[:12 // world]:  # the whole groups
+            rows = [sum(math.prod(shapes[n]) for n in group if owners[n] == r) for r in range(world)]
+            assert len(set(rows)) == 1, (world, rows)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -321,7 +388,9 @@ def test_the_exchanges_are_counted_as_they_run_and_priced_by_the_planner(stage):
     ``traffic()``; the planner's ``--optimizer muon`` chooses the same owners for the same
     matrices and prices the all-to-alls' send buffers at what ran. Stage 1 runs none: its
     reduce-scatter and all-gather, laid out by owner, carry the matrices ([Note: reductions
-    laid out by owner]), stage 2 the one to the owners, stage 3 both."""
+    laid out by owner]); stages 2-3 reduce them in the graph, laid out by owner, one
+    reduce-scatter per two blocks ([Note: owner groups]), stage 2 returns them by its
+    all-gather laid out by owner, stage 3 by an all-to-all into the shards."""
     runs = run_ranks(2, _exchanges_rank, stage)
     plan = plan_for_module(models.build("gpt4"), PlanRanks(2), ZeroConfig(stage=stage).plan_options())
     priced = plan_whole_updates(plan).row(stage)
@@ -331,18 +400,20 @@ def test_the_exchanges_are_counted_as_they_run_and_priced_by_the_planner(stage):
         assert run["reported"].pop("all_reduce") == 0, f"rank {rank}"
         assert run["counted"] == run["reported"], f"rank {rank}"
         assert run["owners"] == dict(runs[0]["owners"]), f"rank {rank}"
+        in_graph = [("reduce_scatter", "backward")] * 2  # 4 blocks, groups of 2
         assert run["phases"] == {1: [("reduce_scatter", "to owners"), ("all_gather", "from owners")],
-                                 2: [("all_to_all", "to owners"), ("all_gather", "from owners")],
-                                 3: [("all_to_all", "to owners"), ("all_to_all", "from owners")]
+                                 2: in_graph + [("all_gather", "from owners")],
+                                 3: in_graph + [("all_to_all", "from owners")]
                                  }[stage], f"rank {rank}"
-        laid_out = {1: ("reduce-scatter", "all-gather"), 2: ("all-to-all", "all-gather"),
-                    3: ("all-to-all", "all-to-all")}[stage]
+        laid_out = {1: ("reduce-scatter", "all-gather"), 2: ("reduce-scatters", "all-gather"),
+                    3: ("reduce-scatters", "all-to-all")}[stage]
         assert re.fullmatch(rf"gradients reach their owners by .*{laid_out[0]}.*; the updated "
                             rf"tensors return by .*{laid_out[1]}.*", run["explained"]), run["explained"]
     assert set(muon_matrices(plan)) == set(runs[0]["owners"])
     assert max(run["counted"].get("all_to_all", 0) for run in runs) * 4 == priced.exchange_buffer_bytes
     costs = {n: newton_schulz_cost(plan.layout(n).shape) for n in muon_matrices(plan)}
-    assert runs[0]["owners"] == assign_owners(costs, 2, [layout.name for layout in plan.params])
+    assert runs[0]["owners"] == assign_owners_by_group(costs, 2,
+                                                       [layout.name for layout in plan.params])
 
 
 def _exchanges_rank(rank: int, world_size: int, stage: int, kind: str = "muon_adamw") -> dict:
@@ -360,25 +431,34 @@ def _exchanges_rank(rank: int, world_size: int, stage: int, kind: str = "muon_ad
         with step.counting_collectives() as counted:
             step(model, *_step_args(pairs), x[mine], y[mine], "gpt4")
     traffic = step.traffic()
+    owners = dict(step.state.plan.owners)
+    # the exchanges after the graph, and the graph's collectives that carry whole tensors only
     return {"counted": dict(counted.numel), "reported": traffic.numel_by_kind(),
-            "owners": dict(step.state.plan.owners), "wire": traffic.wire_bytes(),
-            "phases": [(c.kind, c.phase) for c in traffic.collectives if "owners" in c.phase],
+            "owners": owners, "wire": traffic.wire_bytes(),
+            "phases": [(c.kind, c.phase) for c in traffic.collectives if "owners" in c.phase
+                       or (c.bucket and set(c.bucket) <= owners.keys())],
             "explained": next((line.strip() for line in str(step.explain()).splitlines()
                                if "reach their owners" in line), "")}  # none for AdamW alone
 
 
 TRAFFIC_AIM = 1.1
-"""Muon + AdamW's bytes on the wire over AdamW's alone, at stage 1 (the issue's aim)."""
+"""Muon + AdamW's bytes on the wire over AdamW's alone (the issue's aim)."""
+STAGE_3_TRAFFIC = 1.24
+"""Stage 3's, measured 1.236 at 2 ranks (1.118 at 4): its return of the updated matrices is an
+all-to-all into the shards the graph gathers, ``(N - 1) / N**2`` of their elements a rank."""
 
 
-def test_stage_1_sends_what_adamw_sends():
-    """At stage 1 the reduction brings each matrix's gradient to its owner and the stage's
-    all-gather brings it back: Muon + AdamW sends AdamW's bytes but for the padding of the rows
-    laid out by owner (measured on the 4-block GPT at 2 ranks, Muon on 94 % of it: 208,000
-    bytes on the wire per rank, AdamW's exactly; stage 2 sends 1.24x, stage 3 1.47x)."""
-    muon = max(run["wire"] for run in run_ranks(2, _exchanges_rank, 1))
-    adamw = max(run["wire"] for run in run_ranks(2, _exchanges_rank, 1, "adamw"))
-    assert muon <= TRAFFIC_AIM * adamw, (muon, adamw)
+@pytest.mark.parametrize("stage, bound", [(1, TRAFFIC_AIM), (2, TRAFFIC_AIM), (3, STAGE_3_TRAFFIC)])
+def test_whole_tensor_updates_send_about_what_adamw_sends(stage, bound):
+    """At stages 1-2 the reduction brings each matrix's gradient to its owner and the stage's
+    all-gather brings it back, both laid out by owner: Muon + AdamW sends AdamW's bytes but for
+    the padding of the rows (measured on the 4-block GPT at 2 ranks, Muon on 94 % of it:
+    208,000 bytes on the wire per rank at stages 1 and 2, AdamW's exactly; before the graph
+    reduced stage 2's to the owners, 1.24x). Stage 3 adds the return's all-to-all (1.47x before,
+    with an all-to-all to the owners too)."""
+    muon = max(run["wire"] for run in run_ranks(2, _exchanges_rank, stage))
+    adamw = max(run["wire"] for run in run_ranks(2, _exchanges_rank, stage, "adamw"))
+    assert muon <= bound * adamw, (muon, adamw)
     assert muon >= adamw, (muon, adamw)  # it moves every element AdamW moves
 
 

@@ -345,7 +345,7 @@ def test_muon_is_momentum_on_the_owners_and_adamw_on_the_rest():
     copy of each matrix, on the rank owning the most; AdamW's 8 bytes flat on the rest; the
     all-to-alls on top of AdamW's traffic; the owners balanced by Newton-Schulz work."""
     from zero_fx.plan.layout import in_block
-    from zero_fx.plan.owners import assign_owners, newton_schulz_cost
+    from zero_fx.plan.owners import assign_owners_by_group, newton_schulz_cost
     n, source = 8, model_source("examples.gpt:gpt_1b")
     adamw = plan_model(source, Workload(world_size=n, dtype=torch.float32))
     muon = plan_model(source, Workload(world_size=n, dtype=torch.float32, optimizer="muon"))
@@ -353,8 +353,8 @@ def test_muon_is_momentum_on_the_owners_and_adamw_on_the_rest():
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()
               if p.ndim == 2 and in_block(name)}
     psi, psi_m = muon.psi, sum(math.prod(s) for s in shapes.values())
-    owners = assign_owners({k: newton_schulz_cost(s) for k, s in shapes.items()}, n,
-                           [name for name, _ in model.named_parameters()])
+    owners = assign_owners_by_group({k: newton_schulz_cost(s) for k, s in shapes.items()}, n,
+                                    [name for name, _ in model.named_parameters()])
     owned = max(sum(math.prod(shapes[k]) for k, r in owners.items() if r == rank)
                 for rank in range(n))
     assert psi_m / psi > 0.85 and muon.whole_updates.matrices == len(shapes)
@@ -370,12 +370,28 @@ def test_muon_is_momentum_on_the_owners_and_adamw_on_the_rest():
                                                               + row.exchange_bytes)
         # each all-to-all sends about (N-1)/N^2 of the matrices' fp32 elements: none at stage
         # 1 (its reduce-scatter and all-gather are laid out by owner), the one to the owners
-        # at stage 2, both at stage 3
+        # at stage 2, both at stage 3: 8 blocks' matrices are 1.6 GB, too large a group to
+        # reduce laid out by owner in the graph ([Note: owner groups])
+        assert row.group_reduction_bytes == 0
         exchanges = {1: 0, 2: 1, 3: 2}[stage]
         assert row.exchange_bytes == pytest.approx(exchanges * 4 * psi_m * (n - 1) / n ** 2, rel=0.1)
         assert row.flops / row.mean_flops < 1.06
     assert "all_to_all" not in muon.stages[0].traffic
     assert muon.whole_updates.row(0).flops == pytest.approx(n * muon.whole_updates.row(1).mean_flops)
+
+
+def test_a_small_models_owner_groups_reduce_in_the_graph():
+    """On GPT-2 small at 2 ranks an owner group (two blocks' matrices) fits OWNER_GROUP_BYTES:
+    stages 2-3 reduce to the owners in the graph, so no all-to-all to the owners is priced
+    (stage 2 none at all), and the group's gradients with their buffer are."""
+    from zero_fx.plan.layout import OWNER_GROUP_BYTES
+    muon = plan_model(model_source("gpt2"),
+                      Workload(world_size=2, dtype=torch.float32, optimizer="muon"))
+    assert muon.whole_updates.row(2).exchange_bytes == 0
+    assert 0 < muon.whole_updates.row(3).exchange_bytes < muon.whole_updates.row(3).exchange_buffer_bytes
+    for stage in (2, 3):
+        assert 0 < muon.whole_updates.row(stage).group_reduction_bytes <= 2 * OWNER_GROUP_BYTES
+    assert muon.whole_updates.row(1).group_reduction_bytes == 0
 
 
 def test_the_command_prices_muon_and_refuses_what_training_refuses(plan_command):

@@ -190,6 +190,46 @@ def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_s
     return list(shard.split([(g.numel() + p) // world_size for g, p in zip(grads, paddings)]))
 
 
+def reduce_to_owners_bucket(*grads: torch.Tensor, owners: Sequence[int], starts: Sequence[int],
+                            width: int, world_size: int, group_name: str,
+                            dtype: Optional[torch.dtype] = None, averages: bool = False,
+                            mean_over: Optional[int] = None) -> list[torch.Tensor]:
+    """Each gradient's mean over ranks, whole (flat), on its owner: one reduce-scatter of a
+    buffer of ``world_size`` rows of ``width`` elements, row r the gradients rank r owns
+    (``owners``) one after the other from ``starts``, zero-padded ([Note: reductions laid
+    out by owner] in zero_fx/runtime/update/whole_tensor_updates.py). Every rank returns, for
+    each gradient, the ``numel`` elements of its own row at that gradient's start: on the
+    gradient's owner its mean, elsewhere whatever the row holds there (another tensor's, or
+    padding), which the runtime drops. So the code, and every shape in it, is the same on
+    every rank. Divided as ``reduce_scatter_bucket`` divides ([Note: divide before the sum])."""
+    if any(g.numel() == 0 for g in grads):  # [Note: parameters with no elements]
+        kept = [i for i, g in enumerate(grads) if g.numel()]
+        wholes = reduce_to_owners_bucket(
+            *(grads[i] for i in kept), owners=[owners[i] for i in kept],
+            starts=[starts[i] for i in kept], width=width, world_size=world_size,
+            group_name=group_name, dtype=dtype, averages=averages,
+            mean_over=mean_over) if kept else []
+        return _with_empty(wholes, kept, [g.new_empty(0, dtype=dtype or g.dtype) for g in grads])
+    flats = [cast(g, dtype).reshape(-1) for g in grads]
+    pieces = []
+    for rank in range(world_size):
+        mine = [f for f, owner in zip(flats, owners) if owner == rank]
+        pieces += mine
+        pad = width - sum(f.numel() for f in mine)
+        if pad:
+            pieces.append(flats[0].new_zeros(pad))
+    buffer = torch.cat(pieces)
+    ranks = mean_over or world_size
+    op = "avg" if averages else "sum"
+    first = not averages and _divides_first(buffer.dtype)
+    if first:
+        buffer = _average(buffer, ranks)
+    row = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buffer, op, world_size, group_name))
+    if not (averages or first):
+        row = _average(row, ranks)
+    return [row.narrow(0, start, flat.numel()) for start, flat in zip(starts, flats)]
+
+
 def all_reduce_bucket(*grads: torch.Tensor, world_size: int, group_name: str,
                       dtype: Optional[torch.dtype] = None, averages: bool = False,
                       keep_at_one: bool = False) -> list[torch.Tensor]:

@@ -49,7 +49,6 @@ from ..passes.common.predicates import (
     token_exchange_numel,
     token_exchange_wait,
 )
-from ..plan.owners import rows_by_owner
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 ALL_TO_ALL = "all_to_all"
@@ -327,7 +326,8 @@ def _outside_graph(plan, kind: str, phase: str, dtype, names: list[str],
 def _owner_exchanges(plan) -> list[Collective]:
     """The collectives of whole-tensor updates after the graph, per dtype ([Note: whole-tensor
     updates on owner ranks] in zero_fx/runtime/update/whole_tensor_updates.py): the gradients to their
-    owners ("to owners": at stage 1 the reduce-scatter laid out by owner, else an all-to-all
+    owners ("to owners": at stage 1 the reduce-scatter laid out by owner; at stages 2-3 the
+    graph's own, read with the graph's collectives, or with quantized gradients an all-to-all
     of every rank's reduced shards), then the owners' updated tensors back ("from owners": at
     stages 1-2 without mixed precision the all-gather laid out by owner, else an all-to-all
     cutting them into every rank's shards). Each counts this rank's send buffer, the shards
@@ -339,11 +339,12 @@ def _owner_exchanges(plan) -> list[Collective]:
     laid_out = {"to owners": plan.reduces_to_owners, "from owners": plan.returns_owners_whole}
     kinds = {"to owners": "reduce_scatter", "from owners": "all_gather"}
     out = []
-    for phase in ("to owners", "from owners"):
+    phases = ("from owners",) if plan.reduces_to_owners_in_graph else ("to owners", "from owners")
+    for phase in phases:
         for dtype in dict.fromkeys(layout.dtype for layout, _ in owners):
             members = [(l, r) for l, r in owners if l.dtype == dtype]
             if laid_out[phase]:  # [Note: reductions laid out by owner]
-                width, _ = rows_by_owner([l.name for l, _ in members], plan)
+                width, _ = plan.rows_by_owner([l.name for l, _ in members])
                 out.append(Collective(
                     kind=kinds[phase], numel=width * plan.world_size,
                     dtype=(plan.reduce_dtype or dtype) if phase == "to owners" else dtype,

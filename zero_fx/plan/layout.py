@@ -75,6 +75,12 @@ RESIDENT_BUCKET_BYTES = 16 << 20
 many blocks, gathered once per step)."""
 
 
+OWNER_GROUP_BYTES = 256 << 20
+"""Stages 2-3: the largest owner group's gradients (bytes) that the graph reduces to the owners
+laid out by owner; above it, shards and an all-to-all after the graph ([Note: owner groups]
+in owners.py)."""
+
+
 def block_of(name: str) -> str:
     """The unit a parameter is bucketed with ([Note: buckets by block]): its path up to the
     first numeric part, the index into the model's repeated blocks ("blocks.3.attn.qkv.weight"
@@ -108,6 +114,22 @@ def block_of(name: str) -> str:
         if part.isdigit():
             return ".".join(parts[:i + 1])
     return ".".join(parts[:-1]) or name
+
+
+def owner_groups(names: Sequence[str], world_size: int) -> list[list[str]]:
+    """``names`` (plan order) cut into groups of ``world_size`` consecutive blocks (``block_of``),
+    the last group the blocks left over ([Note: owner groups] in owners.py)."""
+    groups: list[list[str]] = []
+    blocks: list[str] = []
+    for name in names:
+        block = block_of(name)
+        if not blocks or blocks[-1] != block:
+            if len(blocks) == world_size or not groups:
+                groups.append([])
+                blocks = []
+            blocks.append(block)
+        groups[-1].append(name)
+    return groups
 
 
 def in_block(name: str) -> bool:
@@ -274,6 +296,60 @@ class ShardPlan(StageConsequences):
         """Whether parameter ``name``'s gradient is reduced to its owner outside the graph
         (``reduces_to_owners``) rather than by the graph into every rank's shard."""
         return self.reduces_to_owners and self.owner_of(name) is not None
+
+    @property
+    def reduces_to_owners_in_graph(self) -> bool:
+        """Stages 2-3 with whole-tensor updates over more than one rank, shards not
+        replicated, gradients not quantized: the graph reduces their gradients to their owners,
+        one reduction laid out by owner per group of N blocks ([Note: owner groups] in
+        owners.py), as the last gradient of the group lands; each owner gets its tensors'
+        whole mean gradients ([Note: reductions laid out by owner])."""
+        return (bool(self.owners) and self.grads_sharded and self.world_size > 1
+                and self.replicas == 1 and self.quantize_gradients is None
+                and self.owner_group_bytes <= OWNER_GROUP_BYTES)
+
+    @property
+    def owner_group_bytes(self) -> int:
+        """The gradient bytes of the largest owner group ([Note: owner groups] in owners.py):
+        what a reduction laid out by owner at stages 2-3 waits to have whole."""
+        cache = self.__dict__.get("_owner_group_bytes")
+        if cache is None:
+            cache = max((sum(self.layout(n).numel * (self.reduce_dtype or self.layout(n).dtype
+                                                      ).itemsize for n in group)
+                         for group in self.owner_groups([n for n, _ in self.owners])), default=0)
+            object.__setattr__(self, "_owner_group_bytes", cache)
+        return cache
+
+    def reduced_to_owner_in_graph(self, name: str) -> bool:
+        """Whether the graph reduces parameter ``name``'s gradient to its owner, whole
+        (``reduces_to_owners_in_graph``), rather than into every rank's shard."""
+        return self.reduces_to_owners_in_graph and self.owner_of(name) is not None
+
+    @property
+    def delivers_to_owners(self) -> bool:
+        """The reduction itself brings each whole-tensor update's gradient to its owner, in
+        the graph or after it: no exchange of shards to the owners follows."""
+        return self.reduces_to_owners or self.reduces_to_owners_in_graph
+
+    def rows_by_owner(self, names: Sequence[str]) -> tuple[int, dict[str, tuple[int, int]]]:
+        """A buffer laid out by owner for ``names`` (plan order): its rows' width, and each
+        name's ``(owner, start)``. Row r holds the tensors rank r owns, flattened, one after
+        the other, padded to the widest row: the layout of the reduce-scatters and
+        all-gathers that carry whole-tensor updates ([Note: reductions laid out by owner] in
+        zero_fx/runtime/update/whole_tensor_updates.py), and of ``traffic()``'s count of them."""
+        used, where = [0] * self.world_size, {}
+        for name in names:
+            owner = self.owner_of(name)
+            where[name] = (owner, used[owner])
+            used[owner] += self.layout(name).numel
+        return max(used), where
+
+    def owner_groups(self, names: Sequence[str]) -> list[list[str]]:
+        """Those of ``names`` (plan order) with an owner, in the groups their owners were
+        chosen in and the graph reduces them in ([Note: owner groups] in owners.py)."""
+        present = set(names)
+        groups = owner_groups([n for n, _ in self.owners], self.world_size)
+        return [kept for kept in ([n for n in group if n in present] for group in groups) if kept]
 
     @property
     def returns_owners_whole(self) -> bool:

@@ -6,6 +6,33 @@ optimizers the elements; ``zero_fx.runtime.optimizer.update_cost``), and each te
 costliest first, goes to the rank with the least load so far (longest processing time
 first: within 4/3 of the best balance, and near it when tensors are many and alike). Ties go
 to the lowest rank, so the choice reads nothing but the plan's data.
+
+They are chosen per group of N consecutive blocks (``owner_groups``), not over the whole
+model at once: a group is what one reduction laid out by owner carries at stages 2-3 ([Note:
+owner groups]), and balanced within each group, they are balanced over the model too.
+
+[Note: owner groups]
+A reduction laid out by owner ([Note: reductions laid out by owner] in
+zero_fx/runtime/update/whole_tensor_updates.py) moves N rows as wide as the widest, so it
+sends no more than a reduce-scatter of the same gradients only when the rows are equal. Over
+one block they cannot be (a GPT block's four matrices, 3:1:4:4 in size, split 7:5 at best
+over two ranks: 17 % padding; 4:4:3:1 over four, 33 %). Over N identical blocks they are:
+each cost class (the N blocks' qkv weights, their fc weights, ...) has N members of one cost,
+and longest-first, which finds the ranks' loads equal after each class, deals them one to
+each rank. So every rank's row holds one of each: equal widths, no padding, and equal
+Newton-Schulz work. The price is memory at stages 2-3: the group's reduction waits for its
+last gradient, so N blocks of these gradients are alive at once where a reduce-scatter per
+block holds one (the default stage-2 bucket, 25 MiB, holds several small blocks anyway).
+Blocks are read off the names (``block_of``: "blocks.3.attn.qkv.weight" is in "blocks.3");
+a tensor outside the blocks is a block of its own, and the last group takes the blocks left
+over (fewer than N: some padding there).
+
+A group's memory grows with N while what it saves shrinks with it: the all-to-all it replaces
+sends ``(N - 1) / N**2`` of those tensors' elements, ``1/(2N)`` of stage 2's traffic on them
+(25 % at 2 ranks, 6 % at 8). So where the largest group's gradients pass
+``OWNER_GROUP_BYTES`` (256 MiB: on a GPT of width 2048, 8 blocks' matrices in fp32 are 1.6 GB)
+the plan reduces them as before, into every rank's shards, and sends the shards to the owners
+after the graph (``ShardPlan.reduces_to_owners_in_graph``).
 """
 
 from __future__ import annotations
@@ -13,6 +40,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
+
+from .layout import owner_groups
 
 NEWTON_SCHULZ_STEPS = 5
 """torch.optim.Muon's default ``ns_steps``, for a group that does not say."""
@@ -43,6 +72,16 @@ def assign_owners(costs: Mapping[str, float], world_size: int,
         rank = min(range(world_size), key=lambda r: (loads[r], r))
         owners[name] = rank
         loads[rank] += costs[name]
+    return owners
+
+
+def assign_owners_by_group(costs: Mapping[str, float], world_size: int,
+                           order: Sequence[str]) -> dict[str, int]:
+    """``assign_owners`` within each of ``owner_groups`` of the tensors of ``costs`` (in
+    ``order``, the plan's): what training and the planner both call."""
+    owners: dict[str, int] = {}
+    for group in owner_groups([n for n in order if n in costs], world_size):
+        owners.update(assign_owners({n: costs[n] for n in group}, world_size, group))
     return owners
 
 
@@ -77,17 +116,3 @@ class ParameterUpdate:
     def where(self) -> str:
         return {"flat": "every rank, its shard", "whole, every rank": "every rank, whole",
                 "none": "-"}.get(self.rule, f"rank {self.owner}")
-
-
-def rows_by_owner(names: Sequence[str], plan) -> tuple[int, dict[str, tuple[int, int]]]:
-    """A buffer laid out by owner for ``names`` (of ``plan``, in its order): its rows' width,
-    and each name's ``(owner, start)``. Row r holds the tensors rank r owns, flattened, one
-    after the other, padded to the widest row: the layout of the reduce-scatter and
-    all-gather that carry whole-tensor updates ([Note: reductions laid out by owner] in
-    zero_fx/runtime/update/whole_tensor_updates.py), and of ``traffic()``'s count of them."""
-    used, where = [0] * plan.world_size, {}
-    for name in names:
-        owner = plan.owner_of(name)
-        where[name] = (owner, used[owner])
-        used[owner] += plan.layout(name).numel
-    return max(used), where

@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_map_only
 from ..capture.graph_breaks import GraphBreak
 from ..base.formatting import format_bytes
 from ..passes.common.host_copies import wait_for_host_copies
-from ..passes.reduce_grads import reduction
+from ..passes.reduce_grads import owner_reduction, reduction
 from .distributed.rank_agreement import CallSignature, RankAgreement
 from .sharded_state import ShardedState
 from .step_runner import entered
@@ -138,6 +138,10 @@ class EagerFallback:
             return
         for name in [n for n in names if plan.reduced_by_owner(n)]:  # reduced to its owner
             state.receive_grad(name, wholes.pop(name))
+        for group in plan.owner_groups([n for n in names if plan.reduced_to_owner_in_graph(n)]):
+            reduced = owner_reduction(plan, group)(*(wholes.pop(name) for name in group))
+            for name, grad in zip(group, reduced):
+                state.receive_grad(name, grad)
         for bucket in plan.buckets([n for n in names if n in wholes]):
             reduced = reduction(plan, bucket)(*(wholes.pop(name) for name in bucket))
             for name, grad in zip(bucket, reduced):

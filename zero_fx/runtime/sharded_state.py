@@ -321,6 +321,10 @@ class ShardedState(WholeParameters):
         when the plan reduces outside the graph, to the whole gradients awaiting it)."""
         for name, grad in self._received.items():
             shard = self.shards[name]
+            if self.plan.reduced_to_owner_in_graph(name):  # whole on its owner already
+                self.grads_seen.add(name)
+                self.whole.receive(name, grad)
+                continue
             into = (self._unreduced if not self.plan.reduces_in_graph
                     or self.plan.reduced_by_owner(name) else None)
             # whole gradients awaiting their reduction stay on the device; shards go to the

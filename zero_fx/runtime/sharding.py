@@ -20,7 +20,7 @@ from ..config import ZeroConfig
 from ..base.formatting import ranks_phrase
 from ..materialize import PretrainedWeights, materialize
 from ..plan import PlanRanks, ShardPlan, plan_for_module
-from ..plan.owners import assign_owners
+from ..plan.owners import assign_owners_by_group
 from ..plan.tensor_parallel import local_tensor, tensor_parallel_of
 from .distributed.expert_groups import keep_place_rows, split_experts
 from .distributed.gloo_all_gather import use_gloo_single_tensor_all_gather
@@ -232,7 +232,7 @@ def with_owners(plan: ShardPlan, model: torch.nn.Module, optimizer: torch.optim.
             f"{what}, which zero_fx does not support {refusal} yet. Use an elementwise optimizer "
             f"(AdamW) there, or stage=0")
     order = [layout.name for layout in plan.params]
-    owners = assign_owners(costs, plan.world_size, order)
+    owners = assign_owners_by_group(costs, plan.world_size, order)
     return dataclasses.replace(plan, owners=tuple((n, owners[n]) for n in order if n in owners))
 
 

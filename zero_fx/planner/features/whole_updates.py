@@ -6,7 +6,7 @@ whole-tensor memory and their exchanges, per stage.
 2-D weights inside the repeated blocks, AdamW for the embeddings, the head, the norms and the
 biases. Training steps each Muon matrix once, whole, on its owner ([Note: whole-tensor updates
 on owner ranks] in zero_fx/runtime/update/whole_tensor_updates.py); the planner chooses the owners as
-training does (``assign_owners`` over the same costs in the same order), so the rank it calls
+training does (``assign_owners_by_group`` over the same costs in the same order), so the rank it calls
 the busiest is the one training will have. For each stage it prices, on the rank with the most
 of each:
 
@@ -20,21 +20,25 @@ of each:
 - traffic: the all-to-alls after the graph, in fp32, where the stage's own collectives cannot
   be laid out by owner ([Note: reductions laid out by owner] in
   zero_fx/runtime/update/whole_tensor_updates.py): each rank's gradient shards of the matrices others
-  own (stages 2-3), and each owner's updated matrices cut into the others' shards (stage 3,
-  and every stage under mixed precision). The traffic table adds them; the padding of the
-  rows laid out by owner is left out.
+  own (stages 2-3 where an owner group is too large to reduce laid out by owner: [Note: owner
+  groups] in zero_fx/plan/owners.py), and each owner's updated matrices cut into the others'
+  shards (stage 3, and every stage under mixed precision). The traffic table adds them; the
+  padding of the rows laid out by owner is left out;
+- at stages 2-3, the largest owner group's gradients and the buffer laid out by owner they are
+  reduced from, alive while the group's reduction waits for its last gradient.
 
 Stage 0 steps every matrix whole on every rank, as DDP: no owner, no exchange.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 from ...analysis.hardware import hardware
-from ...plan.layout import ShardPlan, in_block
-from ...plan.owners import assign_owners, loads_of, newton_schulz_cost
+from ...plan.layout import OWNER_GROUP_BYTES, ShardPlan, in_block
+from ...plan.owners import assign_owners_by_group, loads_of, newton_schulz_cost
 
 MUON = "muon"
 """``--optimizer`` of the Muon + AdamW recipe."""
@@ -74,6 +78,9 @@ class WholeUpdateRow:
     exchange_buffer_bytes: float
     """The same rank's send buffers of those all-to-alls (what the traffic table counts for
     every collective: its own shards included)."""
+    group_reduction_bytes: float = 0.0
+    """Stages 2-3: the largest owner group's gradients and its buffer laid out by owner, alive
+    together while the graph reduces the group (0 where the group reduces as shards)."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,9 @@ def plan_whole_updates(plan: ShardPlan) -> Optional[WholeUpdates]:
         exchange_bytes=0.0, exchange_buffer_bytes=0.0)
     if n == 1:
         return WholeUpdates(len(names), numel, total, (every_rank,) * 4)
-    owners = assign_owners(costs, n, [layout.name for layout in plan.params])
+    owners = assign_owners_by_group(costs, n, [layout.name for layout in plan.params])
+    staged = {stage: dataclasses.replace(plan, stage=stage, owners=tuple(
+        (name, owners[name]) for name in names)) for stage in (1, 2, 3)}
     loads = loads_of(owners, costs, n)
     owned = [[layouts[name] for name in names if owners[name] == r] for r in range(n)]
     owned_numel = [sum(layout.numel for layout in mine) for mine in owned]
@@ -122,7 +131,8 @@ def plan_whole_updates(plan: ShardPlan) -> Optional[WholeUpdates]:
         whose reduction is laid out by owner; from owners (each matrix it owns cut into n
         shards, one staying) at stage 3 and under mixed precision, where the stage's gather
         laid out by owner cannot return them ([Note: reductions laid out by owner])."""
-        to_owners, from_owners = stage >= 2, stage == 3 or mixed
+        to_owners = stage >= 2 and not staged[stage].reduces_to_owners_in_graph
+        from_owners = stage == 3 or mixed
         buffers = [WHOLE_MASTER_BYTES * (all_shards * to_owners + n * mine * from_owners)
                    for mine in owned_shards]
         sent = [WHOLE_MASTER_BYTES * ((all_shards - mine) * to_owners
@@ -135,7 +145,9 @@ def plan_whole_updates(plan: ShardPlan) -> Optional[WholeUpdates]:
         stage=stage, flops=2 * max(loads), mean_flops=total / n,
         state_bytes=MUON_STATE_BYTES * max(owned_numel),
         whole_copy_bytes=WHOLE_MASTER_BYTES * max(owned_numel), stepping_bytes=stepping,
-        exchange_bytes=sent, exchange_buffer_bytes=buffers)
+        exchange_bytes=sent, exchange_buffer_bytes=buffers,
+        group_reduction_bytes=2.0 * staged[stage].owner_group_bytes
+        if staged[stage].reduces_to_owners_in_graph else 0.0)
         for stage in (1, 2, 3) for sent, buffers in (exchanges(stage),)]
     return WholeUpdates(len(names), numel, total, (every_rank, *sharded), mixed)
 
@@ -168,8 +180,8 @@ def format_whole_updates(updates: WholeUpdates, psi: int, tensors: int, hardware
     def row_of(label: str, row: WholeUpdateRow, note: str = "") -> str:
         return (f"| {label} | {row.flops / 1e12:.3f} / {row.mean_flops / 1e12:.3f}{note} | "
                 f"{seconds(row.flops)} | {(row.state_bytes + row.whole_copy_bytes) / 1e9:.2f} | "
-                f"{row.stepping_bytes / 1e9:.2f} | {row.exchange_bytes / 1e9:.2f} | "
-                f"{exchange_time(row)} |")
+                f"{row.stepping_bytes / 1e9:.2f} | {row.group_reduction_bytes / 1e9:.2f} | "
+                f"{row.exchange_bytes / 1e9:.2f} | {exchange_time(row)} |")
 
     lines = [
         f"Muon (--optimizer muon) on the blocks' {updates.matrices} matrices, Ψ_M = "
@@ -179,8 +191,8 @@ def format_whole_updates(updates: WholeUpdates, psi: int, tensors: int, hardware
         "link bandwidth):",
         "",
         "| stage | Newton-Schulz TFLOP (busiest / mean) | its time | Muon state + whole copies GB "
-        "| while stepping GB | exchanges sent GB | their time |",
-        "|---|---|---|---|---|---|---|",
+        "| while stepping GB | group reduction GB | exchanges sent GB | their time |",
+        "|---|---|---|---|---|---|---|---|",
         row_of("0", every, " (every rank, every matrix)"),
     ]
     if world_size > 1:
@@ -192,9 +204,11 @@ def format_whole_updates(updates: WholeUpdates, psi: int, tensors: int, hardware
             f"less than a Muon that orthogonalises every matrix on every rank. The owner holds "
             f"its matrices' momentum and a whole fp32 copy of each (in the model states above); "
             f"while it steps, their whole gradients and the largest one's Newton-Schulz "
-            f"temporaries. Stage 1's reduce-scatter, laid out by owner, reduces the gradients to "
-            f"their owners" + ("" if updates.mixed else ", and stages 1-2's all-gather, laid out "
-                               "the same, returns the updated matrices") +
+            f"temporaries. The reduce-scatters, laid out by owner (stage 1's after the backward, "
+            f"stages 2-3's in the graph, one per {world_size} blocks, where the group fits "
+            f"{OWNER_GROUP_BYTES >> 20} MiB: group reduction), reduce the gradients to their "
+            f"owners" + ("" if updates.mixed else ", and stages 1-2's all-gather, laid out "
+                         "the same, returns the updated matrices") +
             "; the other exchanges (gradient shards to the owners, updated shards back, fp32) "
             "are in the traffic table's all-to-all.",
         ]

@@ -7,13 +7,14 @@ factors its second moment over rows and columns, LAMB scales by the tensor's nor
 step a slice. Each such tensor has one owner (``ShardPlan.owners``, balanced by the update's
 cost: plan/owners.py), and its update runs there, whole, once per step:
 
-1. the gradient reaches its owner. At stage 1, which keeps every whole gradient to the end of
-   the backward anyway, by the reduction itself: the graph leaves these gradients whole and
-   one reduce-scatter laid out by owner gives each owner its tensors' mean gradients ([Note:
-   reductions laid out by owner]). At stages 2-3, which reduce each gradient as soon as it
-   exists, the graph reduce-scatters it into every rank's flat shard as for AdamW, and after
-   the graph one ``all_to_all`` sends each rank's shard to the owner, which puts the N shards
-   together;
+1. the gradient reaches its owner by the reduction itself ([Note: reductions laid out by
+   owner]). At stage 1, which keeps every whole gradient to the end of the backward anyway,
+   the graph leaves these gradients whole and one reduce-scatter laid out by owner gives each
+   owner its tensors' mean gradients. At stages 2-3, which reduce gradients as they land, the
+   graph does, one reduce-scatter laid out by owner per group of N blocks ([Note: owner
+   groups] in zero_fx/plan/owners.py). Where a group is too large for that, or the gradients
+   are quantized or replicated, the graph reduce-scatters them into every rank's flat shard as
+   for AdamW, and after the graph one ``all_to_all`` sends each rank's shard to the owner;
 2. the owner's optimizer steps its whole tensors (it alone holds their state, whole: Muon's
    momentum, Adafactor's factors); the other ranks' optimizers hold an empty tensor in its
    place, with no gradient, which torch.optim skips;
@@ -25,36 +26,39 @@ cost: plan/owners.py), and its update runs there, whole, once per step:
    parameter.
 
 What each exchange costs: an ``all_to_all`` sends about ``(N - 1) / N**2`` of those tensors'
-elements per rank, ``1/N`` of what a reduce-scatter of them sends. So on those tensors stage 1
-moves AdamW's bytes (but for the padding of the rows laid out by owner), stage 2 ``1 + 1/(2N)``
-times them (1.25x at 2 ranks), stage 3 ``1 + 2/(3N)`` (1.33x, 1.08x at 8), and stages 1-2
-under mixed precision ``1 + 1/(2N)`` and ``1 + 1/N``. ``analysis/traffic.py`` counts every
+elements per rank, ``1/N`` of what a reduce-scatter of them sends. So on those tensors stages
+1-2 move AdamW's bytes (but for the padding of the rows laid out by owner), stage 3 ``1 +
+1/(3N)`` times them (1.17x at 2 ranks, 1.04x at 8), and stages 1-2 under mixed precision ``1 +
+1/(2N)``; with the all-to-all to the owners as well, stage 2 ``1 + 1/(2N)``, stage 3 ``1 +
+2/(3N)``. ``analysis/traffic.py`` counts every
 exchange as it runs. The owner holds each of its tensors whole in the master dtype besides its
 shard (about Ψ/N more per rank, balanced), and the whole gradient while it steps.
 
 [Note: reductions laid out by owner]
-Where the gradient can reach its owner by the reduction itself (the issue's aim: no extra
-exchange), two layouts would do it: buckets whose slices fall on tensor boundaries, or a
-buffer laid out by owner. zero_fx uses the second, and only where every whole gradient is
-there at once, at the end of stage 1's backward. Per dtype, each rank lays out one buffer of
+The gradient reaches its owner by the reduction itself, with no exchange after it: a buffer of
 ``N`` rows, row r the whole gradients of the tensors rank r owns one after the other (plan
 order), zero-padded to the widest row; one reduce-scatter leaves each rank its own row, the
-mean of its tensors' gradients, computed as the graph's reductions compute any (``reduction``:
-its dtype, its mean). The return is the same layout: each owner puts its updated tensors in
+mean of its tensors' gradients, computed as the graph's reductions compute any (its dtype, its
+mean, divided where they divide). At stage 1 the runtime lays out one such buffer per dtype
+over the whole model, at the end of the backward, where every whole gradient is there at once
+(``reduce_to_owners``). At stages 2-3 the graph lays out one per owner group, N consecutive
+blocks whose rows are equal ([Note: owner groups] in zero_fx/plan/owners.py), spliced right
+after the group's last gradient (``passes.reduce_grads``); each gradient's output is the
+``numel`` elements of the rank's own row at that gradient's start: on its owner its whole mean,
+on the others whatever lies there, dropped (``receive``). The code is the same on every rank. The return is the same layout: each owner puts its updated tensors in
 its row, and one all-gather gives every rank every tensor whole, which is the all-gather
 stages 1-2 run for the parameters anyway. The layout is the same on every rank (the plan's
 owners and order), so the graph stays rank-agnostic: these gradients simply leave it whole,
 and the runtime reduces them (``ShardPlan.reduces_to_owners``, ``reduced_by_owner``).
 
-Why not buckets cut on tensor boundaries, inside the graph: the owners are balanced over the
-whole model, so within one bucket the rows are uneven (a GPT block's four matrices, 3:1:4:4
-in size, split 7:5 at best over two ranks, padding the bucket by 17 %), and every feature
-built on the flat shards of a bucket (checkpoints, offload, the update in the graph) would
-meet a second layout. Over the whole model the rows even out: the only cost is the padding
-to the widest row, which ``traffic()`` counts. Why not at stages 2-3: their reductions run as
-each gradient lands, to free it; holding these gradients whole to the end of the backward
-would give them stage 1's gradient memory. Reducing to the owner as each lands would need a
-reduce to one rank, which the functional collectives the graph uses do not have.
+Why groups of N blocks and not one block's reduction: within one block the rows are uneven (a
+GPT block's four matrices, 3:1:4:4 in size, split 7:5 at best over two ranks, padding by
+17 %); over N alike blocks they are equal. Why not hold them to the end of the backward, as
+stage 1 does: that is stage 1's gradient memory. Why not reduce each gradient to its owner as
+it lands: that is a reduce to one rank, which the functional collectives the graph uses do not
+have. The only cost besides the group's memory is the padding to the widest row, which
+``traffic()`` counts. Stage 3's return is still an all-to-all: its masters are the flat shards
+the graph gathers, which one all-gather laid out by owner cannot write.
 
 Every rank runs the same exchanges in the same order (the plan's order, over the parameters
 that have a gradient this step, which the graph, the same on every rank, decides), so the
@@ -71,7 +75,6 @@ import torch
 import torch.distributed as dist
 
 from ...plan import ShardPlan
-from ...plan.owners import rows_by_owner
 from ...passes.reduce_grads import reduction
 from ..distributed.cpu_group import cpu_group
 
@@ -117,7 +120,7 @@ class WholeTensorUpdates:
         plan = self.plan
         names = [n for n in self.names if n in wholes]
         for dtype, members in _by_dtype(names, [wholes[n] for n in names]):
-            width, where = rows_by_owner([n for n, _ in members], plan)
+            width, where = plan.rows_by_owner([n for n, _ in members])
             rows = torch.cat([_row([g.reshape(-1) for n, g in members if where[n][0] == r],
                                    width, dtype, self.device) for r in range(plan.world_size)])
             # the reduction the graph runs for any gradient (its dtype, its mean), on one buffer
@@ -129,6 +132,19 @@ class WholeTensorUpdates:
                     self.tensors[name].grad = mine[start:start + layout.numel].view(layout.shape)
         self.delivered = names
 
+    @torch.no_grad()
+    def receive(self, name: str, grad: torch.Tensor) -> None:
+        """Stages 2-3 (``plan.reduces_to_owners_in_graph``): what the graph's reduction laid out
+        by owner returned for ``name``, flat: on its owner the whole mean gradient, added to its
+        tensor's (accumulation); elsewhere another tensor's elements, dropped."""
+        if name not in self.delivered:
+            self.delivered.append(name)
+        if not self.owns(name):
+            return
+        tensor = self.tensors[name]
+        grad = grad.view(tensor.shape).to(tensor.dtype)
+        tensor.grad = grad if tensor.grad is None else tensor.grad + grad
+
     def reduced_grads(self) -> list[torch.Tensor]:
         """The whole gradients ``reduce_to_owners`` gave this rank's tensors, not yet stepped."""
         return [self.tensors[n].grad for n in self.delivered if self.owns(n)
@@ -138,12 +154,13 @@ class WholeTensorUpdates:
     def send_grads(self, shards: dict[str, torch.nn.Parameter]) -> list[str]:
         """Step 2: each gradient shard to its tensor's owner, whose tensor then holds the whole
         gradient; returns the names exchanged (those with a gradient). Where the reduction
-        delivered them (``plan.reduces_to_owners``), only the zero gradients ``zero_grad(
+        delivered them (``plan.delivers_to_owners``), only the zero gradients ``zero_grad(
         set_to_none=False)`` keeps for a parameter this window gave none are put in."""
-        if self.plan.reduces_to_owners:
+        if self.plan.delivers_to_owners:
             kept = [n for n in self.names if n not in self.delivered and shards[n].grad is not None]
-            for name in kept:
+            for name in self.names:  # the owners' tensors carry these gradients
                 shards[name].grad = None
+            for name in kept:
                 if self.owns(name):
                     self.tensors[name].grad = torch.zeros_like(self.tensors[name])
             return [n for n in self.names if n in self.delivered or n in kept]
@@ -169,7 +186,7 @@ class WholeTensorUpdates:
             return
         for dtype, members in _by_dtype(names, [self.tensors[n].detach() for n in names],
                                         dtype_of=lambda n: plan.layout(n).dtype):
-            width, where = rows_by_owner([n for n, _ in members], plan)
+            width, where = plan.rows_by_owner([n for n, _ in members])
             mine = _row([t.reshape(-1) for n, t in members if self.owns(n)], width, dtype,
                         self.device)
             rows = _c10d.wait_tensor(_c10d.all_gather_into_tensor(
