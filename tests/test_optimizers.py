@@ -337,6 +337,56 @@ def _accumulated_rank(rank: int, world_size: int, stage: int, micro: int = 2) ->
         return worst
 
 
+def kept_zeros_step(model, muon, adamw, muon_schedule, adamw_schedule, x, y, name):
+    """``two_optimizer_step`` whose ``zero_grad`` keeps zero gradients."""
+    loss = models.loss_fn(name, model, x, y)
+    loss.backward()
+    muon.step()
+    adamw.step()
+    muon.zero_grad(set_to_none=False)
+    adamw.zero_grad(set_to_none=False)
+    return loss
+
+
+FROZEN = "blocks.1.attn.qkv.weight"
+"""The Muon matrix frozen for the second call and trained again in the third."""
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_frozen_matrix_with_kept_zero_gradients_steps_as_eager(stage):
+    """``zero_grad(set_to_none=False)`` with one Muon matrix frozen for a call: eager steps it
+    with its kept zero gradient (Muon's momentum and weight decay move it), and so must its
+    owner, whose gradient that call is no group reduction's. Parameters and both optimizers'
+    state are compared after every call."""
+    for rank, worst in enumerate(run_ranks(2, _kept_zeros_rank, stage)):
+        assert worst < UPDATE_TOLERANCE, (rank, worst)
+
+
+def _kept_zeros_rank(rank: int, world_size: int, stage: int) -> float:
+    with newton_schulz_in("fp32"):
+        reference, model = models.build("gpt4"), models.build("gpt4")
+        initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
+        reference_pairs, pairs = (make_optimizers("muon_adamw", reference),
+                                  make_optimizers("muon_adamw", model))
+        step = zero_compile(kept_zeros_step, stage=stage, backend=models.BACKEND)
+        worst = {}
+        for call in range(CALLS):
+            for m in (reference, model):
+                m.get_parameter(FROZEN).requires_grad_(call != 1)
+            x, y = models.global_batch("gpt4", call)
+            kept_zeros_step(reference, *_step_args(reference_pairs), x, y, "gpt4")
+            rows = x.shape[0] // world_size
+            mine = slice(rank * rows, (rank + 1) * rows)
+            step(model, *_step_args(pairs), x[mine], y[mine], "gpt4")
+            whole = step.full_parameters()
+            worst[call] = max(update_error(whole[n], p, initial[n])
+                              for n, p in reference.named_parameters())
+            state = _state_errors(step.full_optimizer_state(),
+                                  _eager_state(reference, [o for o, _ in reference_pairs]))
+            assert max(state.values()) < STATE_TOLERANCE, (call, max(state, key=state.get))
+        return max(worst.values())
+
+
 def test_a_planted_fault_fails():
     """The comparison fails when one owner's update goes wrong: a LAMB that forgets its trust
     ratio on rank 1's tensors only."""
