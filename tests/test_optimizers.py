@@ -178,6 +178,25 @@ def _state_errors(whole: dict, expected: dict) -> dict:
     return errors
 
 
+def _slice_of(rank: int, world_size: int, rows: int) -> slice:
+    """This rank's rows of a global batch of ``rows``."""
+    per_rank = rows // world_size
+    return slice(rank * per_rank, (rank + 1) * per_rank)
+
+
+def _beside_eager(model_name: str, kind: str):
+    """Two copies of ``model_name`` with the optimizers ``kind`` each, the first for eager:
+    ``(reference, model, reference's initial parameters, reference's pairs, model's pairs)``."""
+    reference, model = models.build(model_name), models.build(model_name)
+    initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    return reference, model, initial, make_optimizers(kind, reference), make_optimizers(kind, model)
+
+
+def _worst_update_error(whole: dict, reference: nn.Module, initial: dict) -> float:
+    """The largest ``‖p - p_ref‖ / ‖p_ref - p_0‖`` over the parameters."""
+    return max(update_error(whole[n], p, initial[n]) for n, p in reference.named_parameters())
+
+
 def _train_rank(rank: int, world_size: int, model_name: str, kind: str, stage: int,
                 backend: str = models.BACKEND, precision: str = "fp32",
                 breaks: bool = False) -> dict:
@@ -189,9 +208,7 @@ def _train_rank(rank: int, world_size: int, model_name: str, kind: str, stage: i
 
 
 def _trained(rank, world_size, model_name, kind, stage, backend, breaks=False) -> dict:
-    reference, model = models.build(model_name), models.build(model_name)
-    initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    reference_pairs, pairs = make_optimizers(kind, reference), make_optimizers(kind, model)
+    reference, model, initial, reference_pairs, pairs = _beside_eager(model_name, kind)
     fn = (breaking_two_optimizer_step if breaks else
           two_optimizer_step if len(pairs) == 2 else one_optimizer_step)
     compiled = zero_compile(fn, stage=stage, backend=backend)
@@ -199,8 +216,7 @@ def _trained(rank, world_size, model_name, kind, stage, backend, breaks=False) -
     for call in range(CALLS):
         x, y = models.global_batch(model_name, call)
         expected = fn(reference, *_step_args(reference_pairs), x, y, model_name).item()
-        rows = x.shape[0] // world_size
-        mine = slice(rank * rows, (rank + 1) * rows)
+        mine = _slice_of(rank, world_size, x.shape[0])
         loss = compiled(model, *_step_args(pairs), x[mine], y[mine], model_name).detach()
         loss = loss.reshape(1)
         if world_size > 1:
@@ -311,10 +327,7 @@ def test_accumulated_gradients_reach_the_owners_once(stage):
 
 def _accumulated_rank(rank: int, world_size: int, stage: int, micro: int = 2) -> float:
     with newton_schulz_in("fp32"):
-        reference, model = models.build("gpt4"), models.build("gpt4")
-        initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
-        reference_pairs, pairs = (make_optimizers("muon_adamw", reference),
-                                  make_optimizers("muon_adamw", model))
+        reference, model, initial, reference_pairs, pairs = _beside_eager("gpt4", "muon_adamw")
         step = zero_compile(two_optimizer_step, stage=stage, backend=models.BACKEND,
                             accumulation_steps=micro)
         worst = 0.0
@@ -323,8 +336,7 @@ def _accumulated_rank(rank: int, world_size: int, stage: int, micro: int = 2) ->
             for part in range(micro):  # eager: the mean over the two halves of the batch
                 xs, ys = x.chunk(micro)[part], y.chunk(micro)[part]
                 (models.loss_fn("gpt4", reference, xs, ys) / micro).backward()
-                rows = xs.shape[0] // world_size
-                mine = slice(rank * rows, (rank + 1) * rows)
+                mine = _slice_of(rank, world_size, xs.shape[0])
                 step(model, *_step_args(pairs), xs[mine], ys[mine], "gpt4")
             torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
             for optimizer, schedule in reference_pairs:
@@ -332,8 +344,7 @@ def _accumulated_rank(rank: int, world_size: int, stage: int, micro: int = 2) ->
                 schedule.step()
                 optimizer.zero_grad()
             whole = step.full_parameters()
-            worst = max(worst, max(update_error(whole[n], p, initial[n])
-                                   for n, p in reference.named_parameters()))
+            worst = max(worst, _worst_update_error(whole, reference, initial))
         return worst
 
 
@@ -364,10 +375,7 @@ def test_a_frozen_matrix_with_kept_zero_gradients_steps_as_eager(stage):
 
 def _kept_zeros_rank(rank: int, world_size: int, stage: int) -> float:
     with newton_schulz_in("fp32"):
-        reference, model = models.build("gpt4"), models.build("gpt4")
-        initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
-        reference_pairs, pairs = (make_optimizers("muon_adamw", reference),
-                                  make_optimizers("muon_adamw", model))
+        reference, model, initial, reference_pairs, pairs = _beside_eager("gpt4", "muon_adamw")
         step = zero_compile(kept_zeros_step, stage=stage, backend=models.BACKEND)
         worst = {}
         for call in range(CALLS):
@@ -375,12 +383,10 @@ def _kept_zeros_rank(rank: int, world_size: int, stage: int) -> float:
                 m.get_parameter(FROZEN).requires_grad_(call != 1)
             x, y = models.global_batch("gpt4", call)
             kept_zeros_step(reference, *_step_args(reference_pairs), x, y, "gpt4")
-            rows = x.shape[0] // world_size
-            mine = slice(rank * rows, (rank + 1) * rows)
+            mine = _slice_of(rank, world_size, x.shape[0])
             step(model, *_step_args(pairs), x[mine], y[mine], "gpt4")
             whole = step.full_parameters()
-            worst[call] = max(update_error(whole[n], p, initial[n])
-                              for n, p in reference.named_parameters())
+            worst[call] = _worst_update_error(whole, reference, initial)
             state = _state_errors(step.full_optimizer_state(),
                                   _eager_state(reference, [o for o, _ in reference_pairs]))
             assert max(state.values()) < STATE_TOLERANCE, (call, max(state, key=state.get))
@@ -473,8 +479,7 @@ def _exchanges_rank(rank: int, world_size: int, stage: int, kind: str = "muon_ad
                         stage=stage, backend="eager")
     for call in range(2):
         x, y = models.global_batch("gpt4", call)
-        rows = x.shape[0] // world_size
-        mine = slice(rank * rows, (rank + 1) * rows)
+        mine = _slice_of(rank, world_size, x.shape[0])
         if call == 0:
             step(model, *_step_args(pairs), x[mine], y[mine], "gpt4")
             continue
@@ -538,8 +543,7 @@ def _mixed_rank(rank: int, world_size: int, stage: int) -> dict:
                             mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
         for call in range(CALLS):
             x, y = models.global_batch("gpt4", call)
-            rows = x.shape[0] // world_size
-            mine = slice(rank * rows, (rank + 1) * rows)
+            mine = _slice_of(rank, world_size, x.shape[0])
             step(model, *_step_args(pairs), x[mine], y[mine], "gpt4")
         return {**step.full_parameters(), "initial": initial}
 
@@ -600,14 +604,12 @@ def _meta_trained(rank: int, world_size: int) -> dict:
     for call in range(2):
         x, y = models.global_batch("gpt4", call)
         two_optimizer_step(reference, *_step_args(reference_pairs), x, y, "gpt4")
-        rows = x.shape[0] // world_size
-        step(model, *_step_args(pairs), x[rank * rows:(rank + 1) * rows],
-             y[rank * rows:(rank + 1) * rows], "gpt4")
+        mine = _slice_of(rank, world_size, x.shape[0])
+        step(model, *_step_args(pairs), x[mine], y[mine], "gpt4")
     whole = step.full_parameters()
     muon = pairs[0][0]
     return {"shapes": [tuple(p.shape) for g in muon.param_groups for p in g["params"]],
-            "error": max(update_error(whole[n], p, initial[n])
-                         for n, p in reference.named_parameters())}
+            "error": _worst_update_error(whole, reference, initial)}
 
 
 def test_every_optimizer_of_the_step_must_step_once():
@@ -675,17 +677,15 @@ def _checkpointed(rank: int, world_size: int, path: str, phase: str) -> dict:
             schedule.load_state_dict(ref_schedule.state_dict())  # schedulers are the user's
     for call in calls:
         x, y = models.global_batch("gpt4", call)
-        rows = x.shape[0] // world_size
         if phase == "load":
             two_optimizer_step(reference, *_step_args(reference_pairs), x, y, "gpt4")
-        step(model, *_step_args(pairs), x[rank * rows:(rank + 1) * rows],
-             y[rank * rows:(rank + 1) * rows], "gpt4")
+        mine = _slice_of(rank, world_size, x.shape[0])
+        step(model, *_step_args(pairs), x[mine], y[mine], "gpt4")
     if phase == "save":
         step.save_checkpoint(path)
         return {}
     whole = step.full_parameters()
     state = _state_errors(step.full_optimizer_state(),
                           _eager_state(reference, [o for o, _ in reference_pairs]))
-    return {"error": max(update_error(whole[n], p, initial[n])
-                         for n, p in reference.named_parameters()),
+    return {"error": _worst_update_error(whole, reference, initial),
             "state_error": max(state.values())}

@@ -173,16 +173,8 @@ def reduce_scatter_bucket(*grads: torch.Tensor, paddings: Sequence[int], world_s
     rows = [g if g.dim() == 1 or (g.dim() > 1 and g.shape[0] % world_size == 0) else g.reshape(-1)
             for g in grads]
     buffer = torch._chunk_cat(rows, 0, world_size)
-    op = "avg" if averages else "sum"
-    first = not averages and _divides_first(buffer.dtype)
-    if first:
-        buffer = _average(buffer, ranks)
-    shard = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buffer.view(-1), op, world_size,
-                                                          group_name))
-    if replicas > 1:
-        shard = _c10d.wait_tensor(_c10d.all_reduce(shard, op, replicate_group_name))
-    if not (averages or first):
-        shard = _average(shard, ranks)
+    shard = _mean_reduce_scatter(buffer.view(-1), ranks, world_size, group_name, averages,
+                                 replicate_group_name if replicas > 1 else None)
     if to_host:
         shard = copy_to_host(shard)
     if len(grads) == 1:
@@ -218,16 +210,26 @@ def reduce_to_owners_bucket(*grads: torch.Tensor, owners: Sequence[int], starts:
         pad = width - sum(f.numel() for f in mine)
         if pad:
             pieces.append(flats[0].new_zeros(pad))
-    buffer = torch.cat(pieces)
-    ranks = mean_over or world_size
+    row = _mean_reduce_scatter(torch.cat(pieces), mean_over or world_size, world_size,
+                               group_name, averages)
+    return [row.narrow(0, start, flat.numel()) for start, flat in zip(starts, flats)]
+
+
+def _mean_reduce_scatter(buffer: torch.Tensor, ranks: int, world_size: int, group_name: str,
+                         averages: bool, replicate_group_name: Optional[str] = None) -> torch.Tensor:
+    """This rank's part of the mean over ``ranks`` of flat ``buffer``: the backend's average
+    (``averages``), else SUM divided in 16 bits before it, in 32 after it ([Note: divide before
+    the sum]); ``replicate_group_name``: the part summed across the replicas too."""
     op = "avg" if averages else "sum"
     first = not averages and _divides_first(buffer.dtype)
     if first:
         buffer = _average(buffer, ranks)
-    row = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buffer, op, world_size, group_name))
+    part = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buffer, op, world_size, group_name))
+    if replicate_group_name is not None:
+        part = _c10d.wait_tensor(_c10d.all_reduce(part, op, replicate_group_name))
     if not (averages or first):
-        row = _average(row, ranks)
-    return [row.narrow(0, start, flat.numel()) for start, flat in zip(starts, flats)]
+        part = _average(part, ranks)
+    return part
 
 
 def all_reduce_bucket(*grads: torch.Tensor, world_size: int, group_name: str,

@@ -150,7 +150,8 @@ def owner_exchanges(plan) -> str:
     """How the whole tensors' gradients reach their owners and their values come back
     ([Note: reductions laid out by owner] in zero_fx/runtime/update/whole_tensor_updates.py)."""
     to = ("by the stage's reduce-scatter, laid out by owner" if plan.reduces_to_owners else
-          f"by the graph's reduce-scatters, laid out by owner, one per {plan.world_size} blocks"
+          f"by the graph's reduce-scatters, laid out by owner, one per group of {plan.world_size} "
+          "blocks"
           if plan.reduces_to_owners_in_graph else
           "by an all-to-all of the reduced shards after the graph")
     back = ("by the stage's all-gather, laid out by owner" if plan.returns_owners_whole else

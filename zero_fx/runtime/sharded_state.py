@@ -321,8 +321,8 @@ class ShardedState(WholeParameters):
         when the plan reduces outside the graph, to the whole gradients awaiting it)."""
         for name, grad in self._received.items():
             shard = self.shards[name]
+            self.grads_seen.add(name)
             if self.plan.reduced_to_owner_in_graph(name):  # whole on its owner already
-                self.grads_seen.add(name)
                 self.whole.receive(name, grad)
                 continue
             into = (self._unreduced if not self.plan.reduces_in_graph
@@ -330,7 +330,6 @@ class ShardedState(WholeParameters):
             # whole gradients awaiting their reduction stay on the device; shards go to the
             # masters (the host, offloaded: [Note: optimizer offload])
             grad = grad.to(dtype=shard.dtype, device=shard.device if into is None else None)
-            self.grads_seen.add(name)
             if into is not None:
                 into[name] = grad if name not in into else into[name] + grad
             else:
