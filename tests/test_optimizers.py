@@ -33,6 +33,7 @@ from bench.peers.optimizers import orthogonalised_in_fp32
 from support.training import update_error
 from zero_fx import MixedPrecision, zero_compile
 from zero_fx.capture.step_graph import CaptureError
+from zero_fx.passes.common.predicates import is_update
 from zero_fx import plan_for_module
 from zero_fx.config import ZeroConfig
 from zero_fx.plan import PlanRanks
@@ -346,6 +347,77 @@ def _accumulated_rank(rank: int, world_size: int, stage: int, micro: int = 2) ->
             whole = step.full_parameters()
             worst = max(worst, _worst_update_error(whole, reference, initial))
         return worst
+
+
+def unclipped_two_optimizer_step(model, muon, adamw, muon_schedule, adamw_schedule, x, y, name):
+    """``two_optimizer_step`` without its clip, which would keep the update after the graph."""
+    loss = models.loss_fn(name, model, x, y)
+    loss.backward()
+    muon.step()
+    adamw.step()
+    muon_schedule.step()
+    adamw_schedule.step()
+    muon.zero_grad()
+    adamw.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("stage, precision, micro", [(2, "fp32", 1), (3, "fp32", 1),
+                                                     (3, "bf16", 1), (2, "bf16", 2)])
+def test_muon_steps_in_the_graph_as_each_owner_group_lands(stage, precision, micro):
+    """At stages 2-3 the graph steps Muon on each owner group's tensors, on their owners, right
+    after the group's reduction, and AdamW on each bucket ([Note: whole-tensor updates in the
+    graph] in zero_fx/runtime/update/graph_update.py): every parameter, both optimizers' state
+    and their groups equal the update after the graph's bit for bit after every call (torch's
+    bf16 iterations batched by shape in both, or the fp32 ones per matrix; accumulating two
+    calls), and each update is eager's on the global batch."""
+    for rank, run in enumerate(run_ranks(2, _in_graph_rank, stage, precision, micro)):
+        assert run["reason"] == "" and run["owner_updates"] == run["owner_groups"] == 2, run
+        assert run["apart"] == 0.0 and run["state_apart"] == 0.0, (rank, run)
+        assert run["groups"] == run["expected_groups"], run
+        if micro == 1:
+            assert run["worst"] < (UPDATE_TOLERANCE if precision == "fp32"
+                                   else BF16_UPDATE_TOLERANCE), (rank, run["worst"])
+        batched = "matrices in" in run["explained"] and "batched chains" in run["explained"]
+        assert batched == (precision == "bf16"), run["explained"]
+
+
+def _in_graph_rank(rank: int, world_size: int, stage: int, precision: str, micro: int) -> dict:
+    with newton_schulz_in(precision):
+        reference, model, initial, reference_pairs, pairs = _beside_eager("gpt4", "muon_adamw")
+        after = models.build("gpt4")
+        after_pairs = make_optimizers("muon_adamw", after)
+        fn = unclipped_two_optimizer_step
+        options = dict(stage=stage, backend=models.BACKEND, accumulation_steps=micro)
+        in_graph = zero_compile(fn, optimizer_update="graph", **options)
+        after_graph = zero_compile(fn, optimizer_update="eager", **options)
+        worst = apart = state_apart = 0.0
+        for call in range(CALLS):
+            x, y = models.global_batch("gpt4", call)
+            if micro == 1:
+                fn(reference, *_step_args(reference_pairs), x, y, "gpt4")
+            for part in range(micro):
+                xs, ys = x.chunk(micro)[part], y.chunk(micro)[part]
+                mine = _slice_of(rank, world_size, xs.shape[0])
+                for step, net, net_pairs in ((in_graph, model, pairs),
+                                             (after_graph, after, after_pairs)):
+                    step(net, *_step_args(net_pairs), xs[mine], ys[mine], "gpt4")
+            got, expected = in_graph.full_parameters(), after_graph.full_parameters()
+            apart = max(apart, max((got[n] - expected[n]).abs().max().item() for n in got))
+            state_apart = max(state_apart, max(_state_errors(
+                in_graph.full_optimizer_state(), after_graph.full_optimizer_state()).values()))
+            if micro == 1:
+                worst = max(worst, _worst_update_error(got, reference, initial))
+        plan = in_graph.plan
+        updated = [u.args[0] for u in in_graph.graphs[-1].graph.nodes if is_update(u)]
+        return {"reason": in_graph.compilations[-1].update_reason,
+                "owner_updates": sum(all(plan.owner_of(n) is not None for n in names)
+                                     for names in updated),
+                "owner_groups": len(plan.owner_groups([n for n, _ in plan.owners])),
+                "apart": apart, "state_apart": state_apart, "worst": worst,
+                "groups": [hyperparameters(o) for o, _ in pairs],
+                "expected_groups": [hyperparameters(o) for o, _ in after_pairs],
+                "explained": str(in_graph.explain())}
 
 
 def kept_zeros_step(model, muon, adamw, muon_schedule, adamw_schedule, x, y, name):

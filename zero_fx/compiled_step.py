@@ -174,7 +174,7 @@ class CompiledStep(StepInspection, StepState):
         args, kwargs = self._sizes.marked(args, kwargs)  # [Note: one dynamic graph for every length]
         host_effects.discard_recorded()
         update = self._sharded.update
-        with self._deferred.deferring(optimizer) as real_step, update.running_graph(real_step):
+        with self._deferred.deferring(optimizer) as real_steps, update.running_graph(real_steps):
             try:
                 out = self._run(args, kwargs)
             except RuntimeError as err:

@@ -100,5 +100,6 @@ class StepInspection:
                              offload_choice=self._sharded.offload_choice,
                              update_reason=self.compilations[-1].update_reason
                              if self.compilations else None,
-                             update_kernels=kernels_of(self.state.optimizer),
+                             update_kernels=kernels_of(self.state.optimizer,
+                                                        self._sharded.update.batches),
                              parameter_updates=self.state.updates)

@@ -82,9 +82,9 @@ class DeferredOptimizerCalls:
     def deferring(self, optimizer):
         """Inside, ``optimizer.step()`` and ``optimizer.zero_grad()`` only record that they ran
         (each optimizer's, for several: [Note: several optimizers in one step] in
-        optimizer_set.py). Yields the optimizer's own ``step`` (a scheduler's wrapper of it, if
-        one wrapped it), which the update in the graph calls ([Note: the update in the
-        graph])."""
+        optimizer_set.py). Yields each optimizer's own ``step`` (a scheduler's wrapper of it, if
+        one wrapped it), in member order, which the update in the graph calls ([Note: the
+        update in the graph])."""
         self.calls.clear()
         optimizers = members(optimizer)
         while len(self._members) < len(optimizers) - 1:
@@ -92,13 +92,14 @@ class DeferredOptimizerCalls:
         saved = [{k: o.__dict__[k] for k in ("step", "zero_grad") if k in o.__dict__}
                  for o in optimizers]
         first = optimizers[0]
-        real_step = saved[0].get("step") or type(first).step.__get__(first)
+        real_steps = [kept.get("step") or type(o).step.__get__(o)
+                      for o, kept in zip(optimizers, saved)]
         first.step, first.zero_grad = self._record_step, self._record_zero_grad
         for member, recorder in zip(optimizers[1:], self._members):
             member.step, member.zero_grad = recorder.step, recorder.zero_grad
         try:
             with recording(self._recorders, self._step_globals), watching(optimizer.param_groups):
-                yield real_step
+                yield real_steps
         finally:
             for member, kept in zip(optimizers, saved):
                 del member.step, member.zero_grad

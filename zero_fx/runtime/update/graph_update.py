@@ -39,12 +39,37 @@ What needs every bucket's gradient before any element may change stays after the
   ([Note: hyperparameters written inside the step] in capture/step_calls.py);
 - ``opt.zero_grad(set_to_none=False)``, whose zero gradients step parameters the call did
   not use ([Note: zero_grad(set_to_none=False)] in update.py);
-- optimizers other than SGD, Adam and AdamW, and those with step hooks;
+- optimizers other than SGD, Adam and AdamW on shards and Muon on its owners, and those
+  with step hooks;
+- whole-tensor updates whose gradients reach their owners after the graph: stage 1 (it
+  reduces them at the end of the backward), hybrid sharding, quantized gradients, and an
+  owner group too large to reduce at once ([Note: owner groups] in zero_fx/plan/owners.py);
 - whole-program lowering ("aot_eager", "inductor" with ``regional=False``, a custom
   backend, dynamic shapes): AOTAutograd would trace through the call. Regional
   compilation, the default, runs it in the outer graph.
 
 ``explain()`` says which mode ran and why, and lists each bucket's update in the graph.
+
+[Note: whole-tensor updates in the graph]
+At stages 2-3 the graph reduces each owner group's gradients to their owners ([Note:
+reductions laid out by owner] in whole_tensor_updates.py), so an owner holds a tensor's whole
+mean gradient as soon as its group's reduce-scatter lands, and nothing else is needed to step
+it: Muon's update of a matrix reads that matrix alone. So the pass puts one
+``update_bucket`` after each group's reduction, as after any bucket's; in it every rank adds
+what the reduction returned to its owners' tensors (``WholeTensorUpdates.receive``, the rest
+dropped), and each owner steps Muon on the group's tensors it owns, its Newton-Schulz
+iterations batched by shape ([Note: Newton-Schulz batched by shape] in batched_muon.py). With
+several optimizers each member steps what it holds of the bucket, with its own ``step``
+(a scheduler's wrapper included), so the AdamW buckets step in the same graph. The owner's
+orthogonalisation of a group then runs between the backward's blocks, while their collectives
+are in flight, instead of all of it after the graph, and each whole gradient is freed there. The values go
+back after the graph, as the update after it sends them: stage 2's all-gather laid out by owner,
+stage 3's all-to-all into the masters (``OptimizerUpdate.apply``), for the names the window's
+reductions delivered, the same on every rank. The numbers are the update after the graph's,
+bit for bit (``tests/test_optimizers.py``): the same tensors, the same gradients, the same
+step, per group instead of all at once, and Muon's step of a matrix does not read the others.
+Only torch.optim.Muon is stepped so (``WHOLE_STEPS_IN_GRAPH``): another whole-tensor
+optimizer may read across its tensors (a global norm), which stepping per group would change.
 """
 
 from __future__ import annotations
@@ -56,22 +81,30 @@ import torch
 
 from ...capture.step_calls import WRITES_GROUPS, ZERO_GRAD_KEEPS_ZEROS
 from ...passes.common.update_code import ACTIVE_UPDATE
-from .optimizer_set import OptimizerSet
+from ..optimizer import WHOLE, update_rule
+from .batched_muon import ShapesBatched, applies, batched_by_shape
+from .optimizer_set import OptimizerSet, members
 
 STEPS_IN_GRAPH = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-"""The optimizers whose update the graph runs per bucket."""
+"""The optimizers whose update the graph runs per bucket, on flat shards."""
+WHOLE_STEPS_IN_GRAPH = (torch.optim.Muon,)
+"""The whole-tensor updates the graph runs on their owners, per owner group, at stages 2-3
+([Note: whole-tensor updates in the graph])."""
 
 class GraphUpdate:
     """What ``update_bucket`` does for one step: sum, or step the optimizer on a bucket."""
 
-    def __init__(self, state, accumulation_steps: int):
+    def __init__(self, state, accumulation_steps: int, batches: ShapesBatched):
         self.state = state
         self.accumulation_steps = accumulation_steps
+        self.batches = batches
+        """What Muon's steps batched ([Note: Newton-Schulz batched by shape])."""
         self.micro_step = 0
         """Calls since the last update, as the running call began (``OptimizerUpdate`` counts
         them; ``running`` takes its count)."""
-        self.real_step: Optional[Callable] = None
-        """The optimizer's own ``step`` (the step's ``opt.step()`` only records, inside it)."""
+        self.real_steps: Sequence[Callable] = ()
+        """Each optimizer's own ``step``, in member order ([Note: several optimizers in one
+        step] in optimizer_set.py): the step's ``opt.step()`` only records, inside it."""
         self.changed = False
         """This call's graph has stepped at least one bucket (its failure leaves ranks apart)."""
         self.stepped: set[str] = set()
@@ -82,23 +115,39 @@ class GraphUpdate:
         the graph, unless a compilation says otherwise (``why_not_for_capture``)."""
 
     def update(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None:
-        shards = [self.state.shards[name] for name in names]
-        self.state.grads_seen.update(names)
+        """One bucket's reduced gradients (``grads``, for ``names``) summed into what the
+        optimizers step, and at the end of the window stepped: flat shards by every rank,
+        whole tensors ([Note: whole-tensor updates on owner ranks]) by their owner, whose
+        gradient the bucket (a reduction laid out by owner) brought whole."""
+        state, plan = self.state, self.state.plan
+        state.grads_seen.update(names)
+        flat = [name for name in names if not plan.reduced_to_owner_in_graph(name)]
         with torch.no_grad():
-            for shard, grad in zip(shards, grads):
+            for name, grad in zip(names, grads):
+                if name not in flat:
+                    state.whole.receive(name, grad)
+                    continue
+                shard = state.shards[name]
                 # as commit_grads after the graph: the masters' dtype and device, summed
                 grad = grad.to(dtype=shard.dtype, device=shard.device)
                 shard.grad = grad if shard.grad is None else shard.grad + grad
             if self.micro_step + 1 < self.accumulation_steps:
                 return
-            held = [shard for shard in shards if shard.grad is not None]
+            held = [state.shards[n] for n in flat if state.shards[n].grad is not None] + [
+                state.whole.tensors[n] for n in names if n not in flat and state.whole.owns(n)
+                and state.whole.tensors[n].grad is not None]
             if self.accumulation_steps != 1 and held:
-                torch._foreach_div_([s.grad for s in held], float(self.accumulation_steps))
+                torch._foreach_div_([t.grad for t in held], float(self.accumulation_steps))
         self.changed = True
-        self.stepped.update(name for name, shard in zip(names, shards) if shard.grad is not None)
-        step_on(self.state.optimizer, held, self.real_step)
-        for shard in held:
-            shard.grad = None
+        self.stepped.update(n for n in flat if state.shards[n].grad is not None)
+        with batched_by_shape(self.batches):
+            for member, real_step in zip(members(state.optimizer), self.real_steps):
+                chosen = {id(p) for group in member.param_groups for p in group["params"]}
+                mine = [t for t in held if id(t) in chosen]
+                if mine:
+                    step_on(member, mine, real_step)
+        for tensor in held:
+            tensor.grad = None
 
     def take_stepped(self) -> set[str]:
         """The parameters stepped since the last update; forgotten here."""
@@ -106,16 +155,17 @@ class GraphUpdate:
         return stepped
 
     @contextlib.contextmanager
-    def running(self, real_step: Callable, micro_step: int):
-        """While the step's graph runs: its ``update_bucket`` calls step this update;
-        ``micro_step`` calls have summed their gradients since the last update."""
-        self.real_step, self.micro_step, self.changed = real_step, micro_step, False
+    def running(self, real_steps: Sequence[Callable], micro_step: int):
+        """While the step's graph runs: its ``update_bucket`` calls step this update, with
+        each optimizer's ``real_steps``; ``micro_step`` calls have summed their gradients
+        since the last update."""
+        self.real_steps, self.micro_step, self.changed = real_steps, micro_step, False
         token = ACTIVE_UPDATE.set(self)
         try:
             yield
         finally:
             ACTIVE_UPDATE.reset(token)
-            self.real_step = None
+            self.real_steps = ()
 
 
 def step_on(optimizer: torch.optim.Optimizer, shards: Sequence[torch.Tensor],
@@ -134,14 +184,21 @@ def step_on(optimizer: torch.optim.Optimizer, shards: Sequence[torch.Tensor],
             group["params"] = params
 
 
-def kernels_of(optimizer: torch.optim.Optimizer) -> str:
+def kernels_of(optimizer: torch.optim.Optimizer, batches: Optional[ShapesBatched] = None) -> str:
     """Which of torch.optim's implementations the optimizer's ``step`` runs, from its first
     group's settings and where its shards are (torch's default: foreach kernels on a GPU, a
-    loop of element-wise operations over each tensor on a CPU)."""
+    loop of element-wise operations over each tensor on a CPU); for Muon, how its iterations
+    were batched (``batches``: [Note: Newton-Schulz batched by shape])."""
     if isinstance(optimizer, OptimizerSet):
-        return "; ".join(kernels_of(member) for member in optimizer.members)
+        return "; ".join(kernels_of(member, batches) for member in optimizer.members)
     group = optimizer.param_groups[0]
     name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.Muon):
+        if not applies():
+            return (f"{name}'s loop over each matrix (its orthogonalisation was replaced, which "
+                    "batching by shape would not call)")
+        return f"{name}'s " + (batches.describe() if batches is not None and batches.last
+                               else "Newton-Schulz batched by shape")
     if group.get("fused"):
         return f"{name}'s fused kernel (fused=True)"
     if group.get("foreach"):
@@ -174,21 +231,33 @@ def why_not_in_graph(config, optimizer: torch.optim.Optimizer, plan) -> Optional
     if not plan.reduces_in_graph:
         return (f"stage {plan.stage} with accumulation_steps={plan.accumulation_steps} reduces "
                 "the summed gradients once, after the last micro-batch, outside the graph")
-    if isinstance(optimizer, OptimizerSet):
-        return (f"the step has {len(optimizer.members)} optimizers, which update together after "
-                "the graph ([Note: several optimizers in one step])")
-    if plan.owners:
-        return "whole-tensor updates run on their owners after the graph"
-    if type(optimizer) not in STEPS_IN_GRAPH:
-        return (f"{type(optimizer).__name__} is not one the graph steps per bucket (SGD, Adam, "
-                "AdamW)")
-    if _has_step_hooks(optimizer):
-        return "the optimizer has step hooks, which would run once per bucket"
+    if plan.owners and not plan.reduces_to_owners_in_graph:
+        return ("whole-tensor updates get their gradients after the graph here ("
+                + _why_owners_after(plan) + "), and step there")
+    for member in members(optimizer):
+        whole = bool(plan.owners) and update_rule(member, config.elementwise_optimizer) == WHOLE
+        if type(member) not in (WHOLE_STEPS_IN_GRAPH if whole else STEPS_IN_GRAPH):
+            return (f"{type(member).__name__} is not one the graph steps per bucket (SGD, Adam, "
+                    "AdamW; Muon on its owners at stages 2-3)")
+        if _has_step_hooks(member):
+            return (f"{type(member).__name__} has step hooks, which would run once per bucket")
     backend = config.backend
     if not isinstance(backend, str) or not (backend == "eager" or config.regional):
         return (f"backend {getattr(backend, '__name__', backend)!r} without regional compilation "
                 "traces the whole graph again, through the update's call")
     return None
+
+
+def _why_owners_after(plan) -> str:
+    """Why the graph does not reduce whole-tensor updates' gradients to their owners."""
+    if not plan.grads_sharded:
+        return f"stage {plan.stage} reduces them to their owners at the end of the backward"
+    if plan.replicas > 1:
+        return "hybrid sharding reduces them into shards"
+    if plan.quantize_gradients is not None:
+        return "quantized gradients are reduced into shards"
+    return (f"the largest owner group's gradients, {plan.owner_group_bytes / 2**20:.0f} MiB, "
+            "pass what one reduction laid out by owner may hold")
 
 
 def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:

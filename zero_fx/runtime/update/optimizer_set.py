@@ -15,7 +15,8 @@ What is one for the whole step is held here as one: the shards, the gradient's g
 does), the exchanges of whole-tensor updates, and the update itself, which runs when the
 step calls the first optimizer's ``step()`` (``OptimizerSet.step`` steps each in turn). Every
 optimizer must be stepped, and zeroed, once per call (``check_members_called``). The update in
-the graph steps a single optimizer only, so a set updates after the graph.
+the graph steps each member on what it holds of a bucket, with that member's own ``step``
+([Note: whole-tensor updates in the graph] in graph_update.py).
 """
 
 from __future__ import annotations

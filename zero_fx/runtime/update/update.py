@@ -75,6 +75,7 @@ from typing import Optional
 import torch
 
 from ..distributed.failures import completion_check
+from .batched_muon import ShapesBatched, batched_by_shape
 from .graph_update import GraphUpdate, step_on
 from .precision import LossScaler
 from ..sharded_state import ShardedState
@@ -117,7 +118,10 @@ class OptimizerUpdate:
         """Optimizer steps a ``GradScaler`` in the step skipped (runtime/update/companions.py)."""
         self._found_inf: Optional[torch.Tensor] = None
         """For an optimizer that skips on the device: this window's overflow flag."""
-        self.in_graph = GraphUpdate(state, accumulation_steps)
+        self.batches = ShapesBatched()
+        """What Muon's latest steps batched ([Note: Newton-Schulz batched by shape] in
+        batched_muon.py)."""
+        self.in_graph = GraphUpdate(state, accumulation_steps, self.batches)
         """The update the graph makes per bucket when the plan says so ([Note: the update in
         the graph] in graph_update.py)."""
         self.graph_stepped = False
@@ -136,12 +140,12 @@ class OptimizerUpdate:
         """NCCL: the fences that confirm each call's collectives finished ([Note: failures on
         NCCL] in failures.py); None on gloo, whose collectives raise where they fail."""
 
-    def running_graph(self, real_step):
-        """Around the call of the step's graph: its updates step ``real_step``, the
+    def running_graph(self, real_steps):
+        """Around the call of the step's graph: its updates step ``real_steps``, each
         optimizer's own ``step``."""
         self.graph_stepped = False
         self.groups_at_call = None
-        return self.in_graph.running(real_step, self.micro_step)
+        return self.in_graph.running(real_steps, self.micro_step)
 
     def take_groups_at_call(self) -> None:
         """Before a graph that writes the param groups after ``opt.step()`` runs: keep the
@@ -231,17 +235,25 @@ class OptimizerUpdate:
         """The optimizer steps on the shards (or skips, on the device, an overflowed fp16
         step); gradients cleared; parameters refreshed."""
         if self.graph_stepped:  # stepped in the graph: the parameters refreshed only
-            self._step_what_the_graph_left()
+            with batched_by_shape(self.batches):
+                self._step_what_the_graph_left()
             self.state.stepped = self.in_graph.take_stepped()
+            # whole tensors stepped on their owners return ([Note: whole-tensor updates on
+            # owner ranks]): those the window's reductions delivered, the same on every rank
+            self.state.after_step(list(self.state.whole.delivered)
+                                  if self.state.whole is not None else [])
+            self.state.zero_grad()
             self.state.refresh_parameters()
             self._forget_grads()
+            self.batches.settle()
             return
         if self.keeps_zero_grads:
             self.state.keep_zero_grads()
         self.state.note_stepped()
         exchanged = self.state.before_step()  # [Note: whole-tensor updates on owner ranks]
-        with self._hyperparameters_of_the_call():
+        with self._hyperparameters_of_the_call(), batched_by_shape(self.batches):
             fresh = self._step()
+        self.batches.settle()
         self.state.after_step(exchanged)
         if self._pending is not None:
             return
@@ -250,20 +262,24 @@ class OptimizerUpdate:
         self._forget_grads()
 
     def _step_what_the_graph_left(self) -> None:
-        """With accumulation, the shards that only earlier calls of the window gave a gradient
-        (a branch the last micro-batch did not take): the graph's update steps only the
-        buckets the last call reduced, so these step here, averaged as the graph averages."""
-        left = {name: shard for name, shard in self.state.shards.items()
-                if shard.grad is not None}
-        if not left:
+        """With accumulation, the shards (and owners' whole tensors) that only earlier calls of
+        the window gave a gradient (a branch the last micro-batch did not take): the graph's
+        update steps only the buckets the last call reduced, so these step here, averaged as
+        the graph averages."""
+        state = self.state
+        left = {name: shard for name, shard in state.shards.items() if shard.grad is not None}
+        whole = [] if state.whole is None else [t for t in state.whole.tensors.values()
+                                                if t.grad is not None]
+        if not left and not whole:
             return
         if self.accumulation_steps != 1:
-            torch._foreach_div_([shard.grad for shard in left.values()],
+            torch._foreach_div_([t.grad for t in [*left.values(), *whole]],
                                 float(self.accumulation_steps))
-        optimizer = self.state.optimizer
+        optimizer = state.optimizer
         self.in_graph.stepped.update(left)
-        step_on(optimizer, list(left.values()), optimizer.step)
-        self.state.zero_grad()
+        step_on(optimizer, [*left.values(), *whole], optimizer.step)
+        for tensor in [*left.values(), *whole]:
+            tensor.grad = None
 
     def _forget_grads(self) -> None:
         """After the update: a ``zero_grad()`` that sets to None forgets which parameters had

@@ -17,7 +17,9 @@ cost: plan/owners.py), and its update runs there, whole, once per step:
    for AdamW, and after the graph one ``all_to_all`` sends each rank's shard to the owner;
 2. the owner's optimizer steps its whole tensors (it alone holds their state, whole: Muon's
    momentum, Adafactor's factors); the other ranks' optimizers hold an empty tensor in its
-   place, with no gradient, which torch.optim skips;
+   place, with no gradient, which torch.optim skips. After the graph, or at stages 2-3 in it,
+   right after each group's reduction ([Note: whole-tensor updates in the graph] in
+   graph_update.py);
 3. the result returns. At stages 1-2 without mixed precision, by the all-gather the stage
    runs anyway, laid out by owner: every rank's parameter (and master shard) of each such
    tensor comes from its owner's row. Otherwise (stage 3, whose masters are the shards the
