@@ -113,6 +113,9 @@ CHECKS = [
            f"{PARITY}::test_parity_inductor_whole_program_stage_3",
            "tests/test_lowered_order.py::test_inductor_runs_the_planned_schedule[3-1]"),
           smoke=(f"{PARITY}::test_parity_inductor_whole_program_stage_3",)),
+    Check("muon", "Muon's iterations batched by shape against torch.optim.Muon's own loop, "
+          "bit for bit (it replaces a torch internal)", ("tests/test_batched_muon.py",),
+          smoke=("tests/test_batched_muon.py",)),
     Check("idioms", "the twelve step idioms at stages 1 and 3, 2 ranks",
           ("tests/test_step_idioms.py", "-k", "1-2 or 3-2")),
     Check("step-state", "the Python state a step reads (hyperparameters written in the step, "

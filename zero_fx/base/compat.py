@@ -33,6 +33,11 @@ all three, so none reads a version):
   it reconstructs; 2.15 stops the write from reaching the user's dict, 2.11 and 2.13 do not.
   zero_fx turns the setup off while it traces (``optimizer_read_plainly``, [Note: the
   optimizer as dynamo reads it]).
+- torch.optim.Muon's iterations on a bf16 matrix: before 2.15 ``grad.bfloat16()`` returns the
+  matrix itself and the norm's ``div_`` writes into it (a bf16 parameter without Nesterov: its
+  momentum buffer); 2.15 copies. The batched iterations (runtime/update/batched_muon.py)
+  stack copies on every release, as 2.15 does; fp32 parameters, the recipe's, are the same on
+  all three.
 - An outer-product ``bmm`` (``[B,M,1] x [B,1,N]``): 2.13 and 2.15 decompose it into a
   multiply, 2.11 keeps the kernel. ``inductor_keeps_as_kernel`` asks the release's own
   decomposition table, so each release is read as it lowers.
