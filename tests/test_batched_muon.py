@@ -12,8 +12,11 @@ from torch.optim import _muon as muon_module
 
 from zero_fx.runtime.update.batched_muon import ShapesBatched, applies, batched_by_shape
 
-SHAPES = [(96, 32), (32, 96), (32, 32), (128, 32), (32, 128), (32, 32), (48, 20)]
-"""Two tall-wide pairs of one shape once transposed, two squares, and one of its own."""
+SHAPES = [(96, 32), (32, 96), (32, 32), (128, 32), (32, 128), (32, 32), (48, 20),
+          (1280, 320), (960, 320), (1280, 320), (320, 1280), (320, 1280)]
+"""Tall and wide matrices of one shape once transposed, two squares, one of its own, and
+gpt-small's feed-forward and attention shapes, two of a kind (where a contiguous transpose
+rounds differently from torch's view)."""
 STEPS = 3
 
 
@@ -43,9 +46,11 @@ def test_batched_iterations_equal_torchs_bit_for_bit(options):
     expected_params, expected_bufs, _ = _trained(False, **options)
     for got, expected in zip(params + bufs, expected_params + expected_bufs):
         assert torch.equal(got, expected), (got - expected).abs().max()
-    # (96, 32) with (32, 96), (128, 32) with (32, 128), the squares, and (48, 20) alone
-    assert record.last == {(32, 96): 2, (32, 128): 2, (32, 32): 2, (20, 48): 1}, record.last
-    assert "7 matrices in 4 batched chains a step" in record.describe()
+    # each shape together, a tall one apart from the wide one of its transposed shape
+    # ([Note: Newton-Schulz batched by shape])
+    assert record.last == {(96, 32): 1, (32, 96): 1, (32, 32): 2, (128, 32): 1, (32, 128): 1,
+                           (48, 20): 1, (1280, 320): 2, (960, 320): 1, (320, 1280): 2}, record.last
+    assert "12 matrices in 9 batched chains a step" in record.describe()
 
 
 def test_a_replaced_orthogonalisation_keeps_torchs_loop():

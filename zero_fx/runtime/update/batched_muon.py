@@ -5,17 +5,18 @@ for all the matrices of one shape that a step of Muon updates.
 torch.optim.Muon orthogonalises one matrix at a time (``_single_tensor_muon``): five
 iterations of three matmuls each, fifteen small kernels per matrix, which leave a GPU mostly
 idle on a model's hidden matrices. The matrices one step of Muon updates here often share a
-shape: an owner group deals each rank one of each alike matrix of N blocks ([Note: owner
-groups] in zero_fx/plan/owners.py), a GPT block's feed-forward matrices (4d x d and d x 4d) are
-one shape once the tall one is transposed, as the iterations transpose it, and Llama's q and o,
-k and v, gate and up are pairs. So while zero_fx steps Muon (``batched_by_shape``), torch's
-per-matrix loop is replaced by ``step_batched``: the updates of each shape (after that
-transposition) and dtype are stacked and iterated together with ``baddbmm``. Per matrix it is
-the same arithmetic in the same order: the momentum's ``lerp``, Nesterov's, the Frobenius
-norm, the iterations in bf16, torch's own learning-rate adjustment for the parameter's shape,
-the decoupled weight decay. On a CPU the result is torch's bit for bit (momentum and
-parameters, ``tests/test_batched_muon.py``); on a GPU cuBLAS may pick another kernel for the
-batch than for one matrix, which moves results within bf16's rounding.
+shape: the same matrix of every block a rank owns (after the graph), Llama's q and o, k and v,
+gate and up. So while zero_fx steps Muon (``batched_by_shape``), torch's per-matrix loop is
+replaced by ``step_batched``: the updates of each shape and dtype are stacked and iterated
+together with ``baddbmm``. Per matrix it is the same arithmetic in the same order and layout:
+the momentum's ``lerp``, Nesterov's, the Frobenius norm, the iterations in bf16 (a tall matrix
+transposed as a view, as torch's is: iterating a contiguous copy of the transpose rounds some
+products differently, so a tall and a wide matrix of one shape once transposed are not
+batched together), torch's own learning-rate adjustment for the parameter's shape, the
+decoupled weight decay. On a CPU the result is torch's bit for bit (momentum and parameters,
+``tests/test_batched_muon.py``, and ``python -m bench.experiments.muon_batching`` on GPT
+widths up to 768); on a GPU cuBLAS may pick another kernel for a batch than for one matrix,
+which moves results within bf16's rounding.
 
 Where it applies: torch.optim.Muon's functional step, called while ``batched_by_shape`` is
 active, with torch's own ``_zeropower_via_newtonschulz`` in place. A step that replaced the
@@ -114,31 +115,26 @@ def step_batched(params: list[torch.Tensor], grads: list[torch.Tensor],
         updates.append(grad.lerp(buf, momentum) if nesterov else buf)
     by_shape: dict[tuple, list[int]] = {}
     for i, update in enumerate(updates):
-        rows, cols = update.shape
-        key = (min(rows, cols), max(rows, cols), update.dtype, update.device)
-        by_shape.setdefault(key, []).append(i)
+        by_shape.setdefault((*update.shape, update.dtype, update.device), []).append(i)
     for (rows, cols, _, _), members in by_shape.items():
-        stack = torch.stack([_wide(updates[i]).bfloat16() for i in members])
-        orthogonal = _orthogonalised(stack, ns_coefficients, ns_steps, eps)
+        tall = rows > cols
+        # a tall matrix iterates transposed, as a view of its stack, as torch's does: a
+        # contiguous copy of the transpose rounds some products differently
+        stack = torch.stack([updates[i].bfloat16() for i in members])
+        orthogonal = _orthogonalised(stack.mT if tall else stack, ns_coefficients, ns_steps, eps)
         if record is not None:
             record.add((rows, cols), len(members))
         for i, result in zip(members, orthogonal.unbind(0)):
             param = params[i]
-            tall = updates[i].size(0) > updates[i].size(1)
             adjusted_lr = muon_module._adjust_lr(lr, adjust_lr_fn, param.shape)
             param.mul_(1 - lr * weight_decay)
             param.add_(result.mT if tall else result, alpha=-adjusted_lr)
 
 
-def _wide(matrix: torch.Tensor) -> torch.Tensor:
-    """``matrix`` with no more rows than columns, as the iterations take it (transposed if tall)."""
-    return matrix.mT if matrix.size(0) > matrix.size(1) else matrix
-
-
 def _orthogonalised(stack: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
                     eps: float) -> torch.Tensor:
     """torch's ``_zeropower_via_newtonschulz`` on each matrix of the ``(B, rows, cols)`` bf16
-    ``stack`` (rows <= cols), with batched matmuls."""
+    ``stack`` (rows <= cols: a tall stack's transposed view), with batched matmuls."""
     a, b, c = coefficients
     x = stack.div_(torch.linalg.vector_norm(stack, dim=(-2, -1), keepdim=True).clamp(min=eps))
     for _ in range(steps):
