@@ -202,18 +202,20 @@ def _worst_update_error(whole: dict, reference: nn.Module, initial: dict) -> flo
 
 def _train_rank(rank: int, world_size: int, model_name: str, kind: str, stage: int,
                 backend: str = models.BACKEND, precision: str = "fp32",
-                breaks: bool = False) -> dict:
+                breaks: bool = False, clipped: bool = True) -> dict:
     """The optimizers ``kind`` on ``model_name`` at ``stage``, beside eager, Muon's iterations
     in ``precision`` for both; what differed after each call, and the parameters' rules.
-    ``breaks``: the step breaks the graph (``breaking_two_optimizer_step``)."""
+    ``breaks``: the step breaks the graph (``breaking_two_optimizer_step``); not ``clipped``:
+    two optimizers without the clip (``unclipped_two_optimizer_step``)."""
     with newton_schulz_in(precision):
-        return _trained(rank, world_size, model_name, kind, stage, backend, breaks)
+        return _trained(rank, world_size, model_name, kind, stage, backend, breaks, clipped)
 
 
-def _trained(rank, world_size, model_name, kind, stage, backend, breaks=False) -> dict:
+def _trained(rank, world_size, model_name, kind, stage, backend, breaks=False,
+             clipped=True) -> dict:
     reference, model, initial, reference_pairs, pairs = _beside_eager(model_name, kind)
-    fn = (breaking_two_optimizer_step if breaks else
-          two_optimizer_step if len(pairs) == 2 else one_optimizer_step)
+    fn = (breaking_two_optimizer_step if breaks else one_optimizer_step if len(pairs) == 1
+          else two_optimizer_step if clipped else unclipped_two_optimizer_step)
     compiled = zero_compile(fn, stage=stage, backend=backend)
     calls = []
     for call in range(CALLS):
@@ -235,7 +237,8 @@ def _trained(rank, world_size, model_name, kind, stage, backend, breaks=False) -
                                           _eager_state(reference, [o for o, _ in
                                                                    reference_pairs]))})
     rules = [(u.name, u.rule, u.owner) for u in compiled.state.updates]
-    return {"calls": calls, "rules": rules}
+    return {"calls": calls, "rules": rules, "reason": compiled.compilations[-1].update_reason
+            if compiled.compilations else None}
 
 
 def _problems(runs) -> list[str]:
@@ -306,8 +309,13 @@ def test_torchs_own_bf16_muon_at_its_measured_error(stage):
 @pytest.mark.inductor
 @pytest.mark.parametrize("stage", [1, 3])  # the gradients leave the graph whole at stage 1
 def test_muon_and_adamw_under_inductor(stage):
-    runs = run_ranks(2, _train_rank, "gpt4", "muon_adamw", stage, "inductor")
+    """Stage 1 with the clip, updated after the graph; stage 3 without it, Muon and AdamW
+    stepped in the graph between Inductor's regions ([Note: whole-tensor updates in the
+    graph])."""
+    runs = run_ranks(2, _train_rank, "gpt4", "muon_adamw", stage, "inductor", "fp32", False,
+                     stage == 1)
     assert not _problems(runs), "\n".join(_problems(runs)[:10])
+    assert all((run["reason"] == "") == (stage == 3) for run in runs), [r["reason"] for r in runs]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
