@@ -388,6 +388,8 @@ def test_muon_steps_in_the_graph_as_each_owner_group_lands(stage, precision, mic
         if micro == 1:
             assert run["worst"] < (UPDATE_TOLERANCE if precision == "fp32"
                                    else BF16_UPDATE_TOLERANCE), (rank, run["worst"])
+        assert re.search(r"Optimizer update: in the graph, \d+ buckets", run["explained"])
+        assert "2 of them owner groups: each rank steps the whole tensors it owns" in run["explained"]
         batched = "matrices in" in run["explained"] and "batched chains" in run["explained"]
         assert batched == (precision == "bf16"), run["explained"]
 

@@ -166,6 +166,11 @@ def _update_section(e: Explanation) -> str:
         lines = [f"Optimizer update: in the graph, {len(e.updates)} buckets, each stepped right "
                  f"after its gradients are reduced, which frees them there ([Note: the update "
                  f"in the graph])"]
+        groups = sum(all(e.plan.owner_of(n) is not None for n in names) for _, names in e.updates)
+        if groups:
+            lines.append(f"  {groups} of them owner groups: each rank steps the whole tensors it "
+                         f"owns there, its Newton-Schulz batched by shape ([Note: whole-tensor "
+                         f"updates in the graph])")
         if e.update_kernels:
             lines.append(f"  kernels: {e.update_kernels}")
         lines += [f"  {index:>6}  {bucket_text(names)}" for index, names in e.updates]
