@@ -21,6 +21,13 @@
 #     bench/gpu_check.sh                      # everything
 #     GPU_CHECK_PARTS=peers bench/gpu_check.sh    # only the peers (or: tier)
 #     bench/gpu_check.sh -k memory            # more pytest options for the tier
+#     GPU_CHECK_PARTS=muon bench/gpu_check.sh     # Muon + AdamW beside AdamW (not in the default)
+#
+# 3. (part "muon", asked for by name) Muon + AdamW against AdamW alone at a fake world of 8,
+#    bf16, GPT-2 small: zero_fx-3 (Muon stepped in the graph) and zero_fx-3-update-after, and
+#    FSDP2 with every rank orthogonalising, with a profile of one step each (the Newton-Schulz
+#    kernels' share); then torch.optim.Muon's loop against the iterations batched by shape on
+#    the GPU (python -m bench.experiments.muon_batching --device cuda).
 #
 # Runs on whatever torch the machine has: it installs zero_fx with --no-deps (and without
 # build isolation, which would fetch setuptools), so pip touches neither torch nor anything
@@ -68,6 +75,18 @@ if [[ $parts == *peers* ]] && python -c "import torch, sys; sys.exit(not torch.c
     python -m bench.peers --model gpt-1b --seq 2048 --batch 4 --name gpu-peers-gpt-1b \
         --warm-cache "${common[@]}" --peers "${peers[@]}"
     peer_results=("$out/gpu-peers-gpt2-125m.json" "$out/gpu-peers-gpt-1b.json")
+fi
+if [[ $parts == *muon* ]] && python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+    muon_common=(--model gpt2-125m --seq 1024 --batch 8 --fake-world 8 --bf16 --steps 7 --warmup 3
+                 --profile --warm-cache --peer-limit-s "${GPU_CHECK_PEER_LIMIT_S:-150}"
+                 --peers zero_fx-3 zero_fx-3-update-after fsdp2)
+    python -m bench.peers "${muon_common[@]}" --optimizer muon --name gpu-peers-gpt2-125m-muon
+    python -m bench.peers "${muon_common[@]}" --name gpu-peers-gpt2-125m-adamw
+    python -m bench.experiments.muon_batching --device cuda --width 768 --blocks 12 --ranks 8
+    python -m bench.experiments.muon_batching --device cuda --width 2048 --blocks 24 --ranks 8
+    # not in the verdict: at a fake world Muon's iterations run on the fake exchanges' values,
+    # so its losses are NaN in every peer (measured on the tiny model on a CPU); the tables
+    # are bench/out/gpu-peers-gpt2-125m-{muon,adamw}.md
 fi
 python -m bench.helpers.gpu_check_report --junit "$out/gpu_check.xml" --figures "$figures" \
     --status "$status" --seconds "$(( $(date +%s) - start ))" --commit "$commit" \
