@@ -54,22 +54,24 @@ What needs every bucket's gradient before any element may change stays after the
 At stages 2-3 the graph reduces each owner group's gradients to their owners ([Note:
 reductions laid out by owner] in whole_tensor_updates.py), so an owner holds a tensor's whole
 mean gradient as soon as its group's reduce-scatter lands, and nothing else is needed to step
-it: Muon's update of a matrix reads that matrix alone. So the pass puts one
-``update_bucket`` after each group's reduction, as after any bucket's; in it every rank adds
-what the reduction returned to its owners' tensors (``WholeTensorUpdates.receive``, the rest
-dropped), and each owner steps Muon on the group's tensors it owns, its Newton-Schulz
-iterations batched by shape ([Note: Newton-Schulz batched by shape] in batched_muon.py). With
-several optimizers each member steps what it holds of the bucket, with its own ``step``
-(a scheduler's wrapper included), so the AdamW buckets step in the same graph. The owner's
-orthogonalisation of a group then runs between the backward's blocks, while their collectives
-are in flight, instead of all of it after the graph, and each whole gradient is freed there. The values go
-back after the graph, as the update after it sends them: stage 2's all-gather laid out by owner,
-stage 3's all-to-all into the masters (``OptimizerUpdate.apply``), for the names the window's
+it: Muon's update of a matrix reads that matrix alone. So the pass puts one ``update_bucket``
+after each group's reduction, as after any bucket's; in it every rank adds what the reduction
+returned to its owners' tensors (``WholeTensorUpdates.receive``, the rest dropped), and each
+owner steps Muon on the group's tensors it owns, its Newton-Schulz iterations batched by shape
+([Note: Newton-Schulz batched by shape] in batched_muon.py). With several optimizers each
+member steps what it holds of the bucket, with its own ``step`` (a scheduler's wrapper
+included), so the AdamW buckets step in the same graph. The owner's orthogonalisation of a
+group then runs between the backward's blocks, while their collectives are in flight, instead
+of all of it after the graph, and each whole gradient is freed there. The values go back after
+the graph, as the update after it sends them: stage 2's all-gather laid out by owner, stage
+3's all-to-all into the masters (``OptimizerUpdate.apply``), for the names the window's
 reductions delivered, the same on every rank. The numbers are the update after the graph's,
-bit for bit (``tests/test_optimizers.py``): the same tensors, the same gradients, the same
-step, per group instead of all at once, and Muon's step of a matrix does not read the others.
-Only torch.optim.Muon is stepped so (``WHOLE_STEPS_IN_GRAPH``): another whole-tensor
-optimizer may read across its tensors (a global norm), which stepping per group would change.
+bit for bit on a CPU (``tests/test_optimizers.py``): the same tensors, the same gradients, the
+same step, per group instead of all at once, and Muon's step of a matrix does not read the
+others (on a GPU the batches, per group here and per owner there, may round differently
+within bf16). Only torch.optim.Muon is stepped so (``WHOLE_STEPS_IN_GRAPH``): another
+whole-tensor optimizer may read across its tensors (a global norm), which stepping per group
+would change.
 """
 
 from __future__ import annotations
