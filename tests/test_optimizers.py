@@ -372,34 +372,39 @@ def unclipped_two_optimizer_step(model, muon, adamw, muon_schedule, adamw_schedu
     return loss
 
 
-@pytest.mark.parametrize("stage, precision, micro", [(2, "fp32", 1), (3, "fp32", 1),
-                                                     (3, "bf16", 1), (2, "bf16", 2)])
-def test_muon_steps_in_the_graph_as_each_owner_group_lands(stage, precision, micro):
-    """At stages 2-3 the graph steps Muon on each owner group's tensors, on their owners, right
-    after the group's reduction, and AdamW on each bucket ([Note: whole-tensor updates in the
-    graph] in zero_fx/runtime/update/graph_update.py): every parameter, both optimizers' state
-    and their groups equal the update after the graph's bit for bit after every call (torch's
-    bf16 iterations batched by shape in both, or the fp32 ones per matrix; accumulating two
-    calls), and each update is eager's on the global batch."""
-    for rank, run in enumerate(run_ranks(2, _in_graph_rank, stage, precision, micro)):
-        assert run["reason"] == "" and run["owner_updates"] == run["owner_groups"] == 2, run
+@pytest.mark.parametrize("kind, stage, precision, micro", [
+    ("muon_adamw", 2, "fp32", 1), ("muon_adamw", 3, "fp32", 1), ("muon_adamw", 3, "bf16", 1),
+    ("muon_adamw", 2, "bf16", 2), ("adafactor", 3, "fp32", 1)])
+def test_whole_tensor_updates_step_in_the_graph_as_each_owner_group_lands(kind, stage,
+                                                                          precision, micro):
+    """At stages 2-3 the graph steps Muon (or Adafactor) on each owner group's tensors, on
+    their owners, right after the group's reduction, and AdamW on each bucket ([Note:
+    whole-tensor updates in the graph] in zero_fx/runtime/update/graph_update.py): every
+    parameter, the optimizers' state and their groups equal the update after the graph's bit
+    for bit after every call (torch's bf16 iterations batched by shape in both, or the fp32
+    ones per matrix; accumulating two calls), and each update is eager's on the global batch."""
+    for rank, run in enumerate(run_ranks(2, _in_graph_rank, kind, stage, precision, micro)):
+        assert run["reason"] == "" and run["owner_updates"] == run["owner_groups"], run
+        assert run["owner_groups"] == (2 if kind == "muon_adamw" else 4), run  # + wte/wpe/ln_f
         assert run["apart"] == 0.0 and run["state_apart"] == 0.0, (rank, run)
         assert run["groups"] == run["expected_groups"], run
         if micro == 1:
             assert run["worst"] < (UPDATE_TOLERANCE if precision == "fp32"
                                    else BF16_UPDATE_TOLERANCE), (rank, run["worst"])
         assert re.search(r"Optimizer update: in the graph, \d+ buckets", run["explained"])
-        assert "2 of them owner groups: each rank steps the whole tensors it owns" in run["explained"]
+        assert (f"{run['owner_groups']} of them owner groups: each rank steps the whole tensors "
+                "it owns") in run["explained"]
         batched = "matrices in" in run["explained"] and "batched chains" in run["explained"]
         assert batched == (precision == "bf16"), run["explained"]
 
 
-def _in_graph_rank(rank: int, world_size: int, stage: int, precision: str, micro: int) -> dict:
+def _in_graph_rank(rank: int, world_size: int, kind: str, stage: int, precision: str,
+                   micro: int) -> dict:
     with newton_schulz_in(precision):
-        reference, model, initial, reference_pairs, pairs = _beside_eager("gpt4", "muon_adamw")
+        reference, model, initial, reference_pairs, pairs = _beside_eager("gpt4", kind)
         after = models.build("gpt4")
-        after_pairs = make_optimizers("muon_adamw", after)
-        fn = unclipped_two_optimizer_step
+        after_pairs = make_optimizers(kind, after)
+        fn = unclipped_two_optimizer_step if len(pairs) == 2 else one_optimizer_step
         options = dict(stage=stage, backend=models.BACKEND, accumulation_steps=micro)
         in_graph = zero_compile(fn, optimizer_update="graph", **options)
         after_graph = zero_compile(fn, optimizer_update="eager", **options)

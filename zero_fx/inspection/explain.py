@@ -169,8 +169,7 @@ def _update_section(e: Explanation) -> str:
         groups = sum(all(e.plan.owner_of(n) is not None for n in names) for _, names in e.updates)
         if groups:
             lines.append(f"  {groups} of them owner groups: each rank steps the whole tensors it "
-                         f"owns there, its Newton-Schulz batched by shape ([Note: whole-tensor "
-                         f"updates in the graph])")
+                         f"owns there ([Note: whole-tensor updates in the graph])")
         if e.update_kernels:
             lines.append(f"  kernels: {e.update_kernels}")
         lines += [f"  {index:>6}  {bucket_text(names)}" for index, names in e.updates]

@@ -39,8 +39,8 @@ What needs every bucket's gradient before any element may change stays after the
   ([Note: hyperparameters written inside the step] in capture/step_calls.py);
 - ``opt.zero_grad(set_to_none=False)``, whose zero gradients step parameters the call did
   not use ([Note: zero_grad(set_to_none=False)] in update.py);
-- optimizers other than SGD, Adam and AdamW on shards and Muon on its owners, and those
-  with step hooks;
+- optimizers other than SGD, Adam and AdamW on shards and Muon and Adafactor on their
+  owners, and those with step hooks;
 - whole-tensor updates whose gradients reach their owners after the graph: stage 1 (it
   reduces them at the end of the backward), hybrid sharding, quantized gradients, and an
   owner group too large to reduce at once ([Note: owner groups] in zero_fx/plan/owners.py);
@@ -51,11 +51,11 @@ What needs every bucket's gradient before any element may change stays after the
 ``explain()`` says which mode ran and why, and lists each bucket's update in the graph.
 
 [Note: whole-tensor updates in the graph]
-At stages 2-3 the graph reduces each owner group's gradients to their owners ([Note:
-reductions laid out by owner] in whole_tensor_updates.py), so an owner holds a tensor's whole
-mean gradient as soon as its group's reduce-scatter lands, and nothing else is needed to step
-it: Muon's update of a matrix reads that matrix alone. So the pass puts one ``update_bucket``
-after each group's reduction, as after any bucket's; in it every rank adds what the reduction
+At stages 2-3 the graph reduces each owner group's gradients to their owners ([Note: reductions
+laid out by owner] in whole_tensor_updates.py), so an owner holds a tensor's whole mean
+gradient as soon as its group's reduce-scatter lands, and nothing else is needed to step it:
+Muon's update of a matrix reads that matrix alone. So the pass puts one ``update_bucket`` after
+each group's reduction, as after any bucket's; in it every rank adds what the reduction
 returned to its owners' tensors (``WholeTensorUpdates.receive``, the rest dropped), and each
 owner steps Muon on the group's tensors it owns, its Newton-Schulz iterations batched by shape
 ([Note: Newton-Schulz batched by shape] in batched_muon.py). With several optimizers each
@@ -63,15 +63,15 @@ member steps what it holds of the bucket, with its own ``step`` (a scheduler's w
 included), so the AdamW buckets step in the same graph. The owner's orthogonalisation of a
 group then runs between the backward's blocks, while their collectives are in flight, instead
 of all of it after the graph, and each whole gradient is freed there. The values go back after
-the graph, as the update after it sends them: stage 2's all-gather laid out by owner, stage
-3's all-to-all into the masters (``OptimizerUpdate.apply``), for the names the window's
-reductions delivered, the same on every rank. The numbers are the update after the graph's,
-bit for bit on a CPU (``tests/test_optimizers.py``): the same tensors, the same gradients, the
-same step, per group instead of all at once, and Muon's step of a matrix does not read the
-others (on a GPU the batches, per group here and per owner there, may round differently
-within bf16). Only torch.optim.Muon is stepped so (``WHOLE_STEPS_IN_GRAPH``): another
-whole-tensor optimizer may read across its tensors (a global norm), which stepping per group
-would change.
+the graph, as the update after it sends them: stage 2's all-gather laid out by owner, stage 3's
+all-to-all into the masters (``OptimizerUpdate.apply``), for the names the window's reductions
+delivered, the same on every rank. The numbers are the update after the graph's, bit for bit on
+a CPU (``tests/test_optimizers.py``): the same tensors, the same gradients, the same step, per
+group instead of all at once, and Muon's step of a matrix does not read the others (on a GPU
+the batches, per group here and per owner there, may round differently within bf16). Only
+torch.optim's Muon and Adafactor, whose update of a tensor reads that tensor alone, are stepped
+so (``WHOLE_STEPS_IN_GRAPH``): another whole-tensor optimizer (LAMB written by hand, Shampoo)
+may read across its tensors (a global norm), which stepping per group would change.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ from .optimizer_set import OptimizerSet, members
 
 STEPS_IN_GRAPH = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 """The optimizers whose update the graph runs per bucket, on flat shards."""
-WHOLE_STEPS_IN_GRAPH = (torch.optim.Muon,)
+WHOLE_STEPS_IN_GRAPH = (torch.optim.Muon, torch.optim.Adafactor)
 """The whole-tensor updates the graph runs on their owners, per owner group, at stages 2-3
 ([Note: whole-tensor updates in the graph])."""
 
@@ -240,7 +240,7 @@ def why_not_in_graph(config, optimizer: torch.optim.Optimizer, plan) -> Optional
         whole = bool(plan.owners) and update_rule(member, config.elementwise_optimizer) == WHOLE
         if type(member) not in (WHOLE_STEPS_IN_GRAPH if whole else STEPS_IN_GRAPH):
             return (f"{type(member).__name__} is not one the graph steps per bucket (SGD, Adam, "
-                    "AdamW; Muon on its owners at stages 2-3)")
+                    "AdamW; Muon and Adafactor on their owners at stages 2-3)")
         if _has_step_hooks(member):
             return (f"{type(member).__name__} has step hooks, which would run once per bucket")
     backend = config.backend
