@@ -7,7 +7,8 @@
   (the fp16 loss scaler, the casts at the model's edge) and ``streamed_update``
   (``offload_update="device"``);
 - the optimizers themselves: ``optimizer_set`` (several optimizers as one),
-  ``whole_tensor_updates`` (Muon and other whole-tensor updates on owner ranks).
+  ``whole_tensor_updates`` (Muon and other whole-tensor updates on owner ranks),
+  ``batched_muon`` (Muon's Newton-Schulz iterations batched by shape wherever it steps).
 
 No module is imported here: the sharded state (``runtime/sharded_state.py``) imports
 ``whole_tensor_updates`` and ``update`` imports the sharded state."""
