@@ -126,9 +126,10 @@ def two_optimizer_step(model, muon, adamw, muon_schedule, adamw_schedule, x, y, 
     return _backward_and_step(loss, model, muon, adamw, muon_schedule, adamw_schedule)
 
 
-def _backward_and_step(loss, model, muon, adamw, muon_schedule, adamw_schedule):
+def _backward_and_step(loss, model, muon, adamw, muon_schedule, adamw_schedule, clip=True):
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     muon.step()
     adamw.step()
     muon_schedule.step()
@@ -362,14 +363,7 @@ def _accumulated_rank(rank: int, world_size: int, stage: int, micro: int = 2) ->
 def unclipped_two_optimizer_step(model, muon, adamw, muon_schedule, adamw_schedule, x, y, name):
     """``two_optimizer_step`` without its clip, which would keep the update after the graph."""
     loss = models.loss_fn(name, model, x, y)
-    loss.backward()
-    muon.step()
-    adamw.step()
-    muon_schedule.step()
-    adamw_schedule.step()
-    muon.zero_grad()
-    adamw.zero_grad()
-    return loss
+    return _backward_and_step(loss, model, muon, adamw, muon_schedule, adamw_schedule, clip=False)
 
 
 @pytest.mark.parametrize("kind, stage, precision, micro", [

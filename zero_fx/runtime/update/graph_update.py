@@ -144,10 +144,7 @@ class GraphUpdate:
         self.stepped.update(n for n in flat if state.shards[n].grad is not None)
         with batched_by_shape(self.batches):
             for member, real_step in zip(members(state.optimizer), self.real_steps):
-                chosen = {id(p) for group in member.param_groups for p in group["params"]}
-                mine = [t for t in held if id(t) in chosen]
-                if mine:
-                    step_on(member, mine, real_step)
+                step_on(member, held, real_step)
         for tensor in held:
             tensor.grad = None
 
@@ -173,13 +170,17 @@ class GraphUpdate:
 def step_on(optimizer: torch.optim.Optimizer, shards: Sequence[torch.Tensor],
             step: Callable) -> None:
     """``step()`` of ``optimizer`` on ``shards`` only: its param groups narrowed to them for
-    the call (each shard in its own group, with that group's hyperparameters)."""
+    the call (each shard in its own group, with that group's hyperparameters). Not called
+    where the optimizer holds none of them (another member of several optimizers')."""
     chosen = {id(s) for s in shards}
     groups = optimizer.param_groups
     every_group = [group["params"] for group in groups]
+    narrowed = [[p for p in params if id(p) in chosen] for params in every_group]
+    if not any(narrowed):
+        return
     try:
-        for group, params in zip(groups, every_group):
-            group["params"] = [p for p in params if id(p) in chosen]
+        for group, params in zip(groups, narrowed):
+            group["params"] = params
         step()
     finally:
         for group, params in zip(groups, every_group):
