@@ -51,7 +51,10 @@ def bucket_collectives(gm: GraphModule, plan) -> GraphModule:
     if plan.bucket_bytes == 0 or not plan.issues_collectives:
         return gm
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    gathered = [n for n in gm.graph.nodes if gathered_param(n) is not None]
+    # an owner group stored as rows is gathered whole already ([Note: owners' rows as the
+    # shards] in zero_fx/runtime/update/whole_tensor_updates.py)
+    gathered = [n for n in gm.graph.nodes if gathered_param(n) is not None
+                and not plan.stored_as_rows(gathered_param(n)[0])]
     replaced: dict[Node, Node] = {}
     kept = kept_through_loss(gm)
     for phase in Phase:

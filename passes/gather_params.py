@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
-from .common.collective_code import gather_code
+from .common.collective_code import gather_code, owner_rows_gather_code
 from .common.predicates import (CARRIES_META, GATHERED_META, KEPT_THROUGH_LOSS_META, SECONDARY_META,
                                 Phase, is_anchor_compute, is_param_input, is_view, param_name,
                                 phase_of, readers_through_views)
@@ -40,6 +40,10 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
     shard (``meta["zero_secondary"]``), is the backward gather's input instead of the
     shard, gathered within the node only ([Note: the secondary partition] in
     zero_fx/plan/secondary.py).
+    An owner group whose shards hold its owners' rows (``plan.owner_row_groups``) is gathered
+    as one bucket per phase (per step when resident), right before the first use of any
+    member, each member copied out of its owner's row ([Note: owners' rows as the shards] in
+    zero_fx/runtime/update/whole_tensor_updates.py); ``bucket_collectives`` leaves it so.
     Does nothing when the graph has no parameter placeholders.
 
     [Note: a weight kept through the loss]
@@ -66,10 +70,14 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     anchors = [order[n] for n in gm.graph.nodes if is_anchor_compute(n)]
     kept = set()
+    row_groups: dict[tuple, list[Node]] = {}
     for placeholder in params:
         layout = plan.layout(param_name(placeholder))
         full_val = placeholder.meta["val"]
         placeholder.meta["val"] = full_val.new_empty(layout.shard_numel, dtype=plan.input_dtype(layout))
+        if plan.stored_as_rows(layout.name):
+            row_groups.setdefault(plan.owner_row_group(layout.name), []).append(placeholder)
+            continue
         users_by_phase = _users_by_phase(placeholder)
         if layout.name in plan.resident:
             users_by_phase = {Phase.FORWARD: list(placeholder.users)}
@@ -96,10 +104,40 @@ def gather_params(gm: GraphModule, plan) -> GraphModule:
                 source = kept_shard[0]
             for user in users:
                 user.replace_input_with(placeholder, full)
+    for group, placeholders in row_groups.items():
+        _gather_owner_rows(gm, plan, group, placeholders, order)
     gm.meta[KEPT_THROUGH_LOSS_META] = frozenset(kept)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _gather_owner_rows(gm: GraphModule, plan, group: tuple, placeholders: list[Node],
+                       order: dict) -> None:
+    """One of ``plan.owner_row_groups``: one gather of the whole group per phase, right before
+    the first use of any member in it, which every member's users in that phase read
+    ([Note: owners' rows as the shards] in zero_fx/runtime/update/whole_tensor_updates.py)."""
+    by_name = {param_name(p): p for p in placeholders}
+    missing = [name for name in group if name not in by_name]
+    if missing:
+        raise AssertionError(f"the graph has no input for {missing[0]!r}, whose shard holds part "
+                             f"of its owner group's rows: the group cannot be gathered")
+    members = [by_name[name] for name in group]
+    users: dict[Phase, list[tuple[int, Node]]] = {}
+    for index, placeholder in enumerate(members):
+        by_phase = _users_by_phase(placeholder)
+        if group[0] in plan.resident:  # one gather for the step: the plan's residents are all
+            by_phase = {Phase.FORWARD: list(placeholder.users)}  # or none of a group
+        for phase, readers in by_phase.items():
+            users.setdefault(phase, []).extend((index, reader) for reader in readers)
+    for phase in sorted(users, key=lambda p: p is not Phase.FORWARD):
+        first = min((reader for _, reader in users[phase]), key=order.__getitem__)
+        fulls = splice(gm.graph, owner_rows_gather_code(plan, group), members, before=first,
+                       phase=phase_of(first), meta={CARRIES_META: group})
+        for name, full in zip(group, fulls):
+            full.meta[GATHERED_META] = (name, phase)
+        for index, reader in users[phase]:
+            reader.replace_input_with(members[index], fulls[index])
 
 
 def _only_the_loss_between(users_by_phase: dict, order: dict, anchors: list[int]) -> bool:

@@ -382,13 +382,16 @@ def test_muon_is_momentum_on_the_owners_and_adamw_on_the_rest():
 
 def test_a_small_models_owner_groups_reduce_in_the_graph():
     """On GPT-2 small at 2 ranks an owner group (two blocks' matrices) fits OWNER_GROUP_BYTES:
-    stages 2-3 reduce to the owners in the graph, so no all-to-all to the owners is priced
-    (stage 2 none at all), and the group's gradients with their buffer are."""
+    stages 2-3 reduce to the owners in the graph, so no all-to-all to the owners is priced,
+    and the group's gradients with their buffer are. Stage 3's shards hold the owners' rows
+    ([Note: owners' rows as the shards]): no return either, and no whole copy besides them."""
     from zero_fx.plan.layout import OWNER_GROUP_BYTES
     muon = plan_model(model_source("gpt2"),
                       Workload(world_size=2, dtype=torch.float32, optimizer="muon"))
-    assert muon.whole_updates.row(2).exchange_bytes == 0
-    assert 0 < muon.whole_updates.row(3).exchange_bytes < muon.whole_updates.row(3).exchange_buffer_bytes
+    for stage in (2, 3):
+        assert muon.whole_updates.row(stage).exchange_bytes == 0
+        assert muon.whole_updates.row(stage).exchange_buffer_bytes == 0
+    assert muon.whole_updates.row(3).whole_copy_bytes == 0 < muon.whole_updates.row(2).whole_copy_bytes
     for stage in (2, 3):
         assert 0 < muon.whole_updates.row(stage).group_reduction_bytes <= 2 * OWNER_GROUP_BYTES
     assert muon.whole_updates.row(1).group_reduction_bytes == 0

@@ -118,6 +118,40 @@ def gather_bucket(*shards: torch.Tensor, numels: Sequence[int], shapes: Sequence
             for column, numel, shape in zip(columns, numels, shapes)]
 
 
+def owner_rows_gather_code(plan, names: Sequence[str]) -> functools.partial:
+    """``gather_owner_rows`` bound for one of ``plan.owner_row_groups`` (``names``, in
+    plan order)."""
+    layouts = [plan.layout(n) for n in names]
+    _, where = plan.rows_by_owner(names)
+    return functools.partial(gather_owner_rows, owners=[where[n][0] for n in names],
+                             numels=[l.numel for l in layouts], shapes=[l.shape for l in layouts],
+                             world_size=plan.world_size, group_name=plan.group_name,
+                             dtype=plan.compute_dtype)
+
+
+def gather_owner_rows(*shards: torch.Tensor, owners: Sequence[int], numels: Sequence[int],
+                      shapes: Sequence, world_size: int, group_name: str,
+                      dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
+    """Full parameters of an owner group whose shards hold their owners' rows ([Note: owners'
+    rows as the shards] in zero_fx/runtime/update/whole_tensor_updates.py): the shards one
+    after the other are this rank's row, the tensors it owns whole, one after the other; the
+    all-gather makes the ``(N, row)`` buffer, and each rank's tensors are copied out of its
+    row in one op ([Note: one op per bucket])."""
+    flat = cast(bucket_buffer(shards, None), dtype)
+    rows = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world_size, group_name))
+    rows = rows.view(world_size, -1)
+    fulls: list[Optional[torch.Tensor]] = [None] * len(shards)
+    for rank in range(world_size):
+        members = [i for i, owner in enumerate(owners) if owner == rank]
+        sizes = [numels[i] for i in members]
+        if not members:
+            continue
+        pieces = torch.split_with_sizes_copy(rows[rank, :sum(sizes)], sizes)
+        for i, piece in zip(members, pieces):
+            fulls[i] = piece.view(shapes[i])
+    return fulls
+
+
 def bucket_buffer(shards: Sequence[torch.Tensor], from_host: Optional[str]) -> torch.Tensor:
     """The bucket's shards in one buffer, in one op ([Note: one op per bucket]): 1-D for one
     shard, else ``(1, bucket shard numel)``; ``from_host``: copied to the device first."""

@@ -351,7 +351,13 @@ def _owner_exchanges(plan) -> list[Collective]:
                     bucket=tuple(l.name for l, _ in members), phase=phase, issued_at=None,
                     waited_at=None, node=""))
                 continue
-            sent = [l for l, r in members if phase == "to owners" or r == plan.rank]
+            # a group stored as rows returns by the graph's next all-gather ([Note: owners'
+            # rows as the shards] in zero_fx/runtime/update/whole_tensor_updates.py)
+            rows = getattr(plan, "stored_as_rows", lambda name: False)
+            sent = [l for l, r in members if phase == "to owners" or (
+                r == plan.rank and not rows(l.name))]
+            if phase == "from owners" and all(rows(l.name) for l, _ in members):
+                continue
             numel = sum(l.shard_numel for l in sent) * (1 if phase == "to owners"
                                                         else plan.world_size)
             out.append(Collective(kind=ALL_TO_ALL, dtype=dtype, numel=numel,

@@ -154,8 +154,19 @@ def owner_exchanges(plan) -> str:
           "blocks"
           if plan.reduces_to_owners_in_graph else
           "by an all-to-all of the reduced shards after the graph")
+    rows = len(getattr(plan, "owner_row_groups", ()))
+    groups = len(plan.owner_groups([n for n, _ in plan.owners]))
     back = ("by the stage's all-gather, laid out by owner" if plan.returns_owners_whole else
+            "by the graph's all-gathers of the groups, whose shards hold their owners' rows"
+            if rows and rows == groups else
+            f"by the graph's all-gathers of the {rows} of {groups} groups whose shards hold their "
+            "owners' rows, the others by an all-to-all into every rank's shards" if rows else
             "by an all-to-all into every rank's shards")
+    if getattr(plan, "params_sharded", False) and rows < groups:
+        back += (f" ({'the other' if rows else 'the'} groups' rows are wider than their shards: "
+                 "fewer alike blocks than ranks, or uneven ones)" if getattr(plan, "may_store_owner_rows", False) else
+                 " (the shards stay flat where the graph does not reduce to the owners, or under "
+                 "a secondary partition or quantized weights)")
     return f"gradients reach their owners {to}; the updated tensors return {back}"
 
 

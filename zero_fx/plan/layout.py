@@ -352,6 +352,48 @@ class ShardPlan(StageConsequences):
         return [kept for kept in ([n for n in group if n in present] for group in groups) if kept]
 
     @property
+    def owner_row_groups(self) -> tuple[tuple[str, ...], ...]:
+        """Stage 3: the owner groups whose shards hold their owners' rows, so the graph's
+        all-gather of a group brings each owner's updated tensors whole and nothing returns
+        them after the step ([Note: owners' rows as the shards] in
+        zero_fx/runtime/update/whole_tensor_updates.py). Where the graph reduces to the owners
+        (``reduces_to_owners_in_graph``), with no secondary partition, quantized weights,
+        offload or tensor parallelism; per group: one dtype, every member resident or none
+        (``resident``: one gather serves the step), no expert or empty member, and the widest
+        row no wider than the group's shards together."""
+        cache = self.__dict__.get("_owner_row_groups")
+        if cache is None:
+            cache = tuple(tuple(group) for group in self.owner_groups([n for n, _ in self.owners])
+                          if self._rows_fit_shards(group)) if self.may_store_owner_rows else ()
+            object.__setattr__(self, "_owner_row_groups", cache)
+            object.__setattr__(self, "_owner_row_group_of",
+                               {name: group for group in cache for name in group})
+        return cache
+
+    def owner_row_group(self, name: str) -> Optional[tuple[str, ...]]:
+        """The group of ``owner_row_groups`` that holds ``name``; None if none does."""
+        self.owner_row_groups  # fills the cache
+        return self.__dict__["_owner_row_group_of"].get(name)
+
+    def stored_as_rows(self, name: str) -> bool:
+        return self.owner_row_group(name) is not None
+
+    @property
+    def may_store_owner_rows(self) -> bool:
+        """Whether ``owner_row_groups`` may hold any group: the conditions on the whole plan."""
+        return (self.params_sharded and self.reduces_to_owners_in_graph and self.secondary is None
+                and self.quantize_weights == (None, None) and self.tensor_parallel is None
+                and not self.offloads_optimizer and not self.offloads_parameters)
+
+    def _rows_fit_shards(self, group: Sequence[str]) -> bool:
+        layouts = [self.layout(n) for n in group]
+        width, _ = self.rows_by_owner(group)
+        return (len({l.dtype for l in layouts}) == 1
+                and len({l.name in self.resident for l in layouts}) == 1
+                and all(l.numel > 0 and not self.is_expert(l.name) for l in layouts)
+                and width <= sum(l.shard_numel for l in layouts))
+
+    @property
     def returns_owners_whole(self) -> bool:
         """Stages 1-2 with whole-tensor updates over more than one rank, shards not
         replicated, no mixed precision: one all-gather laid out by owner brings each owner's

@@ -270,7 +270,13 @@ class ShardedState(WholeParameters):
         (``WholeTensorUpdates.state_in_shard_form``); a no-op when every update is flat."""
         if self.whole is None:
             return contextlib.nullcontext()
-        return self.whole.state_in_shard_form(members(self.optimizer), self.shards, loading)
+        return _both(self.whole.shards_flat(self.shards),
+                     self.whole.state_in_shard_form(members(self.optimizer), self.shards, loading))
+
+    def shards_flat(self):
+        """Inside, every shard holds its flat slice, those stored as owners' rows too
+        (``WholeTensorUpdates.shards_flat``): a collective where any is; enter on every rank."""
+        return contextlib.nullcontext() if self.whole is None else self.whole.shards_flat(self.shards)
 
     def before_step(self) -> list[str]:
         """Right before the optimizer steps after the graph: the gradients of whole-tensor
@@ -475,3 +481,10 @@ class ShardedState(WholeParameters):
             yield from self.whole.held_tensors()
         for state in self.optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+@contextlib.contextmanager
+def _both(outer, inner):
+    """``outer`` entered, then ``inner`` inside it."""
+    with outer, inner:
+        yield

@@ -21,7 +21,8 @@ class WholeParameters:
     """``ShardedState``'s whole values, made from its shards (the experts of other ranks in
     stages 1-2 too: [Note: expert parallelism at stages 1 and 2] in sharded_state.py). A base
     of ``ShardedState``: it reads the state's ``plan``, ``world``, ``device``, ``params``,
-    ``shards``, ``gathered``, ``masters_sharded``, ``local`` and ``optimizer_state_as_shards``."""
+    ``shards``, ``gathered``, ``masters_sharded``, ``local``, ``shards_flat`` and
+    ``optimizer_state_as_shards``."""
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """A copy of every parameter as the optimizer holds it (fp32 masters under mixed
@@ -32,8 +33,9 @@ class WholeParameters:
         if not self.masters_sharded:
             return {name: self._whole(name, self.local(name).detach().clone())
                     for name in self.params}
-        return {name: self._whole(name, self._gather([name], [shard.detach()])[0].clone())
-                for name, shard in self.shards.items()}
+        with self.shards_flat():
+            return {name: self._whole(name, self._gather([name], [shard.detach()])[0].clone())
+                    for name, shard in self.shards.items()}
 
     def full_optimizer_state(self) -> dict[str, dict]:
         """The optimizer's state of every parameter it has state for, by parameter name, as
@@ -106,7 +108,8 @@ class WholeParameters:
                 whole = self._whole(name, local)  # on every rank, kept or not
                 yield name, _copied(whole, None, to) if keep else None
             return
-        yield from self._stream_local(keep, dtype, to)
+        with self.shards_flat():
+            yield from self._stream_local(keep, dtype, to)
 
     def _stream_local(self, keep: bool, dtype: Optional[torch.dtype],
                       to: Optional[torch.device]) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
@@ -179,7 +182,7 @@ class WholeParameters:
         bucket in plan order) for the duration and its storage freed after, its gradient left
         as it is; what ``gathered_parameters()`` and a step run eagerly after a graph break
         do. A collective: enter on every rank."""
-        with torch.no_grad():
+        with torch.no_grad(), self.shards_flat():
             self._gather_into_parameters([layout.name for layout in self.plan.params])
         self.gathered = True  # the model's forward pre-hook lets calls through
         try:

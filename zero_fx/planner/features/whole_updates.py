@@ -22,8 +22,11 @@ of each:
   zero_fx/runtime/update/whole_tensor_updates.py): each rank's gradient shards of the matrices others
   own (stages 2-3 where an owner group is too large to reduce laid out by owner: [Note: owner
   groups] in zero_fx/plan/owners.py), and each owner's updated matrices cut into the others'
-  shards (stage 3, and every stage under mixed precision). The traffic table adds them; the
-  padding of the rows laid out by owner is left out;
+  shards (every stage under mixed precision; at stage 3 only where an owner group's shards
+  cannot hold its owners' rows: [Note: owners' rows as the shards] in
+  zero_fx/runtime/update/whole_tensor_updates.py, where the owner's whole copy is its row,
+  no memory besides the shards). The traffic table adds them; the padding of the rows laid out
+  by owner is left out;
 - at stages 2-3, the largest owner group's gradients and the buffer laid out by owner they are
   reduced from, alive while the group's reduction waits for its last gradient.
 
@@ -123,6 +126,12 @@ def plan_whole_updates(plan: ShardPlan) -> Optional[WholeUpdates]:
     owned_numel = [sum(layout.numel for layout in mine) for mine in owned]
     all_shards = sum(layout.shard_numel for layout in layouts.values())
     owned_shards = [sum(layout.shard_numel for layout in mine) for mine in owned]
+    # stage 3's owner groups whose shards hold their owners' rows: no copy, no return
+    rows = {name for name in names if staged[3].stored_as_rows(name)}
+    returned = {stage: [sum(l.shard_numel for l in mine if stage < 3 or l.name not in rows)
+                        for mine in owned] for stage in (1, 2, 3)}
+    copied = {stage: max(sum(l.numel for l in mine if stage < 3 or l.name not in rows)
+                         for mine in owned) for stage in (1, 2, 3)}
     mixed = plan.compute_dtype is not None
 
     def exchanges(stage: int) -> tuple[float, float]:
@@ -133,10 +142,11 @@ def plan_whole_updates(plan: ShardPlan) -> Optional[WholeUpdates]:
         laid out by owner cannot return them ([Note: reductions laid out by owner])."""
         to_owners = stage >= 2 and not staged[stage].reduces_to_owners_in_graph
         from_owners = stage == 3 or mixed
-        buffers = [WHOLE_MASTER_BYTES * (all_shards * to_owners + n * mine * from_owners)
-                   for mine in owned_shards]
+        buffers = [WHOLE_MASTER_BYTES * (all_shards * to_owners + n * back * from_owners)
+                   for back in returned[stage]]
         sent = [WHOLE_MASTER_BYTES * ((all_shards - mine) * to_owners
-                                      + (n - 1) * mine * from_owners) for mine in owned_shards]
+                                      + (n - 1) * back * from_owners)
+                for mine, back in zip(owned_shards, returned[stage])]
         return max(sent), max(buffers)
 
     stepping = max(WHOLE_MASTER_BYTES * owned_numel[r] + _temporaries(owned[r])
@@ -144,7 +154,7 @@ def plan_whole_updates(plan: ShardPlan) -> Optional[WholeUpdates]:
     sharded = [WholeUpdateRow(
         stage=stage, flops=2 * max(loads), mean_flops=total / n,
         state_bytes=MUON_STATE_BYTES * max(owned_numel),
-        whole_copy_bytes=WHOLE_MASTER_BYTES * max(owned_numel), stepping_bytes=stepping,
+        whole_copy_bytes=WHOLE_MASTER_BYTES * copied[stage], stepping_bytes=stepping,
         exchange_bytes=sent, exchange_buffer_bytes=buffers,
         group_reduction_bytes=2.0 * staged[stage].owner_group_bytes
         if staged[stage].reduces_to_owners_in_graph else 0.0)
@@ -202,13 +212,15 @@ def format_whole_updates(updates: WholeUpdates, psi: int, tensors: int, hardware
             f"The owners are balanced by Newton-Schulz work (longest first): the busiest does "
             f"{sharded.flops / sharded.mean_flops:.2f}x the mean, {every.flops / sharded.flops:.1f}x "
             f"less than a Muon that orthogonalises every matrix on every rank. The owner holds "
-            f"its matrices' momentum and a whole fp32 copy of each (in the model states above); "
+            f"its matrices' momentum and a whole fp32 copy of each (in the model states above; "
+            f"at stage 3 the copy is its shards, which hold its matrices whole); "
             f"while it steps, their whole gradients and the largest one's Newton-Schulz "
             f"temporaries. The reduce-scatters, laid out by owner (stage 1's after the backward, "
             f"stages 2-3's in the graph, one per {world_size} blocks, where the group fits "
             f"{OWNER_GROUP_BYTES >> 20} MiB: group reduction), reduce the gradients to their "
             f"owners" + ("" if updates.mixed else ", and stages 1-2's all-gather, laid out "
                          "the same, returns the updated matrices") +
+            ", stage 3's all-gathers of each group's shards, laid out the same, bring them" +
             "; the other exchanges (gradient shards to the owners, updated shards back, fp32) "
             "are in the traffic table's all-to-all.",
         ]

@@ -22,19 +22,54 @@ cost: plan/owners.py), and its update runs there, whole, once per step:
    graph_update.py);
 3. the result returns. At stages 1-2 without mixed precision, by the all-gather the stage
    runs anyway, laid out by owner: every rank's parameter (and master shard) of each such
-   tensor comes from its owner's row. Otherwise (stage 3, whose masters are the shards the
-   graph gathers, or fp32 masters under mixed precision) one ``all_to_all`` sends each rank
-   its shard of each updated tensor, into its master, and the stage goes on as for any
-   parameter.
+   tensor comes from its owner's row. At stage 3 by the graph's own all-gather of each owner
+   group, whose shards hold their owners' rows ([Note: owners' rows as the shards]), so
+   nothing runs after the step. Otherwise (fp32 masters under mixed precision at stages 1-2,
+   a stage-3 group that cannot be stored so) one ``all_to_all`` sends each rank its shard of
+   each updated tensor, into its master, and the stage goes on as for any parameter.
 
 What each exchange costs: an ``all_to_all`` sends about ``(N - 1) / N**2`` of those tensors'
 elements per rank, ``1/N`` of what a reduce-scatter of them sends. So on those tensors stages
-1-2 move AdamW's bytes (but for the padding of the rows laid out by owner), stage 3 ``1 +
-1/(3N)`` times them (1.17x at 2 ranks, 1.04x at 8), and stages 1-2 under mixed precision ``1 +
-1/(2N)``; with the all-to-all to the owners as well, stage 2 ``1 + 1/(2N)``, stage 3 ``1 +
-2/(3N)``. ``analysis/traffic.py`` counts every
-exchange as it runs. The owner holds each of its tensors whole in the master dtype besides its
-shard (about Ψ/N more per rank, balanced), and the whole gradient while it steps.
+1-3 move AdamW's bytes (but for the padding of the rows laid out by owner), stages 1-2 under
+mixed precision ``1 + 1/(2N)`` times them, a stage-3 group returned by all-to-all ``1 +
+1/(3N)`` (1.17x at 2 ranks); with the all-to-all to the owners as well, stage 2 ``1 + 1/(2N)``,
+stage 3 ``1 + 2/(3N)``. ``analysis/traffic.py`` counts every exchange as it runs. At stages 1-2
+the owner holds each of its tensors whole in the master dtype besides its shard (about Ψ/N more
+per rank, balanced); at stage 3 its shards are that copy. It holds the whole gradient while it
+steps.
+
+[Note: owners' rows as the shards]
+Stage 3's masters are the flat shards the graph gathers, and an owner's update changes whole
+tensors: cutting them back into every rank's shards after the step was an all-to-all, 1.24x
+AdamW's bytes on the 4-block test GPT at 2 ranks. Instead, where an owner group's rows fit its
+shards, the shards hold the rows (``plan.owner_row_groups``):
+
+- the group's shards, one after the other (``S``, the sum of their ``shard_numel``), are one
+  buffer on each rank (``rows``), its row: the tensors it owns of the group, whole, one after the
+  other ([Note: reductions laid out by owner]), then zeros. Over N alike blocks the rows are
+  equal, ``S`` elements at most, so they fit; the owner's tensors are views of its row at their
+  starts, and its optimizer, which steps them in place, writes the shards;
+- the graph gathers the group as one bucket (``passes.gather_params``,
+  ``gather_owner_rows``): one all-gather of the ``S`` elements a rank that per-block buckets
+  of the same shards would move, and each tensor copied out of its owner's row. So the
+  updated tensors reach every rank by the gather the stage runs anyway, and nothing returns
+  them after the step, in the graph or after it. The gather's code (owners, starts) is the
+  plan's, the same on every rank;
+- the price: a group is gathered at once, so N blocks of these tensors are alive from the
+  group's gather to each one's last use (each a copy, freed after it), where per-block buckets
+  hold one block and the prefetch. The same bound as the group's reduction
+  (``OWNER_GROUP_BYTES``, [Note: owner groups] in zero_fx/plan/owners.py), which it goes
+  with;
+- outside the step, what reads or writes the shards as flat slices (checkpoints,
+  ``full_parameters``, ``gathered_parameters()``, a step run eagerly after a graph break)
+  enters ``shards_flat``: one all-to-all cuts the owners' tensors into flat slices for the
+  duration, a cost per read, not per step; what a checkpoint's load writes there becomes the
+  owners' tensors (``take_values``), and so the rows.
+
+A group is not stored so, and returns by the all-to-all, where its widest row is wider than
+its shards (the last group's leftover blocks, uneven ones), where its members mix resident and
+released parameters or dtypes, or under a secondary partition, quantized weights, offload or
+tensor parallelism; ``explain()`` says how many groups are.
 
 [Note: reductions laid out by owner]
 The gradient reaches its owner by the reduction itself, with no exchange after it: a buffer of
@@ -59,8 +94,8 @@ GPT block's four matrices, 3:1:4:4 in size, split 7:5 at best over two ranks, pa
 stage 1 does: that is stage 1's gradient memory. Why not reduce each gradient to its owner as
 it lands: that is a reduce to one rank, which the functional collectives the graph uses do not
 have. The only cost besides the group's memory is the padding to the widest row, which
-``traffic()`` counts. Stage 3's return is still an all-to-all: its masters are the flat shards
-the graph gathers, which one all-gather laid out by owner cannot write.
+``traffic()`` counts. Stage 3's return is the graph's gather of the group, whose shards hold the
+rows ([Note: owners' rows as the shards]).
 
 Every rank runs the same exchanges in the same order (the plan's order, over the parameters
 that have a gradient this step, which the graph, the same on every rank, decides), so the
@@ -104,6 +139,14 @@ class WholeTensorUpdates:
                 value = shards[name].detach().new_empty((0, *layout.shape[1:]) if layout.shape
                                                         else (0,))
             self.tensors[name] = torch.nn.Parameter(value, requires_grad=shards[name].requires_grad)
+        self.rows: dict[tuple, torch.Tensor] = {}
+        """Stage 3, for each of ``plan.owner_row_groups``: this rank's row, the storage of the
+        group's shards, one after the other, and of the group's tensors it owns ([Note: owners'
+        rows as the shards])."""
+        self._slots: dict[str, torch.Tensor] = {}
+        """Each such shard's place in its group's row."""
+        for group in plan.owner_row_groups:
+            self._store_rows(group, shards)
         self.delivered: list[str] = []
         """The names whose gradients ``reduce_to_owners`` gave their owners this step (the
         same on every rank)."""
@@ -113,6 +156,52 @@ class WholeTensorUpdates:
 
     def owns(self, name: str) -> bool:
         return self.plan.owner_of(name) == self.plan.rank
+
+    @torch.no_grad()
+    def _store_rows(self, group: tuple, shards: dict[str, torch.nn.Parameter]) -> None:
+        """``group``'s shards become views of one row, and the whole tensors this rank owns
+        of it views of that row at their starts, their values kept ([Note: owners' rows as
+        the shards])."""
+        plan = self.plan
+        layouts = [plan.layout(n) for n in group]
+        first = shards[group[0]].detach()
+        row = torch.zeros(sum(l.shard_numel for l in layouts), dtype=first.dtype, device=first.device)
+        _, where = plan.rows_by_owner(group)
+        for layout, slot in zip(layouts, row.split([l.shard_numel for l in layouts])):
+            name = layout.name
+            shards[name].data = slot
+            self._slots[name] = slot
+            if self.owns(name):
+                start = where[name][1]
+                whole = row[start:start + layout.numel].view(layout.shape)
+                whole.copy_(self.tensors[name].detach())
+                self.tensors[name] = torch.nn.Parameter(
+                    whole, requires_grad=self.tensors[name].requires_grad)
+        self.rows[group] = row
+
+    @contextlib.contextmanager
+    def shards_flat(self, shards: dict[str, torch.nn.Parameter]):
+        """Inside, the shards stored as rows hold their flat slices, as every other shard does,
+        for what reads or writes shards outside the step (checkpoints, ``full_parameters``,
+        ``gathered_parameters()``); on the way out the rows come back (with what was written
+        into the flat slices, once ``take_values`` has made the owners' tensors of them). A
+        collective where any group is stored as rows: enter on every rank."""
+        names = list(self._slots)
+        if not names or self._flat:
+            yield
+            return
+        flats = self._from_owners(names)
+        for name in names:
+            shards[name].data = flats[name].clone()
+        self._flat = True
+        try:
+            yield
+        finally:
+            self._flat = False
+            for name in names:
+                shards[name].data = self._slots[name]
+
+    _flat = False
 
     @torch.no_grad()
     def reduce_to_owners(self, wholes: dict[str, torch.Tensor]) -> None:
@@ -179,8 +268,8 @@ class WholeTensorUpdates:
         stages 1-2 without mixed precision (``plan.returns_owners_whole``) each tensor whole
         into the model's parameter (``parameter(name)``) too, by one all-gather laid out by
         owner, so the stage's all-gather leaves them out (``returned``)."""
-        names = list(names)
         plan = self.plan
+        names = [n for n in names if not plan.stored_as_rows(n)]  # stepped in place, in the row
         self.returned = set()
         if not plan.returns_owners_whole:
             for name, shard in self._from_owners(names).items():
