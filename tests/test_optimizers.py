@@ -321,6 +321,41 @@ def test_stage_3_shards_hold_the_owners_rows(resident_max_numel):
         assert run["returns"] == [] and sorted(run["owner_gathers"]) == sorted(phases), run
 
 
+def test_evaluation_and_gathered_parameters_read_the_owners_rows():
+    """After a stage-3 step whose shards hold the owners' rows, an evaluation step (its own
+    graph, gathering the same groups) computes eager's loss on the trained weights, and
+    ``gathered_parameters()`` (flat shards, made from the owners' tensors) puts eager's
+    weights in the model."""
+    for rank, run in enumerate(run_ranks(2, _evaluated_rank)):
+        assert abs(run["loss"] - run["expected"]) <= LOSS_TOLERANCE * abs(run["expected"]), run
+        assert run["gathered"] < UPDATE_TOLERANCE, (rank, run)
+
+
+def _evaluation_loss(model, x, y):
+    with torch.no_grad():
+        return models.loss_fn("gpt4", model, x, y)
+
+
+def _evaluated_rank(rank: int, world_size: int) -> dict:
+    with newton_schulz_in("fp32"):
+        reference, model, initial, reference_pairs, pairs = _beside_eager("gpt4", "muon_adamw")
+        options = dict(stage=3, backend=models.BACKEND, resident_max_numel=0)
+        step, evaluate = zero_compile(two_optimizer_step, **options), zero_compile(
+            _evaluation_loss, **options)
+        x, y = models.global_batch("gpt4", 0)
+        two_optimizer_step(reference, *_step_args(reference_pairs), x, y, "gpt4")
+        mine = _slice_of(rank, world_size, x.shape[0])
+        step(model, *_step_args(pairs), x[mine], y[mine], "gpt4")
+        assert step.plan.owner_row_groups
+        x, y = models.global_batch("gpt4", 1)
+        loss = evaluate(model, x, y).detach().reshape(1)
+        torch.distributed.all_reduce(loss)
+        with step.gathered_parameters():
+            gathered = {n: p.detach().clone() for n, p in model.named_parameters()}
+        return {"loss": loss.item() / world_size, "expected": _evaluation_loss(reference, x, y).item(),
+                "gathered": _worst_update_error(gathered, reference, initial)}
+
+
 BF16_UPDATE_TOLERANCE = 5e-2
 """torch.optim.Muon's own bf16 iterations: the two runs' fp32 reduction orders (1e-7 apart)
 round differently into bf16, and the iterations amplify it; measured at most 2.1e-2 over three
