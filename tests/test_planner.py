@@ -392,6 +392,8 @@ def test_a_small_models_owner_groups_reduce_in_the_graph():
         assert muon.whole_updates.row(stage).exchange_bytes == 0
         assert muon.whole_updates.row(stage).exchange_buffer_bytes == 0
     assert muon.whole_updates.row(3).whole_copy_bytes == 0 < muon.whole_updates.row(2).whole_copy_bytes
+    # the group gathered at once: two blocks' matrices, fp32
+    assert muon.whole_updates.row(3).group_gather_bytes == 2 * 7_077_888 * 4
     for stage in (2, 3):
         assert 0 < muon.whole_updates.row(stage).group_reduction_bytes <= 2 * OWNER_GROUP_BYTES
     assert muon.whole_updates.row(1).group_reduction_bytes == 0

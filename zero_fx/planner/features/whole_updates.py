@@ -28,7 +28,8 @@ of each:
   no memory besides the shards). The traffic table adds them; the padding of the rows laid out
   by owner is left out;
 - at stages 2-3, the largest owner group's gradients and the buffer laid out by owner they are
-  reduced from, alive while the group's reduction waits for its last gradient.
+  reduced from, alive while the group's reduction waits for its last gradient; at stage 3 where
+  the shards hold the rows, the larger of that and the group's matrices gathered at once.
 
 Stage 0 steps every matrix whole on every rank, as DDP: no owner, no exchange.
 """
@@ -84,6 +85,14 @@ class WholeUpdateRow:
     group_reduction_bytes: float = 0.0
     """Stages 2-3: the largest owner group's gradients and its buffer laid out by owner, alive
     together while the graph reduces the group (0 where the group reduces as shards)."""
+    group_gather_bytes: float = 0.0
+    """Stage 3: the largest owner group whose shards hold its owners' rows, gathered whole at
+    once, where per-block buckets gather one block ([Note: owners' rows as the shards])."""
+
+    @property
+    def group_bytes(self) -> float:
+        """What the owner groups hold at once: the reduction's, or the gather's."""
+        return max(self.group_reduction_bytes, self.group_gather_bytes)
 
 
 @dataclass(frozen=True)
@@ -151,13 +160,16 @@ def plan_whole_updates(plan: ShardPlan) -> Optional[WholeUpdates]:
 
     stepping = max(WHOLE_MASTER_BYTES * owned_numel[r] + _temporaries(owned[r])
                    for r in range(n))
+    gathered = max((sum(layouts[m].numel * staged[3].gather_dtype(layouts[m]).itemsize
+                        for m in group) for group in staged[3].owner_row_groups), default=0.0)
     sharded = [WholeUpdateRow(
         stage=stage, flops=2 * max(loads), mean_flops=total / n,
         state_bytes=MUON_STATE_BYTES * max(owned_numel),
         whole_copy_bytes=WHOLE_MASTER_BYTES * copied[stage], stepping_bytes=stepping,
         exchange_bytes=sent, exchange_buffer_bytes=buffers,
         group_reduction_bytes=2.0 * staged[stage].owner_group_bytes
-        if staged[stage].reduces_to_owners_in_graph else 0.0)
+        if staged[stage].reduces_to_owners_in_graph else 0.0,
+        group_gather_bytes=gathered if stage == 3 else 0.0)
         for stage in (1, 2, 3) for sent, buffers in (exchanges(stage),)]
     return WholeUpdates(len(names), numel, total, (every_rank, *sharded), mixed)
 
@@ -190,7 +202,7 @@ def format_whole_updates(updates: WholeUpdates, psi: int, tensors: int, hardware
     def row_of(label: str, row: WholeUpdateRow, note: str = "") -> str:
         return (f"| {label} | {row.flops / 1e12:.3f} / {row.mean_flops / 1e12:.3f}{note} | "
                 f"{seconds(row.flops)} | {(row.state_bytes + row.whole_copy_bytes) / 1e9:.2f} | "
-                f"{row.stepping_bytes / 1e9:.2f} | {row.group_reduction_bytes / 1e9:.2f} | "
+                f"{row.stepping_bytes / 1e9:.2f} | {row.group_bytes / 1e9:.2f} | "
                 f"{row.exchange_bytes / 1e9:.2f} | {exchange_time(row)} |")
 
     lines = [
@@ -201,7 +213,7 @@ def format_whole_updates(updates: WholeUpdates, psi: int, tensors: int, hardware
         "link bandwidth):",
         "",
         "| stage | Newton-Schulz TFLOP (busiest / mean) | its time | Muon state + whole copies GB "
-        "| while stepping GB | group reduction GB | exchanges sent GB | their time |",
+        "| while stepping GB | owner group GB | exchanges sent GB | their time |",
         "|---|---|---|---|---|---|---|---|",
         row_of("0", every, " (every rank, every matrix)"),
     ]
@@ -213,14 +225,18 @@ def format_whole_updates(updates: WholeUpdates, psi: int, tensors: int, hardware
             f"{sharded.flops / sharded.mean_flops:.2f}x the mean, {every.flops / sharded.flops:.1f}x "
             f"less than a Muon that orthogonalises every matrix on every rank. The owner holds "
             f"its matrices' momentum and a whole fp32 copy of each (in the model states above; "
-            f"at stage 3 the copy is its shards, which hold its matrices whole); "
+            f"none at stage 3 where its shards hold them); "
             f"while it steps, their whole gradients and the largest one's Newton-Schulz "
             f"temporaries. The reduce-scatters, laid out by owner (stage 1's after the backward, "
             f"stages 2-3's in the graph, one per {world_size} blocks, where the group fits "
-            f"{OWNER_GROUP_BYTES >> 20} MiB: group reduction), reduce the gradients to their "
-            f"owners" + ("" if updates.mixed else ", and stages 1-2's all-gather, laid out "
-                         "the same, returns the updated matrices") +
-            ", stage 3's all-gathers of each group's shards, laid out the same, bring them" +
+            f"{OWNER_GROUP_BYTES >> 20} MiB: owner group, the gradients and their buffer), "
+            f"reduce the gradients to their owners" + ("" if updates.mixed else
+                                                       ", and stages 1-2's all-gather, laid out "
+                                                       "the same, returns the updated matrices") +
+            ("" if not updates.row(3).group_gather_bytes else
+             "; at stage 3 each such group's shards hold its owners' rows, and the graph's "
+             "all-gather of the group brings the updated matrices (owner group: the group "
+             "gathered at once, where a block's bucket holds one block)") +
             "; the other exchanges (gradient shards to the owners, updated shards back, fp32) "
             "are in the traffic table's all-to-all.",
         ]
