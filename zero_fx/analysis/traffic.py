@@ -270,6 +270,7 @@ def traffic_report(gm: GraphModule, plan, expert_prefixes: tuple[str, ...] = ())
         trainable = [layout.name for layout in plan.params
                      if layout.requires_grad and plan.holds(layout.name)
                      and not (plan.returns_owners_whole and plan.owner_of(layout.name) is not None)
+                     and not getattr(plan, "stored_as_rows", lambda name: False)(layout.name)
                      and (plan.collective_group(layout.name)[0] > 1
                           or plan.keeps_collectives_at_one)]
         collectives += _outside_graph(plan, "all_gather", "after step", plan.compute_dtype,
@@ -339,6 +340,13 @@ def _owner_exchanges(plan) -> list[Collective]:
     laid_out = {"to owners": plan.reduces_to_owners, "from owners": plan.returns_owners_whole}
     kinds = {"to owners": "reduce_scatter", "from owners": "all_gather"}
     out = []
+    if plan.gathers_after_step:  # [Note: owners' rows as the shards]: each group's rows, cast
+        for group in getattr(plan, "owner_row_groups", ()):
+            layouts = [plan.layout(name) for name in group]
+            out.append(Collective(
+                kind="all_gather", numel=sum(l.shard_numel for l in layouts) * plan.world_size,
+                dtype=plan.compute_dtype or layouts[0].dtype, bucket=group, phase="from owners",
+                issued_at=None, waited_at=None, node=""))
     phases = ("from owners",) if plan.reduces_to_owners_in_graph else ("to owners", "from owners")
     for phase in phases:
         for dtype in dict.fromkeys(layout.dtype for layout, _ in owners):
@@ -351,8 +359,9 @@ def _owner_exchanges(plan) -> list[Collective]:
                     bucket=tuple(l.name for l, _ in members), phase=phase, issued_at=None,
                     waited_at=None, node=""))
                 continue
-            # a group stored as rows returns by the graph's next all-gather ([Note: owners'
-            # rows as the shards] in zero_fx/runtime/update/whole_tensor_updates.py)
+            # a group stored as rows returns by its own all-gather (above, stages 1-2) or the
+            # graph's next (stage 3) ([Note: owners' rows as the shards] in
+            # zero_fx/runtime/update/whole_tensor_updates.py)
             rows = getattr(plan, "stored_as_rows", lambda name: False)
             sent = [l for l, r in members if phase == "to owners" or (
                 r == plan.rank and not rows(l.name))]

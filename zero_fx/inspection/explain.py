@@ -156,17 +156,19 @@ def owner_exchanges(plan) -> str:
           "by an all-to-all of the reduced shards after the graph")
     rows = len(getattr(plan, "owner_row_groups", ()))
     groups = len(plan.owner_groups([n for n, _ in plan.owners]))
+    whose = ("the graph's all-gathers" if getattr(plan, "params_sharded", False) else
+             "the stage's all-gathers, cast into the parameters,")
     back = ("by the stage's all-gather, laid out by owner" if plan.returns_owners_whole else
-            "by the graph's all-gathers of the groups, whose shards hold their owners' rows"
+            f"by {whose} of the groups, whose shards hold their owners' rows"
             if rows and rows == groups else
-            f"by the graph's all-gathers of the {rows} of {groups} groups whose shards hold their "
-            "owners' rows, the others by an all-to-all into every rank's shards" if rows else
+            f"by {whose} of the {rows} of {groups} groups whose shards hold their owners' rows, "
+            "the others by an all-to-all into every rank's shards" if rows else
             "by an all-to-all into every rank's shards")
-    if getattr(plan, "params_sharded", False) and rows < groups:
+    if not plan.returns_owners_whole and groups and rows < groups:
         back += (f" ({'the other' if rows else 'the'} groups' rows are wider than their shards: "
                  "fewer alike blocks than ranks, or uneven ones)" if getattr(plan, "may_store_owner_rows", False) else
-                 " (the shards stay flat where the graph does not reduce to the owners, or under "
-                 "a secondary partition or quantized weights)")
+                 " (the shards stay flat where the reduction does not bring the gradients to "
+                 "the owners, or under a secondary partition or quantized weights)")
     return f"gradients reach their owners {to}; the updated tensors return {back}"
 
 

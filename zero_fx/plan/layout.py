@@ -353,12 +353,12 @@ class ShardPlan(StageConsequences):
 
     @property
     def owner_row_groups(self) -> tuple[tuple[str, ...], ...]:
-        """Stage 3: the owner groups whose shards hold their owners' rows, so the graph's
-        all-gather of a group brings each owner's updated tensors whole and nothing returns
-        them after the step ([Note: owners' rows as the shards] in
-        zero_fx/runtime/update/whole_tensor_updates.py). Where the graph reduces to the owners
-        (``reduces_to_owners_in_graph``), with no secondary partition, quantized weights,
-        offload or tensor parallelism; per group: one dtype, every member resident or none
+        """The owner groups whose shards hold their owners' rows, so one all-gather of a group
+        brings each owner's updated tensors whole: at stage 3 the graph's, and nothing returns
+        them after the step; at stages 1-2 under mixed precision the stage's, cast, into the
+        parameters ([Note: owners' rows as the shards] in
+        zero_fx/runtime/update/whole_tensor_updates.py). Where ``may_store_owner_rows``;
+        per group: one dtype, every member resident or none
         (``resident``: one gather serves the step), no expert or empty member, and the widest
         row no wider than the group's shards together."""
         cache = self.__dict__.get("_owner_row_groups")
@@ -380,9 +380,17 @@ class ShardPlan(StageConsequences):
 
     @property
     def may_store_owner_rows(self) -> bool:
-        """Whether ``owner_row_groups`` may hold any group: the conditions on the whole plan."""
-        return (self.params_sharded and self.reduces_to_owners_in_graph and self.secondary is None
-                and self.quantize_weights == (None, None) and self.tensor_parallel is None
+        """Whether ``owner_row_groups`` may hold any group: the conditions on the whole plan.
+        Stage 3 where the graph reduces to the owners, with no secondary partition or quantized
+        weights; stages 1-2 under mixed precision (fp32 masters, which the stage's all-gather
+        laid out by owner cannot write: [Note: reductions laid out by owner]) where the
+        reduction brings the gradients to the owners; never with offload or tensor
+        parallelism."""
+        stage_3 = (self.params_sharded and self.reduces_to_owners_in_graph
+                   and self.secondary is None and self.quantize_weights == (None, None))
+        stages_1_2 = (self.gathers_after_step and self.compute_dtype is not None
+                      and self.delivers_to_owners)
+        return ((stage_3 or stages_1_2) and self.world_size > 1 and self.tensor_parallel is None
                 and not self.offloads_optimizer and not self.offloads_parameters)
 
     def _rows_fit_shards(self, group: Sequence[str]) -> bool:

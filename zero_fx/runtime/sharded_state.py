@@ -420,9 +420,13 @@ class ShardedState(WholeParameters):
         # gradients for the same parameters (a rank's routed experts, which other ranks do
         # not hold, are gathered by their holders alone: kept in as the plan has them)
         # whole-tensor updates came back whole, into the parameters (returns_owners_whole)
+        # so did the groups whose shards hold their owners' rows, at stages 1-2 under mixed
+        # precision; a load gathers every shard, inside optimizer_state_as_shards, which holds
+        # them as flat slices (shards_flat)
         returned = set() if frozen or self.whole is None else self.whole.returned
+        rows = set() if frozen else {n for n in self.params if self.plan.stored_as_rows(n)}
         self._gather_into_parameters(
-            [layout.name for layout in self.plan.params if layout.name not in returned and (
+            [layout.name for layout in self.plan.params if layout.name not in returned | rows and (
                 frozen or layout.name in self.stepped
                 or (layout.requires_grad and self.plan.is_expert(layout.name)))])
 

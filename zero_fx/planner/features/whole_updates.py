@@ -22,11 +22,11 @@ of each:
   zero_fx/runtime/update/whole_tensor_updates.py): each rank's gradient shards of the matrices others
   own (stages 2-3 where an owner group is too large to reduce laid out by owner: [Note: owner
   groups] in zero_fx/plan/owners.py), and each owner's updated matrices cut into the others'
-  shards (every stage under mixed precision; at stage 3 only where an owner group's shards
-  cannot hold its owners' rows: [Note: owners' rows as the shards] in
-  zero_fx/runtime/update/whole_tensor_updates.py, where the owner's whole copy is its row,
-  no memory besides the shards). The traffic table adds them; the padding of the rows laid out
-  by owner is left out;
+  shards (at stage 3, and at stages 1-2 under mixed precision, only where an owner group's
+  shards cannot hold its owners' rows: [Note: owners' rows as the shards] in
+  zero_fx/runtime/update/whole_tensor_updates.py, where the owner's whole copy is its row, no
+  memory besides the shards). The traffic table adds them; the padding of the rows laid out by
+  owner is left out;
 - at stages 2-3, the largest owner group's gradients and the buffer laid out by owner they are
   reduced from, alive while the group's reduction waits for its last gradient; at stage 3 where
   the shards hold the rows, the larger of that and the group's matrices gathered at once.
@@ -104,7 +104,10 @@ class WholeUpdates:
     """Newton-Schulz FLOPs per step over every matrix."""
     rows: tuple[WholeUpdateRow, ...]
     mixed: bool = False
-    """Under mixed precision: the updated matrices return by all-to-all at every stage."""
+    """Under mixed precision: fp32 masters, which the stage's all-gather at stages 1-2 cannot
+    write but where the shards hold the owners' rows."""
+    rows_at: frozenset = frozenset()
+    """The stages at which some owner group's shards hold its owners' rows."""
 
     def row(self, stage: int) -> WholeUpdateRow:
         return self.rows[stage]
@@ -135,11 +138,12 @@ def plan_whole_updates(plan: ShardPlan) -> Optional[WholeUpdates]:
     owned_numel = [sum(layout.numel for layout in mine) for mine in owned]
     all_shards = sum(layout.shard_numel for layout in layouts.values())
     owned_shards = [sum(layout.shard_numel for layout in mine) for mine in owned]
-    # stage 3's owner groups whose shards hold their owners' rows: no copy, no return
-    rows = {name for name in names if staged[3].stored_as_rows(name)}
-    returned = {stage: [sum(l.shard_numel for l in mine if stage < 3 or l.name not in rows)
+    # the owner groups whose shards hold their owners' rows (stage 3, and stages 1-2 under
+    # mixed precision): no whole copy besides the shards, no all-to-all back
+    rows = {stage: {n for n in names if staged[stage].stored_as_rows(n)} for stage in (1, 2, 3)}
+    returned = {stage: [sum(l.shard_numel for l in mine if l.name not in rows[stage])
                         for mine in owned] for stage in (1, 2, 3)}
-    copied = {stage: max(sum(l.numel for l in mine if stage < 3 or l.name not in rows)
+    copied = {stage: max(sum(l.numel for l in mine if l.name not in rows[stage])
                          for mine in owned) for stage in (1, 2, 3)}
     mixed = plan.compute_dtype is not None
 
@@ -171,7 +175,8 @@ def plan_whole_updates(plan: ShardPlan) -> Optional[WholeUpdates]:
         if staged[stage].reduces_to_owners_in_graph else 0.0,
         group_gather_bytes=gathered if stage == 3 else 0.0)
         for stage in (1, 2, 3) for sent, buffers in (exchanges(stage),)]
-    return WholeUpdates(len(names), numel, total, (every_rank, *sharded), mixed)
+    return WholeUpdates(len(names), numel, total, (every_rank, *sharded), mixed,
+                        frozenset(stage for stage in (1, 2, 3) if rows[stage]))
 
 
 def _temporaries(layouts) -> float:
@@ -225,7 +230,7 @@ def format_whole_updates(updates: WholeUpdates, psi: int, tensors: int, hardware
             f"{sharded.flops / sharded.mean_flops:.2f}x the mean, {every.flops / sharded.flops:.1f}x "
             f"less than a Muon that orthogonalises every matrix on every rank. The owner holds "
             f"its matrices' momentum and a whole fp32 copy of each (in the model states above; "
-            f"none at stage 3 where its shards hold them); "
+            f"none where its shards hold them); "
             f"while it steps, their whole gradients and the largest one's Newton-Schulz "
             f"temporaries. The reduce-scatters, laid out by owner (stage 1's after the backward, "
             f"stages 2-3's in the graph, one per {world_size} blocks, where the group fits "
@@ -233,10 +238,13 @@ def format_whole_updates(updates: WholeUpdates, psi: int, tensors: int, hardware
             f"reduce the gradients to their owners" + ("" if updates.mixed else
                                                        ", and stages 1-2's all-gather, laid out "
                                                        "the same, returns the updated matrices") +
-            ("" if not updates.row(3).group_gather_bytes else
+            ("" if 3 not in updates.rows_at else
              "; at stage 3 each such group's shards hold its owners' rows, and the graph's "
              "all-gather of the group brings the updated matrices (owner group: the group "
              "gathered at once, where a block's bucket holds one block)") +
+            ("" if not {1, 2} & updates.rows_at else
+             "; under mixed precision stages 1-2's fp32 shards hold the rows too, and the "
+             "stage's all-gather of each group, cast, brings the matrices into the parameters") +
             "; the other exchanges (gradient shards to the owners, updated shards back, fp32) "
             "are in the traffic table's all-to-all.",
         ]

@@ -24,25 +24,30 @@ cost: plan/owners.py), and its update runs there, whole, once per step:
    runs anyway, laid out by owner: every rank's parameter (and master shard) of each such
    tensor comes from its owner's row. At stage 3 by the graph's own all-gather of each owner
    group, whose shards hold their owners' rows ([Note: owners' rows as the shards]), so
-   nothing runs after the step. Otherwise (fp32 masters under mixed precision at stages 1-2,
-   a stage-3 group that cannot be stored so) one ``all_to_all`` sends each rank its shard of
-   each updated tensor, into its master, and the stage goes on as for any parameter.
+   nothing runs after the step; at stages 1-2 under mixed precision, whose fp32 masters hold
+   the rows the same way, by the stage's all-gather of each group's rows, cast, into the
+   parameters. Otherwise (a group that cannot be stored so) one ``all_to_all`` sends each rank
+   its shard of each updated tensor, into its master, and the stage goes on as for any
+   parameter.
 
 What each exchange costs: an ``all_to_all`` sends about ``(N - 1) / N**2`` of those tensors'
 elements per rank, ``1/N`` of what a reduce-scatter of them sends. So on those tensors stages
-1-3 move AdamW's bytes (but for the padding of the rows laid out by owner), stages 1-2 under
-mixed precision ``1 + 1/(2N)`` times them, a stage-3 group returned by all-to-all ``1 +
-1/(3N)`` (1.17x at 2 ranks); with the all-to-all to the owners as well, stage 2 ``1 + 1/(2N)``,
-stage 3 ``1 + 2/(3N)``. ``analysis/traffic.py`` counts every exchange as it runs. At stages 1-2
+1-3 move AdamW's bytes, with mixed precision or without (but for the padding of the rows laid
+out by owner); a group returned by all-to-all sends more (at stage 3 ``1 + 1/(3N)`` times them,
+1.17x at 2 ranks; at stages 1-2 under mixed precision, fp32 beside bf16 collectives, 1.47x on
+the test GPT at 2 ranks); with the all-to-all to the owners as well, more again.
+``analysis/traffic.py`` counts every exchange as it runs. Without mixed precision at stages 1-2
 the owner holds each of its tensors whole in the master dtype besides its shard (about Ψ/N more
-per rank, balanced); at stage 3 its shards are that copy. It holds the whole gradient while it
-steps.
+per rank, balanced); where its shards hold the rows, they are that copy. It holds the whole
+gradient while it steps.
 
 [Note: owners' rows as the shards]
-Stage 3's masters are the flat shards the graph gathers, and an owner's update changes whole
-tensors: cutting them back into every rank's shards after the step was an all-to-all, 1.24x
-AdamW's bytes on the 4-block test GPT at 2 ranks. Instead, where an owner group's rows fit its
-shards, the shards hold the rows (``plan.owner_row_groups``):
+Stage 3's masters are the flat shards the graph gathers, and so are the fp32 masters of mixed
+precision at stages 1-2, and an owner's update changes whole tensors: cutting them back into
+every rank's shards after the step was an all-to-all, 1.24x AdamW's bytes on the 4-block test
+GPT at 2 ranks at stage 3, 1.47x at stages 1-2 under mixed precision (the stage's bf16
+all-gather of the shards came after it). Instead, where an owner group's rows fit its shards,
+the shards hold the rows (``plan.owner_row_groups``):
 
 - the group's shards, one after the other (``S``, the sum of their ``shard_numel``), are one
   buffer on each rank (``rows``), its row: the tensors it owns of the group, whole, one after the
@@ -54,12 +59,14 @@ shards, the shards hold the rows (``plan.owner_row_groups``):
   of the same shards would move, and each tensor copied out of its owner's row. So the
   updated tensors reach every rank by the gather the stage runs anyway, and nothing returns
   them after the step, in the graph or after it. The gather's code (owners, starts) is the
-  plan's, the same on every rank;
-- the price: a group is gathered at once, so N blocks of these tensors are alive from the
+  plan's, the same on every rank. At stages 1-2 under mixed precision the same gather runs
+  after the step, each group's rows cast to the compute dtype, into the whole parameters
+  (``_gather_rows``), in place of the stage's all-gather of those shards: the same bytes;
+- the price at stage 3: a group is gathered at once, so N blocks of these tensors are alive from the
   group's gather to each one's last use (each a copy, freed after it), where per-block buckets
   hold one block and the prefetch. The same bound as the group's reduction
   (``OWNER_GROUP_BYTES``, [Note: owner groups] in zero_fx/plan/owners.py), which it goes
-  with;
+  with (at stages 1-2 the gathered rows are a transient buffer of one group);
 - outside the step, what reads or writes the shards as flat slices (checkpoints,
   ``full_parameters``, ``gathered_parameters()``, a step run eagerly after a graph break)
   enters ``shards_flat``: one all-to-all cuts the owners' tensors into flat slices for the
@@ -68,8 +75,11 @@ shards, the shards hold the rows (``plan.owner_row_groups``):
 
 A group is not stored so, and returns by the all-to-all, where its widest row is wider than
 its shards (the last group's leftover blocks, uneven ones), where its members mix resident and
-released parameters or dtypes, or under a secondary partition, quantized weights, offload or
-tensor parallelism; ``explain()`` says how many groups are.
+released parameters or dtypes, where the reduction does not bring the gradients to the owners
+(hybrid sharding, stage 2's quantized gradients or too large a group), or under a secondary
+partition, quantized weights, offload or tensor parallelism; ``explain()`` says how many groups
+are. At stages 1-2 without mixed precision the masters are the parameters' values and the
+all-gather laid out by owner writes them already (``returns_owners_whole``).
 
 [Note: reductions laid out by owner]
 The gradient reaches its owner by the reduction itself, with no exchange after it: a buffer of
@@ -267,10 +277,16 @@ class WholeTensorUpdates:
         """Step 4: each rank's shard of each updated tensor of ``names`` into its master; at
         stages 1-2 without mixed precision (``plan.returns_owners_whole``) each tensor whole
         into the model's parameter (``parameter(name)``) too, by one all-gather laid out by
-        owner, so the stage's all-gather leaves them out (``returned``)."""
+        owner, so the stage's all-gather leaves them out (``returned``). Those stored as rows
+        are in their masters already; at stages 1-2 their groups' rows are gathered into the
+        parameters (``_gather_rows``)."""
         plan = self.plan
-        names = [n for n in names if not plan.stored_as_rows(n)]  # stepped in place, in the row
+        names = list(names)
+        rows = [n for n in names if plan.stored_as_rows(n)]  # stepped in place, in the row
+        names = [n for n in names if n not in rows]
         self.returned = set()
+        if rows and plan.gathers_after_step:
+            self._gather_rows(rows, parameter)
         if not plan.returns_owners_whole:
             for name, shard in self._from_owners(names).items():
                 shards[name].detach().copy_(shard)
@@ -289,6 +305,26 @@ class WholeTensorUpdates:
                 shards[name].detach().copy_(
                     _padded(whole, layout.shard_numel, plan.world_size)[plan.rank])
         self.returned = set(names)
+
+    @torch.no_grad()
+    def _gather_rows(self, names: list[str], parameter: Callable[[str], torch.Tensor]) -> None:
+        """Stages 1-2: each owner group stored as rows that holds any of ``names`` (the same on
+        every rank) all-gathered, cast to the parameters' dtype, and every member copied into
+        its parameter from its owner's row ([Note: owners' rows as the shards]); the stage's
+        all-gather leaves them out (``returned``)."""
+        plan, wanted = self.plan, set(names)
+        for group in plan.owner_row_groups:
+            if not wanted.intersection(group):
+                continue
+            mine = self.rows[group].to(parameter(group[0]).dtype)
+            rows = _c10d.wait_tensor(_c10d.all_gather_into_tensor(
+                mine, plan.world_size, plan.group_name)).view(plan.world_size, -1)
+            _, where = plan.rows_by_owner(group)
+            for name in group:
+                (owner, start), layout = where[name], plan.layout(name)
+                parameter(name).detach().copy_(
+                    rows[owner, start:start + layout.numel].view(layout.shape))
+            self.returned |= set(group)
 
     @torch.no_grad()
     def take_values(self, shards: dict[str, torch.nn.Parameter]) -> None:
