@@ -7,6 +7,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from test_api import standard_step, tiny
@@ -103,6 +104,8 @@ def test_the_key_is_the_code_the_inputs_layouts_the_names_and_the_process_state(
         torch.set_default_dtype(previous)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         others["autocast"] = key()
+    with sdpa_kernel(SDPBackend.MATH):
+        others["the attention kernels"] = key()
     for what, other in others.items():
         assert other is not None and other != key(), what
 
@@ -151,3 +154,39 @@ def test_a_copy_names_new_nodes_as_the_traced_graph_would():
     made = [g.graph.call_function(torch.neg, (next(iter(g.graph.nodes)),)).name
             for g in (gm, copy)]
     assert made[0] == made[1] == "neg_1"
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], 4, 3, 2, 4).unbind(2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _attention_step(model, opt, x):
+    opt.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_step_under_another_attention_kernel_is_traced_anew(traces):
+    """``sdpa_kernel`` decides which kernel the capture records: a step compiled under the
+    math kernel after one under flash takes no kept capture, and runs the kernel it asked for."""
+    kernels = {}
+    for backend, op in ((SDPBackend.FLASH_ATTENTION,
+                         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default),
+                        (SDPBackend.MATH, torch.ops.aten.bmm.default)):
+        torch.manual_seed(0)
+        model = _Attention()
+        step = zero_compile(_attention_step, backend="eager")
+        with sdpa_kernel(backend):
+            step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4, 8))
+        targets = {n.target for gm in step.graphs for n in gm.graph.nodes}
+        kernels[backend] = op in targets
+    assert len(traces) == 2
+    assert kernels == {SDPBackend.FLASH_ATTENTION: True, SDPBackend.MATH: True}

@@ -22,7 +22,9 @@ The graph of a capture is decided by:
 - each input's layout (sizes, strides, offset, dtype, device, requires_grad, type, which
   earlier input shares its storage) and the plan names of the parameters;
 - what the process may change between compilations: grad mode, the default dtype,
-  deterministic algorithms, autocast.
+  deterministic algorithms, autocast, the attention kernels ``scaled_dot_product_attention``
+  may choose (``sdpa_kernel``: a flash-only step once took a kept capture that had chosen
+  the memory-efficient kernel, met on a GPU).
 Steps with symbolic sizes or DTensor parameters are captured every time: their capture
 depends on dynamo's fake mode and the device mesh. The process keeps at most
 ``KEPT_CAPTURES``, dropping the least recently used first.
@@ -138,4 +140,15 @@ def _process_state() -> tuple:
     return (torch.is_grad_enabled(), torch.get_default_dtype(),
             torch.are_deterministic_algorithms_enabled(),
             tuple((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-                  for device in ("cpu", "cuda")))
+                  for device in ("cpu", "cuda")),
+            _attention_kernels())
+
+
+def _attention_kernels() -> tuple:
+    """Which fused attention kernels ``scaled_dot_product_attention`` may choose, and in what
+    order: the capture records the one chosen (``sdpa_kernel(...)`` around a step picks it)."""
+    backends = torch.backends.cuda
+    enabled = (backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled(),
+               backends.math_sdp_enabled(), backends.cudnn_sdp_enabled())
+    order = getattr(torch._C, "_get_sdp_priority_order", None)
+    return enabled + (tuple(order()) if order is not None else ())
