@@ -67,3 +67,22 @@ def test_the_users_post_grad_passes_run_before_ours_as_one_pass(existing):
 def test_a_pass_without_a_uuid_keeps_the_composition_out_of_the_cache():
     composed = compat.one_post_grad_pass(lambda graph: None, [_Recording("ours", [])])
     assert composed.uuid() is None
+
+
+@pytest.mark.parametrize("model_name", ["llama", "mixtral"])
+def test_transformers_output_hooks_are_in_place_before_the_capture(model_name):
+    """transformers 5 installs its output-recording hooks under a lock Dynamo cannot trace,
+    on the first forward that asks for outputs (Mixtral's router logits): installed by
+    zero_fx beforehand, the captured forward finds them. Skipped where transformers has no
+    such hooks (4.x)."""
+    pytest.importorskip("transformers.utils.output_capturing")
+    from examples import hf_models
+    from zero_fx.base.compat import hf_install_output_hooks
+
+    make_config = {"llama": hf_models.llama_config, "mixtral": hf_models.mixtral_config}[model_name]
+    model = hf_models.causal_lm(make_config(vocab_size=64, seq=8, layers=1, width=16, heads=2,
+                                            kv_heads=2, ffn=32))
+    recording = [m for m in model.modules() if getattr(m, "_can_record_outputs", None)]
+    assert recording, "the model records no outputs: the test checks nothing"
+    hf_install_output_hooks(model)
+    assert all(getattr(m, "_output_capturing_hooks_installed", False) for m in recording)

@@ -53,7 +53,10 @@ Met by the version matrix (bench/helpers/version_matrix.py) on transformers 4.57
   for their load-balancing loss) with forward hooks it installs on the first forward that
   asks, under a ``threading.Lock`` Dynamo cannot trace: the step broke the graph there.
   ``hf_install_output_hooks`` installs them before the first capture (4.x has no such
-  hooks), so the traced forward finds them in place.
+  hooks), so the traced forward finds them in place. Which modules record is read from
+  ``_CAN_RECORD_REGISTRY``, keyed by the class's ``str`` before 5.24 and by the module from
+  5.24: read one way only, the hooks went uninstalled on 5.5-5.23 and every Mixtral step
+  broke its graph (met on a GPU machine's transformers).
 - The mixture-of-experts families hold their experts as fused 3-D parameters in 5.x:
   docs/moe.md says how each family stands under each release.
 """
@@ -137,8 +140,16 @@ def hf_install_output_hooks(model: torch.nn.Module) -> None:
     except ImportError:  # transformers 4, or none
         return
     for module in model.modules():
-        if _CAN_RECORD_REGISTRY.get(module):
+        if _outputs_it_records(_CAN_RECORD_REGISTRY, module):
             maybe_install_capturing_hooks(module)
+
+
+def _outputs_it_records(registry: Any, module: torch.nn.Module) -> Optional[dict]:
+    """What ``module`` records, from transformers' registry: a dict keyed by the class's
+    ``str`` before 5.24, a registry (a dict subclass) that takes the module itself from 5.24."""
+    if type(registry) is dict:
+        return registry.get(str(module.__class__))
+    return registry.get(module)
 
 
 def one_post_grad_pass(existing: Any, ours: Iterable[CustomGraphPass]) -> CustomGraphPass:
