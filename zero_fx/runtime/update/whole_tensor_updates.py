@@ -304,7 +304,7 @@ class WholeTensorUpdates:
                 parameter(name).detach().copy_(whole.view(layout.shape))
                 shards[name].detach().copy_(
                     _padded(whole, layout.shard_numel, plan.world_size)[plan.rank])
-        self.returned = set(names)
+        self.returned |= set(names)
 
     @torch.no_grad()
     def _gather_rows(self, names: list[str], parameter: Callable[[str], torch.Tensor]) -> None:
