@@ -190,6 +190,7 @@ def train(stage: int, *, model_name="gpt", optimizer="adamw", backend="aot_eager
             "model_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
             "peak_bytes": torch.cuda.max_memory_allocated(DEVICE),
             "collectives": {kind: n for kind, n in counted.launches.items() if n},
+            "all_reduce_numel": counted.numel["all_reduce"],
             "reduce_ops": sorted({n.args[1] for n in step.graphs[-1].graph.nodes
                                   if n.target in REDUCTIONS})}
 
@@ -309,6 +310,8 @@ def test_mixed_precision_on_cuda_trains_like_fp32_with_fp32_masters(name, tolera
     record(f"nccl stage 3 {name} against fp32", loss_error=loss, worst_param=worst,
            worst_param_error=error, worst_update=moved, worst_update_error=update,
            peak_bytes=result["peak_bytes"], collectives=result["collectives"])
+    if name == "fp16":  # the loss scale's overflow check: the gradients' norm over the ranks
+        assert result["collectives"].pop("all_reduce") == 1 and result["all_reduce_numel"] == 1
     assert set(result["collectives"]) == COLLECTIVES_AT[3], result["collectives"]
     assert result["reduce_ops"] == ["avg"]
     assert result["model_dtypes"] == [str(BF16.param_dtype if "bf16" in name else FP16.param_dtype)]
