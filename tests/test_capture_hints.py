@@ -223,3 +223,18 @@ def test_a_size_the_data_decides_in_the_backward_is_a_capture_error_with_advice(
     with pytest.raises(CaptureError, match="A size the data decides reaches the backward"):
         compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(6, 8),
                  torch.tensor([2, 4]))
+
+
+def test_transformers_fallback_backward_of_its_grouped_matmul_is_named_before_the_generic_advice():
+    """transformers 5.17-5.23 on a device without grouped_mm (Mixtral on a CPU, in fp32 on a
+    GPU): the failure PyTorch reports is a data-dependent guard, as a value-branching step's,
+    but the way out is an upgrade, not a change to the user's step (PyTorch's message, as met
+    with transformers 5.20 and torch 2.14)."""
+    from torch._dynamo.exc import UserError, UserErrorType
+    from zero_fx.capture.hints import capture_failed
+
+    message = ("Could not guard on data-dependent expression Eq(u1, 0) (unhinted: Eq(u1, 0)).\n"
+               "Caused by: loss.backward()  # tests/support/models.py:287 in language_model_step "
+               "(transformers/integrations/moe.py:246 in _grouped_mm_fallback_backward)")
+    error = str(capture_failed(UserError(UserErrorType.CONSTRAINT_VIOLATION, message)))
+    assert "transformers>=5.24" in error and "torch.where" not in error

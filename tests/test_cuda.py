@@ -49,7 +49,8 @@ from examples.gpt import GPT, CausalSelfAttention, GPTConfig
 from support.gpu_figures import record
 from test_mixed_precision import OVERFLOW_HISTORY
 from support.training import update_errors
-from test_world_one_collectives import build, quantized_reference, step_function
+from test_world_one_collectives import (build, quantized_reference, skip_unless_experts_are_modules,
+                                        step_function)
 from test_world_one_collectives import batch as cpu_batch
 from zero_fx import DebugOptions, MixedPrecision, init_distributed, load_pretrained, zero_compile
 
@@ -324,6 +325,7 @@ def test_routed_experts_exchange_their_rows_on_an_nccl_group_of_one():
     """A Mixtral block's dispatch and combine, and their backward, as NCCL all-to-alls of an
     expert-parallel group of one, against the same steps with no collective at all."""
     pytest.importorskip("transformers")
+    skip_unless_experts_are_modules()
     runs = training_grid()
     result, without = entry(runs, "moe"), entry(runs, "moe_without_collectives")
     loss, worst, error = parity(result, without)

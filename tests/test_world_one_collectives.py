@@ -58,6 +58,15 @@ def build(model_name: str) -> torch.nn.Module:
     return models.build(model_name)
 
 
+def skip_unless_experts_are_modules() -> None:
+    """The routed-experts tests exchange the rows of transformers 4's Mixtral, whose experts
+    are modules zero_fx rewrites; transformers 5 holds them as 3-D parameters, run as
+    transformers wrote them without expert parallelism (docs/moe.md)."""
+    if any(hasattr(m, "gate_up_proj") for m in build("mixtral").modules()):
+        pytest.skip("transformers 5 holds Mixtral's experts as 3-D parameters: "
+                    "tests/test_expert_parallel.py splits those by rows")
+
+
 def step_function(model_name: str):
     return models.language_model_step if model_name == "mixtral" else models.training_step(model_name)
 
@@ -238,6 +247,7 @@ def test_routed_experts_exchange_their_rows_over_a_group_of_one():
     expert-parallel group of one ([Note: exchanging rows in fixed shapes] in
     zero_fx/capture/experts/expert_exchange.py), bit for bit as the block without them."""
     pytest.importorskip("transformers")
+    skip_unless_experts_are_modules()
     plain, kept = runs("mixtral", 3, NONE_RESIDENT)
     assert_same_parameters(kept, plain)
     assert plain["plan"].expert_parallel is None

@@ -16,6 +16,11 @@ from typing import Optional
 from .step_graph import CaptureError
 
 _HINTS = (
+    (("_grouped_mm_fallback_backward",),
+     "transformers' grouped matmul of the experts falls back to a loop over the experts "
+     "(torch has no grouped_mm kernel for this device and dtype), and before transformers 5.24 "
+     "its backward is Python that reads the group sizes, which PyTorch's tracer cannot follow. "
+     "Upgrade to transformers>=5.24, whose fallback backward is one op that captures."),
     (("logging.Logger", "warning_once"),
      "The model logs from inside the step. HuggingFace models do this when `model.loss_type` "
      "is unset (set `model.loss_type = \"ForCausalLM\"`) and when gradient checkpointing meets "
