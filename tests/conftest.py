@@ -8,6 +8,10 @@ import sys
 # `-n 2` did not change with it (2078 s before, 2072 s after, on the same box within the hour):
 # there the multi-rank jobs, one at a time, are what it waits on.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Saved steps off for the suite and the processes it starts: a test compiles what it checks
+# (its capture, its passes), not what an earlier test or an earlier run left in the user's
+# cache. tests/test_saved_steps.py turns them on, each test in a folder of its own.
+os.environ["ZERO_FX_SAVED_STEPS"] = "0"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

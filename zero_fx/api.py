@@ -84,6 +84,7 @@ def zero_compile(
     quantize_gradients: Optional[str] = None,
     quantize_block: int = 256,
     secondary_partition: Union[None, bool, int] = None,
+    saved_steps: bool = True,
     debug: DebugOptions = DebugOptions(),
     **deprecated: Any,
 ) -> Union["CompiledStep", Callable[[Callable], "CompiledStep"]]:
@@ -128,7 +129,7 @@ def zero_compile(
       ``on_graph_break``, ``resident_max_numel``, ``keep_resident``,
       ``elementwise_optimizer``, ``passes``, ``accumulation_steps``, ``max_grad_norm``,
       ``optimizer_update``, ``init_fn``, ``mesh``, ``expert_parallel``,
-      ``expert_capacity_factor``, ``secondary_partition``;
+      ``expert_capacity_factor``, ``secondary_partition``, ``saved_steps``;
     - ``schedule=SchedulePolicy(...)``, or its flat options ``bucket_bytes``,
       ``prefetch_buckets``, ``reduce_overlap_buckets``, ``max_gathered_bytes``;
     - ``offload=OffloadPolicy(...)``, or ``offload`` (its mode), ``device_memory``,

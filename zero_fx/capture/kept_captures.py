@@ -76,6 +76,21 @@ def capture_key(dynamo_gm: GraphModule, example_inputs: Sequence,
     return key
 
 
+def capture_parts(key: Hashable) -> dict[str, str]:
+    """What decides a capture (``capture_key``'s key), as text another process reads alike:
+    functions by their qualified names, not their identities ([Note: saved steps] in
+    zero_fx/compiler/saved_steps.py)."""
+    code, targets, inputs, param_names, process = key
+    return {"the step's code": repr(code) + repr([_qualified_name(t) for t in targets]),
+            "the inputs' shapes and dtypes": repr(inputs) + repr(param_names),
+            "grad mode, autocast and attention kernels": repr(process)}
+
+
+def has_kept(key: Optional[Hashable]) -> bool:
+    """The process keeps a capture under ``key``."""
+    return key is not None and key in _kept
+
+
 def kept_capture(key: Optional[Hashable]) -> Optional[GraphModule]:
     """A copy of its own of the capture kept under ``key``; None if there is none."""
     if key is None or key not in _kept:
@@ -112,6 +127,10 @@ def _holds_tensors(module: GraphModule) -> bool:
     return (any(True for _ in module.parameters(recurse=False))
             or any(True for _ in module.buffers(recurse=False))
             or any(isinstance(value, torch.Tensor) for value in vars(module).values()))
+
+
+def _qualified_name(target) -> str:
+    return f"{getattr(target, '__module__', None)}.{getattr(target, '__qualname__', repr(target))}"
 
 
 def _is_torch_or_operator(target) -> bool:

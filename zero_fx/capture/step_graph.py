@@ -16,7 +16,7 @@ functional, with parameters as placeholders and gradients as outputs.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 import torch
 from torch.fx import GraphModule
@@ -59,9 +59,7 @@ def capture_step_graph(
     parameter, else None. ``forward_only``: an evaluation step, which must compute no
     gradient ([Note: evaluation steps] in zero_fx/evaluation.py).
     """
-    items_as_tensors(dynamo_gm)  # [Note: .item() as a graph output]
-    key = None if has_dynamic_shapes(dynamo_gm) else capture_key(dynamo_gm, example_inputs,
-                                                                  param_names)
+    key = capture_key_of(dynamo_gm, example_inputs, param_names)
     if (kept := kept_capture(key)) is not None:  # [Note: kept captures]
         return kept
     checkpointed = inline_checkpoints(dynamo_gm)
@@ -92,6 +90,16 @@ def capture_step_graph(
     gm.recompile()
     keep_capture(key, gm)
     return gm
+
+
+def capture_key_of(dynamo_gm: GraphModule, example_inputs: Sequence,
+                   param_names: Sequence[Optional[str]]) -> Optional[Hashable]:
+    """What decides the capture of ``dynamo_gm`` ([Note: kept captures]); None where the step
+    is captured every time (dynamic shapes, calls of other Python code)."""
+    items_as_tensors(dynamo_gm)  # [Note: .item() as a graph output]
+    if has_dynamic_shapes(dynamo_gm):
+        return None
+    return capture_key(dynamo_gm, example_inputs, param_names)
 
 
 def _trace(dynamo_gm: GraphModule, example_inputs: Sequence) -> GraphModule:

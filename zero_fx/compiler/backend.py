@@ -15,8 +15,9 @@ from torch.fx import GraphModule
 from torch.fx._lazy_graph_module import _make_graph_module
 
 from ..capture.step_calls import WRITES_GROUPS_AFTER_STEP, check_step_calls, traced_calls
-from ..capture.step_graph import (CHECKPOINTED_META, CaptureError, capture_step_graph,
-                                  fakes_like_dynamo, has_dynamic_shapes)
+from ..capture.kept_captures import has_kept
+from ..capture.step_graph import (CHECKPOINTED_META, CaptureError, capture_key_of,
+                                  capture_step_graph, fakes_like_dynamo, has_dynamic_shapes)
 from ..config import ZeroConfig, describe_backend
 from ..inspection.dump import GraphDump
 from ..passes import build_pipeline, run_pipeline
@@ -25,7 +26,7 @@ from ..runtime.distributed.rank_agreement import graph_signature
 from ..runtime.sharding import Sharded
 from ..runtime.update.graph_update import why_not_for_capture
 from ..runtime.step_runner import StepRunner
-from . import reuse
+from . import reuse, saved_steps
 from .compilation import Compilation
 from .lower import by_regions, lower
 from .progress import CompileProgress
@@ -71,23 +72,33 @@ class StepCompiler:
         update_reason = self._update_after_graph(dynamic)
         names = [state.param_name(t) if isinstance(t, torch.Tensor) else None
                  for t in example_inputs]
+        dump = (GraphDump(self.config.debug.dump_dir, self.step_name, plan.rank,
+                          len(self.compilations), plan) if self.config.debug.dump_dir else None)
+        decided = (self.forward_only, update_reason)
+        capture_key = capture_key_of(dynamo_gm, example_inputs, names)
+        saved_key, gm = self._saved_step(capture_key, example_inputs, names, dump, dynamic,
+                                         decided)
+        kept = key = None
         with CompileProgress(self.step_name) as progress:
-            with progress.phase("capturing the step as one graph"):
-                gm = capture_step_graph(dynamo_gm, example_inputs, names, self.forward_only)
-            dump = (GraphDump(self.config.debug.dump_dir, self.step_name, plan.rank,
-                              len(self.compilations), plan) if self.config.debug.dump_dir else None)
-            decided = (self.forward_only, update_reason)
-            key = self._reuse_key(gm, example_inputs, names, dump, dynamic)
-            kept = reuse.find(key, plan, self.config, decided) if key else None
-            if kept is not None:  # [Note: one compilation per step structure] in reuse.py
-                log.info("zero_fx: %s takes the compilation of an earlier step of its structure "
-                         "(no passes, no lowering)", self.step_name)
-                gm, lowered = kept.gm, kept.lowered
-                reason += " (the rewritten, lowered step of an earlier step of this structure)"
+            if gm is not None:  # [Note: saved steps] in saved_steps.py
+                reason += " (a saved step: no capture, no passes)"
             else:
-                with progress.phase(f"rewriting its {len(gm.graph.nodes)} nodes with zero_fx's passes"):
-                    gm = self._rewritten(gm, observe=dump.observe if dump else None,
-                                         in_graph=not update_reason)
+                with progress.phase("capturing the step as one graph"):
+                    gm = capture_step_graph(dynamo_gm, example_inputs, names, self.forward_only)
+                key = self._reuse_key(gm, example_inputs, names, dump, dynamic)
+                kept = reuse.find(key, plan, self.config, decided) if key else None
+                if kept is not None:  # [Note: one compilation per step structure] in reuse.py
+                    log.info("zero_fx: %s takes the compilation of an earlier step of its "
+                             "structure (no passes, no lowering)", self.step_name)
+                    gm, lowered = kept.gm, kept.lowered
+                    reason += " (the rewritten, lowered step of an earlier step of this structure)"
+                else:
+                    with progress.phase(f"rewriting its {len(gm.graph.nodes)} nodes with "
+                                        "zero_fx's passes"):
+                        gm = self._rewritten(gm, observe=dump.observe if dump else None,
+                                             in_graph=not update_reason)
+                    if saved_key is not None:
+                        saved_steps.save(saved_key, gm, self.step_name)
             plan = self.sharded.plan  # offload="auto" may have offloaded more
             extra_inputs = self._extra_inputs(gm)
             inputs = state.graph_inputs(names, example_inputs) + extra_inputs
@@ -122,15 +133,20 @@ class StepCompiler:
                           updates_in_graph=not update_reason,
                           writes_groups_after_step=WRITES_GROUPS_AFTER_STEP in calls)
 
+    def _keyable(self, dump, dynamic: bool) -> bool:
+        """A compilation that can be kept or saved: not one that dumps, has dynamic shapes,
+        is lowered by a compiler of the user's (which may keep what it was given) or has an
+        offload choice still to make (the rewrite moves the state)."""
+        choice = self.sharded.offload_choice
+        return not (dump or dynamic or (choice is not None and not choice.decided)
+                    or not isinstance(self.config.backend, str))
+
     def _reuse_key(self, gm: GraphModule, example_inputs: list, names: list, dump,
                    dynamic: bool):
         """The structure key of this compilation, or None where it is compiled afresh
         ([Note: one compilation per step structure] in reuse.py). It reads the graph's
-        inputs as they are now: keyed only where the rewrite will not move the state
-        (``offload="auto"``'s choice is made)."""
-        choice = self.sharded.offload_choice
-        if dump or dynamic or (choice is not None and not choice.decided) \
-                or not isinstance(self.config.backend, str):  # a compiler of the user's
+        inputs as they are now, before the rewrite."""
+        if not self._keyable(dump, dynamic):
             return None
         try:
             return reuse.structure_key(gm, self.sharded.state.graph_inputs(names, example_inputs),
@@ -138,6 +154,32 @@ class StepCompiler:
         except reuse.NotReusable as why:
             log.debug("zero_fx: %s compiles afresh: %s", self.step_name, why)
             return None
+
+    def _saved_step(self, capture_key, example_inputs: list, names: list, dump, dynamic: bool,
+                    decided: tuple):
+        """(where this compilation's saved step lives, the graph loaded from it): (None, None)
+        where saved steps are off or the step cannot be saved, (key, None) where it is to be
+        compiled and saved. Every rank gives the graph it loaded, or none, to the others
+        ([Note: saved steps] in saved_steps.py): all of them or none use one."""
+        if not saved_steps.enabled(self.config.saved_steps):
+            return None, None
+        key = None
+        if self._keyable(dump, dynamic) and not has_kept(capture_key):  # in-process first
+            key = saved_steps.saved_step_key(
+                self.step_name, capture_key, self.sharded.state.graph_inputs(names, example_inputs),
+                names, self.sharded.plan, self.config, decided)
+        gm = saved_steps.load(key, self.step_name) if key else None
+        mine = _signature_value(gm, self.sharded.plan) if gm is not None else 0
+        everyone = self.sharded.agreement.values(mine)  # [mine] where ranks are not compared
+        if gm is not None and set(everyone) != {mine}:
+            log.info("zero_fx: %s compiles from scratch: not every rank holds the same saved "
+                     "step (ranks %s)", self.step_name,
+                     ", ".join(str(r) for r, v in enumerate(everyone) if v != mine))
+            gm = None
+        elif gm is not None:
+            log.info("zero_fx: %s loaded its saved step %s (no capture, no passes)",
+                     self.step_name, key.path)
+        return key, gm
 
     def _why_compiling(self) -> str:
         if not self.compilations:
@@ -240,6 +282,12 @@ class StepCompiler:
 # compiling it again (a kept capture) from 0.46-0.52 to 0.21-0.33 s of CPU (medians of 20,
 # three runs each). Outside dynamo (the planner's traces, rewritten_step_on_fake) they are
 # eager as before.
+
+
+def _signature_value(gm: GraphModule, plan) -> int:
+    """The graph ranks compare ([Note: checking that ranks agree]), as a nonzero 64-bit value."""
+    value = int.from_bytes(graph_signature(gm, plan).fingerprint[:8], "little", signed=True)
+    return value or 1
 
 
 def _copied(gm: GraphModule) -> GraphModule:

@@ -37,11 +37,12 @@ with aot_eager (1.70 s) (bench/results/compile-reuse-2026-12-03).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.fx import GraphModule, Node
@@ -84,10 +85,10 @@ def structure_key(gm: GraphModule, inputs: Sequence[Any], names: Sequence[Option
     if torch._inductor.config.triton.cudagraphs:
         raise NotReusable("CUDA graphs record the first step's own input addresses")
     digest = hashlib.sha256()
-    digest.update(_process_state().encode())
+    digest.update(lowering_state().encode())
     _graph_digest(gm, digest)
     for name, value in zip(list(names) + [None] * (len(inputs) - len(names)), inputs):
-        digest.update(f"input {name} {_described(value)}\n".encode())
+        digest.update(f"input {name} {described(value)}\n".encode())
     return digest.hexdigest()
 
 
@@ -113,19 +114,20 @@ def forget_all() -> None:
     _KEPT.clear()
 
 
-def _process_state() -> str:
+def lowering_state(name_of: Callable[[Any], str] = lambda value: f"{id(value):x}") -> str:
     """What the process may change between two compilations that lowering reads: Inductor's
     and AOTAutograd's settings, and which function each name of zero_fx's own modules (its
     passes included) is bound to (a test that patches ``lower._compile_body`` gets a
-    compilation of its own, not a kept one)."""
-    settings = [_described(torch._inductor.config.save_config_portable()),
-                _described(torch._functorch.config.save_config_portable())]
+    compilation of its own, not a kept one), each function told by ``name_of`` (its
+    identity; a saved step's fingerprint gives its qualified name)."""
+    settings = [described(torch._inductor.config.save_config_portable()),
+                described(torch._functorch.config.save_config_portable())]
     bound = []
     for name, module in sorted(sys.modules.items()):
         if module is None or not name.startswith(("zero_fx.", "passes.")):
             continue
         bound.append(name + ":" + ",".join(
-            f"{attr}={id(value):x}" for attr, value in sorted(vars(module).items())
+            f"{attr}={name_of(value)}" for attr, value in sorted(vars(module).items())
             if callable(value) and not isinstance(value, type)))
     return hashlib.sha256("\n".join(settings + bound).encode()).hexdigest()
 
@@ -135,11 +137,11 @@ def _graph_digest(gm: GraphModule, digest) -> None:
     for node in gm.graph.nodes:
         target = _target(gm, node, digest)
         args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
-        metas = sorted((k, _described(v)) for k, v in node.meta.items()
+        metas = sorted((k, described(v)) for k, v in node.meta.items()
                        if k.startswith("zero_") or k in READ_META)
-        digest.update(f"{index[node]} {node.op} {target} {_described(args)} "
-                      f"{_described(node.meta.get('val'))} {metas}\n".encode())
-    digest.update(_described(sorted((str(k), v) for k, v in gm.meta.items())).encode())
+        digest.update(f"{index[node]} {node.op} {target} {described(args)} "
+                      f"{described(node.meta.get('val'))} {metas}\n".encode())
+    digest.update(described(sorted((str(k), v) for k, v in gm.meta.items())).encode())
 
 
 def _target(gm: GraphModule, node: Node, digest) -> str:
@@ -170,22 +172,28 @@ def _tensor_bytes(t: torch.Tensor) -> str:
     if t.numel() > CONSTANT_MAX_NUMEL or t.is_meta or not plain:
         raise NotReusable(f"a tensor constant of {t.numel()} elements")
     data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return f"{_described(t)} {hashlib.sha256(data.numpy().tobytes()).hexdigest()}"
+    return f"{described(t)} {hashlib.sha256(data.numpy().tobytes()).hexdigest()}"
 
 
-def _described(value: Any) -> str:
+def described(value: Any) -> str:
     """A value as the key reads it: a (fake or real) tensor by its dtype, shape, strides,
-    device and ``requires_grad``, containers item by item, anything else by its ``repr``
-    where that is the value (not an object's identity)."""
+    device and ``requires_grad``, containers and dataclasses item by item (sets sorted: their
+    order changes with the process's string hashing), anything else by its ``repr`` where
+    that is the value (not an object's identity)."""
     if isinstance(value, torch.Tensor):
         return (f"T({value.dtype}, {tuple(value.shape)}, {tuple(value.stride())}, "
                 f"{value.device}, {value.requires_grad})")
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         raise NotReusable("symbolic sizes")
     if isinstance(value, (list, tuple)):
-        return type(value).__name__ + "(" + ", ".join(map(_described, value)) + ")"
+        return type(value).__name__ + "(" + ", ".join(map(described, value)) + ")"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{_described(k)}: {_described(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{described(k)}: {described(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (set, frozenset)):
+        return type(value).__name__ + "(" + ", ".join(sorted(map(described, value))) + ")"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value).__name__ + "(" + ", ".join(
+            f"{f.name}={described(getattr(value, f.name))}" for f in dataclasses.fields(value)) + ")"
     text = repr(value)
     if " at 0x" in text:
         raise NotReusable(f"a {type(value).__name__} known by its identity")

@@ -163,6 +163,12 @@ class ZeroConfig(StageConsequences):
     dimension, and the primary shards then span the whole mesh). Costs ``Ψ / n``
     parameters per rank between the forward and the backward. None: every gather spans the
     shard group."""
+    saved_steps: bool = True
+    """Write each compiled step's rewritten graph under ``$ZERO_FX_CACHE_DIR`` (default
+    ``~/.cache/zero_fx``), and in a later process (a restart) load it in place of the capture
+    and our passes when its fingerprint matches ([Note: saved steps] in
+    zero_fx/compiler/saved_steps.py). False: neither written nor read;
+    ``ZERO_FX_SAVED_STEPS=0`` turns them off for a whole process."""
     debug: DebugOptions = field(default_factory=DebugOptions)
     """Dumps, disabled passes, the ranks' agreement check, Inductor schedule pinning and
     collectives kept at a world of one (``DebugOptions``)."""

@@ -139,14 +139,20 @@ class RankAgreement:
         self.group: Optional[dist.ProcessGroup] = (
             dist.new_group(backend="gloo", timeout=world_timeout()) if checked else None)
 
+    def values(self, value: int) -> list[int]:
+        """Every rank's 64-bit ``value``, in rank order (one 8-byte all-gather on the side
+        group, which every rank must make alike); ``[value]`` where nothing is compared."""
+        if self.group is None:
+            return [value]
+        mine = torch.tensor([value], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self.group)
+        return [int(t) for t in everyone]
+
     def check(self, signature: CallSignature) -> None:
         if self.group is None:
             return
-        mine = torch.tensor([signature.fingerprint], dtype=torch.int64)
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self.group)
-        fingerprints = [int(t) for t in everyone]
-        if len(set(fingerprints)) == 1:
+        if len(set(self.values(signature.fingerprint))) == 1:
             return
         signatures: list = [None] * self.world_size
         dist.all_gather_object(signatures, signature, group=self.group)
