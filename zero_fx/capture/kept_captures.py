@@ -108,6 +108,11 @@ def keep_capture(key: Optional[Hashable], gm: GraphModule) -> None:
         _kept.popitem(last=False)
 
 
+def forget_captures() -> None:
+    """Drop every kept capture (``torch._dynamo.reset()`` does not reach them)."""
+    _kept.clear()
+
+
 def _copy(gm: GraphModule) -> GraphModule:
     """``gm`` with nodes of its own; their metadata entries (fake values) are shared."""
     graph = copy.deepcopy(gm.graph)  # Graph's deepcopy: new nodes, each meta dict copied

@@ -3,7 +3,8 @@
 - ``backend``: the dynamo backend; each compilation runs capture, our passes and lowering,
   and ``progress`` logs its phases; ``compilation``: what one compilation did (its time,
   its reason, the checks below), which the step lists and the inspection reads;
-  ``reuse``: the compilations kept for later steps of the same structure;
+  ``reuse``: the compilations kept for later steps of the same structure; ``saved_steps``:
+  the rewritten graphs written for later processes, ``graph_files`` writing and reading them;
 - ``lower``: compiles the rewritten graph with the chosen backend; ``regions``,
   ``compute_runs`` and ``packed_results``: regional compilation (each distinct run of
   compute compiled once, the collectives between them); ``pin_schedule``: the whole step as
