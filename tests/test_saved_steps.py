@@ -36,11 +36,14 @@ def as_in_a_new_process() -> None:
     forget_captures()
 
 
-def trained(steps: int = 3, batch: int = 8, **options):
-    """The test GPT trained ``steps`` calls at stage 3: the step, each call's loss, the
-    parameters and the optimizer's state (this rank's shards)."""
-    as_in_a_new_process()
-    model = models.build("gpt")
+def trained(steps: int = 3, batch: int = 8, new_process: bool = True, seed: int = 0,
+            **options):
+    """The test GPT trained ``steps`` calls at stage 3 (``new_process``: as the first step of
+    a new process): the step, each call's loss, the parameters and the optimizer's state
+    (this rank's shards)."""
+    if new_process:
+        as_in_a_new_process()
+    model = models.build("gpt", seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     step = zero_compile(models.training_step("gpt"), stage=3, backend="aot_eager", **options)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -91,6 +94,17 @@ def test_the_same_step_loads_what_it_saved(cache, fake_world_of_two):
     assert [SAVED in r for r in reasons(again)] == [True]
     assert again_losses == losses
     assert all(torch.equal(again_params[n], p) for n, p in params.items())
+
+
+def test_a_second_model_after_a_loaded_step_takes_its_lowered_program(cache, fake_world_of_two):
+    trained(steps=1)
+    loaded, *_ = trained(steps=1)
+    second, losses, params, _ = trained(new_process=False, seed=1)
+    assert [SAVED in r and "earlier step of this structure" in r for r in reasons(second)] == [True]
+    assert second.graphs[0] is loaded.graphs[0]
+    alone, alone_losses, alone_params, _ = trained(seed=1, saved_steps=False)
+    assert losses == alone_losses
+    assert all(torch.equal(alone_params[n], p) for n, p in params.items())
 
 
 @pytest.mark.parametrize("plant, differs", [

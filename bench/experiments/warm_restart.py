@@ -4,7 +4,11 @@
 - ``cold``: empty caches (Inductor's and zero_fx's saved steps);
 - ``inductor-warm``: a restart with Inductor's caches warm and saved steps off (dynamo's
   trace, the capture and our passes run again);
-- ``warm``: a restart with both warm (the saved step loaded: no capture, no passes).
+- ``warm``: a restart with both warm (the saved step loaded: no capture, no passes);
+
+and, in the cold job, a second model of the same structure in the same process (a new model,
+optimizer and ``zero_compile`` of the same function: [Note: one compilation per step
+structure] in zero_fx/compiler/reuse.py).
 
     python -m bench.experiments.warm_restart --models gpt-small gpt2-125m
 
@@ -45,7 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def job(args) -> None:
-    """One rank of one job: 3 steps of the model; rank 0 prints one JSON line."""
+    """One rank of one job: 3 steps of the model, then a second model of its structure's
+    first call; rank 0 prints one JSON line."""
     import torch.distributed as dist
 
     from zero_fx import zero_compile
@@ -54,18 +59,21 @@ def job(args) -> None:
 
     rank, world = join_group()
     spec = MODELS[args.job]
-    torch.manual_seed(0)
-    model = spec.build()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    @zero_compile(stage=args.stage, backend=args.backend)
-    def step(model, opt, x, y):
+    def loop(model, opt, x, y):
         loss = loss_of(spec, model, x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss
 
+    def new_model(seed: int):
+        torch.manual_seed(seed)
+        model = spec.build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return model, opt, zero_compile(loop, stage=args.stage, backend=args.backend)
+
+    model, opt, step = new_model(0)
     times, losses = [], []
     for i in range(3):
         x, y = rank_batch(spec, i, rank, world, "cpu")
@@ -76,10 +84,19 @@ def job(args) -> None:
     with step.gathered_parameters():
         for name, p in model.named_parameters():
             digest.update(name.encode() + p.detach().clone().numpy().tobytes())
+    # a second model of the same structure in the same process: a new model, optimizer and
+    # zero_compile of the same function
+    second_model, second_opt, second_step = new_model(1)
+    x, y = rank_batch(spec, 0, rank, world, "cpu")
+    start = time.perf_counter()
+    second_step(second_model, second_opt, x, y).item()
+    second_model_s = time.perf_counter() - start
     if rank == 0:
         print("RESULT " + json.dumps({"first_call_s": round(times[0], 3),
                                       "second_call_s": round(times[1], 3), "losses": losses,
                                       "params": digest.hexdigest()[:16],
+                                      "second_model_first_call_s": round(second_model_s, 3),
+                                      "second_model_reason": second_step.compilations[0].reason,
                                       "reason": step.compilations[0].reason}), flush=True)
     dist.barrier()
     leave_group()
@@ -118,6 +135,8 @@ def main(argv=None) -> None:
         cold = runs["cold"]["first_call_s"]
         rows.append({"model": model, **{p: runs[p] for p, _ in PHASES},
                      "saved_step_bytes_per_rank": saved_bytes,
+                     "same_process_over_cold": round(
+                         runs["cold"]["second_model_first_call_s"] / cold, 3),
                      "warm_over_cold": round(runs["warm"]["first_call_s"] / cold, 3),
                      "inductor_warm_over_cold": round(runs["inductor-warm"]["first_call_s"] / cold, 3),
                      "bitwise": all(runs[p]["losses"] == runs["cold"]["losses"]
@@ -128,7 +147,9 @@ def main(argv=None) -> None:
     for row in rows:
         print(f"{row['model']}: cold {row['cold']['first_call_s']:.2f} s, inductor-warm "
               f"{row['inductor-warm']['first_call_s']:.2f} s ({row['inductor_warm_over_cold']:.0%}), "
-              f"warm {row['warm']['first_call_s']:.2f} s ({row['warm_over_cold']:.0%}); "
+              f"warm {row['warm']['first_call_s']:.2f} s ({row['warm_over_cold']:.0%}), "
+              f"same process {row['cold']['second_model_first_call_s']:.2f} s "
+              f"({row['same_process_over_cold']:.0%}); "
               f"bitwise: {row['bitwise']}; saved step {row['saved_step_bytes_per_rank'] / 1e3:.0f} kB "
               "per rank")
     print(f"wrote {path}")

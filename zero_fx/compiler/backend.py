@@ -76,12 +76,16 @@ class StepCompiler:
                           len(self.compilations), plan) if self.config.debug.dump_dir else None)
         decided = (self.forward_only, update_reason)
         capture_key = capture_key_of(dynamo_gm, example_inputs, names)
-        saved_key, gm = self._saved_step(capture_key, example_inputs, names, dump, dynamic,
-                                         decided)
-        kept = key = None
+        saved_key, gm, kept = self._saved_step(capture_key, example_inputs, names, dump,
+                                               dynamic, decided)
+        key = None
         with CompileProgress(self.step_name) as progress:
             if gm is not None:  # [Note: saved steps] in saved_steps.py
                 reason += " (a saved step: no capture, no passes)"
+                key = saved_key.reuse_key  # later steps of this structure take it lowered
+                if kept is not None:
+                    lowered = kept.lowered
+                    reason += " (lowered for an earlier step of this structure)"
             else:
                 with progress.phase("capturing the step as one graph"):
                     gm = capture_step_graph(dynamo_gm, example_inputs, names, self.forward_only)
@@ -157,29 +161,32 @@ class StepCompiler:
 
     def _saved_step(self, capture_key, example_inputs: list, names: list, dump, dynamic: bool,
                     decided: tuple):
-        """(where this compilation's saved step lives, the graph loaded from it): (None, None)
-        where saved steps are off or the step cannot be saved, (key, None) where it is to be
-        compiled and saved. Every rank gives the graph it loaded, or none, to the others
+        """(where this compilation's saved step lives, the graph loaded from it, the kept
+        compilation of an earlier step of this process that loaded it): (None, None, None)
+        where saved steps are off or the step cannot be saved, (key, None, None) where it is
+        to be compiled and saved. Every rank gives the graph it holds, or none, to the others
         ([Note: saved steps] in saved_steps.py): all of them or none use one."""
         if not saved_steps.enabled(self.config.saved_steps):
-            return None, None
-        key = None
+            return None, None, None
+        key = gm = kept = None
         if self._keyable(dump, dynamic) and not has_kept(capture_key):  # in-process first
             key = saved_steps.saved_step_key(
                 self.step_name, capture_key, self.sharded.state.graph_inputs(names, example_inputs),
                 names, self.sharded.plan, self.config, decided)
-        gm = saved_steps.load(key, self.step_name) if key else None
+        if key is not None:
+            kept = reuse.find(key.reuse_key, self.sharded.plan, self.config, decided)
+            gm = kept.gm if kept is not None else saved_steps.load(key, self.step_name)
         mine = _signature_value(gm, self.sharded.plan) if gm is not None else 0
         everyone = self.sharded.agreement.values(mine)  # [mine] where ranks are not compared
         if gm is not None and set(everyone) != {mine}:
             log.info("zero_fx: %s compiles from scratch: not every rank holds the same saved "
                      "step (ranks %s)", self.step_name,
                      ", ".join(str(r) for r, v in enumerate(everyone) if v != mine))
-            gm = None
-        elif gm is not None:
+            gm = kept = None
+        elif gm is not None and kept is None:
             log.info("zero_fx: %s loaded its saved step %s (no capture, no passes)",
                      self.step_name, key.path)
-        return key, gm
+        return key, gm, kept
 
     def _why_compiling(self) -> str:
         if not self.compilations:

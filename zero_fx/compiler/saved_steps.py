@@ -85,6 +85,12 @@ class SavedStepKey:
     parts: dict
     """Each part of the fingerprint ([Note: saved steps]) -> its digest."""
 
+    @property
+    def reuse_key(self) -> str:
+        """The key a loaded step's compilation is kept under for later steps of the process
+        ([Note: one compilation per step structure] in reuse.py)."""
+        return f"saved {self.path.name}"
+
 
 def saved_step_key(step_name: str, capture_key: Optional[Hashable], inputs: Sequence[Any],
                    names: Sequence[Optional[str]], plan, config, decided: tuple,
