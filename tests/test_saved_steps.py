@@ -150,6 +150,17 @@ def test_a_damaged_saved_step_is_detected_and_compiled_again(cache, caplog, fake
     assert any("do not match their digest" in r.getMessage() for r in caplog.records), caplog.text
 
 
+def test_a_step_keeps_its_newest_saved_steps_only(cache, fake_world_of_two, monkeypatch):
+    monkeypatch.setattr(saved_steps, "KEPT_PER_STEP", 2)
+    for batch in (2, 4, 8):
+        trained(steps=1, batch=batch)
+    assert len(saved_files(cache)) == 2
+    step, *_ = trained(steps=1, batch=8)  # the newest is still there
+    assert [SAVED in r for r in reasons(step)] == [True]
+    step, *_ = trained(steps=1, batch=2)  # the oldest was deleted
+    assert not any(SAVED in r for r in reasons(step))
+
+
 def test_saved_steps_are_off_with_the_option(cache, fake_world_of_two):
     trained(steps=1, saved_steps=False)
     assert saved_files(cache) == []

@@ -23,7 +23,8 @@ own so that a miss can say which part differs from the step's newest saved file:
 Whatever ``reuse.structure_key`` cannot read is not saved either: dynamic shapes, dumps, a
 compiler of the user's, an offload choice still to make, a value known by its identity.
 
-A file is the line ``zero_fx saved step 1``, a JSON header (each part's digest, the payload's
+Each step name and rank keeps its ``KEPT_PER_STEP`` newest saved steps. A file is the line
+``zero_fx saved step 1``, a JSON header (each part's digest, the payload's
 length and SHA-256) and the payload; it is written to a temporary name and renamed, so a
 reader sees a whole file or none. One whose length or digest does not match (a truncated
 copy, a disk error) is reported and compiled from scratch; nothing is unpickled before its
@@ -63,6 +64,11 @@ CACHE_DIR_ENV = "ZERO_FX_CACHE_DIR"
 SAVED_STEPS_ENV = "ZERO_FX_SAVED_STEPS"
 """Set to ``0`` to neither write nor read saved steps in this process (as
 ``zero_compile(saved_steps=False)``)."""
+
+KEPT_PER_STEP = 8
+"""Saved steps kept per step name and rank (the newest): an older one is deleted when a
+newer one is written, so that a step whose code or shapes keep changing does not fill the
+disk."""
 
 MAGIC = b"zero_fx saved step 1\n"
 SUFFIX = ".zfx"
@@ -170,6 +176,17 @@ def save(key: SavedStepKey, gm: GraphModule, step_name: str) -> None:
         return
     log.info("zero_fx: saved %s's compilation to %s (%.1f kB)", step_name, key.path,
              key.path.stat().st_size / 1e3)
+    for old in _saved_of_rank(key)[:-KEPT_PER_STEP]:
+        old.unlink(missing_ok=True)
+
+
+def _saved_of_rank(key: SavedStepKey) -> list[pathlib.Path]:
+    """The saved steps of ``key``'s step and rank, oldest first."""
+    rank = key.path.name.split("-")[0]
+    try:
+        return sorted(key.path.parent.glob(f"{rank}-*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
+    except OSError:  # one deleted meanwhile by another process
+        return []
 
 
 def _split(data: bytes) -> tuple[dict, bytes, Optional[str]]:
@@ -194,11 +211,7 @@ def _split(data: bytes) -> tuple[dict, bytes, Optional[str]]:
 def _log_nearest_miss(key: SavedStepKey, step_name: str) -> None:
     """Say what differs between this compilation and the newest saved step of the same step
     and rank, if there is one."""
-    rank = key.path.name.split("-")[0]
-    try:
-        others = sorted(key.path.parent.glob(f"{rank}-*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
-    except OSError:
-        others = []
+    others = _saved_of_rank(key)
     if not others:
         log.debug("zero_fx: %s has no saved step in %s", step_name, key.path.parent)
         return
