@@ -161,6 +161,33 @@ def test_a_step_keeps_its_newest_saved_steps_only(cache, fake_world_of_two, monk
     assert not any(SAVED in r for r in reasons(step))
 
 
+def lower_as_before(*args, **kwargs):
+    return ORIGINAL_COMPILE_BODY(*args, **kwargs)
+
+
+ORIGINAL_COMPILE_BODY = None
+
+
+def test_a_patched_function_of_zero_fx_is_another_step_and_more_imports_are_not(
+        cache, caplog, fake_world_of_two, monkeypatch):
+    global ORIGINAL_COMPILE_BODY
+    from zero_fx.compiler import lower
+
+    trained(steps=1)
+    import types
+    monkeypatch.setitem(__import__("sys").modules, "zero_fx.imported_later",
+                        types.SimpleNamespace(helper=saved_steps.save, other=torch.add))
+    step, *_ = trained(steps=1)  # a process that has imported more of zero_fx
+    assert [SAVED in r for r in reasons(step)] == [True]
+    ORIGINAL_COMPILE_BODY = lower._compile_body
+    monkeypatch.setattr(lower, "_compile_body", lower_as_before)
+    with caplog.at_level(logging.INFO, logger="zero_fx"):
+        step, *_ = trained(steps=1)
+    assert not any(SAVED in r for r in reasons(step))
+    assert any("lowering settings and zero_fx's functions" in r.getMessage()
+               for r in caplog.records), caplog.text
+
+
 def test_saved_steps_are_off_with_the_option(cache, fake_world_of_two):
     trained(steps=1, saved_steps=False)
     assert saved_files(cache) == []

@@ -87,6 +87,11 @@ def release(version: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
+def torch_version() -> str:
+    """This torch's version string, for what records it (a saved step's fingerprint)."""
+    return torch.__version__
+
+
 def check_torch(version: Optional[str] = None) -> None:
     """Raise ``UnsupportedTorchError`` naming the supported range unless ``version`` (default:
     the installed torch's) is in it: a clear error at import, not a failure deep in a pass."""

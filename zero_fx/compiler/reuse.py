@@ -42,7 +42,7 @@ import hashlib
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch.fx import GraphModule, Node
@@ -114,22 +114,25 @@ def forget_all() -> None:
     _KEPT.clear()
 
 
-def lowering_state(name_of: Callable[[Any], str] = lambda value: f"{id(value):x}") -> str:
-    """What the process may change between two compilations that lowering reads: Inductor's
-    and AOTAutograd's settings, and which function each name of zero_fx's own modules (its
-    passes included) is bound to (a test that patches ``lower._compile_body`` gets a
-    compilation of its own, not a kept one), each function told by ``name_of`` (its
-    identity; a saved step's fingerprint gives its qualified name)."""
-    settings = [described(torch._inductor.config.save_config_portable()),
-                described(torch._functorch.config.save_config_portable())]
+def lowering_settings() -> list[str]:
+    """Inductor's and AOTAutograd's settings, which lowering reads."""
+    return [described(torch._inductor.config.save_config_portable()),
+            described(torch._functorch.config.save_config_portable())]
+
+
+def lowering_state() -> str:
+    """What the process may change between two compilations that lowering reads: its
+    settings, and which function each name of zero_fx's own modules (its passes included)
+    is bound to (a test that patches ``lower._compile_body`` gets a compilation of its own,
+    not a kept one)."""
     bound = []
     for name, module in sorted(sys.modules.items()):
         if module is None or not name.startswith(("zero_fx.", "passes.")):
             continue
         bound.append(name + ":" + ",".join(
-            f"{attr}={name_of(value)}" for attr, value in sorted(vars(module).items())
+            f"{attr}={id(value):x}" for attr, value in sorted(vars(module).items())
             if callable(value) and not isinstance(value, type)))
-    return hashlib.sha256("\n".join(settings + bound).encode()).hexdigest()
+    return hashlib.sha256("\n".join(lowering_settings() + bound).encode()).hexdigest()
 
 
 def _graph_digest(gm: GraphModule, digest) -> None:

@@ -18,8 +18,9 @@ own so that a miss can say which part differs from the step's newest saved file:
   grad mode, autocast, the attention kernels;
 - the graph's inputs as lowered (the shards), the world and mesh, the plan (whole: layouts,
   stage, rank, buckets), the options (whole) and what the first call decided;
-- Inductor's and AOTAutograd's settings and which function each name of zero_fx is bound to,
-  the torch version, zero_fx's version and a digest of its source, and the device's name.
+- Inductor's and AOTAutograd's settings, the names of zero_fx a patch of the user's code
+  rebinds (``_patched_functions``), the torch version, a digest of zero_fx's source (its
+  version with it), and the device's name.
 Whatever ``reuse.structure_key`` cannot read is not saved either: dynamic shapes, dumps, a
 compiler of the user's, an offload choice still to make, a value known by its identity.
 
@@ -46,12 +47,16 @@ import logging
 import os
 import pathlib
 import re
+import site
+import sysconfig
+import sys
 from dataclasses import dataclass
 from typing import Any, Hashable, Optional, Sequence
 
 import torch
 from torch.fx import GraphModule
 
+from ..base.compat import torch_version
 from ..capture.kept_captures import capture_parts
 from . import reuse
 from .graph_files import NotSavable, graph_bytes, graph_from_bytes
@@ -113,12 +118,13 @@ def saved_step_key(step_name: str, capture_key: Optional[Hashable], inputs: Sequ
         parts["the plan"] = reuse.described(plan)
         parts["the options"] = reuse.described(config)
         parts["the first call's decisions"] = reuse.described(decided)
-        parts["lowering settings and zero_fx's functions"] = reuse.lowering_state(_qualified_name)
+        parts["lowering settings and zero_fx's functions"] = "\n".join(
+            reuse.lowering_settings() + _patched_functions())
     except reuse.NotReusable as why:
         log.debug("zero_fx: %s is not saved: %s", step_name, why)
         return None
-    parts["the torch version"] = torch.__version__
-    parts["zero_fx's version and source"] = _zero_fx_source()
+    parts["the torch version"] = torch_version()
+    parts["zero_fx's source"] = _zero_fx_source()
     parts["the device"] = _device_name(inputs)
     digests = {part: hashlib.sha256(text.encode()).hexdigest()[:16] for part, text in parts.items()}
     fingerprint = hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()[:32]
@@ -163,7 +169,7 @@ def save(key: SavedStepKey, gm: GraphModule, step_name: str) -> None:
         return
     header = {"parts": key.parts, "payload_bytes": len(payload),
               "payload_sha256": hashlib.sha256(payload).hexdigest(),
-              "step": step_name, "torch": torch.__version__}
+              "step": step_name, "torch": torch_version()}
     temporary = key.path.with_name(f".{key.path.name}.{os.getpid()}.tmp")
     try:
         key.path.parent.mkdir(parents=True, exist_ok=True)
@@ -227,14 +233,46 @@ def _log_nearest_miss(key: SavedStepKey, step_name: str) -> None:
              step_name, newest.name, ", ".join(differing) or "fingerprint")
 
 
+def _patched_functions() -> list[str]:
+    """The names of zero_fx's modules bound to a function of the user's code (a script, a
+    test: anything not installed, nor Python's own), each with that function's qualified
+    name: a patch. Only these: which of zero_fx's modules a process has imported differs
+    between processes (a long-lived one has imported more), so listing every binding, as the
+    kept compilations do, would tell apart processes that compile alike."""
+    patched = []
+    for name, module in sorted(sys.modules.items()):
+        if module is None or not name.startswith("zero_fx."):
+            continue
+        for attr, value in sorted(vars(module).items()):
+            if callable(value) and not isinstance(value, type) and _users(value):
+                patched.append(f"{name}.{attr}={_qualified_name(value)}")
+    return patched
+
+
+def _users(value: Any) -> bool:
+    """``value`` was defined by the user's code: a module outside zero_fx whose file is not
+    installed (site-packages) nor Python's own."""
+    module_name = getattr(value, "__module__", None) or type(value).__module__
+    if module_name.split(".")[0] == "zero_fx":
+        return False
+    path = getattr(sys.modules.get(module_name), "__file__", None)
+    if path is None:
+        return module_name == "__main__"
+    path = os.path.realpath(path)
+    return not any(path.startswith(prefix) for prefix in _installed_folders())
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_folders() -> tuple[str, ...]:
+    folders = set(site.getsitepackages()) | {site.getusersitepackages()}
+    folders |= {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return tuple(os.path.realpath(f) + os.sep for f in folders if f)
+
+
 def _qualified_name(value: Any) -> str:
-    """A function as another process names it: its qualified name; an object called like one
-    (a custom op) by its ``repr``, or else its type; one made in a closure (or a lambda) by
-    its identity, which no other process matches."""
-    qualname = getattr(value, "__qualname__", None)
-    if qualname is None:
-        text = repr(value)
-        return text if " at 0x" not in text else f"a {type(value).__module__}.{type(value).__qualname__}"
+    """A function as another process names it; one made in a closure (or a lambda) by its
+    identity, which no other process matches."""
+    qualname = getattr(value, "__qualname__", None) or type(value).__qualname__
     if "<locals>" in qualname or "<lambda>" in qualname:
         return f"{qualname} {id(value):x}"
     return f"{getattr(value, '__module__', '')}.{qualname}"
@@ -242,16 +280,15 @@ def _qualified_name(value: Any) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _zero_fx_source() -> str:
-    """zero_fx's version and a digest of its sources (its passes' folder too), read once."""
-    import zero_fx
-    from zero_fx import passes
+    """A digest of zero_fx's sources (its passes' folder too, its version with them), read
+    once."""
+    from .. import passes
 
-    digest = hashlib.sha256(zero_fx.__version__.encode())
-    for package in (zero_fx, passes):
-        root = pathlib.Path(package.__file__).parent
+    digest = hashlib.sha256()
+    for root in (pathlib.Path(__file__).parents[1], pathlib.Path(passes.__file__).parent):
         for path in sorted(root.rglob("*.py")):
             digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    return f"{zero_fx.__version__} {digest.hexdigest()}"
+    return digest.hexdigest()
 
 
 def _device_name(inputs: Sequence[Any]) -> str:
