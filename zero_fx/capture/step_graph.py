@@ -51,15 +51,16 @@ BACKWARD_WITHOUT_OPTIMIZER = (
 
 def capture_step_graph(
     dynamo_gm: GraphModule, example_inputs: Sequence, param_names: Sequence[Optional[str]],
-    forward_only: bool = False,
+    key: Optional[Hashable], forward_only: bool = False,
 ) -> GraphModule:
     """One functional aten graph of the step, parameters tagged, gradients as outputs.
 
     ``param_names[i]`` is the plan name of graph input ``i`` if it is a model
     parameter, else None. ``forward_only``: an evaluation step, which must compute no
-    gradient ([Note: evaluation steps] in zero_fx/evaluation.py).
+    gradient ([Note: evaluation steps] in zero_fx/evaluation.py). ``key``: what
+    ``capture_key_of`` gave for this graph, which it must be given first (it also rewrites
+    the graph's ``.item()`` calls).
     """
-    key = capture_key_of(dynamo_gm, example_inputs, param_names)
     if (kept := kept_capture(key)) is not None:  # [Note: kept captures]
         return kept
     checkpointed = inline_checkpoints(dynamo_gm)

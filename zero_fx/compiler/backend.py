@@ -88,7 +88,8 @@ class StepCompiler:
                     reason += " (lowered for an earlier step of this structure)"
             else:
                 with progress.phase("capturing the step as one graph"):
-                    gm = capture_step_graph(dynamo_gm, example_inputs, names, self.forward_only)
+                    gm = capture_step_graph(dynamo_gm, example_inputs, names, capture_key,
+                                            self.forward_only)
                 key = self._reuse_key(gm, example_inputs, names, dump, dynamic)
                 kept = reuse.find(key, plan, self.config, decided) if key else None
                 if kept is not None:  # [Note: one compilation per step structure] in reuse.py

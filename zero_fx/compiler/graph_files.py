@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextvars
 import io
+import operator
 import pickle
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.node import map_aggregate
 from torch.fx._lazy_graph_module import _make_graph_module
 
 
@@ -75,7 +77,7 @@ def _record(gm: GraphModule) -> dict:
     attributes = {}
     for node in gm.graph.nodes:
         if node.op in ("get_attr", "call_module"):
-            value = gm.get_submodule(node.target) if node.op == "call_module" else _attribute(gm, node.target)
+            value = operator.attrgetter(node.target)(gm)
             if isinstance(value, GraphModule):
                 attributes[node.target] = ("graph", _record(value))
             elif isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
@@ -93,7 +95,8 @@ def _graph_module(record: dict) -> GraphModule:
     graph._codegen = record["codegen"]
     nodes: list[Node] = []
     for op, name, target, (args, kwargs), meta, type_ in record["nodes"]:
-        args, kwargs = _with_nodes((args, kwargs), nodes)
+        args, kwargs = map_aggregate(
+            (args, kwargs), lambda v: nodes[v.index] if isinstance(v, _NodeIndex) else v)
         node = graph.create_node(op, target, args, kwargs, name=name, type_expr=type_)
         if node.name != name:
             raise ValueError(f"node {name} came back as {node.name}")
@@ -101,47 +104,12 @@ def _graph_module(record: dict) -> GraphModule:
         nodes.append(node)
     graph._graph_namespace._used_names = set(record["used_names"])
     graph._graph_namespace._base_count = dict(record["base_count"])
-    root = torch.nn.Module()
-    for target, (kind, *value) in record["attributes"].items():
-        if kind == "graph":
-            _set_attribute(root, target, _graph_module(value[0]))
-        else:
-            _set_attribute(root, target, value[0].to(value[1]))
+    # a root of qualified names: GraphModule makes the submodules and buffers they name
+    root = {target: _graph_module(value[0]) if kind == "graph" else value[0].to(value[1])
+            for target, (kind, *value) in record["attributes"].items()}
     gm = _make_graph_module(root, graph, class_name=record["class_name"])
     gm.meta.update(record["meta"])
     return gm
-
-
-def _with_nodes(value: Any, nodes: list[Node]) -> Any:
-    if isinstance(value, _NodeIndex):
-        return nodes[value.index]
-    if isinstance(value, (tuple, list)):
-        items = [_with_nodes(v, nodes) for v in value]
-        return tuple(items) if isinstance(value, tuple) else items
-    if isinstance(value, dict):
-        return {k: _with_nodes(v, nodes) for k, v in value.items()}
-    if isinstance(value, slice):
-        return slice(*(_with_nodes(v, nodes) for v in (value.start, value.stop, value.step)))
-    return value
-
-
-def _attribute(gm: GraphModule, target: str) -> Any:
-    value = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _set_attribute(root: torch.nn.Module, target: str, value: Any) -> None:
-    *path, name = target.split(".")
-    for part in path:
-        if not hasattr(root, part):
-            root.add_module(part, torch.nn.Module())
-        root = getattr(root, part)
-    if isinstance(value, torch.nn.Module):
-        root.add_module(name, value)
-    else:
-        root.register_buffer(name, value)
 
 
 class _Pickler(pickle.Pickler):
